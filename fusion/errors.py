@@ -1,0 +1,32 @@
+"""Domain errors. Each maps to one gRPC status code and one CLI exit message at the edges."""
+
+
+class FusionError(Exception):
+    """Base class: a clear, user-facing message; never a bare traceback at the edges."""
+
+
+class ConfigError(FusionError, ValueError):
+    """A configuration file or value is invalid (names the field and the bad value)."""
+
+
+class InvalidArgumentError(FusionError, ValueError):
+    """A request field is invalid (names the field and the bad value)."""
+
+
+class NotFoundError(FusionError, KeyError):
+    """An expert, profile, rule or session that does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it plain
+        return str(self.args[0]) if self.args else ""
+
+
+class ResourceExhaustedError(FusionError):
+    """A configured limit (prompt length, max_tokens, concurrent sessions) was exceeded."""
+
+
+class ExpertUnavailableError(FusionError):
+    """No replica of an expert could answer."""
+
+
+class AssetError(FusionError):
+    """A model asset could not be fetched, verified, converted or found."""

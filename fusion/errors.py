@@ -30,3 +30,7 @@ class ExpertUnavailableError(FusionError):
 
 class AssetError(FusionError):
     """A model asset could not be fetched, verified, converted or found."""
+
+
+class ExpertOutputError(FusionError):
+    """An expert returned unusable output (NaN or +inf logits, or no finite logit at all)."""

@@ -1,0 +1,219 @@
+"""Configuration, read once at the edge (YAML → pydantic) and passed down explicitly.
+
+A config names the experts, the default fusion spec, named weight profiles, default sampling
+parameters and the service limits. Every validation error names the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fusion.errors import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ExpertConfig(_Strict):
+    """One expert: a causal LM loaded through transformers (a local folder, a hub id or `builtin:NAME`)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: str = Field(min_length=1)
+    gguf_file: str | None = None
+    dtype: DType = "bfloat16"
+    device: str = "cpu"
+    system_prompt: str | None = None
+    chat_template: bool = True  # apply the tokenizer's chat template to prompts
+    weight: float = 1.0
+    # Remote replicas ("host:port"); empty means the expert runs in-process.
+    addresses: list[str] = Field(default_factory=list)
+    max_cached_tokens: int = Field(default=65536, gt=0)  # KV budget for this expert's sessions
+    num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
+
+    @field_validator("weight")
+    @classmethod
+    def _finite_weight(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"weight must be finite, got {value}")
+        return value
+
+
+class FusionSpec(_Strict):
+    """Which rule merges the experts' logits, its parameters, and where the weights come from."""
+
+    rule: str = "weighted_logits"
+    params: dict[str, Any] = Field(default_factory=dict)
+    weights: dict[str, float] | None = None  # by expert name; overrides the experts' default weights
+    profile: str | None = None  # a named profile from the config
+
+    @model_validator(mode="after")
+    def _one_weight_source(self) -> FusionSpec:
+        if self.weights is not None and self.profile is not None:
+            raise ValueError("give either weights or profile, not both")
+        return self
+
+
+class SamplingParams(_Strict):
+    """Per-request sampling parameters (vLLM semantics; 0 disables top_k, 1.0 disables top_p)."""
+
+    temperature: float = Field(default=0.0, ge=0.0)  # 0 = greedy
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    banned_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: int = Field(default=128, gt=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int = Field(default=0, ge=0, le=20)  # top alternatives returned per token
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be finite, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _finite_bias(cls, value: dict[int, float]) -> dict[int, float]:
+        for token_id, bias in value.items():
+            if token_id < 0:
+                raise ValueError(f"token id must be >= 0, got {token_id}")
+            if math.isnan(bias):
+                raise ValueError(f"bias for token {token_id} is NaN")
+        return value
+
+    @field_validator("banned_token_ids", "stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, value: list[int]) -> list[int]:
+        for token_id in value:
+            if token_id < 0:
+                raise ValueError(f"token id must be >= 0, got {token_id}")
+        return value
+
+
+class Limits(_Strict):
+    """Explicit service limits; requests beyond them are refused, never queued without bound."""
+
+    max_prompt_tokens: int = Field(default=4096, gt=0)
+    max_tokens: int = Field(default=1024, gt=0)
+    max_concurrent_sessions: int = Field(default=64, gt=0)
+    max_batch_size: int = Field(default=16, gt=0)
+    max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+
+
+class FusionConfig(_Strict):
+    experts: list[ExpertConfig] = Field(min_length=1)
+    fusion: FusionSpec = Field(default_factory=FusionSpec)
+    profiles: dict[str, dict[str, float]] = Field(default_factory=dict)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    limits: Limits = Field(default_factory=Limits)
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> FusionConfig:
+        names = [e.name for e in self.experts]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate expert names: {duplicates}")
+        for profile, weights in self.profiles.items():
+            unknown = sorted(set(weights) - set(names))
+            if unknown:
+                raise ValueError(f"profile {profile!r} names unknown experts {unknown}; known: {names}")
+        self.check_spec(self.fusion)
+        return self
+
+    @property
+    def expert_names(self) -> list[str]:
+        return [e.name for e in self.experts]
+
+    def expert(self, name: str) -> ExpertConfig:
+        for expert in self.experts:
+            if expert.name == name:
+                return expert
+        from fusion.errors import NotFoundError
+
+        raise NotFoundError(f"unknown expert {name!r}; known: {self.expert_names}")
+
+    def check_spec(self, spec: FusionSpec) -> None:
+        """Raise ValueError if a spec names unknown experts or profiles."""
+        names = self.expert_names
+        if spec.profile is not None and spec.profile not in self.profiles:
+            raise ValueError(f"unknown profile {spec.profile!r}; known: {sorted(self.profiles)}")
+        if spec.weights is not None:
+            unknown = sorted(set(spec.weights) - set(names))
+            if unknown:
+                raise ValueError(f"weights name unknown experts {unknown}; known: {names}")
+
+    def weights_for(self, spec: FusionSpec) -> list[float]:
+        """Resolve a spec's weights to one float per expert, in config order."""
+        self.check_spec(spec)
+        if spec.profile is not None:
+            chosen = self.profiles[spec.profile]
+        elif spec.weights is not None:
+            chosen = spec.weights
+        else:
+            return [e.weight for e in self.experts]
+        # Experts a profile or request leaves out take no part (weight 0).
+        return [float(chosen.get(e.name, 0.0)) for e in self.experts]
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: `field.path: message (got value)`."""
+    lines = []
+    for problem in err.errors():
+        where = ".".join(str(p) for p in problem["loc"]) or "<root>"
+        got = problem.get("input")
+        shown = repr(got)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        lines.append(f"{where}: {problem['msg']} (got {shown})")
+    return "; ".join(lines)
+
+
+def parse_config(data: Any, *, source: str = "config") -> FusionConfig:
+    try:
+        return FusionConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {format_validation_error(err)}") from None
+
+
+def load_config(path: str | Path) -> FusionConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    return parse_config(data, source=str(path))
+
+
+def parse_sampling(data: dict[str, Any], *, base: SamplingParams | None = None) -> SamplingParams:
+    """Sampling params from a request dict layered over defaults; InvalidArgumentError names the field."""
+    from fusion.errors import InvalidArgumentError
+
+    merged = (base.model_dump() if base is not None else {}) | data
+    try:
+        return SamplingParams.model_validate(merged)
+    except ValidationError as err:
+        raise InvalidArgumentError(format_validation_error(err)) from None

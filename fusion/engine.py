@@ -1,0 +1,430 @@
+"""The fused decode engine. It knows only token ids; text, chat templates and stop strings live at the edge.
+
+One decode step for a batch of requests:
+  1. step every expert on its sessions (forward passes overlapped: a thread per expert, and a CUDA
+     stream per expert on GPU); each returns next-token logits `(B, V_e)`
+  2. align vocabularies → `(E, B, V)`; refuse rows with NaN/+inf logits
+  3. fuse with each request's rule and weights → `(B, V)`
+  4. sample (mask/bias → penalties → temperature → top-k/top-p/min-p) → `(B,)` token ids
+  5. append the token to every expert's history; stop on EOS, stop ids or max_tokens
+Requests join and leave a `DecodeBatch` between steps (continuous batching); the first step of a
+request is its prefill (each expert computes only what its cache lacks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from fusion.config import Limits, SamplingParams
+from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
+from fusion.expert import Expert, StepRequest
+from fusion.rules import FusionRule
+from fusion.sampler import SamplingMetadata, sample
+from fusion.vocab import VocabAlignment
+
+logger = logging.getLogger(__name__)
+
+_request_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{time.time_ns():x}-{next(_request_counter)}"
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[list[int]]  # one prompt per expert (each may format the prompt its own way)
+    sampling: SamplingParams
+    rule: FusionRule
+    weights: list[float]  # one per expert
+    request_id: str = field(default_factory=new_request_id)
+
+
+@dataclass
+class ExpertAttribution:
+    expert: str
+    weight: float  # the weight the rule gave this expert at this step
+    prob: float | None  # the expert's own probability of the chosen token (None: not consulted)
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    index: int  # position in the generated sequence
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    attribution: list[ExpertAttribution]
+    finish_reason: str | None = None  # "stop" (EOS / stop id), "length", or set by the edge
+
+
+@dataclass
+class ErrorEvent:
+    request_id: str
+    error: Exception
+
+
+@dataclass
+class StepTimings:
+    experts_s: float = 0.0  # wall time of the overlapped expert forwards
+    per_expert_s: dict[str, float] = field(default_factory=dict)
+    fuse_sample_s: float = 0.0  # alignment + fusion + sampling + attribution
+
+
+@dataclass
+class StepLogits:
+    rows: list  # the _Row objects still active, in batch order
+    logits: torch.Tensor | None  # (E, B, V) aligned expert logits
+    fused: torch.Tensor | None  # (B, V)
+    weights: torch.Tensor | None  # (E, B)
+    errors: list[ErrorEvent]
+
+
+@dataclass
+class _Row:
+    request: GenerationRequest
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    output_counts: torch.Tensor | None = None  # (V,) for frequency/presence penalties
+    seen: torch.Tensor | None = None  # (V,) bool for the repetition penalty
+
+
+class FusionEngine:
+    """Runs N experts in lockstep over shared generated ids. Thread-compatible: one DecodeBatch per thread."""
+
+    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu") -> None:
+        if not experts:
+            raise InvalidArgumentError("experts: at least one expert is required")
+        self.experts = list(experts)
+        self.names = [e.info.name for e in self.experts]
+        self.alignment = VocabAlignment.from_infos([e.info for e in self.experts])
+        self.vocab_size = self.alignment.width
+        self.limits = limits or Limits()
+        self.device = torch.device(device)
+        self.eos_token_ids = frozenset(itertools.chain.from_iterable(e.info.eos_token_ids for e in self.experts))
+        self._pool = ThreadPoolExecutor(max_workers=len(self.experts), thread_name_prefix="expert")
+        self._streams = [
+            torch.cuda.Stream(device=e.info.device) if e.info.device.startswith("cuda") else None
+            for e in self.experts
+        ]
+        self.last_timings = StepTimings()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse a request the engine cannot or may not run (InvalidArgument / ResourceExhausted)."""
+        if len(request.prompt_ids) != len(self.experts):
+            raise InvalidArgumentError(
+                f"prompt_ids: need one prompt per expert ({len(self.experts)}), got {len(request.prompt_ids)}"
+            )
+        for name, prompt in zip(self.names, request.prompt_ids):
+            if not prompt:
+                raise InvalidArgumentError(f"prompt: the prompt for expert {name!r} is empty")
+            if len(prompt) > self.limits.max_prompt_tokens:
+                raise ResourceExhaustedError(
+                    f"prompt: {len(prompt)} tokens exceed max_prompt_tokens={self.limits.max_prompt_tokens}"
+                )
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidArgumentError(f"prompt_ids: ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if request.sampling.max_tokens > self.limits.max_tokens:
+            raise ResourceExhaustedError(
+                f"max_tokens: {request.sampling.max_tokens} exceeds the limit {self.limits.max_tokens}"
+            )
+        try:
+            request.rule.check_weights(request.weights)
+        except ValueError as err:
+            raise InvalidArgumentError(f"weights: {err}") from None
+
+    # -- generation ---------------------------------------------------------------------------
+    def new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self)
+
+    def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        """Stream one request's tokens. Closing the generator early releases its sessions."""
+        batch = self.new_batch()
+        batch.add(request)
+        try:
+            while batch.active:
+                for event in batch.step():
+                    if isinstance(event, ErrorEvent):
+                        raise event.error
+                    yield event
+        finally:
+            batch.cancel_all()
+
+    def generate_many(self, requests: Sequence[GenerationRequest]) -> dict[str, list[TokenEvent]]:
+        """Run requests as one batch to completion; returns each request's events by id."""
+        batch = self.new_batch()
+        results: dict[str, list[TokenEvent]] = {}
+        for request in requests:
+            batch.add(request)
+            results[request.request_id] = []
+        try:
+            while batch.active:
+                for event in batch.step():
+                    if isinstance(event, ErrorEvent):
+                        raise event.error
+                    results[event.request_id].append(event)
+        finally:
+            batch.cancel_all()
+        return results
+
+    # -- scoring ------------------------------------------------------------------------------
+    def score(
+        self,
+        prompt_ids: list[list[int]],
+        continuation_ids: list[int],
+        rule: FusionRule,
+        weights: list[float],
+    ) -> list[float]:
+        """Fused log-probability of each continuation id after each expert's prompt (teacher forcing)."""
+        probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
+        self.validate(probe)
+        if not continuation_ids:
+            raise InvalidArgumentError("continuation: must not be empty")
+        bad = [t for t in continuation_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"continuation ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        n = len(continuation_ids)
+        session = f"score-{probe.request_id}"
+
+        def run(index: int) -> torch.Tensor:
+            expert = self.experts[index]
+            return expert.score(session, list(prompt_ids[index]) + list(continuation_ids), n)
+
+        try:
+            per_expert = list(self._pool.map(run, range(len(self.experts))))
+        finally:
+            for expert in self.experts:
+                expert.release([session])
+        logits = self.alignment.stack([t.to(self.device) for t in per_expert])  # (E, n, V)
+        self._check_finite(logits, rows=None)
+        w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
+        fused = rule.fuse(logits, w).logits  # (n, V)
+        log_probs = torch.log_softmax(fused.float(), dim=-1)
+        ids = torch.tensor(continuation_ids, device=self.device)
+        return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _step_experts(self, rows: list[_Row]) -> torch.Tensor:
+        """Step every expert that some row consults; (E, B, V) logits (zeros where not consulted)."""
+        used = [[r.request.rule.uses_expert(e, r.request.weights) for r in rows] for e in range(len(self.experts))]
+        timings = self.last_timings
+
+        def run(index: int) -> torch.Tensor | None:
+            row_idx = [b for b, flag in enumerate(used[index]) if flag]
+            if not row_idx:
+                return None
+            requests = [
+                StepRequest(rows[b].request.request_id, rows[b].request.prompt_ids[index] + rows[b].generated)
+                for b in row_idx
+            ]
+            stream = self._streams[index]
+            start = time.perf_counter()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                out = self.experts[index].step(requests)  # (b, V_e)
+                if stream is not None:
+                    stream.synchronize()
+            timings.per_expert_s[self.names[index]] = time.perf_counter() - start
+            if len(row_idx) == len(rows):
+                return out
+            full = torch.zeros(len(rows), out.shape[-1], dtype=out.dtype, device=out.device)
+            full[row_idx] = out
+            return full
+
+        if len(self.experts) == 1:
+            outputs = [run(0)]
+        else:
+            outputs = list(self._pool.map(run, range(len(self.experts))))
+        width = self.vocab_size
+        filled = [
+            o.to(self.device) if o is not None else torch.zeros(len(rows), width, device=self.device) for o in outputs
+        ]
+        return self.alignment.stack(filled).float()
+
+    def _check_finite(self, logits: torch.Tensor, rows: list[_Row] | None) -> list[tuple[int, str]]:
+        """Rows (with the expert's name) whose logits hold NaN, +inf, or no finite value. One host sync."""
+        bad = logits.isnan().any(-1) | logits.isposinf().any(-1) | logits.isneginf().all(-1)  # (E, B)
+        if not bool(bad.any()):
+            return []
+        problems = [(int(b), self.names[int(e)]) for e, b in bad.nonzero().tolist()]
+        if rows is None:
+            raise ExpertOutputError(f"expert {problems[0][1]!r} returned non-finite logits (NaN or inf)")
+        return problems
+
+
+class DecodeBatch:
+    """The set of requests decoding together. `add` and `cancel` between steps; `step` emits one
+    token per active request."""
+
+    def __init__(self, engine: FusionEngine) -> None:
+        self.engine = engine
+        self.rows: list[_Row] = []
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def add(self, request: GenerationRequest) -> None:
+        self.engine.validate(request)
+        row = _Row(request)
+        if request.sampling.seed is not None:
+            row.generator = torch.Generator(device=self.engine.device).manual_seed(request.sampling.seed)
+        params = request.sampling
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            vocab = self.engine.vocab_size
+            row.output_counts = torch.zeros(vocab, device=self.engine.device)
+            row.seen = torch.zeros(vocab, dtype=torch.bool, device=self.engine.device)
+            row.seen[torch.tensor(request.prompt_ids[0], device=self.engine.device)] = True
+        self.rows.append(row)
+
+    def cancel(self, request_id: str) -> bool:
+        for i, row in enumerate(self.rows):
+            if row.request.request_id == request_id:
+                self._finish(i)
+                return True
+        return False
+
+    def cancel_all(self) -> None:
+        while self.rows:
+            self._finish(len(self.rows) - 1)
+
+    def _finish(self, index: int) -> None:
+        row = self.rows.pop(index)
+        for expert in self.engine.experts:
+            try:
+                expert.release([row.request.request_id])
+            except Exception:  # a dead remote replica has nothing left to free
+                logger.warning("could not release session %s on %s", row.request.request_id, expert.info.name)
+
+    def fused_logits(self) -> StepLogits:
+        """Steps 1-3 of the pipeline for every active row: expert forwards, alignment, fusion.
+        Rows whose experts failed are cancelled and reported in `errors`."""
+        engine = self.engine
+        rows = list(self.rows)
+        start = time.perf_counter()
+        try:
+            logits = engine._step_experts(rows)  # (E, B, V)
+        except Exception as err:  # every row shares the failed step
+            errors = [ErrorEvent(r.request.request_id, err) for r in rows]
+            self.cancel_all()
+            return StepLogits([], None, None, None, errors)
+        engine.last_timings.experts_s = time.perf_counter() - start
+        errors: list[ErrorEvent] = []
+        for b, name in engine._check_finite(logits, rows):
+            request_id = rows[b].request.request_id
+            if not any(ev.request_id == request_id for ev in errors):
+                errors.append(ErrorEvent(request_id, ExpertOutputError(
+                    f"expert {name!r} returned non-finite logits (NaN or inf)")))
+        if errors:
+            failed = {ev.request_id for ev in errors}
+            keep = [b for b, r in enumerate(rows) if r.request.request_id not in failed]
+            for request_id in failed:
+                self.cancel(request_id)
+            rows = [rows[b] for b in keep]
+            logits = logits[:, keep]
+            if not rows:
+                return StepLogits([], None, None, None, errors)
+        fused, weights = self._fuse(rows, logits)  # (B, V), (E, B)
+        return StepLogits(rows, logits, fused, weights, errors)
+
+    def step(self) -> list[TokenEvent | ErrorEvent]:
+        """One token for every active row (steps 1-5); finished rows leave the batch."""
+        if not self.rows:
+            return []
+        engine = self.engine
+        step = self.fused_logits()
+        events: list[TokenEvent | ErrorEvent] = list(step.errors)
+        if not step.rows:
+            return events
+        start = time.perf_counter()
+        rows, logits, fused, weights = step.rows, step.logits, step.fused, step.weights
+        md = SamplingMetadata.build(
+            [r.request.sampling for r in rows],
+            engine.vocab_size,
+            {b: r.generator for b, r in enumerate(rows) if r.generator is not None},
+            engine.device,
+        )
+        counts = seen = None
+        if not md.no_penalties:
+            zeros = torch.zeros(engine.vocab_size, device=engine.device)
+            counts = torch.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
+            seen = torch.stack([r.seen if r.seen is not None else zeros.bool() for r in rows])
+        out = sample(fused, md, counts, seen)
+
+        # Attribution: each expert's own probability of the chosen token.
+        chosen = out.token_ids[None, :, None].expand(logits.shape[0], -1, 1)  # (E, B, 1)
+        expert_probs = (logits.gather(-1, chosen)[..., 0] - torch.logsumexp(logits, dim=-1)).exp()  # (E, B)
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        weights_host = weights.T.tolist()  # (B, E)
+        probs_host = expert_probs.T.tolist()
+        top = list(zip(out.top_ids.tolist(), out.top_logprobs.tolist())) if out.top_ids is not None else None
+        engine.last_timings.fuse_sample_s = time.perf_counter() - start
+
+        finished = []
+        for b, row in enumerate(rows):
+            token = token_ids[b]
+            row.generated.append(token)
+            if row.output_counts is not None:
+                row.output_counts[token] += 1
+                row.seen[token] = True
+            params = row.request.sampling
+            reason = None
+            if (token in engine.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif len(row.generated) >= params.max_tokens:
+                reason = "length"
+            attribution = [
+                ExpertAttribution(
+                    name,
+                    weights_host[b][e],
+                    probs_host[b][e] if row.request.rule.uses_expert(e, row.request.weights) else None,
+                )
+                for e, name in enumerate(engine.names)
+            ]
+            n_top = params.logprobs
+            events.append(TokenEvent(
+                request_id=row.request.request_id,
+                index=len(row.generated) - 1,
+                token_id=token,
+                logprob=logprobs[b],
+                top_logprobs=list(zip(top[b][0][:n_top], top[b][1][:n_top])) if top and n_top else [],
+                attribution=attribution,
+                finish_reason=reason,
+            ))
+            if reason is not None:
+                finished.append(row.request.request_id)
+        for request_id in finished:
+            self.cancel(request_id)
+        return events
+
+    def _fuse(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply each row's rule; rows sharing a rule object are fused together. (B, V), (E, B)."""
+        device = self.engine.device
+        weights = torch.tensor([r.request.weights for r in rows], dtype=torch.float32, device=device).T  # (E, B)
+        groups: dict[int, list[int]] = {}
+        for b, row in enumerate(rows):
+            groups.setdefault(id(row.request.rule), []).append(b)
+        if len(groups) == 1:
+            result = rows[0].request.rule.fuse(logits, weights)
+            return result.logits, result.weights
+        fused = torch.empty(logits.shape[1:], device=device)
+        used_weights = torch.empty_like(weights)
+        for indices in groups.values():
+            idx = torch.tensor(indices, device=device)
+            result = rows[indices[0]].request.rule.fuse(logits[:, idx], weights[:, idx])
+            fused[idx] = result.logits
+            used_weights[:, idx] = result.weights
+        return fused, used_weights

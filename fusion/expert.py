@@ -1,0 +1,199 @@
+"""The expert runtime: one causal LM, its tokenizer, and per-session KV caches.
+
+`step(requests)` takes a batch of sessions, each with its full token history, and returns the
+next-token logits of each: `(B, V)` float32. Only the uncached suffix of each history is computed.
+The same contract is served over gRPC by `services/expert_server.py`, so the engine cannot tell a
+local expert from a remote one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+from fusion.config import ExpertConfig
+from fusion.errors import AssetError, InvalidArgumentError
+from fusion.session_cache import SessionCache
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    session_id: str
+    token_ids: Sequence[int]  # the session's whole history: prompt + generated ids
+
+
+@dataclass(frozen=True)
+class ExpertInfo:
+    name: str
+    model: str
+    vocab_size: int  # width of the logits rows (may exceed the tokenizer's size: padded rows)
+    tokenizer_size: int  # ids the tokenizer can produce
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    max_cached_tokens: int
+    max_positions: int | None = None
+
+
+class Expert(Protocol):
+    """What the engine needs from an expert, local or remote."""
+
+    info: ExpertInfo
+
+    def step(self, requests: Sequence[StepRequest]) -> torch.Tensor:  # (B, V) float32
+        ...
+
+    def score(self, session_id: str, token_ids: Sequence[int], num_positions: int) -> torch.Tensor:  # (n, V)
+        ...
+
+    def release(self, session_ids: Sequence[str]) -> None:
+        ...
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the token ↔ id map and special tokens: equal iff two experts can share ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}
+    digest = hashlib.sha256(json.dumps([vocab, specials], ensure_ascii=False).encode("utf-8"))
+    return digest.hexdigest()[:16]
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))
+
+
+def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
+    """Load through the real transformers path: a local folder, a hub id, or a GGUF file in a folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
+    if looks_local and not Path(model_path).expanduser().exists():
+        raise AssetError(f"expert {config.name!r}: model folder not found: {model_path}")
+    kwargs = {"gguf_file": config.gguf_file} if config.gguf_file else {}
+    dtype = _DTYPES.get(config.dtype, "auto")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+    except (OSError, ValueError, EnvironmentError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise AssetError(f"expert {config.name!r}: cannot load model {model_path!r}: {first_line}") from None
+    model.to(config.device).eval()
+    return model, tokenizer
+
+
+class LocalExpert:
+    """An in-process expert. Thread-safe: concurrent `step` calls are serialised per expert."""
+
+    def __init__(self, config: ExpertConfig, model, tokenizer, *, model_ref: str | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(config.device)
+        self.cache = SessionCache(config.max_cached_tokens)
+        self._lock = threading.Lock()
+        width = model.get_output_embeddings().weight.shape[0]
+        self.info = ExpertInfo(
+            name=config.name,
+            model=model_ref or config.model,
+            vocab_size=int(width),
+            tokenizer_size=len(tokenizer),
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            eos_token_ids=eos_ids(model, tokenizer),
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            device=str(self.device),
+            max_cached_tokens=config.max_cached_tokens,
+            max_positions=getattr(model.config, "max_position_embeddings", None),
+        )
+
+    @classmethod
+    def load(cls, config: ExpertConfig, model_path: str | None = None) -> LocalExpert:
+        path = model_path or config.model
+        logger.info("loading expert %s from %s (%s on %s)", config.name, path, config.dtype, config.device)
+        model, tokenizer = load_model_and_tokenizer(config, path)
+        return cls(config, model, tokenizer, model_ref=path)
+
+    # -- the expert contract -------------------------------------------------------------------
+    def step(self, requests: Sequence[StepRequest]) -> torch.Tensor:
+        """Next-token logits for each session: (B, V) float32 on the expert's device."""
+        if not requests:
+            return torch.empty(0, self.info.vocab_size)
+        with self._lock, torch.no_grad():
+            rows = [self._forward_tail(r.session_id, r.token_ids, 1)[-1] for r in requests]
+            self.cache.evict(keep=[r.session_id for r in requests])
+        return torch.stack(rows)
+
+    def score(self, session_id: str, token_ids: Sequence[int], num_positions: int) -> torch.Tensor:
+        """Logits predicting each of the last `num_positions` ids of `token_ids`: (n, V) float32."""
+        if not 0 < num_positions < len(token_ids):
+            raise InvalidArgumentError(
+                f"num_positions must be in [1, {len(token_ids) - 1}], got {num_positions}"
+            )
+        with self._lock, torch.no_grad():
+            logits = self._forward_tail(session_id, token_ids[:-1], num_positions)
+            self.cache.evict(keep=[session_id])
+        return logits
+
+    def release(self, session_ids: Sequence[str]) -> None:
+        with self._lock:
+            for session_id in session_ids:
+                self.cache.release(session_id)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) == 0:
+            raise InvalidArgumentError(f"expert {self.info.name!r}: token_ids must not be empty")
+        limit = self.info.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < limit]
+        if bad:
+            raise InvalidArgumentError(
+                f"expert {self.info.name!r}: token_ids out of range [0, {limit}): {bad[:5]}"
+            )
+        if self.info.max_positions and len(token_ids) > self.info.max_positions:
+            raise InvalidArgumentError(
+                f"expert {self.info.name!r}: {len(token_ids)} token_ids exceed the model's "
+                f"{self.info.max_positions} positions"
+            )
+
+    def _forward_tail(self, session_id: str, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        """Run the uncached suffix of `token_ids`; return logits of its last `num_logits` positions (n, V)."""
+        from transformers import DynamicCache
+
+        token_ids = list(token_ids)
+        self._check_ids(token_ids)
+        entry = self.cache.get(session_id)
+        reuse = self.cache.reusable_length(entry, token_ids)
+        # Logits are needed for the last `num_logits` positions, so those must be recomputed.
+        reuse = min(reuse, len(token_ids) - num_logits)
+        if entry.kv is None or reuse == 0:
+            entry.kv = DynamicCache(config=self.model.config)
+            reuse = 0
+        elif reuse < entry.length:
+            entry.kv.crop(reuse - entry.kv.get_seq_length())  # negative: drop the diverged tail
+        suffix = torch.tensor([token_ids[reuse:]], dtype=torch.long, device=self.device)  # (1, S)
+        try:
+            out = self.model(input_ids=suffix, cache=entry.kv, use_cache=True, logits_to_keep=num_logits)
+        except Exception:
+            self.cache.release(session_id)  # a half-updated cache must not be reused
+            raise
+        entry.token_ids = token_ids
+        self.cache.record(hits=reuse, misses=len(token_ids) - reuse)
+        return out.logits[0, -num_logits:].float()  # (n, V)

@@ -1,0 +1,171 @@
+"""Text in, text out: a config's experts, their tokenizers and the engine behind one object.
+
+This is what the CLI, the gRPC coordinator and the Ray Serve deployment share: it turns a prompt into
+each expert's own prompt ids, resolves the fusion spec (rule, weights or profile) into a request,
+streams tokens with text deltas and stop strings, and scores continuations.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Iterator, Sequence
+
+from fusion.config import FusionConfig, FusionSpec, SamplingParams, parse_sampling
+from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
+from fusion.errors import InvalidArgumentError, NotFoundError
+from fusion.expert import Expert, LocalExpert
+from fusion.rules import FusionRule, make_rule
+from fusion.text import Message, TextStream, encode_plain, encode_prompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TextEvent:
+    token: TokenEvent
+    text: str  # the text this token made visible (may be empty while a character or stop is pending)
+    finish_reason: str | None = None
+
+
+@dataclass
+class ScoreResult:
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @property
+    def total_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class FusionPipeline:
+    def __init__(self, config: FusionConfig, engine: FusionEngine, tokenizers: Sequence[Any]) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizers = list(tokenizers)
+        self._rule_cache = lru_cache(maxsize=64)(self._make_rule)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: FusionConfig,
+        resolve_model: Callable[[str], str] = lambda ref: ref,
+        experts: Sequence[Expert] | None = None,
+        tokenizers: Sequence[Any] | None = None,
+    ) -> FusionPipeline:
+        """Load every expert in-process (the local build), unless experts/tokenizers are given."""
+        if experts is None:
+            loaded = [LocalExpert.load(e, resolve_model(e.model)) for e in config.experts]
+            experts, tokenizers = loaded, [e.tokenizer for e in loaded]
+        if tokenizers is None:
+            raise ValueError("tokenizers are required with externally built experts")
+        devices = {e.info.device for e in experts}
+        device = devices.pop() if len(devices) == 1 else "cpu"
+        return cls(config, FusionEngine(experts, config.limits, device=device), tokenizers)
+
+    @property
+    def expert_names(self) -> list[str]:
+        return self.engine.names
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- requests -----------------------------------------------------------------------------
+    def _make_rule(self, name: str, params_json: str) -> FusionRule:
+        return make_rule(name, json.loads(params_json), self.expert_names)
+
+    def resolve_spec(self, spec: FusionSpec | None) -> tuple[FusionRule, list[float]]:
+        spec = spec or self.config.fusion
+        if spec.profile is not None and spec.profile not in self.config.profiles:
+            raise NotFoundError(f"profile: unknown profile {spec.profile!r}; known: {sorted(self.config.profiles)}")
+        if spec.weights is not None:
+            unknown = sorted(set(spec.weights) - set(self.expert_names))
+            if unknown:
+                raise NotFoundError(f"weights: unknown expert(s) {unknown}; known: {self.expert_names}")
+        rule = self._rule_cache(spec.rule, json.dumps(spec.params, sort_keys=True))
+        weights = self.config.weights_for(spec)
+        try:
+            rule.check_weights(weights)
+        except ValueError as err:
+            raise InvalidArgumentError(f"weights: {err}") from None
+        return rule, weights
+
+    def sampling(self, overrides: dict[str, Any] | SamplingParams | None = None) -> SamplingParams:
+        if isinstance(overrides, SamplingParams):
+            return overrides
+        return parse_sampling(overrides or {}, base=self.config.sampling)
+
+    def build_request(
+        self,
+        prompt: str | Sequence[Message],
+        sampling: dict[str, Any] | SamplingParams | None = None,
+        spec: FusionSpec | None = None,
+        request_id: str | None = None,
+    ) -> GenerationRequest:
+        rule, weights = self.resolve_spec(spec)
+        prompt_ids = [
+            encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)
+        ]
+        request = GenerationRequest(prompt_ids, self.sampling(sampling), rule, weights)
+        if request_id:
+            request.request_id = request_id
+        self.engine.validate(request)
+        return request
+
+    # -- generation ---------------------------------------------------------------------------
+    def text_stream(self, request: GenerationRequest) -> TextStream:
+        return TextStream(self.tokenizers[0], request.sampling.stop)
+
+    def stream(self, request: GenerationRequest) -> Iterator[TextEvent]:
+        """Tokens with text deltas; ends at EOS, a stop id or string, or max_tokens."""
+        text = self.text_stream(request)
+        events = self.engine.generate(request)
+        try:
+            for event in events:
+                delta = text.push(event.token_id)
+                reason = "stop" if text.stopped else event.finish_reason
+                if reason is not None:
+                    delta += text.flush()
+                yield TextEvent(event, delta, reason)
+                if reason is not None:
+                    return
+        finally:
+            events.close()
+
+    def complete(self, prompt: str | Sequence[Message], sampling=None, spec: FusionSpec | None = None) -> Completion:
+        result = Completion(text="")
+        for event in self.stream(self.build_request(prompt, sampling, spec)):
+            result.text += event.text
+            result.token_ids.append(event.token.token_id)
+            result.logprobs.append(event.token.logprob)
+            result.events.append(event.token)
+            result.finish_reason = event.finish_reason
+        return result
+
+    # -- scoring ------------------------------------------------------------------------------
+    def score(self, prompt: str, continuation: str, spec: FusionSpec | None = None) -> ScoreResult:
+        """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template)."""
+        if not continuation:
+            raise InvalidArgumentError("continuation: must not be empty")
+        rule, weights = self.resolve_spec(spec)
+        prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
+        if any(not p for p in prompt_ids):
+            # A model without BOS has no context for the first continuation token.
+            raise InvalidArgumentError("prompt: must not be empty for a tokenizer without a BOS token")
+        continuation_ids = encode_plain(self.tokenizers[0], continuation, add_special_tokens=False)
+        logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
+        return ScoreResult(continuation_ids, logprobs)
+
+
+__all__ = ["FusionPipeline", "TextEvent", "ScoreResult", "Completion", "ErrorEvent"]

@@ -1,0 +1,206 @@
+"""Fusion rules: small pure functions over the experts' stacked logits, behind one registry.
+
+Every rule maps `logits (E, B, V)` and `weights (E, B)` to fused log-space scores `(B, V)` plus the
+weights it effectively used `(E, B)` (for per-token attribution). Rules validate their parameters at
+construction and a request's weights with `check_weights`; both raise `ValueError` naming the value.
+
+    weighted_logits   z = Σ w_i z_i, weights normalised to sum 1 (a weighted product of experts)
+    mixture           log p = logsumexp_i(log w_i + log_softmax z_i)
+    logit_arithmetic  z = Σ w_i log_softmax z_i with signed weights (contrastive decoding, proxy-tuning),
+                      restricted to tokens the lead expert finds plausible: p_lead ≥ alpha · max p_lead
+    confidence        per-step weights w_i ∝ prior_i · exp(-H_i / tau) from each expert's entropy H_i,
+                      then combined as a mixture or weighted logits
+    single            one expert's logits, unchanged
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+
+from fusion.errors import InvalidArgumentError
+
+# Floor for log-probabilities of impossible tokens before signed combination: -inf times a negative
+# weight would become +inf.
+_LOGPROB_FLOOR = -1e4
+
+
+@dataclass
+class FusedLogits:
+    logits: torch.Tensor  # (B, V) fused log-space scores
+    weights: torch.Tensor  # (E, B) weights each expert effectively had
+
+
+class FusionRule:
+    name: ClassVar[str]
+    param_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, expert_names: Sequence[str], **params: Any) -> None:
+        unknown = sorted(set(params) - set(self.param_names))
+        if unknown:
+            raise ValueError(
+                f"rule {self.name!r} has no parameter(s) {unknown}; it takes {list(self.param_names)}"
+            )
+        self.expert_names = list(expert_names)
+
+    def check_weights(self, weights: Sequence[float]) -> None:
+        """Non-negative weights with a positive sum (the default for averaging rules)."""
+        self._check_count(weights)
+        for name, w in zip(self.expert_names, weights):
+            if not math.isfinite(w) or w < 0:
+                raise ValueError(f"rule {self.name!r} needs finite weights >= 0; expert {name!r} has {w}")
+        if sum(weights) <= 0:
+            raise ValueError(f"rule {self.name!r} needs a positive weight sum, got {list(weights)}")
+
+    def uses_expert(self, index: int, weights: Sequence[float]) -> bool:
+        """Whether the rule reads expert `index`'s logits under these weights (others need no forward)."""
+        return weights[index] != 0
+
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+        raise NotImplementedError
+
+    def _check_count(self, weights: Sequence[float]) -> None:
+        if len(weights) != len(self.expert_names):
+            raise ValueError(
+                f"rule {self.name!r} needs {len(self.expert_names)} weights "
+                f"(one per expert {self.expert_names}), got {len(weights)}"
+            )
+
+    def _expert_index(self, param: str, value: Any) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(self.expert_names):
+            return value
+        if isinstance(value, str) and value in self.expert_names:
+            return self.expert_names.index(value)
+        raise ValueError(f"rule {self.name!r}: {param} must name an expert of {self.expert_names}, got {value!r}")
+
+
+def _normalised(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum(dim=0, keepdim=True)  # (E, B)
+
+
+def _weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i · values_i over (E, B, V), skipping zero weights so that 0 · -inf stays out."""
+    terms = torch.where(weights[..., None] != 0, weights[..., None] * values, torch.zeros((), dtype=values.dtype))
+    return terms.sum(dim=0)  # (B, V)
+
+
+def _mixture(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    log_probs = torch.log_softmax(logits, dim=-1)  # (E, B, V)
+    return torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V); log 0 = -inf drops out
+
+
+class WeightedLogits(FusionRule):
+    name = "weighted_logits"
+
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+        w = _normalised(weights)
+        return FusedLogits(_weighted_sum(logits, w), w)
+
+
+class Mixture(FusionRule):
+    name = "mixture"
+
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+        w = _normalised(weights)
+        return FusedLogits(_mixture(logits, w), w)
+
+
+class LogitArithmetic(FusionRule):
+    name = "logit_arithmetic"
+    param_names = ("alpha", "lead")
+
+    def __init__(self, expert_names: Sequence[str], alpha: float = 0.1, lead: int | str = 0) -> None:
+        super().__init__(expert_names)
+        if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+            raise ValueError(f"rule {self.name!r}: alpha must be in [0, 1], got {alpha!r}")
+        self.alpha = float(alpha)
+        self.lead = self._expert_index("lead", lead)
+
+    def check_weights(self, weights: Sequence[float]) -> None:
+        self._check_count(weights)
+        for name, w in zip(self.expert_names, weights):
+            if not math.isfinite(w):
+                raise ValueError(f"rule {self.name!r} needs finite weights; expert {name!r} has {w}")
+        if weights[self.lead] <= 0:
+            raise ValueError(
+                f"rule {self.name!r}: the lead expert {self.expert_names[self.lead]!r} needs a positive "
+                f"weight, got {weights[self.lead]}"
+            )
+
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+        log_probs = torch.log_softmax(logits, dim=-1).clamp(min=_LOGPROB_FLOOR)  # (E, B, V)
+        combined = _weighted_sum(log_probs, weights)  # (B, V)
+        lead = log_probs[self.lead]  # (B, V)
+        # p_lead >= alpha * max p_lead  <=>  log p_lead >= log alpha + max log p_lead
+        threshold = lead.max(dim=-1, keepdim=True).values + math.log(self.alpha) if self.alpha > 0 else None
+        if threshold is not None:
+            combined = combined.masked_fill(lead < threshold, float("-inf"))
+        return FusedLogits(combined, weights)
+
+
+class Confidence(FusionRule):
+    name = "confidence"
+    param_names = ("tau", "combine")
+
+    def __init__(self, expert_names: Sequence[str], tau: float = 1.0, combine: str = "mixture") -> None:
+        super().__init__(expert_names)
+        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
+            raise ValueError(f"rule {self.name!r}: tau must be a finite number > 0, got {tau!r}")
+        if combine not in ("mixture", "weighted_logits"):
+            raise ValueError(f"rule {self.name!r}: combine must be 'mixture' or 'weighted_logits', got {combine!r}")
+        self.tau = float(tau)
+        self.combine = combine
+
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+        log_probs = torch.log_softmax(logits, dim=-1)  # (E, B, V)
+        entropy = -(log_probs.exp() * log_probs.clamp(min=_LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
+        # Softmax over experts of (log prior - H / tau); zero priors stay zero.
+        scores = torch.log(weights) - entropy / self.tau
+        w = torch.softmax(scores, dim=0)  # (E, B)
+        fused = _mixture(logits, w) if self.combine == "mixture" else _weighted_sum(logits, w)
+        return FusedLogits(fused, w)
+
+
+class Single(FusionRule):
+    name = "single"
+    param_names = ("expert",)
+
+    def __init__(self, expert_names: Sequence[str], expert: int | str = 0) -> None:
+        super().__init__(expert_names)
+        self.index = self._expert_index("expert", expert)
+
+    def check_weights(self, weights: Sequence[float]) -> None:
+        self._check_count(weights)
+
+    def uses_expert(self, index: int, weights: Sequence[float]) -> bool:
+        return index == self.index
+
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+        w = torch.zeros_like(weights)
+        w[self.index] = 1.0
+        return FusedLogits(logits[self.index], w)
+
+
+RULES: dict[str, Callable[..., FusionRule]] = {
+    rule.name: rule for rule in (WeightedLogits, Mixture, LogitArithmetic, Confidence, Single)
+}
+
+
+def register_rule(name: str, factory: Callable[..., FusionRule]) -> None:
+    RULES[name] = factory
+
+
+def make_rule(name: str, params: dict[str, Any], expert_names: Sequence[str]) -> FusionRule:
+    """Build a rule by name; InvalidArgumentError names an unknown rule or a bad parameter."""
+    if not expert_names:
+        raise InvalidArgumentError("experts: at least one expert is required")
+    factory = RULES.get(name)
+    if factory is None:
+        raise InvalidArgumentError(f"unknown fusion rule {name!r}; known: {sorted(RULES)}")
+    try:
+        return factory(expert_names, **params)
+    except (TypeError, ValueError) as err:
+        raise InvalidArgumentError(f"fusion.params: {err}") from None

@@ -1,0 +1,165 @@
+"""The batched sampler: per-row parameters as tensors, per-request seeded generators, no device sync.
+
+Pipeline of `sample`, in order (the input logits are not modified):
+  1. token mask + logit bias (one additive `(B, V)` tensor: banned ids -inf, biases added)
+  2. penalties: repetition (prompt + output ids), presence and frequency (output ids)
+  3. log-probabilities of the processed fused distribution (returned for the chosen and top-k ids)
+  4. greedy rows: argmax
+  5. other rows: temperature → top-k → top-p → min-p → exponential race (`probs / Exp(1)`, argmax),
+     which samples from `probs` without `torch.multinomial`'s host synchronisation
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fusion.config import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling state for one step. Flags are computed once so the fast paths skip work."""
+
+    temperature: torch.Tensor  # (B,) float; 0 = greedy
+    top_k: torch.Tensor  # (B,) long; 0 = off
+    top_p: torch.Tensor  # (B,) float; 1 = off
+    min_p: torch.Tensor  # (B,) float; 0 = off
+    repetition_penalty: torch.Tensor  # (B,)
+    presence_penalty: torch.Tensor  # (B,)
+    frequency_penalty: torch.Tensor  # (B,)
+    token_bias: torch.Tensor | None  # (B, V) additive: -inf for banned/masked ids, logit_bias elsewhere
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    max_num_logprobs: int = 0
+    all_greedy: bool = True
+    all_random: bool = False
+    no_top_k: bool = True
+    no_top_p: bool = True
+    no_min_p: bool = True
+    no_penalties: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        vocab_size: int,
+        generators: dict[int, torch.Generator],
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        temperature = column("temperature", torch.float32)
+        bias = None
+        if any(p.logit_bias or p.banned_token_ids for p in params):
+            bias = torch.zeros(len(params), vocab_size, device=device)
+            for row, p in enumerate(params):
+                for token_id, value in p.logit_bias.items():
+                    if token_id < vocab_size:
+                        bias[row, token_id] += value
+                banned = [t for t in p.banned_token_ids if t < vocab_size]
+                if banned:
+                    bias[row, banned] = float("-inf")
+        return cls(
+            temperature=temperature,
+            top_k=column("top_k", torch.long),
+            top_p=column("top_p", torch.float32),
+            min_p=column("min_p", torch.float32),
+            repetition_penalty=column("repetition_penalty", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            token_bias=bias,
+            generators=generators,
+            max_num_logprobs=max(p.logprobs for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
+            all_random=all(p.temperature > 0 for p in params),
+            no_top_k=all(p.top_k == 0 for p in params),
+            no_top_p=all(p.top_p >= 1.0 for p in params),
+            no_min_p=all(p.min_p == 0 for p in params),
+            no_penalties=all(
+                p.repetition_penalty == 1.0 and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params
+            ),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (B,) long
+    logprobs: torch.Tensor  # (B,) log-prob of the chosen id under the processed fused distribution
+    top_ids: torch.Tensor | None = None  # (B, K)
+    top_logprobs: torch.Tensor | None = None  # (B, K)
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # (B, V)
+    md: SamplingMetadata,
+    output_counts: torch.Tensor,  # (B, V) how often each id was generated
+    seen: torch.Tensor,  # (B, V) bool: id occurs in prompt or output
+) -> torch.Tensor:
+    rep = md.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    logits = logits - md.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask (to -inf) every id outside the top-k / nucleus / min-p sets of each row. (B, V) → (B, V)."""
+    if not md.no_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        max_prob = probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < md.min_p[:, None] * max_prob, float("-inf"))
+    if md.no_top_k and md.no_top_p:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (B, V)
+    vocab = logits.shape[-1]
+    if not md.no_top_k:
+        k = torch.where(md.top_k > 0, md.top_k.clamp(max=vocab), torch.full_like(md.top_k, vocab))
+        kth = sorted_logits.gather(-1, (k - 1)[:, None])  # (B, 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if not md.no_top_p:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop an id when the mass before it already reaches top_p; the first id always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= md.top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+
+def _exponential_noise(shape: tuple[int, int], md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, generator in md.generators.items():
+        noise[row].exponential_(generator=generator)
+    return noise
+
+
+def sample(
+    logits: torch.Tensor,  # (B, V) fused scores; not modified
+    md: SamplingMetadata,
+    output_counts: torch.Tensor | None = None,  # (B, V)
+    seen: torch.Tensor | None = None,  # (B, V) bool
+) -> SamplerOutput:
+    logits = logits.float()
+    if md.token_bias is not None:
+        logits = logits + md.token_bias
+    if not md.no_penalties:
+        if output_counts is None or seen is None:
+            raise ValueError("penalties need output_counts and seen")
+        logits = apply_penalties(logits, md, output_counts, seen)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (B, V)
+
+    greedy_ids = logits.argmax(dim=-1)  # (B,)
+    if md.all_greedy:
+        token_ids = greedy_ids
+    else:
+        temperature = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
+        scaled = apply_top_k_top_p_min_p(logits / temperature[:, None], md)
+        probs = torch.softmax(scaled, dim=-1)
+        sampled = (probs / _exponential_noise(tuple(probs.shape), md, probs.device)).argmax(dim=-1)
+        token_ids = sampled if md.all_random else torch.where(md.temperature > 0, sampled, greedy_ids)
+
+    out = SamplerOutput(token_ids=token_ids, logprobs=log_probs.gather(-1, token_ids[:, None])[:, 0])
+    if md.max_num_logprobs > 0:
+        out.top_logprobs, out.top_ids = log_probs.topk(md.max_num_logprobs, dim=-1)
+    return out

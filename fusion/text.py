@@ -1,0 +1,81 @@
+"""The text edge: per-expert prompt formatting, incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from fusion.config import ExpertConfig
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+
+
+def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Message]) -> list[int]:
+    """Token ids of a prompt as this expert expects it: its own system prompt and chat template."""
+    if isinstance(prompt, str):
+        messages: list[Message] = [{"role": "user", "content": prompt}]
+    else:
+        messages = list(prompt)
+    if expert.chat_template and getattr(tokenizer, "chat_template", None):
+        if expert.system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": expert.system_prompt}] + messages
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n".join(m["content"] for m in messages)
+    if expert.system_prompt:
+        text = f"{expert.system_prompt}\n{text}"
+    return list(tokenizer(text)["input_ids"])
+
+
+def encode_plain(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+@dataclass
+class TextStream:
+    """Turns generated ids into text deltas and finds stop strings.
+
+    Decodes the whole output each time (cheap at these lengths) and holds back a trailing partial
+    UTF-8 character, and any tail that could still become a stop string.
+    """
+
+    tokenizer: object
+    stop: Sequence[str] = ()
+    token_ids: list[int] = field(default_factory=list)
+    emitted: str = ""
+    stopped: bool = False
+
+    def push(self, token_id: int) -> str:
+        """Append one id; return the new text that is safe to show. Sets `stopped` on a stop string."""
+        self.token_ids.append(token_id)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next id
+            return ""
+        for stop in self.stop:
+            at = text.find(stop, max(0, len(self.emitted) - len(stop)))
+            if stop and at != -1:
+                self.stopped = True
+                return self._emit(text[:at])
+        hold = max((self._partial_stop(text, s) for s in self.stop if s), default=0)
+        return self._emit(text[: len(text) - hold])
+
+    def flush(self) -> str:
+        """Text held back at the end of the stream (a tail that never became a stop string)."""
+        if self.stopped:
+            return ""
+        return self._emit(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+
+    def _emit(self, text: str) -> str:
+        if len(text) <= len(self.emitted):
+            return ""
+        delta = text[len(self.emitted):]
+        self.emitted = text
+        return delta
+
+    @staticmethod
+    def _partial_stop(text: str, stop: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of `stop`."""
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                return n
+        return 0

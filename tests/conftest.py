@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from fusion.config import parse_config
+from tests.tiny_models import make_model, make_tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Three tiny experts sharing one tokenizer (the third with padded output rows), plus one expert
+    with a different tokenizer."""
+    root = tmp_path_factory.mktemp("tiny")
+    tok = make_tokenizer(root / "tok")
+    make_model(root / "a", tok, seed=1)
+    make_model(root / "b", tok, seed=2)
+    make_model(root / "c", tok, seed=3, extra_rows=13)
+    other = make_tokenizer(root / "tok2", vocab_size=280, corpus=["completely different words here"] * 5)
+    make_model(root / "other", other, seed=4)
+    return root
+
+
+def tiny_config_dict(tiny_dir, names=("a", "b", "c"), **extra):
+    data = {
+        "experts": [
+            {"name": n, "model": str(tiny_dir / n), "dtype": "float32", "weight": w}
+            for n, w in zip(names, (0.5, 0.3, 0.2, 0.1))
+        ],
+    }
+    if {"a", "b"} <= set(names):
+        data["profiles"] = {"only_a": {"a": 1.0}, "ab": {"a": 1.0, "b": 1.0}}
+    data.update(extra)
+    return data
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_dir):
+    return parse_config(tiny_config_dict(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_config):
+    from fusion.pipeline import FusionPipeline
+
+    pipeline = FusionPipeline.from_config(tiny_config)
+    yield pipeline
+    pipeline.close()

@@ -1,0 +1,358 @@
+"""The engine against plain references: hand-computed fusion of each model's own forward, and
+transformers' generate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from fusion.config import FusionSpec, SamplingParams, parse_config
+from fusion.engine import FusionEngine, GenerationRequest
+from fusion.errors import ConfigError, ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
+from fusion.expert import LocalExpert, StepRequest
+from fusion.pipeline import FusionPipeline
+from fusion.rules import make_rule
+from tests.conftest import tiny_config_dict
+
+HISTORIES = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 9, 10, 11, 12, 13, 14, 15]]  # B = 3, different lengths
+
+
+def plain_last_logits(model_dir, histories):
+    """Each history's next-token logits from a fresh plain forward of the model: (B, V)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([h])).logits[0, -1] for h in histories])
+
+
+def reference_fusion(rule, params, z, w):
+    """The rules written out plainly, row by row. z: list of E (B, V) tensors, w: E floats."""
+    E, B = len(z), z[0].shape[0]
+    out = torch.empty_like(z[0])
+    for b in range(B):
+        rows = [z[e][b] for e in range(E)]
+        if rule == "weighted_logits":
+            total = sum(w)
+            out[b] = sum((w[e] / total) * rows[e] for e in range(E))
+        elif rule == "mixture":
+            total = sum(w)
+            probs = sum((w[e] / total) * torch.softmax(rows[e], -1) for e in range(E))
+            out[b] = probs.log()
+        elif rule == "logit_arithmetic":
+            lp = [torch.log_softmax(r, -1) for r in rows]
+            combined = sum(w[e] * lp[e] for e in range(E))
+            lead = torch.softmax(rows[0], -1)
+            combined[lead < params["alpha"] * lead.max()] = -math.inf
+            out[b] = combined
+        elif rule == "confidence":
+            probs = [torch.softmax(r, -1) for r in rows]
+            entropy = [-(p * p.log()).sum() for p in probs]
+            scores = torch.tensor([math.log(w[e]) - entropy[e] / params["tau"] for e in range(E)])
+            we = torch.softmax(scores, 0)
+            out[b] = sum(we[e] * probs[e] for e in range(E)).log()
+        elif rule == "single":
+            out[b] = rows[params["expert"]]
+    return out
+
+
+RULE_CASES = [
+    ("weighted_logits", {}, [0.5, 0.3, 0.2]),
+    ("mixture", {}, [0.2, 0.5, 0.3]),
+    ("logit_arithmetic", {"alpha": 0.1}, [1.0, 0.5, -0.5]),
+    ("confidence", {"tau": 0.7}, [1.0, 2.0, 1.0]),
+    ("single", {"expert": 1}, [0.0, 1.0, 0.0]),
+]
+
+
+@pytest.mark.parametrize("rule,params,weights", RULE_CASES, ids=[c[0] for c in RULE_CASES])
+def test_fused_logits_equal_hand_computation(tiny_dir, tiny_pipeline, rule, params, weights):
+    engine = tiny_pipeline.engine
+    V = engine.vocab_size
+    z = [plain_last_logits(tiny_dir / n, HISTORIES)[:, :V] for n in ("a", "b", "c")]
+    rule_obj = make_rule(rule, params, engine.names)
+    batch = engine.new_batch()
+    for h in HISTORIES:
+        batch.add(GenerationRequest([h] * 3, SamplingParams(), rule_obj, weights))
+    step = batch.fused_logits()
+    batch.cancel_all()
+    expected = reference_fusion(rule, params, z, weights)
+    finite = torch.isfinite(expected)
+    assert torch.equal(finite, torch.isfinite(step.fused)), "masked ids differ"
+    torch.testing.assert_close(step.fused[finite], expected[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_padded_vocab_is_cut_to_shared_ids(tiny_pipeline):
+    engine = tiny_pipeline.engine
+    widths = [e.info.vocab_size for e in engine.experts]
+    assert widths[2] == widths[0] + 13
+    assert engine.vocab_size == min(widths) == len(tiny_pipeline.tokenizers[0])
+
+
+def greedy_generate(model_dir, prompt, n):
+    """Plain transformers greedy decoding; padded output rows (no token) are suppressed, as fusion cuts them."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer_size = len(AutoTokenizer.from_pretrained(model_dir))
+    padded = list(range(tokenizer_size, model.config.vocab_size)) or None
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              suppress_tokens=padded)
+    out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", ["a", "c"])
+def test_single_expert_reproduces_generate(tiny_dir, name):
+    config = parse_config({"experts": [{"name": name, "model": str(tiny_dir / name), "dtype": "float32"}]})
+    pipeline = FusionPipeline.from_config(config)
+    prompt = [5, 17, 42, 99, 7, 3]
+    expected = greedy_generate(tiny_dir / name, prompt, 24)
+    rule = make_rule("weighted_logits", {}, [name])
+    request = GenerationRequest([prompt], SamplingParams(max_tokens=24, ignore_eos=True), rule, [1.0])
+    tokens = [ev.token_id for ev in pipeline.engine.generate(request)]
+    assert tokens == expected
+    # Prefix reuse: a second request whose prompt is the first's prompt plus half its output, on the
+    # same session id, must continue exactly as generate does.
+    expert = pipeline.engine.experts[0]
+    session = "reuse"
+    history = prompt + expected[:12]
+    expert.step([StepRequest(session, prompt)])  # cache holds the prompt only
+    got = []
+    for _ in range(12):
+        logits = expert.step([StepRequest(session, history + got)])
+        got.append(int(logits[0, : pipeline.engine.vocab_size].argmax()))
+    assert got == expected[12:]
+    assert expert.cache.hits > 0
+    expert.release([session])
+    pipeline.close()
+
+
+def test_self_fusion_equals_generate(tiny_dir):
+    """An expert fused with itself, any weights, weighted logits: the same greedy tokens."""
+    config = parse_config({
+        "experts": [
+            {"name": "x", "model": str(tiny_dir / "a"), "dtype": "float32", "weight": 0.3},
+            {"name": "y", "model": str(tiny_dir / "a"), "dtype": "float32", "weight": 0.7},
+        ]
+    })
+    pipeline = FusionPipeline.from_config(config)
+    prompt = [8, 9, 10, 11]
+    rule, weights = pipeline.resolve_spec(None)
+    request = GenerationRequest([prompt, prompt], SamplingParams(max_tokens=16, ignore_eos=True), rule, weights)
+    assert [ev.token_id for ev in pipeline.engine.generate(request)] == greedy_generate(tiny_dir / "a", prompt, 16)
+    pipeline.close()
+
+
+def test_prefix_reuse_matches_fresh_prefill(tiny_pipeline):
+    expert = tiny_pipeline.engine.experts[1]
+    ids = list(range(20, 60))
+    fresh = expert.step([StepRequest("fresh", ids)])
+    expert.step([StepRequest("cached", ids[:25])])
+    extended = expert.step([StepRequest("cached", ids)])  # only ids[25:] computed
+    torch.testing.assert_close(extended, fresh, rtol=1e-5, atol=1e-5)
+    branch = ids[:18] + [7, 7, 7]
+    diverged = expert.step([StepRequest("cached", branch)])  # crop to 18, recompute the rest
+    torch.testing.assert_close(diverged, expert.step([StepRequest("fresh2", branch)]), rtol=1e-5, atol=1e-5)
+    same = expert.step([StepRequest("cached", branch)])  # identical history: recompute the last id only
+    torch.testing.assert_close(same, diverged, rtol=1e-5, atol=1e-5)
+    expert.release(["fresh", "cached", "fresh2"])
+    assert len(expert.cache) == 0
+
+
+def test_lru_eviction_under_budget(tiny_dir):
+    config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32",
+                                        "max_cached_tokens": 30}]})
+    expert = LocalExpert.load(config.experts[0])
+    expert.step([StepRequest("s1", list(range(1, 15)))])
+    expert.step([StepRequest("s2", list(range(1, 15)))])
+    assert expert.cache.sessions() == ["s1", "s2"]
+    expert.step([StepRequest("s3", list(range(1, 15)))])  # 42 cached tokens > 30: s1 goes
+    assert expert.cache.sessions() == ["s2", "s3"]
+    assert expert.cache.evictions == 1
+    # An evicted session costs a re-prefill, never a wrong answer.
+    again = expert.step([StepRequest("s1", list(range(1, 16)))])
+    torch.testing.assert_close(again, expert.step([StepRequest("fresh", list(range(1, 16)))]))
+
+
+def test_batched_generation_equals_one_by_one(tiny_pipeline):
+    """Rows in one batch (greedy and seeded sampling, different prompt lengths) match their solo runs."""
+    rule, weights = tiny_pipeline.resolve_spec(FusionSpec(rule="mixture"))
+
+    def requests():
+        return [
+            GenerationRequest([HISTORIES[0]] * 3, SamplingParams(max_tokens=10, ignore_eos=True), rule, weights),
+            GenerationRequest([HISTORIES[1]] * 3, SamplingParams(max_tokens=7, temperature=0.9, seed=11,
+                                                                 ignore_eos=True, top_k=50), rule, weights),
+            GenerationRequest([HISTORIES[2]] * 3, SamplingParams(max_tokens=12, temperature=1.2, seed=5,
+                                                                 top_p=0.9, ignore_eos=True), rule, weights),
+        ]
+
+    batched = tiny_pipeline.engine.generate_many(requests())
+    solo_runs = [[ev.token_id for ev in tiny_pipeline.engine.generate(r)] for r in requests()]
+    batch_runs = [[ev.token_id for ev in events] for events in batched.values()]
+    assert [len(r) for r in batch_runs] == [10, 7, 12]
+    assert batch_runs == solo_runs
+
+
+def test_seed_reproduces_sample(tiny_pipeline):
+    params = {"temperature": 1.0, "seed": 1234, "max_tokens": 20, "ignore_eos": True}
+    first = tiny_pipeline.complete("hello world", params)
+    second = tiny_pipeline.complete("hello world", params)
+    other = tiny_pipeline.complete("hello world", params | {"seed": 99})
+    assert first.token_ids == second.token_ids
+    assert first.token_ids != other.token_ids
+
+
+def test_attribution_and_logprobs(tiny_pipeline):
+    completion = tiny_pipeline.complete("the quick brown fox", {"max_tokens": 5, "ignore_eos": True, "logprobs": 3})
+    for event in completion.events:
+        weights = [a.weight for a in event.attribution]
+        assert [a.expert for a in event.attribution] == ["a", "b", "c"]
+        assert sum(weights) == pytest.approx(1.0) and weights == pytest.approx([0.5, 0.3, 0.2])
+        assert all(0.0 <= a.prob <= 1.0 for a in event.attribution)
+        assert len(event.top_logprobs) == 3
+        assert event.top_logprobs[0][1] >= event.logprob - 1e-6  # greedy picks the top id
+        assert event.top_logprobs[0][0] == event.token_id
+
+
+def test_score_matches_generation_logprobs(tiny_pipeline):
+    """Teacher-forced fused logprobs equal the logprobs reported while generating the same ids."""
+    tok = tiny_pipeline.tokenizers[0]
+    prompt = "hello world"
+    rule, weights = tiny_pipeline.resolve_spec(None)
+    prompt_ids = [tok(prompt)["input_ids"]] * 3
+    request = GenerationRequest(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True), rule, weights)
+    events = list(tiny_pipeline.engine.generate(request))
+    ids = [e.token_id for e in events]
+    scored = tiny_pipeline.engine.score(prompt_ids, ids, rule, weights)
+    assert scored == pytest.approx([e.logprob for e in events], abs=1e-4)
+    assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+
+
+def test_stop_conditions(tiny_pipeline):
+    base = {"max_tokens": 12, "ignore_eos": True}
+    full = tiny_pipeline.complete("the quick brown fox", base)
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    stop_id = full.token_ids[4]
+    by_id = tiny_pipeline.complete("the quick brown fox", base | {"stop_token_ids": [stop_id]})
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+    stop_text = full.text[3:6]
+    if stop_text.strip():
+        by_text = tiny_pipeline.complete("the quick brown fox", base | {"stop": [stop_text]})
+        assert by_text.finish_reason == "stop"
+        assert by_text.text == full.text[: full.text.index(stop_text)]
+
+
+def test_eos_stops_unless_ignored(tiny_pipeline):
+    eos = tiny_pipeline.tokenizers[0].eos_token_id
+    biased = tiny_pipeline.complete("hello", {"max_tokens": 10, "logit_bias": {eos: 100.0}})
+    assert biased.token_ids == [eos] and biased.finish_reason == "stop"
+    ignored = tiny_pipeline.complete("hello", {"max_tokens": 3, "logit_bias": {eos: 100.0}, "ignore_eos": True})
+    assert ignored.token_ids == [eos] * 3
+
+
+def test_banned_ids_never_sampled(tiny_pipeline):
+    plain = tiny_pipeline.complete("hello", {"max_tokens": 6, "ignore_eos": True})
+    banned = sorted(set(plain.token_ids))
+    again = tiny_pipeline.complete("hello", {"max_tokens": 6, "ignore_eos": True, "banned_token_ids": banned})
+    assert not set(again.token_ids) & set(banned)
+
+
+def test_cancelled_stream_frees_sessions(tiny_pipeline):
+    request = tiny_pipeline.build_request("hello", {"max_tokens": 50, "ignore_eos": True})
+    stream = tiny_pipeline.stream(request)
+    next(stream)
+    assert all(request.request_id in e.cache for e in tiny_pipeline.engine.experts)
+    stream.close()
+    assert all(request.request_id not in e.cache for e in tiny_pipeline.engine.experts)
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_unknown_rule_and_bad_params(tiny_pipeline):
+    with pytest.raises(InvalidArgumentError, match="unknown fusion rule 'nope'"):
+        tiny_pipeline.resolve_spec(FusionSpec(rule="nope"))
+    with pytest.raises(InvalidArgumentError, match="alpha"):
+        tiny_pipeline.resolve_spec(FusionSpec(rule="logit_arithmetic", params={"alpha": 3}))
+    with pytest.raises(InvalidArgumentError, match="no parameter"):
+        tiny_pipeline.resolve_spec(FusionSpec(rule="mixture", params={"temperature": 1}))
+
+
+def test_weights_that_do_not_fit_the_rule(tiny_pipeline):
+    with pytest.raises(InvalidArgumentError, match="weights >= 0.*'c' has -1"):
+        tiny_pipeline.resolve_spec(FusionSpec(rule="mixture", weights={"a": 1, "b": 1, "c": -1}))
+    with pytest.raises(InvalidArgumentError, match="positive weight sum"):
+        tiny_pipeline.resolve_spec(FusionSpec(weights={"a": 0}))
+    with pytest.raises(InvalidArgumentError, match="lead expert 'a'"):
+        tiny_pipeline.resolve_spec(FusionSpec(rule="logit_arithmetic", weights={"a": -1, "b": 1}))
+    rule = make_rule("mixture", {}, ["a", "b", "c"])
+    with pytest.raises(InvalidArgumentError, match="needs 3 weights"):
+        tiny_pipeline.engine.validate(GenerationRequest([[1]] * 3, SamplingParams(), rule, [1.0]))
+
+
+def test_empty_experts_and_mismatched_tokenizers(tiny_dir):
+    with pytest.raises(ConfigError, match="experts"):
+        parse_config({"experts": []})
+    with pytest.raises(InvalidArgumentError, match="at least one expert"):
+        FusionEngine([])
+    config = parse_config(tiny_config_dict(tiny_dir, names=("a", "other")))
+    with pytest.raises(ConfigError, match="experts 'a' and 'other' use different tokenizers"):
+        FusionPipeline.from_config(config)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -0.5, "temperature"),
+    ("top_p", 0.0, "top_p"),
+    ("top_p", 1.5, "top_p"),
+    ("top_k", -1, "top_k"),
+    ("min_p", 2.0, "min_p"),
+    ("max_tokens", 0, "max_tokens"),
+    ("temperature", float("nan"), "temperature"),
+])
+def test_bad_sampling_values(tiny_pipeline, field, value, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        tiny_pipeline.build_request("hi", {field: value})
+
+
+def test_limits(tiny_dir):
+    config = parse_config(tiny_config_dict(tiny_dir, limits={"max_prompt_tokens": 30, "max_tokens": 5}))
+    pipeline = FusionPipeline.from_config(config)
+    with pytest.raises(ResourceExhaustedError, match="max_prompt_tokens=30"):
+        pipeline.build_request("the quick brown fox jumps over the lazy dog " * 5)
+    with pytest.raises(ResourceExhaustedError, match="max_tokens: 6 exceeds the limit 5"):
+        pipeline.build_request("hi", {"max_tokens": 6})
+    pipeline.close()
+
+
+class NaNExpert:
+    """Wraps a real expert and poisons its logits, as a broken checkpoint would."""
+
+    def __init__(self, inner, value):
+        self.inner, self.value, self.info = inner, value, inner.info
+
+    def step(self, requests):
+        out = self.inner.step(requests)
+        out[:, 3] = self.value
+        return out
+
+    def score(self, session_id, token_ids, n):
+        out = self.inner.score(session_id, token_ids, n)
+        out[:, 3] = self.value
+        return out
+
+    def release(self, ids):
+        self.inner.release(ids)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_logits_are_refused(tiny_pipeline, value):
+    experts = list(tiny_pipeline.engine.experts)
+    experts[1] = NaNExpert(experts[1], value)
+    engine = FusionEngine(experts)
+    rule = make_rule("weighted_logits", {}, engine.names)
+    request = GenerationRequest([[1, 2, 3]] * 3, SamplingParams(max_tokens=3), rule, [1, 1, 1])
+    with pytest.raises(ExpertOutputError, match="expert 'b' returned non-finite logits"):
+        list(engine.generate(request))
+    with pytest.raises(ExpertOutputError, match="expert 'b'"):
+        engine.score([[1, 2, 3]] * 3, [4, 5], rule, [1, 1, 1])
+    assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+    engine.close()

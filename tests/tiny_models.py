@@ -1,0 +1,72 @@
+"""Tiny random-initialised causal LMs and tokenizers, saved with save_pretrained and loaded back
+through the same code path as real checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "what is 12 + 35 ? the answer is 47 .",
+    "def add ( a , b ) : return a + b",
+    "hello world , fusion of small models decodes one sequence together",
+    "0 1 2 3 4 5 6 7 8 9 + - * = ?",
+] * 4
+
+
+def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer with a chat template and <|im_end|> as EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus or CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_model(path: Path, tokenizer, *, seed: int, extra_rows: int = 0, hidden: int = 32, layers: int = 2):
+    """A tiny Llama with `len(tokenizer) + extra_rows` output rows (padded embeddings), float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + extra_rows,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits than the default init, so experts disagree visibly
+        model.lm_head.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+
+from fusion.config import FusionSpec, load_config, parse_config
+from fusion.errors import ConfigError
+from fusion.session_cache import SessionCache, common_prefix_length
+from fusion.text import TextStream
+
+
+def test_config_errors_name_field_and_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"experts\.0\.dtype.*'float64'"):
+        parse_config({"experts": [{"name": "a", "model": "m", "dtype": "float64"}]})
+    with pytest.raises(ConfigError, match=r"sampling\.top_p.*1\.5"):
+        parse_config({"experts": [{"name": "a", "model": "m"}], "sampling": {"top_p": 1.5}})
+    with pytest.raises(ConfigError, match="duplicate expert names"):
+        parse_config({"experts": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]})
+    with pytest.raises(ConfigError, match="unknown profile 'p'"):
+        parse_config({"experts": [{"name": "a", "model": "m"}], "fusion": {"profile": "p"}})
+    with pytest.raises(ConfigError, match="profile 'x' names unknown experts"):
+        parse_config({"experts": [{"name": "a", "model": "m"}], "profiles": {"x": {"zz": 1}}})
+    with pytest.raises(ConfigError, match=r"experts\.0\.colour.*Extra inputs"):
+        parse_config({"experts": [{"name": "a", "model": "m", "colour": "red"}]})
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experts: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(bad)
+
+
+def test_weights_from_profile_request_and_defaults():
+    config = parse_config({
+        "experts": [{"name": "a", "model": "m", "weight": 2}, {"name": "b", "model": "n"}],
+        "profiles": {"math": {"b": 3}},
+    })
+    assert config.weights_for(FusionSpec()) == [2.0, 1.0]
+    assert config.weights_for(FusionSpec(profile="math")) == [0.0, 3.0]
+    assert config.weights_for(FusionSpec(weights={"a": 0.5})) == [0.5, 0.0]
+
+
+def test_session_cache_lru():
+    cache = SessionCache(max_tokens=10)
+    for name, n in (("a", 4), ("b", 4), ("c", 4)):
+        cache.get(name).token_ids = list(range(n))
+    cache.get("a")  # a becomes most recent
+    assert cache.evict(keep=["c"]) == ["b"]
+    assert cache.sessions() == ["c", "a"] or set(cache.sessions()) == {"a", "c"}
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    entry = cache.get("a")
+    assert cache.reusable_length(entry, [0, 1, 2, 3]) == 3  # the last id is always recomputed
+    assert cache.release("a") and not cache.release("a")
+
+
+class CharTokenizer:
+    """Ids are code points; enough to test the stream's text logic on its own."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_stream_stop_strings_and_holdback():
+    stream = TextStream(CharTokenizer(), stop=["END"])
+    out = "".join(stream.push(ord(c)) for c in "hello E")
+    assert out == "hello "  # "E" is held back: it may start "END"
+    out += stream.push(ord("N"))
+    assert not stream.stopped
+    out += stream.push(ord("D"))
+    assert stream.stopped and out == "hello "
+    stream = TextStream(CharTokenizer(), stop=["END"])
+    out = "".join(stream.push(ord(c)) for c in "hello EN") + stream.flush()
+    assert out == "hello EN" and not stream.stopped

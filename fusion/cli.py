@@ -301,5 +301,48 @@ def train_expert(
     run_guarded(run)
 
 
+@app.command()
+def bench(
+    config_path: Optional[Path] = ConfigOption,
+    suites: str = typer.Option("step,generate,concurrency,memory", "--suites",
+                               help="Comma-separated: step, generate, concurrency, memory."),
+    steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
+    levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Measure fusion overhead, throughput and concurrency as side-by-side ratios."""
+
+    def run() -> None:
+        import torch
+
+        from fusion import bench as b
+
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
+        report = b.BenchReport()
+        report.figures["machine"] = b.machine_description()
+        chosen = [s.strip() for s in suites.split(",") if s.strip()]
+        known = {"step", "generate", "concurrency", "memory"}
+        if set(chosen) - known:
+            fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
+        if "step" in chosen:
+            b.bench_step(pipeline, report, steps=steps)
+        if "generate" in chosen:
+            b.bench_generate(pipeline, report)
+        if "concurrency" in chosen:
+            b.bench_concurrency(pipeline, report, levels=tuple(int(x) for x in levels.split(",")))
+        if "memory" in chosen:
+            b.bench_memory(pipeline, report)
+        pipeline.close()
+        typer.echo(f"machine: {report.figures['machine']}")
+        for line in report.lines:
+            typer.echo(line)
+        if json_out:
+            json_out.write_text(json.dumps(report.figures, indent=2))
+
+    run_guarded(run)
+
+
 if __name__ == "__main__":
     app()

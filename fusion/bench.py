@@ -1,0 +1,199 @@
+"""Benchmarks. Every figure is a ratio of two timings measured side by side in one run, because the
+machines are shared and noisy; absolute times are printed for context only."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fusion.config import SamplingParams
+from fusion.engine import GenerationRequest
+from fusion.expert import LocalExpert
+from fusion.pipeline import FusionPipeline
+from fusion.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+BENCH_PROMPT = "Write a short paragraph about why the sky is blue, and then explain it to a child."
+
+
+@dataclass
+class BenchReport:
+    figures: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    def add(self, key: str, value: Any, line: str) -> None:
+        self.figures[key] = value
+        self.lines.append(line)
+        logger.info(line)
+
+
+def machine_description() -> str:
+    import os
+    import platform
+
+    return (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, cuda={'yes' if torch.cuda.is_available() else 'no'}")
+
+
+def _prompt_ids(pipeline: FusionPipeline) -> list[list[int]]:
+    return pipeline.build_request(BENCH_PROMPT, {"max_tokens": 1}).prompt_ids
+
+
+def plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
+    """Mean time of one decode forward of the bare model with its KV cache (the reference)."""
+    from transformers import DynamicCache
+
+    model = expert.model
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=torch.tensor([prompt], device=expert.device), cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(steps + 2):
+            start = time.perf_counter()
+            out = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - start)
+    return statistics.mean(times[2:]) * 1e3
+
+
+def fused_step_ms(pipeline: FusionPipeline, steps: int) -> tuple[float, float, dict[str, float]]:
+    """Mean fused decode step (all experts overlapped + fusion + sampling) and its fusion+sampling part."""
+    engine = pipeline.engine
+    rule, weights = pipeline.resolve_spec(None)
+    request = GenerationRequest(_prompt_ids(pipeline), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
+                                rule, weights)
+    batch = engine.new_batch()
+    batch.add(request)
+    batch.step()  # prefill
+    batch.step()  # warm-up
+    step_times, fuse_times = [], []
+    per_expert: dict[str, list[float]] = {n: [] for n in engine.names}
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch.step()
+        step_times.append(time.perf_counter() - start)
+        fuse_times.append(engine.last_timings.fuse_sample_s)
+        for name, seconds in engine.last_timings.per_expert_s.items():
+            per_expert[name].append(seconds)
+    batch.cancel_all()
+    return (statistics.mean(step_times) * 1e3, statistics.mean(fuse_times) * 1e3,
+            {n: statistics.mean(v) * 1e3 for n, v in per_expert.items() if v})
+
+
+def bench_step(pipeline: FusionPipeline, report: BenchReport, steps: int = 24, rounds: int = 3) -> None:
+    """Fused step / Σ plain forwards, and fusion+sampling / one forward. Rounds interleave the two
+    measurements so drift in machine load hits both alike."""
+    experts = [e for e in pipeline.engine.experts if isinstance(e, LocalExpert)]
+    prompts = _prompt_ids(pipeline)
+    plain_sums, fused, fuse = [], [], []
+    per_expert_plain: dict[str, list[float]] = {e.info.name: [] for e in experts}
+    for r in range(rounds):
+        logger.info("step benchmark round %d/%d", r + 1, rounds)
+        times = [plain_forward_ms(e, prompts[i], steps) for i, e in enumerate(experts)]
+        for e, t in zip(experts, times):
+            per_expert_plain[e.info.name].append(t)
+        plain_sums.append(sum(times))
+        step_ms, fuse_ms, _ = fused_step_ms(pipeline, steps)
+        fused.append(step_ms)
+        fuse.append(fuse_ms)
+    plain_sum = statistics.median(plain_sums)
+    fused_ms = statistics.median(fused)
+    fuse_ms = statistics.median(fuse)
+    one_forward = statistics.median(per_expert_plain[experts[0].info.name])
+    for name, values in per_expert_plain.items():
+        report.add(f"plain_forward_ms.{name}", statistics.median(values),
+                   f"plain decode forward, {name}: {statistics.median(values):.1f} ms")
+    report.add("fused_step_ms", fused_ms, f"fused decode step ({len(experts)} experts): {fused_ms:.1f} ms")
+    report.add("fused_step_over_sum_of_forwards", fused_ms / plain_sum,
+               f"fused step / sum of plain forwards: {fused_ms / plain_sum:.3f}  (goal <= 1.05)")
+    report.add("fusion_sampling_ms", fuse_ms, f"fusion + sampling: {fuse_ms:.2f} ms at vocabulary "
+               f"{pipeline.engine.vocab_size}")
+    report.add("fusion_sampling_over_one_forward", fuse_ms / one_forward,
+               f"fusion + sampling / one forward ({experts[0].info.name}): {fuse_ms / one_forward:.4f}  "
+               "(goal <= 0.02)")
+
+
+def bench_generate(pipeline: FusionPipeline, report: BenchReport, max_tokens: int = 48) -> None:
+    """Fused single-stream tokens/s against each expert's plain transformers `generate`."""
+    from transformers import GenerationConfig
+
+    prompts = _prompt_ids(pipeline)
+    request = pipeline.build_request(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
+    list(pipeline.engine.generate(request))  # warm-up
+    request = pipeline.build_request(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
+    start = time.perf_counter()
+    n = sum(1 for _ in pipeline.engine.generate(request))
+    fused_tps = n / (time.perf_counter() - start)
+    report.add("fused_tokens_per_s", fused_tps, f"fused generation: {fused_tps:.1f} tokens/s")
+    for i, expert in enumerate(pipeline.engine.experts):
+        if not isinstance(expert, LocalExpert):
+            continue
+        ids = torch.tensor([prompts[i]], device=expert.device)
+        gen_config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=0)
+        with torch.no_grad():
+            expert.model.generate(ids, generation_config=gen_config)
+            start = time.perf_counter()
+            out = expert.model.generate(ids, generation_config=gen_config)
+        tps = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+        report.add(f"generate_tokens_per_s.{expert.info.name}", tps,
+                   f"plain generate, {expert.info.name}: {tps:.1f} tokens/s; fused / plain = {fused_tps / tps:.3f}")
+
+
+def bench_concurrency(pipeline: FusionPipeline, report: BenchReport, levels=(1, 4, 8, 16),
+                      max_tokens: int = 24) -> None:
+    """Aggregate tokens/s at N concurrent sessions / 1 session, with p50/p95 inter-token latency."""
+    base_tps = None
+    for level in levels:
+        scheduler = Scheduler(pipeline.engine, max_concurrent=level, max_batch_size=level).start()
+        gaps: list[float] = []
+        lock = threading.Lock()
+        counts = [0] * level
+
+        def consume(i: int) -> None:
+            request = pipeline.build_request(f"{BENCH_PROMPT} ({i})", {"max_tokens": max_tokens, "ignore_eos": True})
+            last = None
+            local = []
+            for _ in scheduler.submit(request):
+                now = time.perf_counter()
+                if last is not None:
+                    local.append(now - last)
+                last = now
+                counts[i] += 1
+            with lock:
+                gaps.extend(local)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(level)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+        scheduler.stop()
+        tps = sum(counts) / elapsed
+        base_tps = base_tps or tps
+        gaps.sort()
+        p50 = gaps[len(gaps) // 2] * 1e3
+        p95 = gaps[min(len(gaps) - 1, int(len(gaps) * 0.95))] * 1e3
+        report.add(f"concurrency.{level}", {"tokens_per_s": tps, "ratio": tps / base_tps, "itl_p50_ms": p50,
+                                            "itl_p95_ms": p95},
+                   f"{level:>2} sessions: {tps:6.1f} tokens/s ({tps / base_tps:.2f}x one session), "
+                   f"inter-token p50 {p50:.0f} ms, p95 {p95:.0f} ms")
+
+
+def bench_memory(pipeline: FusionPipeline, report: BenchReport) -> None:
+    for expert in pipeline.engine.experts:
+        if isinstance(expert, LocalExpert):
+            size = sum(p.numel() * p.element_size() for p in expert.model.parameters())
+            report.add(f"weights_mb.{expert.info.name}", size / 2**20,
+                       f"weights, {expert.info.name}: {size / 2**20:.1f} MiB ({expert.info.dtype})")

@@ -103,13 +103,16 @@ def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
 class LocalExpert:
     """An in-process expert. Thread-safe: concurrent `step` calls are serialised per expert."""
 
-    def __init__(self, config: ExpertConfig, model, tokenizer, *, model_ref: str | None = None) -> None:
+    def __init__(
+        self, config: ExpertConfig, model, tokenizer, *, model_ref: str | None = None, max_decode_batch: int = 64
+    ) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
         self.cache = SessionCache(config.max_cached_tokens)
         self._lock = threading.Lock()
+        self.max_decode_batch = max_decode_batch
         width = model.get_output_embeddings().weight.shape[0]
         self.info = ExpertInfo(
             name=config.name,
@@ -133,12 +136,34 @@ class LocalExpert:
 
     # -- the expert contract -------------------------------------------------------------------
     def step(self, requests: Sequence[StepRequest]) -> torch.Tensor:
-        """Next-token logits for each session: (B, V) float32 on the expert's device."""
+        """Next-token logits for each session: (B, V) float32 on the expert's device.
+
+        Sessions whose cache lacks only the last id (steady decoding) run as one batched forward;
+        the others (prefill, diverged or evicted histories) run one by one."""
         if not requests:
             return torch.empty(0, self.info.vocab_size)
+        ids = [r.session_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(f"expert {self.info.name!r}: a step names a session twice: {ids}")
         with self._lock, torch.no_grad():
-            rows = [self._forward_tail(r.session_id, r.token_ids, 1)[-1] for r in requests]
-            self.cache.evict(keep=[r.session_id for r in requests])
+            rows: list[torch.Tensor | None] = [None] * len(requests)
+            decode = []
+            for i, r in enumerate(requests):
+                token_ids = list(r.token_ids)
+                self._check_ids(token_ids)
+                entry = self.cache.get(r.session_id)
+                if self._batchable(entry, token_ids):
+                    decode.append((i, entry, token_ids))
+                else:
+                    rows[i] = self._forward_tail(r.session_id, token_ids, 1)[-1]
+            if len(decode) == 1:
+                i, _, token_ids = decode[0]
+                rows[i] = self._forward_tail(requests[i].session_id, token_ids, 1)[-1]
+            elif decode:
+                logits = self._decode_batch([entry for _, entry, _ in decode], [t for _, _, t in decode])
+                for (i, _, _), row in zip(decode, logits):
+                    rows[i] = row
+            self.cache.evict(keep=ids)
         return torch.stack(rows)
 
     def score(self, session_id: str, token_ids: Sequence[int], num_positions: int) -> torch.Tensor:
@@ -172,6 +197,56 @@ class LocalExpert:
                 f"expert {self.info.name!r}: {len(token_ids)} token_ids exceed the model's "
                 f"{self.info.max_positions} positions"
             )
+
+    def _batchable(self, entry, token_ids: list[int]) -> bool:
+        """Steady decoding: the cache holds exactly all ids but the last, in plain (non-sliding) layers."""
+        return (
+            self.max_decode_batch > 1
+            and entry.kv is not None
+            and len(token_ids) == entry.length + 1
+            and entry.token_ids == token_ids[:-1]
+            and all(type(layer).__name__ == "DynamicLayer" for layer in entry.kv.layers)
+        )
+
+    def _decode_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
+        """One forward for B sessions of different lengths: their caches are left-padded into one
+        batch (padding masked out), and each session's new key/value column is appended to its own
+        cache afterwards. Returns (B, V) float32."""
+        from transformers import DynamicCache
+
+        lengths = [e.length for e in entries]
+        longest = max(lengths)
+        num_layers = len(entries[0].kv.layers)
+        data = []
+        for layer in range(num_layers):
+            keys, values = [], []
+            for entry, n in zip(entries, lengths):
+                k, v = entry.kv.layers[layer].keys, entry.kv.layers[layer].values  # (1, H, n, D)
+                pad = (0, 0, longest - n, 0)  # left-pad the sequence dimension
+                keys.append(torch.nn.functional.pad(k, pad))
+                values.append(torch.nn.functional.pad(v, pad))
+            data.append((torch.cat(keys), torch.cat(values)))  # (B, H, longest, D)
+        batched = DynamicCache(ddp_cache_data=data)
+        mask = torch.zeros(len(entries), longest + 1, dtype=torch.long, device=self.device)  # (B, longest + 1)
+        for row, n in enumerate(lengths):
+            mask[row, longest - n:] = 1
+        out = self.model(
+            input_ids=torch.tensor([[h[-1]] for h in histories], device=self.device),  # (B, 1)
+            attention_mask=mask,
+            position_ids=torch.tensor([[n] for n in lengths], device=self.device),  # (B, 1)
+            cache=batched,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for layer in range(num_layers):
+            new_k = batched.layers[layer].keys[:, :, -1:]  # (B, H, 1, D)
+            new_v = batched.layers[layer].values[:, :, -1:]
+            for row, entry in enumerate(entries):
+                entry.kv.layers[layer].update(new_k[row : row + 1], new_v[row : row + 1])
+        for entry, history in zip(entries, histories):
+            entry.token_ids = history
+        self.cache.record(hits=sum(lengths), misses=len(entries))
+        return out.logits[:, -1].float()
 
     def _forward_tail(self, session_id: str, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         """Run the uncached suffix of `token_ids`; return logits of its last `num_logits` positions (n, V)."""

@@ -356,3 +356,26 @@ def test_non_finite_logits_are_refused(tiny_pipeline, value):
         engine.score([[1, 2, 3]] * 3, [4, 5], rule, [1, 1, 1])
     assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
     engine.close()
+
+
+def test_batched_decode_matches_one_by_one(tiny_dir):
+    """Sessions of different lengths, joining at different steps, decoded in one batched forward,
+    give the logits of unbatched steps."""
+    config = parse_config({"experts": [{"name": "c", "model": str(tiny_dir / "c"), "dtype": "float32"}]})
+    batched = LocalExpert.load(config.experts[0])
+    single = LocalExpert(config.experts[0], batched.model, batched.tokenizer, max_decode_batch=1)
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9, 10, 11, 12]}
+    joins = {"s1": 0, "s2": 0, "s3": 2}  # s3 joins at step 2, its prefill beside the others' decode
+    batch_sizes = []
+    decode_batch = batched._decode_batch
+    batched._decode_batch = lambda entries, hist: batch_sizes.append(len(entries)) or decode_batch(entries, hist)
+    for step in range(6):
+        active = [s for s in histories if joins[s] <= step]
+        requests = [StepRequest(s, histories[s]) for s in active]
+        got = batched.step(requests)
+        expected = torch.stack([single.step([r])[0] for r in requests])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for s, row in zip(active, got):
+            histories[s] = histories[s] + [int(row[:300].argmax())]
+    assert batch_sizes == [2, 2, 3, 3, 3]  # the batched path really ran; the late joiner batches from step 3
+    assert len(batched.cache) == 3

@@ -63,10 +63,10 @@ class Expert(Protocol):
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the token ↔ id map and special tokens: equal iff two experts can share ids."""
+    """A short hash of the token ↔ id map: equal iff the same ids mean the same strings. Special-token
+    roles (which id ends a turn) may differ between variants of one family and do not enter it."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    specials = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}
-    digest = hashlib.sha256(json.dumps([vocab, specials], ensure_ascii=False).encode("utf-8"))
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8"))
     return digest.hexdigest()[:16]
 
 

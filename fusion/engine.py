@@ -191,15 +191,28 @@ class FusionEngine:
         """Fused log-probability of each continuation id after each expert's prompt (teacher forcing)."""
         probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
         self.validate(probe)
+        logits = self.continuation_logits(prompt_ids, continuation_ids, uses=[
+            rule.uses_expert(e, weights) for e in range(len(self.experts))
+        ])
+        return self.fused_logprobs(logits, continuation_ids, rule, weights)
+
+    def continuation_logits(
+        self, prompt_ids: list[list[int]], continuation_ids: list[int], uses: Sequence[bool] | None = None
+    ) -> torch.Tensor:
+        """Every expert's logits predicting each continuation id, teacher forced: (E, n, V).
+        Experts not in `uses` are not run (zeros)."""
         if not continuation_ids:
             raise InvalidArgumentError("continuation: must not be empty")
         bad = [t for t in continuation_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgumentError(f"continuation ids out of range [0, {self.vocab_size}): {bad[:5]}")
         n = len(continuation_ids)
-        session = f"score-{probe.request_id}"
+        session = f"score-{new_request_id()}"
+        uses = list(uses) if uses is not None else [True] * len(self.experts)
 
         def run(index: int) -> torch.Tensor:
+            if not uses[index]:
+                return torch.zeros(n, self.vocab_size, device=self.device)
             expert = self.experts[index]
             return expert.score(session, list(prompt_ids[index]) + list(continuation_ids), n)
 
@@ -208,8 +221,15 @@ class FusionEngine:
         finally:
             for expert in self.experts:
                 expert.release([session])
-        logits = self.alignment.stack([t.to(self.device) for t in per_expert])  # (E, n, V)
-        self._check_finite(logits, rows=None)
+        logits = self.alignment.stack([t.to(self.device) for t in per_expert]).float()  # (E, n, V)
+        self._check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
+        return logits
+
+    def fused_logprobs(
+        self, logits: torch.Tensor, continuation_ids: list[int], rule: FusionRule, weights: list[float]
+    ) -> list[float]:
+        """Fuse teacher-forced logits (E, n, V) and gather each continuation id's log-probability."""
+        n = logits.shape[1]
         w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
         fused = rule.fuse(logits, w).logits  # (n, V)
         log_probs = torch.log_softmax(fused.float(), dim=-1)
@@ -253,9 +273,14 @@ class FusionEngine:
         ]
         return self.alignment.stack(filled).float()
 
-    def _check_finite(self, logits: torch.Tensor, rows: list[_Row] | None) -> list[tuple[int, str]]:
-        """Rows (with the expert's name) whose logits hold NaN, +inf, or no finite value. One host sync."""
+    def _check_finite(
+        self, logits: torch.Tensor, rows: list[_Row] | None, consulted: torch.Tensor | None = None
+    ) -> list[tuple[int, str]]:
+        """Rows (with the expert's name) whose logits hold NaN, +inf, or no finite value. One host sync.
+        `consulted` (E,) bool limits the check to experts that were run."""
         bad = logits.isnan().any(-1) | logits.isposinf().any(-1) | logits.isneginf().all(-1)  # (E, B)
+        if consulted is not None:
+            bad &= consulted[:, None]
         if not bool(bad.any()):
             return []
         problems = [(int(b), self.names[int(e)]) for e, b in bad.nonzero().tolist()]

@@ -301,6 +301,46 @@ def train_expert(
     run_guarded(run)
 
 
+@app.command("eval")
+def evaluate(
+    config_path: Optional[Path] = ConfigOption,
+    questions: int = typer.Option(100, "--questions", help="Held-out arithmetic questions (0 = skip)."),
+    seed: int = typer.Option(0, "--seed", help="Which held-out questions."),
+    domains: str = typer.Option("arithmetic,python,general", "--domains", help="Bits-per-byte domains."),
+    chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
+    only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Each expert alone and each fusion rule: arithmetic exact match, bits-per-byte, tokens/s."""
+
+    def run() -> None:
+        from fusion import evaluation as ev
+
+        pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
+        rows = ev.default_rows(pipeline)
+        if only:
+            wanted = [w.strip() for w in only.split(",")]
+            unknown = sorted(set(wanted) - {name for name, _ in rows})
+            if unknown:
+                fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")
+            rows = [r for r in rows if r[0] in wanted]
+        chosen = [d.strip() for d in domains.split(",") if d.strip()]
+        if set(chosen) - set(ev.DOMAINS):
+            fail(f"--domains: unknown domain(s) {sorted(set(chosen) - set(ev.DOMAINS))}; known: {list(ev.DOMAINS)}")
+        results = ev.evaluate(pipeline, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
+                              domains=chosen)
+        pipeline.close()
+        typer.echo(ev.format_table(results))
+        if json_out:
+            json_out.write_text(json.dumps(ev.to_json(results), indent=2))
+        if plot:
+            ev.plot(results, plot)
+
+    run_guarded(run)
+
+
 @app.command()
 def bench(
     config_path: Optional[Path] = ConfigOption,

@@ -1,0 +1,237 @@
+"""Quality evaluation: does the fused trio beat each of its members?
+
+Rows: every expert alone (`single` rule) and each fusion rule. Columns: exact-match accuracy on
+held-out arithmetic questions (problems training never draws), bits-per-byte on held-out text of
+each domain, and tokens/s while answering the arithmetic questions (batched).
+
+Domains for bits-per-byte, all available offline on any Python install:
+  arithmetic  held-out questions with their worked answers, as chat transcripts
+  python      held-out standard-library source files (the code specialist never trained on them)
+  general     English documentation prose: IDLE's help page and Python's licence history
+Experts' teacher-forced logits are computed once per text chunk and every rule is applied to them.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import math
+import re
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from fusion.config import FusionSpec, SamplingParams
+from fusion.engine import GenerationRequest
+from fusion.pipeline import FusionPipeline
+
+logger = logging.getLogger(__name__)
+
+DOMAINS = ("arithmetic", "python", "general")
+
+
+@dataclass
+class EvalRow:
+    name: str
+    spec: dict
+    arithmetic_accuracy: float | None = None
+    bits_per_byte: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float | None = None
+
+
+def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec]] = ()) -> list[tuple[str, FusionSpec]]:
+    config = pipeline.config
+    weights = {e.name: e.weight for e in config.experts}
+    rows = [(f"{name} alone", FusionSpec(rule="single", params={"expert": name})) for name in pipeline.expert_names]
+    rows += [
+        ("weighted_logits", FusionSpec(rule="weighted_logits", weights=weights)),
+        ("mixture", FusionSpec(rule="mixture", weights=weights)),
+        ("confidence", FusionSpec(rule="confidence", params={"tau": 0.5}, weights=weights)),
+    ]
+    configured = config.fusion
+    if all(configured != spec for _, spec in rows):
+        rows.append((f"config ({configured.rule})", configured))
+    rows += list(extra)
+    return rows
+
+
+# -- arithmetic ------------------------------------------------------------------------------
+def arithmetic_accuracy(
+    pipeline: FusionPipeline, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
+    max_tokens: int = 96,
+) -> tuple[float, float, list[dict]]:
+    """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records)."""
+    from fusion.training.arithmetic import extract_answer
+
+    tokenizer = pipeline.tokenizers[0]
+    correct, tokens, records = 0, 0, []
+    start = time.perf_counter()
+    for offset in range(0, len(questions), batch_size):
+        chunk = questions[offset:offset + batch_size]
+        requests = [
+            pipeline.build_request(q, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec)
+            for q, _ in chunk
+        ]
+        results = pipeline.engine.generate_many(requests)
+        for (question, answer), request in zip(chunk, requests):
+            ids = [e.token_id for e in results[request.request_id]]
+            tokens += len(ids)
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            got = extract_answer(text)
+            correct += got == answer
+            records.append({"question": question, "answer": answer, "got": got, "text": text})
+    elapsed = time.perf_counter() - start
+    return correct / max(1, len(questions)), tokens / elapsed, records
+
+
+# -- held-out text ----------------------------------------------------------------------------
+def _html_text(path: Path) -> str:
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    raw = re.sub(r"(?is)<(script|style).*?</\1>", " ", raw)
+    text = html.unescape(re.sub(r"(?s)<[^>]+>", " ", raw))
+    return re.sub(r"[ \t]+", " ", re.sub(r"\n\s*\n+", "\n\n", text)).strip()
+
+
+def general_text() -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    help_page = stdlib / "idlelib" / "help.html"
+    if help_page.exists():
+        parts.append(_html_text(help_page))
+    licence = stdlib / "LICENSE.txt"
+    if licence.exists():
+        parts.append(licence.read_text(encoding="utf-8", errors="replace"))
+    if not parts:
+        raise FileNotFoundError("no general English text found in the standard library (idlelib/help.html)")
+    return "\n\n".join(parts)
+
+
+def python_text() -> str:
+    from fusion.training.python_code import stdlib_files
+
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files(held_out=True)[:40])
+
+
+def arithmetic_text(n: int, seed: int) -> str:
+    from fusion.training.arithmetic import _held_out_pool, answer_text, question_text  # noqa: F401
+    import random
+
+    rng = random.Random(f"bpb:{seed}")
+    pool = list(_held_out_pool())
+    rng.shuffle(pool)
+    return "\n".join(f"{question_text(p, rng)}\n{answer_text(p)}" for p in pool[:n])
+
+
+def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
+    """`count` evenly spaced windows of about `tokens` tokens, cut at line starts."""
+    lines = text.splitlines(keepends=True)
+    ids_per_line = [len(tokenizer(line, add_special_tokens=False)["input_ids"]) for line in lines]
+    windows, current, size = [], [], 0
+    for line, n in zip(lines, ids_per_line):
+        current.append(line)
+        size += n
+        if size >= tokens:
+            windows.append("".join(current))
+            current, size = [], 0
+    if not windows and current:
+        windows.append("".join(current))
+    step = max(1, len(windows) // count)
+    return windows[::step][:count]
+
+
+def bits_per_byte(
+    pipeline: FusionPipeline, specs: list[FusionSpec], texts: list[str]
+) -> list[float]:
+    """Bits per UTF-8 byte of `texts` under each spec. Each expert runs once per text; every rule is
+    applied to the same teacher-forced logits."""
+    from fusion.text import encode_plain
+
+    engine = pipeline.engine
+    nats = [0.0] * len(specs)
+    total_bytes = 0
+    resolved = [pipeline.resolve_spec(s) for s in specs]
+    context = "\n"  # a one-token context so the first token of the text is predicted too
+    for text in texts:
+        prompt_ids = [encode_plain(tok, context, add_special_tokens=True) for tok in pipeline.tokenizers]
+        ids = encode_plain(pipeline.tokenizers[0], text, add_special_tokens=False)
+        logits = engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
+        for i, (rule, weights) in enumerate(resolved):
+            nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights))
+        total_bytes += len(text.encode("utf-8"))
+    return [n / math.log(2) / total_bytes for n in nats]
+
+
+def evaluate(
+    pipeline: FusionPipeline,
+    *,
+    rows: list[tuple[str, FusionSpec]] | None = None,
+    questions: int = 100,
+    seed: int = 0,
+    text_chunks: int = 8,
+    chunk_tokens: int = 192,
+    domains: Sequence[str] = DOMAINS,
+) -> list[EvalRow]:
+    from fusion.training.arithmetic import make_questions
+
+    rows = rows or default_rows(pipeline)
+    results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
+    if questions > 0:
+        qs = make_questions(questions, seed)
+        for result, (name, spec) in zip(results, rows):
+            logger.info("arithmetic: %s (%d questions)", name, len(qs))
+            acc, tps, _ = arithmetic_accuracy(pipeline, spec, qs)
+            result.arithmetic_accuracy, result.tokens_per_s = acc, tps
+            logger.info("arithmetic: %s: %.1f%% exact, %.1f tokens/s", name, 100 * acc, tps)
+    sources = {"arithmetic": lambda: arithmetic_text(200, seed), "python": python_text, "general": general_text}
+    tokenizer = pipeline.tokenizers[0]
+    for domain in domains:
+        texts = chunks(sources[domain](), tokenizer, count=text_chunks, tokens=chunk_tokens)
+        logger.info("bits-per-byte: %s (%d chunks)", domain, len(texts))
+        for result, bpb in zip(results, bits_per_byte(pipeline, [spec for _, spec in rows], texts)):
+            result.bits_per_byte[domain] = bpb
+    return results
+
+
+def format_table(results: list[EvalRow]) -> str:
+    domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
+    header = ["row", "arith exact"] + [f"bpb {d}" for d in domains] + ["tokens/s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        acc = f"{100 * r.arithmetic_accuracy:.1f}%" if r.arithmetic_accuracy is not None else "–"
+        bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
+        tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
+        lines.append("| " + " | ".join([r.name, acc, *bpbs, tps]) + " |")
+    return "\n".join(lines)
+
+
+def to_json(results: list[EvalRow]) -> list[dict]:
+    return [asdict(r) for r in results]
+
+
+def plot(results: list[EvalRow], path: Path) -> None:
+    """A bar chart: arithmetic accuracy and bits-per-byte per domain, one bar per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
+    panels = (["arithmetic exact match"] if any(r.arithmetic_accuracy is not None for r in results) else [])
+    panels += [f"bits/byte: {d}" for d in domains]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    names = [r.name for r in results]
+    for ax, panel in zip(axes[0], panels):
+        if panel.startswith("arithmetic"):
+            values = [100 * (r.arithmetic_accuracy or 0) for r in results]
+            ax.set_ylabel("% exact (higher is better)")
+        else:
+            domain = panel.split(": ")[1]
+            values = [r.bits_per_byte.get(domain, float("nan")) for r in results]
+            ax.set_ylabel("bits per byte (lower is better)")
+        ax.bar(range(len(values)), values, color=["#8da0cb" if "alone" in n else "#fc8d62" for n in names])
+        ax.set_xticks(range(len(values)), names, rotation=60, ha="right", fontsize=8)
+        ax.set_title(panel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -158,7 +158,7 @@ def bits_per_byte(
         ids = encode_plain(pipeline.tokenizers[0], text, add_special_tokens=False)
         logits = engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
         for i, (rule, weights) in enumerate(resolved):
-            nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights))
+            nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights, prompt_ids[0][-1]))
         total_bytes += len(text.encode("utf-8"))
     return [n / math.log(2) / total_bytes for n in nats]
 

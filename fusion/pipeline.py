@@ -83,7 +83,9 @@ class FusionPipeline:
 
     # -- requests -----------------------------------------------------------------------------
     def _make_rule(self, name: str, params_json: str) -> FusionRule:
-        return make_rule(name, json.loads(params_json), self.expert_names)
+        rule = make_rule(name, json.loads(params_json), self.expert_names)
+        rule.bind(self.engine.experts)
+        return rule
 
     def resolve_spec(self, spec: FusionSpec | None) -> tuple[FusionRule, list[float]]:
         spec = spec or self.config.fusion

@@ -1,7 +1,8 @@
 """Fusion rules: small pure functions over the experts' stacked logits, behind one registry.
 
 Every rule maps `logits (E, B, V)` and `weights (E, B)` to fused log-space scores `(B, V)` plus the
-weights it effectively used `(E, B)` (for per-token attribution). Rules validate their parameters at
+weights it effectively used `(E, B)` (for per-token attribution). `prev_ids (B,)`, the id each row's
+history ends with, is context for learned rules; the others ignore it. Rules validate their parameters at
 construction and a request's weights with `check_weights`; both raise `ValueError` naming the value.
 
     weighted_logits   z = Σ w_i z_i, weights normalised to sum 1 (a weighted product of experts)
@@ -55,11 +56,14 @@ class FusionRule:
         if sum(weights) <= 0:
             raise ValueError(f"rule {self.name!r} needs a positive weight sum, got {list(weights)}")
 
+    def bind(self, experts: Sequence[Any]) -> None:
+        """Called once with the engine's experts before first use; learned rules check them here."""
+
     def uses_expert(self, index: int, weights: Sequence[float]) -> bool:
         """Whether the rule reads expert `index`'s logits under these weights (others need no forward)."""
         return weights[index] != 0
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
         raise NotImplementedError
 
     def _check_count(self, weights: Sequence[float]) -> None:
@@ -95,7 +99,7 @@ def _mixture(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class WeightedLogits(FusionRule):
     name = "weighted_logits"
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
         w = _normalised(weights)
         return FusedLogits(_weighted_sum(logits, w), w)
 
@@ -103,7 +107,7 @@ class WeightedLogits(FusionRule):
 class Mixture(FusionRule):
     name = "mixture"
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
         w = _normalised(weights)
         return FusedLogits(_mixture(logits, w), w)
 
@@ -130,7 +134,7 @@ class LogitArithmetic(FusionRule):
                 f"weight, got {weights[self.lead]}"
             )
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
         log_probs = torch.log_softmax(logits, dim=-1).clamp(min=_LOGPROB_FLOOR)  # (E, B, V)
         combined = _weighted_sum(log_probs, weights)  # (B, V)
         lead = log_probs[self.lead]  # (B, V)
@@ -154,7 +158,7 @@ class Confidence(FusionRule):
         self.tau = float(tau)
         self.combine = combine
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
         log_probs = torch.log_softmax(logits, dim=-1)  # (E, B, V)
         entropy = -(log_probs.exp() * log_probs.clamp(min=_LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
         # Softmax over experts of (log prior - H / tau); zero priors stay zero.
@@ -178,7 +182,7 @@ class Single(FusionRule):
     def uses_expert(self, index: int, weights: Sequence[float]) -> bool:
         return index == self.index
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
         w = torch.zeros_like(weights)
         w[self.index] = 1.0
         return FusedLogits(logits[self.index], w)

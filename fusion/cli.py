@@ -235,6 +235,46 @@ def score(
     run_guarded(run)
 
 
+@app.command("serve")
+def serve(
+    config_path: Optional[Path] = ConfigOption,
+    port: int = typer.Option(50051, "--port", help="gRPC port of the Fusion service."),
+    host: str = typer.Option("0.0.0.0", "--host"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Serve the Fusion gRPC service (experts with addresses in the config are remote)."""
+
+    def run() -> None:
+        from services.coordinator import run_coordinator
+
+        config = read_config(config_path)
+        run_coordinator(config, model_resolver(cache_dir(cache)), port=port, host=host, metrics_port=metrics_port)
+
+    run_guarded(run)
+
+
+@app.command("serve-expert")
+def serve_expert(
+    expert: str = typer.Option(..., "--expert", "-e", help="Name of the config's expert to serve."),
+    config_path: Optional[Path] = ConfigOption,
+    port: int = typer.Option(50061, "--port", help="gRPC port of the Expert service."),
+    host: str = typer.Option("0.0.0.0", "--host"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Serve one expert of the config over gRPC (one replica)."""
+
+    def run() -> None:
+        from services.expert_server import run_expert_server
+
+        config = read_config(config_path)
+        run_expert_server(config, expert, model_resolver(cache_dir(cache)), port=port, host=host,
+                          metrics_port=metrics_port)
+
+    run_guarded(run)
+
+
 @models_app.command("fetch")
 def models_fetch(
     cache: Optional[Path] = CacheOption,

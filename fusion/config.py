@@ -35,6 +35,7 @@ class ExpertConfig(_Strict):
     weight: float = 1.0
     # Remote replicas ("host:port"); empty means the expert runs in-process.
     addresses: list[str] = Field(default_factory=list)
+    step_timeout_s: float = Field(default=60.0, gt=0)  # deadline of one remote step; then fail over
     max_cached_tokens: int = Field(default=65536, gt=0)  # KV budget for this expert's sessions
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
 

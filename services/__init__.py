@@ -1,0 +1,1 @@
+"""gRPC servers and clients for the fusion service: expert server, coordinator, Python client."""

@@ -1,0 +1,122 @@
+"""A Python client for the Fusion service.
+
+`FusionClient(address).generate(prompt, sampling, spec)` yields the same `TextEvent`s as the local
+`FusionPipeline.stream` (with `TokenEvent`s and per-expert `ExpertAttribution`s), so code reading a
+local stream reads a remote one unchanged; the last event also carries `usage`. Closing the iterator
+early cancels the stream, which frees the request's sessions on every expert. Failed calls raise the
+domain errors of `fusion.errors` (the gRPC error is their `__cause__`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+
+from fusion.config import FusionSpec, SamplingParams
+from fusion.engine import ExpertAttribution, TokenEvent
+from fusion.errors import FusionError
+from fusion.pipeline import ScoreResult, TextEvent
+from fusion.text import Message
+from services.protos import fusion_pb2, fusion_pb2_grpc
+from services.serving import channel_options
+from services.status import error_from_rpc
+from services.wire import generate_request, spec_to_proto
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class GenerateEvent(TextEvent):
+    usage: Usage | None = None  # on the last event only
+
+
+def event_from_response(response: fusion_pb2.GenerateResponse) -> GenerateEvent:
+    token = TokenEvent(
+        request_id=response.request_id,
+        index=response.index,
+        token_id=response.token_id,
+        logprob=response.logprob,
+        top_logprobs=[(t.token_id, t.logprob) for t in response.top_logprobs],
+        attribution=[
+            ExpertAttribution(a.expert, a.weight, a.prob if a.HasField("prob") else None) for a in response.attribution
+        ],
+        finish_reason=response.finish_reason or None,
+    )
+    usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens) if response.HasField("usage") else None
+    return GenerateEvent(token, response.text, response.finish_reason or None, usage)
+
+
+class FusionClient:
+    def __init__(self, address: str, *, timeout: float | None = None, max_message_bytes: int = 64 * 1024 * 1024):
+        self.address = address
+        self.timeout = timeout  # default deadline of each call, in seconds
+        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.stub = fusion_pb2_grpc.FusionStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> FusionClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(
+        self,
+        prompt: str | Sequence[Message],
+        sampling: dict[str, Any] | SamplingParams | None = None,
+        spec: FusionSpec | None = None,
+        *,
+        timeout: float | None = None,
+        request_id: str = "",
+    ) -> Iterator[GenerateEvent]:
+        """Stream the fused answer. `sampling` overrides the server's defaults field by field; `spec`
+        None uses the server's default fusion spec."""
+        request = generate_request(prompt, sampling, spec, request_id)
+        call = self.stub.Generate(request, timeout=timeout or self.timeout)
+        return self._events(call)
+
+    def _events(self, call) -> Iterator[GenerateEvent]:
+        try:
+            for response in call:
+                yield event_from_response(response)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        finally:
+            call.cancel()  # a no-op after the last message; frees the sessions when closed early
+
+    def score(self, prompt: str, continuation: str, spec: FusionSpec | None = None, *,
+              timeout: float | None = None) -> ScoreResult:
+        request = fusion_pb2.ScoreRequest(prompt=prompt, continuation=continuation)
+        if spec is not None:
+            request.spec.CopyFrom(spec_to_proto(spec))
+        try:
+            response = self.stub.Score(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        return ScoreResult(list(response.token_ids), list(response.logprobs))
+
+    def describe(self, *, timeout: float | None = None) -> fusion_pb2.DescribeResponse:
+        try:
+            return self.stub.Describe(fusion_pb2.DescribeRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+
+    def _error(self, err: grpc.RpcError) -> FusionError:
+        unreachable = err.code() == grpc.StatusCode.UNAVAILABLE and "expert" not in (err.details() or "")
+        return error_from_rpc(err, f"server {self.address}" if unreachable else None)
+
+
+def stream_remote(
+    server: str, prompt: str | Sequence[Message], overrides: dict[str, Any], spec: FusionSpec | None
+) -> Iterator[GenerateEvent]:
+    """What `fusion generate --server HOST:PORT` streams."""
+    with FusionClient(server) as client:
+        yield from client.generate(prompt, overrides, spec)

@@ -1,0 +1,88 @@
+"""Prometheus metrics for the expert server and the coordinator, one registry per server.
+
+A per-server `CollectorRegistry` lets tests and benchmarks run several servers in one process.
+Names follow Prometheus conventions: a `fusion_` prefix, base units (`_seconds`), `_total` counters.
+`serve_metrics(registry, port)` exposes `/metrics` over HTTP (port 0 picks a free port).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Decode steps of small models take milliseconds on a GPU and up to a second or so on a CPU.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ServerMetrics:
+    """What both servers count: requests by method and status code, and active sessions."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "fusion_requests", "RPCs finished, by method and gRPC status code", ["method", "code"],
+            registry=self.registry,
+        )
+        self.active_sessions = Gauge(
+            "fusion_active_sessions", "Sessions (requests, or cached expert sessions) alive now",
+            registry=self.registry,
+        )
+        self.expert_step = Histogram(
+            "fusion_expert_step_seconds", "Wall time of one expert step (a batched forward pass)", ["expert"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+
+    def count_request(self, method: str, code: grpc.StatusCode) -> None:
+        self.requests.labels(method=method, code=code.name).inc()
+
+    def track_sessions(self, count: Callable[[], float]) -> None:
+        self.active_sessions.set_function(count)
+
+
+class ExpertMetrics(ServerMetrics):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.batch_size = Histogram(
+            "fusion_expert_batch_sessions", "Sessions stepped together in one forward pass",
+            buckets=_BATCH_BUCKETS, registry=self.registry,
+        )
+        self.wire_bytes = Counter(
+            "fusion_expert_response_bytes", "Logits bytes sent to callers", registry=self.registry,
+        )
+
+
+class CoordinatorMetrics(ServerMetrics):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.time_to_first_token = Histogram(
+            "fusion_time_to_first_token_seconds", "From receiving a Generate request to its first token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "fusion_inter_token_latency_seconds", "Between consecutive tokens of one stream",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.decode_step = Histogram(
+            "fusion_decode_step_seconds", "Wall time of one fused decode step of the whole batch",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.fusion_overhead = Histogram(
+            "fusion_fuse_sample_seconds", "Alignment, fusion, sampling and attribution of one decode step",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.tokens = Counter(
+            "fusion_generated_tokens", "Tokens generated for clients", registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "fusion_prompt_tokens", "Prompt tokens of admitted requests (the first expert's)",
+            registry=self.registry,
+        )
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):
+    """Start `/metrics` on a daemon thread; returns (http_server, bound_port). Call `.shutdown()` to stop."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port

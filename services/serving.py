@@ -1,0 +1,109 @@
+"""What both servers share: gRPC options, health and reflection, binding, graceful shutdown.
+
+A `RunningServer` owns one `grpc.aio` server plus what must close with it (the metrics endpoint,
+the scheduler, worker threads). `stop(grace)` first reports NOT_SERVING on health, then stops
+accepting RPCs and lets in-flight ones finish for up to `grace` seconds, then closes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.metrics import ServerMetrics, serve_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Message limits raised on both ends (the 4 MiB default is too small for batched logits)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+@dataclass
+class RunningServer:
+    grpc_server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    servicer: Any
+    metrics: ServerMetrics
+    metrics_port: int | None = None
+    _closers: list[Callable[[], Any]] = field(default_factory=list)
+    _stopped: bool = False
+
+    def on_stop(self, closer: Callable[[], Any]) -> None:
+        """Run `closer` (sync, in a worker thread) after the gRPC server has stopped."""
+        self._closers.append(closer)
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace)
+        for closer in reversed(self._closers):
+            try:
+                await asyncio.to_thread(closer)
+            except Exception:
+                logger.exception("error while shutting down")
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def start_server(
+    servicer: Any,
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
+    service_name: str,
+    metrics: ServerMetrics,
+    *,
+    address: str,
+    max_message_bytes: int,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+) -> RunningServer:
+    """Serve `servicer` with health and reflection on `address` ("host:0" picks a free port)."""
+    server = grpc.aio.server(options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)])
+    add_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise OSError(f"cannot bind {address}: {err}") from None
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    running = RunningServer(server, port, health_servicer, servicer, metrics)
+    if metrics_port is not None:
+        http, running.metrics_port = serve_metrics(metrics.registry, metrics_port, metrics_host)
+        running.on_stop(http.shutdown)
+    logger.info("%s serving on port %d%s", service_name, port,
+                f", metrics on {running.metrics_port}" if running.metrics_port is not None else "")
+    return running
+
+
+async def serve_until_signalled(running: RunningServer, grace: float) -> None:
+    """Block until SIGTERM or SIGINT, then shut down gracefully within `grace` seconds."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(running.wait_for_termination())
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, signalled], return_when=asyncio.FIRST_COMPLETED)
+    logger.info("shutting down (grace %.0f s)", grace)
+    await running.stop(grace)
+    for task in (waiter, signalled):
+        task.cancel()

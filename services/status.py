@@ -1,0 +1,132 @@
+"""Domain errors ↔ gRPC status codes, in one table used by every server and client.
+
+Servers wrap their handlers with `unary_errors` / `stream_errors`: a domain error becomes its status
+code with the error's message (which names the bad field); anything else becomes INTERNAL and is
+logged. A bad request never takes the server down. Clients turn a status back into the domain error
+with `error_from_status`, so the CLI prints one clear line for remote and local runs alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+
+from fusion.errors import (
+    ConfigError,
+    ExpertOutputError,
+    ExpertUnavailableError,
+    FusionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+
+logger = logging.getLogger(__name__)
+
+# Checked in order: the first matching class wins (ConfigError and InvalidArgumentError are ValueErrors).
+STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ExpertUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (ExpertOutputError, grpc.StatusCode.INTERNAL),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+ERROR_BY_STATUS: dict[grpc.StatusCode, type[FusionError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: ExpertUnavailableError,
+}
+
+
+def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls, code in STATUS_BY_ERROR:
+        if isinstance(err, cls):
+            return code, str(err)
+    if isinstance(err, FusionError):
+        return grpc.StatusCode.INTERNAL, str(err)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+
+
+def error_from_status(code: grpc.StatusCode, details: str) -> FusionError:
+    """The domain error for a status a server sent (a plain FusionError for codes without one)."""
+    cls = ERROR_BY_STATUS.get(code, FusionError)
+    return cls(details if cls is not FusionError else f"{code.name}: {details}")
+
+
+def error_from_rpc(err: grpc.RpcError, where: str | None = None) -> FusionError:
+    """The domain error for a failed call; `where` (e.g. which expert replica) prefixes the message."""
+    details = err.details() or err.code().name
+    return error_from_status(err.code(), f"{where}: {details}" if where else details)
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, err: Exception) -> grpc.StatusCode:
+    code, message = status_for(err)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(err, FusionError):
+        logger.error("%s failed", method, exc_info=err)
+    await context.abort(code, message)  # raises AbortError
+    return code
+
+
+def _aborted_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    code = context.code()
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
+def unary_errors(method):
+    """Decorate a unary servicer method: domain errors become status codes; requests are counted by
+    code on `self.metrics`."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            response = await method(self, request, context)
+            code = grpc.StatusCode.OK
+            return response
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            code = _aborted_code(context)
+            raise
+        except Exception as err:
+            code = status_for(err)[0]
+            await _abort(context, name, err)
+        finally:
+            self.metrics.count_request(name, code)
+
+    return handler
+
+
+def stream_errors(method):
+    """Like `unary_errors`, for server-streaming methods (async generators)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            async for item in method(self, request, context):
+                yield item
+            code = grpc.StatusCode.OK
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            code = _aborted_code(context)
+            raise
+        except Exception as err:
+            code = status_for(err)[0]
+            await _abort(context, name, err)
+        finally:
+            self.metrics.count_request(name, code)
+
+    return handler

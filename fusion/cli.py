@@ -31,7 +31,8 @@ def _setup_logging(verbose: bool) -> None:
         stream=sys.stderr,
     )
     # Progress of long steps (fetch, convert, train) is shown even when not verbose.
-    for name in ("fusion.assets", "fusion.training", "fusion.cli", "fusion.evaluation", "fusion.bench"):
+    for name in ("fusion.assets", "fusion.training", "fusion.cli", "fusion.evaluation", "fusion.bench",
+                 "fusion.router_training"):
         logging.getLogger(name).setLevel(logging.INFO)
     for noisy in ("transformers", "huggingface_hub", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -337,6 +338,30 @@ def train_expert(
         base = Path(assets.resolve_model("builtin:smollm2-135m-instruct", root))
         target = out or root / "models" / slots[kind]
         typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps)))
+
+    run_guarded(run)
+
+
+@app.command("train-router")
+def train_router_command(
+    config_path: Optional[Path] = ConfigOption,
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the router checkpoint (.pt)."),
+    minutes: float = typer.Option(5.0, "--minutes", help="Training time budget."),
+    max_texts: Optional[int] = typer.Option(None, "--max-texts", help="Stop after this many training texts."),
+    seed: int = typer.Option(0, "--seed"),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Train a token-level router (FusionRoute style) on the experts' logged outputs."""
+
+    def run() -> None:
+        from fusion.router_training import RouterTrainSettings, train_router
+
+        pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
+        result = train_router(pipeline, out, settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts,
+                                                                          seed=seed))
+        pipeline.close()
+        typer.echo(f"{result.path}  ({result.texts} texts, {result.steps} steps, loss {result.first_loss:.3f} "
+                   f"-> {result.last_loss:.3f}, {result.seconds:.0f} s)")
 
     run_guarded(run)
 

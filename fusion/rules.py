@@ -197,11 +197,17 @@ def register_rule(name: str, factory: Callable[..., FusionRule]) -> None:
     RULES[name] = factory
 
 
+def known_rules() -> dict[str, Callable[..., FusionRule]]:
+    import fusion.router  # noqa: F401  (registers the learned "route" rule)
+
+    return RULES
+
+
 def make_rule(name: str, params: dict[str, Any], expert_names: Sequence[str]) -> FusionRule:
     """Build a rule by name; InvalidArgumentError names an unknown rule or a bad parameter."""
     if not expert_names:
         raise InvalidArgumentError("experts: at least one expert is required")
-    factory = RULES.get(name)
+    factory = known_rules().get(name)
     if factory is None:
         raise InvalidArgumentError(f"unknown fusion rule {name!r}; known: {sorted(RULES)}")
     try:

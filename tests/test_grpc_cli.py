@@ -1,0 +1,109 @@
+"""`fusion serve-expert` and `fusion serve` as a user runs them (subprocesses), `fusion generate --server`
+against them, and a graceful exit on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import yaml
+
+from services.client import FusionClient
+from tests.conftest import tiny_config_dict
+
+
+class Served:
+    """A `fusion serve…` subprocess; `port` is read from its "serving on HOST:PORT" line."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, FUSION_CACHE_DIR="/nonexistent-cache")
+        self.proc = subprocess.Popen([sys.executable, "-m", "fusion.cli", *args], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.port = self._wait_for_port(120)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _wait_for_port(self, timeout: float) -> int:
+        while True:
+            line = self.lines.get(timeout=timeout)
+            if line is None:
+                raise AssertionError(f"server exited ({self.proc.wait()}): {''.join(self.log)}")
+            self.log.append(line)
+            match = re.search(r"serving on \S+:(\d+)", line)
+            if match:
+                return int(match.group(1))
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_pipeline):
+    local = tmp_path / "local.yaml"
+    local.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
+    expert = Served("serve-expert", "--config", str(local), "--expert", "a", "--port", "0", "--host", "127.0.0.1")
+    coordinator = None
+    try:
+        data = tiny_config_dict(tiny_dir)
+        data["experts"][0]["addresses"] = [f"127.0.0.1:{expert.port}"]  # a remote, b and c in-process
+        remote = tmp_path / "remote.yaml"
+        remote.write_text(yaml.safe_dump(data))
+        coordinator = Served("serve", "--config", str(remote), "--port", "0", "--host", "127.0.0.1",
+                             "--metrics-port", "0")
+        server = f"127.0.0.1:{coordinator.port}"
+        expected = tiny_pipeline.complete("hello world", {"max_tokens": 6})
+
+        with FusionClient(server, timeout=60) as client:
+            assert [e.token.token_id for e in client.generate("hello world", {"max_tokens": 6})] == expected.token_ids
+
+        out = subprocess.run(
+            [sys.executable, "-m", "fusion.cli", "generate", "hello world", "--config", str(remote),
+             "--server", server, "--max-tokens", "6", "--json"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        payload = json.loads(out.stdout)
+        assert payload["token_ids"] == expected.token_ids
+        assert payload["text"] == expected.text
+        assert [a["expert"] for a in payload["experts"][0]] == ["a", "b", "c"]
+
+        out = subprocess.run(
+            [sys.executable, "-m", "fusion.cli", "generate", "hi", "--config", str(remote), "--server", server,
+             "--profile", "nope"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode != 0 and "profile" in out.stderr and "Traceback" not in out.stderr
+
+        assert coordinator.terminate() == 0
+        assert expert.terminate() == 0
+    finally:
+        for served in (coordinator, expert):
+            if served is not None:
+                served.kill()
+
+
+def test_serve_expert_unknown_name_fails_cleanly(tiny_dir, tmp_path):
+    config = tmp_path / "local.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
+    out = subprocess.run([sys.executable, "-m", "fusion.cli", "serve-expert", "--config", str(config), "--expert",
+                          "zzz", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "unknown expert 'zzz'" in out.stderr and "Traceback" not in out.stderr
+

@@ -1,0 +1,100 @@
+"""The Ray Serve application, built from the same YAML config as the local build.
+
+    registry ◄── register / heartbeat ── expert-<name> × replicas   (Expert gRPC server each)
+        ▲                                        ▲
+        └──── addresses, every refresh_s ─── coordinator ── Fusion gRPC ◄── clients
+
+`build_app(args)` is what a serve YAML's `import_path: deploy.app:build_app` calls with its `args:`
+(see `deploy.settings.DeployArgs`), and what Python code calls before `serve.run`. `run_local`
+starts it on a local Ray cluster and blocks until Ctrl-C (the `fusion deploy` command).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any, Callable
+
+from ray import serve
+from ray.serve import Application
+
+from deploy.coordinator import COORDINATOR_DEPLOYMENT, CoordinatorReplica
+from deploy.expert import ExpertReplica, expert_deployment_name
+from deploy.registry import ReplicaRegistry
+from deploy.settings import DeployArgs, parse_args
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "fusion"
+
+__all__ = ["APP_NAME", "build_app", "run_local", "coordinator_address", "expert_deployment_name",
+           "COORDINATOR_DEPLOYMENT"]
+
+
+def build_app(args: dict[str, Any] | DeployArgs) -> Application:
+    """The registry, one deployment per expert (GPUs from the expert's `num_gpus`) and the coordinator
+    (the application's ingress)."""
+    settings = parse_args(args)
+    if settings.cache_dir is None and os.environ.get("FUSION_CACHE_DIR"):
+        settings = settings.model_copy(update={"cache_dir": os.environ["FUSION_CACHE_DIR"]})
+    config = settings.fusion_config()
+    config_data = config.model_dump()  # plain data travels to every replica
+    args_data = settings.model_dump()
+    registry = ReplicaRegistry.bind(settings.registry_ttl_s)
+    experts = {}
+    for expert in config.experts:
+        options = settings.expert_options(expert.name).serve_options(num_gpus=expert.num_gpus)
+        deployment = ExpertReplica.options(name=expert_deployment_name(expert.name), **options)
+        experts[expert.name] = deployment.bind(config_data, expert.name, registry, args_data)
+    coordinator = CoordinatorReplica.options(**settings.coordinator.serve_options())
+    return coordinator.bind(config_data, registry, args_data, experts=experts)
+
+
+def coordinator_address(app_name: str = APP_NAME, timeout_s: float = 60.0) -> str:
+    """host:port of a coordinator replica's Fusion service."""
+    handle = serve.get_deployment_handle(COORDINATOR_DEPLOYMENT, app_name)
+    return handle.grpc_address.remote().result(timeout_s=timeout_s)
+
+
+def run_local(
+    args: dict[str, Any] | DeployArgs,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    app_name: str = APP_NAME,
+    on_ready: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+) -> None:
+    """Deploy on Ray (a new local cluster, or the one at `address`) and block until SIGINT/SIGTERM or
+    `stop` is set; then delete the application, shutting Serve and a cluster started here down."""
+    import ray
+
+    settings = parse_args(args)
+    app = build_app(settings)  # config errors surface before Ray starts
+    own_cluster = address is None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=address, num_cpus=num_cpus, include_dashboard=False if own_cluster else None,
+             logging_level=logging.WARNING)
+    stop = stop or threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        if own_cluster:
+            serve.start(proxy_location="Disabled")  # clients use the coordinator's own gRPC port
+        serve.run(app, name=app_name, route_prefix=None)
+        on_ready(coordinator_address(app_name))
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:
+            if own_cluster:
+                serve.shutdown()
+            else:
+                serve.delete(app_name)
+        finally:
+            ray.shutdown()

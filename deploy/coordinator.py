@@ -1,0 +1,136 @@
+"""The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients.
+
+At start it waits until every expert has a registered replica, then builds the pipeline with one
+`RemoteExpert` per expert over those replicas' addresses and serves on `port` (fixed, so a
+Kubernetes Service and probes can find it). Every `refresh_s` it re-reads the registry and hands
+each expert's current replica list to its `RemoteExpert` (`set_addresses`): new replicas take new
+sessions, sessions stay pinned to their replica (its KV cache), and a step that fails on a replica
+(killed, draining, past the deadline) is resent to another one, which re-prefills the history.
+
+- `check_health`: the server's own gRPC health service must report SERVING.
+- `record_autoscaling_stats`: requests in flight (what `deploy.autoscaling` scales on).
+- `__del__` (Serve's graceful shutdown): NOT_SERVING, streams in flight get `grace_s` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray import serve
+
+from deploy._replica import ServerLoop, advertised_host
+from deploy.settings import parse_args
+from fusion.config import FusionConfig, parse_config
+from fusion.errors import ExpertUnavailableError
+from services.coordinator import create_coordinator_server
+from services.protos import FUSION_SERVICE
+from services.remote_expert import RemoteExpert
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_DEPLOYMENT = "coordinator"
+
+
+def with_addresses(config: FusionConfig, addresses: dict[str, list[str]]) -> FusionConfig:
+    """The config with each expert's replica addresses filled in (experts then run remotely)."""
+    experts = [e.model_copy(update={"addresses": list(addresses[e.name])}) for e in config.experts]
+    return config.model_copy(update={"experts": experts})
+
+
+@serve.deployment(name=COORDINATOR_DEPLOYMENT, health_check_period_s=10.0, health_check_timeout_s=30.0,
+                  graceful_shutdown_timeout_s=60.0)
+class CoordinatorReplica:
+    async def __init__(self, config: dict[str, Any], registry, args: dict[str, Any],
+                       experts: dict[str, Any] | None = None) -> None:
+        settings = parse_args(args)
+        fusion_config = parse_config(config)
+        self._registry = registry
+        self.expert_handles = experts or {}  # Serve handles of the expert deployments
+        self._grace = settings.grace_s
+        self._closed = True
+        addresses = await self._wait_for_experts(fusion_config.expert_names, settings.startup_timeout_s)
+        self._loop = ServerLoop()
+        self._running, port = await self._loop.call(create_coordinator_server(
+            with_addresses(fusion_config, addresses), settings.model_resolver(), f"{settings.host}:{settings.port}",
+            settings.metrics_port, settings.host,
+        ))
+        self.address = f"{advertised_host(settings.host)}:{port}"
+        self.remote_experts = {e.name: e for e in self._running.servicer.pipeline.engine.experts
+                               if isinstance(e, RemoteExpert)}
+        self._channel = None
+        self._closed = False
+        self._refresher = asyncio.create_task(self._refresh(settings.refresh_s))
+        logger.info("fusion coordinator serving on %s (experts %s)", self.address, addresses)
+
+    async def _wait_for_experts(self, names: list[str], timeout_s: float) -> dict[str, list[str]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            addresses = await self._registry.addresses.remote()
+            missing = [n for n in names if not addresses.get(n)]
+            if not missing:
+                return addresses
+            if time.monotonic() > deadline:
+                raise ExpertUnavailableError(f"no replica of experts {missing} registered within {timeout_s:.0f} s")
+            await asyncio.sleep(0.5)
+
+    async def _refresh(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                addresses = await asyncio.wait_for(self._registry.addresses.remote(), timeout=max(period_s, 5.0))
+            except Exception as err:  # the registry restarting: keep the replicas we know
+                logger.warning("reading the replica registry failed: %s", err)
+                continue
+            for name, remote in self.remote_experts.items():
+                remote.set_addresses(addresses.get(name, []))
+
+    # -- what Serve and callers ask -------------------------------------------------------------
+    def grpc_address(self) -> str:
+        return self.address
+
+    def replica_addresses(self) -> dict[str, list[str]]:
+        """The replicas each expert's sessions are spread over now."""
+        return {name: remote.addresses for name, remote in self.remote_experts.items()}
+
+    def failovers(self) -> dict[str, int]:
+        return {name: remote.failovers for name, remote in self.remote_experts.items()}
+
+    async def check_health(self) -> None:
+        if self._closed:
+            raise RuntimeError("the coordinator is shutting down")
+        await self._loop.call(self._probe())
+
+    async def _probe(self) -> None:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=FUSION_SERVICE), timeout=10.0)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"the Fusion service reports {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        from deploy.autoscaling import LOAD_METRIC
+
+        return {LOAD_METRIC: float(self._running.servicer.scheduler.active)}
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._refresher.cancel()
+
+        async def stop() -> None:
+            await self._running.stop(self._grace)
+            if self._channel is not None:
+                await self._channel.close()
+
+        try:
+            self._loop.run(stop(), timeout=self._grace + 10.0)
+        finally:
+            self._loop.close()

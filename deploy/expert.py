@@ -1,0 +1,150 @@
+"""One Serve deployment per expert; each replica is one `services.expert_server` on its node.
+
+A replica loads its expert (on the GPU Ray gave it, when the expert config asks for `num_gpus`),
+starts the Expert gRPC service on a free port, registers the address with the registry and
+re-registers every `heartbeat_s`. The coordinator talks to it over that gRPC channel (logits as raw
+bytes, continuous batching across sessions), not through Serve's request path.
+
+- `check_health`: one tiny step of a throwaway session through the replica's own gRPC server, so a
+  wedged model or server fails it and Serve replaces the replica.
+- `record_autoscaling_stats`: the sessions cached here (what `deploy.autoscaling` scales on).
+- `Step`: the same batched step for a caller holding a Serve handle, or Serve's gRPC ingress.
+- `__del__` (Serve's graceful shutdown): unregister, report NOT_SERVING, let in-flight steps finish
+  for `grace_s`, then stop. A caller refused meanwhile fails over to another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from ray import serve
+
+from deploy._replica import DirectContext, ServerLoop, advertised_host
+from deploy.settings import parse_args
+from fusion.config import parse_config
+from fusion.expert import LocalExpert
+from services.expert_server import create_expert_server
+from services.metrics import serve_metrics
+from services.protos import expert_pb2, expert_pb2_grpc
+from services.serving import channel_options
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_TIMEOUT_S = 20.0
+
+
+def expert_deployment_name(expert: str) -> str:
+    return f"expert-{expert}"
+
+
+@serve.deployment(health_check_period_s=10.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=30.0)
+class ExpertReplica:
+    async def __init__(self, config: dict[str, Any], name: str, registry, args: dict[str, Any]) -> None:
+        settings = parse_args(args)
+        fusion_config = parse_config(config)
+        expert_config = fusion_config.expert(name)
+        self.name = name
+        self._registry = registry
+        self._grace = settings.grace_s
+        self._closed = True  # until fully started: nothing for __del__ to stop
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        model_path = settings.model_resolver()(expert_config.model)
+        expert = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
+        self._probe_token = (expert.info.eos_token_ids or (0,))[0]
+        self._loop = ServerLoop()
+        self._running, port = await self._loop.call(
+            create_expert_server(expert, fusion_config.limits, f"{settings.host}:0")
+        )
+        if settings.expert_metrics_port is not None:
+            self._serve_metrics(settings.expert_metrics_port, settings.host)
+        self.address = f"{advertised_host(settings.host)}:{port}"
+        self._channel = None  # the health probe's, made on the server loop
+        self._message_bytes = fusion_config.limits.max_message_bytes
+        self._closed = False
+        await self._register()
+        self._heartbeat = asyncio.create_task(self._beat(settings.heartbeat_s))
+        logger.info("expert %r replica %s serving on %s", name, self.replica_id, self.address)
+
+    def _serve_metrics(self, port: int, host: str) -> None:
+        """/metrics on the fixed port when free; several replicas on one node fall back to a free port."""
+        try:
+            http, bound = serve_metrics(self._running.metrics.registry, port, host)
+        except OSError:
+            http, bound = serve_metrics(self._running.metrics.registry, 0, host)
+            logger.warning("expert %r: metrics port %d is taken on this node; serving /metrics on %d",
+                           self.name, port, bound)
+        self._running.metrics_port = bound
+        self._running.on_stop(http.shutdown)
+
+    # -- registration ---------------------------------------------------------------------------
+    async def _register(self) -> None:
+        await self._registry.register.remote(self.name, self.replica_id, self.address)
+
+    async def _beat(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await asyncio.wait_for(self._register(), timeout=max(period_s, 5.0))
+            except Exception as err:  # the registry restarting: the next beat registers again
+                logger.warning("expert %r: registering %s failed: %s", self.name, self.address, err)
+
+    # -- what Serve and callers ask -------------------------------------------------------------
+    def grpc_address(self) -> str:
+        return self.address
+
+    def replica_info(self) -> dict[str, Any]:
+        return {"expert": self.name, "replica_id": self.replica_id, "address": self.address,
+                "metrics_port": self._running.metrics_port, "sessions": len(self._running.servicer.expert.cache)}
+
+    async def check_health(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"expert {self.name!r} replica is shutting down")
+        await self._loop.call(self._probe())
+
+    async def _probe(self) -> None:
+        """On the server loop: step and release one throwaway session over gRPC."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options(self._message_bytes))
+        stub = expert_pb2_grpc.ExpertStub(self._channel)
+        session = f"health-check:{self.replica_id}"
+        step = expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session,
+                                                                       token_ids=[self._probe_token])])
+        response = await stub.Step(step, timeout=_HEALTH_TIMEOUT_S)
+        if not response.logits.shape or response.logits.shape[0] != 1:
+            raise RuntimeError(f"expert {self.name!r}: health step returned logits of shape "
+                               f"{list(response.logits.shape)}")
+        await stub.Release(expert_pb2.ReleaseRequest(session_ids=[session]), timeout=_HEALTH_TIMEOUT_S)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        from deploy.autoscaling import LOAD_METRIC
+
+        return {LOAD_METRIC: float(len(self._running.servicer.expert.cache))}
+
+    async def Step(self, request: expert_pb2.StepRequest) -> expert_pb2.StepResponse:
+        """The Expert service's Step, for a Serve handle or Serve's gRPC ingress (batched with the
+        gRPC callers' steps)."""
+        return await self._loop.call(self._running.servicer.Step(request, DirectContext()))
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._heartbeat.cancel()
+        try:
+            self._registry.unregister.remote(self.replica_id)  # not awaited: the entry expires anyway
+        except Exception as err:
+            logger.warning("expert %r: unregistering failed: %s", self.name, err)
+
+        async def stop() -> None:
+            await self._running.stop(self._grace)
+            if self._channel is not None:
+                await self._channel.close()
+
+        try:
+            self._loop.run(stop(), timeout=self._grace + 10.0)
+        finally:
+            self._loop.close()

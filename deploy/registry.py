@@ -1,0 +1,84 @@
+"""Where the coordinator finds the expert replicas' gRPC servers.
+
+Each expert replica serves the Expert service on a free port of its node and registers
+`(expert, replica id, address)` here, again every `heartbeat_s` seconds. An entry not heard from for
+`ttl_s` seconds is dropped (a killed replica cannot unregister); a replica shutting down unregisters
+itself. The coordinator reads `addresses()` every few seconds and hands each expert's list to its
+`RemoteExpert`, which pins sessions to replicas and fails over between them.
+
+The table is soft state: if the registry's replica restarts, the expert replicas' next heartbeats
+fill it again, and until then the coordinator keeps the replicas it knew.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from ray import serve
+
+REGISTRY_DEPLOYMENT = "registry"
+
+
+@dataclass
+class ReplicaEntry:
+    expert: str
+    replica_id: str  # Serve's full replica id, also the replica actor's name in the "serve" namespace
+    address: str  # host:port of the replica's Expert gRPC server
+    seen: float  # monotonic time of the last registration
+
+
+class ReplicaTable:
+    """The registry's state, without Ray (unit-tested on its own)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, ReplicaEntry] = {}
+
+    def register(self, expert: str, replica_id: str, address: str) -> None:
+        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, self._clock())
+
+    def unregister(self, replica_id: str) -> bool:
+        return self._entries.pop(replica_id, None) is not None
+
+    def live(self) -> list[ReplicaEntry]:
+        """Entries heard from within `ttl_s`, by expert then replica id; expired ones are dropped."""
+        now = self._clock()
+        for replica_id in [r for r, e in self._entries.items() if now - e.seen > self.ttl_s]:
+            del self._entries[replica_id]
+        return sorted(self._entries.values(), key=lambda e: (e.expert, e.replica_id))
+
+    def addresses(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for entry in self.live():
+            out.setdefault(entry.expert, []).append(entry.address)
+        return out
+
+
+@serve.deployment(
+    name=REGISTRY_DEPLOYMENT,
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=1000,  # tiny calls from every replica and coordinator
+    logging_config={"enable_access_log": False},  # a heartbeat per replica every few seconds
+    graceful_shutdown_wait_loop_s=0.5,
+)
+class ReplicaRegistry:
+    def __init__(self, ttl_s: float = 10.0) -> None:
+        self.table = ReplicaTable(ttl_s)
+
+    def register(self, expert: str, replica_id: str, address: str) -> None:
+        self.table.register(expert, replica_id, address)
+
+    def unregister(self, replica_id: str) -> bool:
+        return self.table.unregister(replica_id)
+
+    def addresses(self) -> dict[str, list[str]]:
+        return self.table.addresses()
+
+    def replicas(self) -> list[dict]:
+        """Every live entry with its age in seconds (for operators and tests)."""
+        now = time.monotonic()
+        return [asdict(e) | {"age_s": now - e.seen} for e in self.table.live()]

@@ -1,0 +1,140 @@
+"""The builder's arguments (a serve YAML's `args:`), read once and checked: which fusion config,
+where models live, the ports, and per-deployment options (replicas or autoscaling, CPUs, health
+checks, shutdown grace).
+
+The fusion config is the same YAML the local build reads (`fusion.config`), given as a path or
+inline as a mapping (what a KubeRay `serveConfigV2` embeds). GPUs are never set here: each expert
+deployment asks for its expert's `num_gpus` from the fusion config.
+
+Autoscaling works on load the deployments report themselves (sessions on an expert replica,
+requests on a coordinator; see `deploy.autoscaling`), because the decode traffic runs over the
+services' own gRPC channels, which Serve does not see. `target_ongoing_requests` is therefore read as
+sessions per replica.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fusion.config import FusionConfig, format_validation_error, load_config, parse_config
+from fusion.errors import ConfigError
+
+LOAD_POLICY = "deploy.autoscaling:fusion_load_policy"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeploymentOptions(_Strict):
+    """Serve options of one deployment; unset fields keep the defaults (or the broader setting)."""
+
+    num_replicas: int | None = Field(default=None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    num_cpus: float | None = Field(default=None, ge=0)
+    memory: int | None = Field(default=None, ge=0)  # bytes reserved per replica (Ray's accounting)
+    resources: dict[str, float] | None = None  # custom Ray resources, e.g. pin the coordinator to a group
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
+    health_check_period_s: float | None = Field(default=None, gt=0)
+    health_check_timeout_s: float | None = Field(default=None, gt=0)
+    graceful_shutdown_timeout_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> DeploymentOptions:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("give either num_replicas or autoscaling_config, not both")
+        return self
+
+    def over(self, base: DeploymentOptions) -> DeploymentOptions:
+        """These options layered over `base` (set fields win)."""
+        mine = self.model_dump(exclude_unset=True)
+        merged = base.model_dump(exclude_unset=True) | mine
+        if "num_replicas" in mine:
+            merged.pop("autoscaling_config", None)
+        if "autoscaling_config" in mine:
+            merged.pop("num_replicas", None)
+        return DeploymentOptions(**merged)
+
+    def serve_options(self, num_gpus: float = 0.0) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options(...)`."""
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus if self.num_cpus is not None else 1.0}
+        if num_gpus:
+            actor["num_gpus"] = num_gpus
+        if self.memory is not None:
+            actor["memory"] = self.memory
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        out: dict[str, Any] = {"ray_actor_options": actor}
+        if self.autoscaling_config is not None:
+            autoscaling = dict(self.autoscaling_config)
+            autoscaling.setdefault("policy", {"policy_function": LOAD_POLICY})
+            out["autoscaling_config"] = autoscaling
+        else:
+            out["num_replicas"] = self.num_replicas or 1
+        for name in ("max_replicas_per_node", "health_check_period_s", "health_check_timeout_s",
+                     "graceful_shutdown_timeout_s"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+class DeployArgs(_Strict):
+    config: str | dict[str, Any]  # a fusion config: a YAML path, or the config itself
+    cache_dir: str | None = None  # model cache for `builtin:` refs (default: $FUSION_CACHE_DIR or XDG)
+    host: str = "0.0.0.0"  # interface the replicas' gRPC servers bind
+    port: int = Field(default=50051, ge=0, le=65535)  # the coordinator's Fusion port; 0 picks a free one
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # coordinator /metrics
+    expert_metrics_port: int | None = Field(default=None, ge=0, le=65535)  # each expert replica's /metrics
+    refresh_s: float = Field(default=2.0, gt=0)  # how often the coordinator re-reads the replica set
+    heartbeat_s: float = Field(default=2.0, gt=0)  # how often an expert replica re-registers
+    registry_ttl_s: float = Field(default=10.0, gt=0)  # a replica not heard from for this long is dropped
+    startup_timeout_s: float = Field(default=900.0, gt=0)  # coordinator: wait this long for every expert
+    grace_s: float = Field(default=20.0, ge=0)  # in-flight RPCs may finish for this long on shutdown
+    expert: DeploymentOptions = Field(default_factory=DeploymentOptions)  # every expert deployment
+    experts: dict[str, DeploymentOptions] = Field(default_factory=dict)  # per expert name, over `expert`
+    coordinator: DeploymentOptions = Field(default_factory=DeploymentOptions)
+
+    @model_validator(mode="after")
+    def _registry_outlives_heartbeats(self) -> DeployArgs:
+        if self.registry_ttl_s <= self.heartbeat_s:
+            raise ValueError(f"registry_ttl_s ({self.registry_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+        return self
+
+    def fusion_config(self) -> FusionConfig:
+        config = load_config(self.config) if isinstance(self.config, str) else parse_config(self.config)
+        unknown = sorted(set(self.experts) - set(config.expert_names))
+        if unknown:
+            raise ConfigError(f"args.experts names unknown experts {unknown}; known: {config.expert_names}")
+        with_addresses = [e.name for e in config.experts if e.addresses]
+        if with_addresses:
+            raise ConfigError(f"experts {with_addresses} list addresses; on Ray Serve the expert replicas are "
+                              "found by the coordinator, so leave addresses empty")
+        return config
+
+    def expert_options(self, name: str) -> DeploymentOptions:
+        own = self.experts.get(name)
+        return own.over(self.expert) if own is not None else self.expert
+
+    def model_resolver(self) -> Callable[[str], str]:
+        """`builtin:NAME` refs to folders in the model cache (prepared on first use); others unchanged."""
+        from fusion.assets import default_cache_dir, resolve_model
+
+        cache = Path(self.cache_dir) if self.cache_dir else None
+
+        def resolve(ref: str) -> str:
+            return resolve_model(ref, cache or default_cache_dir())
+
+        return resolve
+
+
+def parse_args(args: dict[str, Any] | DeployArgs | None) -> DeployArgs:
+    if isinstance(args, DeployArgs):
+        return args
+    try:
+        return DeployArgs.model_validate(dict(args or {}))
+    except ValidationError as err:
+        raise ConfigError(f"deploy args: {format_validation_error(err)}") from None

@@ -1,0 +1,243 @@
+"""The Ray Serve deployment: builder arguments, registry, autoscaling policy and serve configs without
+Ray; then three tiny experts and the coordinator on a real local Ray cluster (2 CPUs, no dashboard):
+greedy output equal to the local engine's, a stream surviving the kill of its expert replica, and a
+tear-down that leaves no Ray process behind."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import yaml
+
+from deploy.autoscaling import LOAD_METRIC, fusion_load_policy
+from deploy.registry import ReplicaTable
+from deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args
+from fusion.config import parse_config
+from fusion.errors import ConfigError
+from tests.conftest import tiny_config_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "fusion-test"
+
+
+def ray_process_ids() -> set[int]:
+    """Ray's own processes on this machine now (GCS, raylets, workers), by /proc."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if comm in ("raylet", "gcs_server") or comm.startswith("ray::"):
+            pids.add(int(entry.name))
+    return pids
+
+
+def wait_until_gone(before: set[int], timeout_s: float = 30.0) -> None:
+    """Assert that every Ray process started since `before` was taken has exited."""
+    deadline = time.monotonic() + timeout_s
+    while (left := ray_process_ids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray processes left behind: {sorted(left)}"
+
+
+# -- without Ray -------------------------------------------------------------------------------
+def test_replica_table_expires_silent_replicas():
+    now = [100.0]
+    table = ReplicaTable(ttl_s=5.0, clock=lambda: now[0])
+    table.register("a", "r1", "10.0.0.1:1")
+    table.register("a", "r2", "10.0.0.2:1")
+    table.register("b", "r3", "10.0.0.3:1")
+    assert table.addresses() == {"a": ["10.0.0.1:1", "10.0.0.2:1"], "b": ["10.0.0.3:1"]}
+    now[0] += 4.0
+    table.register("a", "r1", "10.0.0.1:1")  # heartbeat
+    now[0] += 2.0  # r2 and r3 silent for 6 s
+    assert table.addresses() == {"a": ["10.0.0.1:1"]}
+    assert table.unregister("r1") and not table.unregister("r1")
+    assert table.addresses() == {}
+
+
+def test_options_layer_and_become_serve_options():
+    base = DeploymentOptions(num_cpus=0.5, autoscaling_config={"min_replicas": 1, "max_replicas": 4})
+    own = DeploymentOptions(num_replicas=2)
+    merged = own.over(base)
+    assert merged.num_replicas == 2 and merged.autoscaling_config is None and merged.num_cpus == 0.5
+    options = merged.serve_options(num_gpus=0.25)
+    assert options == {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.25}, "num_replicas": 2}
+    scaled = base.serve_options()
+    assert scaled["autoscaling_config"]["policy"] == {"policy_function": LOAD_POLICY}
+    assert "num_replicas" not in scaled and "num_gpus" not in scaled["ray_actor_options"]
+    with pytest.raises(ValueError, match="either num_replicas or autoscaling_config"):
+        DeploymentOptions(num_replicas=1, autoscaling_config={})
+
+
+def test_deploy_args_name_the_bad_field(tiny_dir):
+    data = tiny_config_dict(tiny_dir)
+    with pytest.raises(ConfigError, match="unknown experts \\['zz'\\]"):
+        parse_args({"config": data, "experts": {"zz": {"num_replicas": 2}}}).fusion_config()
+    with_addresses = dict(data, experts=[dict(data["experts"][0], addresses=["h:1"])] + data["experts"][1:])
+    with pytest.raises(ConfigError, match="leave addresses empty"):
+        parse_args({"config": with_addresses}).fusion_config()
+    with pytest.raises(ConfigError, match="registry_ttl_s"):
+        parse_args({"config": data, "heartbeat_s": 5, "registry_ttl_s": 5})
+    with pytest.raises(ConfigError, match="port"):
+        parse_args({"config": data, "port": 70000})
+
+
+def test_load_policy_asks_for_load_over_target():
+    def ctx(reports, target=4.0, current=2):
+        return SimpleNamespace(aggregated_metrics={LOAD_METRIC: reports} if reports is not None else None,
+                               config=SimpleNamespace(target_ongoing_requests=target),
+                               target_num_replicas=current)
+
+    assert fusion_load_policy(ctx({"r1": 7.0, "r2": 6.0}))[0] == 4  # 13 sessions / 4 per replica
+    assert fusion_load_policy(ctx({"r1": 0.0, "r2": 0.0}))[0] == 0  # Serve clamps to min_replicas
+    assert fusion_load_policy(ctx(None, current=3))[0] == 3  # no reports yet: no change
+
+
+@pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
+def test_serve_configs_validate_and_build(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from deploy.app import build_app
+
+    data = yaml.safe_load((ROOT / "deploy" / name).read_text())
+    schema = ServeDeploySchema.model_validate(data)
+    [app] = schema.applications
+    assert app.import_path == "deploy.app:build_app"
+    settings = parse_args(app.args)
+    config = settings.fusion_config()
+    gpus = {e.num_gpus for e in config.experts}
+    assert gpus == ({0.0} if name == "serve-cpu.yaml" else {1.0})
+    assert build_app(app.args) is not None
+
+
+# -- on a local Ray cluster ----------------------------------------------------------------------
+PROMPTS = ["what is 12 + 35 ?", "def add"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir):
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app, coordinator_address
+
+    before = ray_process_ids()
+    config = tiny_config_dict(tiny_dir)
+    args = {
+        "config": config, "port": 0, "grace_s": 2.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
+        "expert": {"num_cpus": 0, "health_check_period_s": 2.0},
+        "experts": {"a": {"num_replicas": 2}},
+        "coordinator": {"num_cpus": 0},
+    }
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(args), name=APP, route_prefix=None)
+        yield SimpleNamespace(address=coordinator_address(APP), config=parse_config(config), before=before)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    wait_until_gone(before)
+
+
+def _handle(name):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, APP)
+
+
+def test_deployments_follow_the_config(cluster):
+    from ray import serve
+
+    deployments = serve.status().applications[APP].deployments
+    assert set(deployments) == {"registry", "coordinator", "expert-a", "expert-b", "expert-c"}
+    assert all(d.status == "HEALTHY" for d in deployments.values())
+    assert deployments["expert-a"].replica_states.get("RUNNING") == 2
+    replicas = _handle("registry").replicas.remote().result()
+    assert sorted(r["expert"] for r in replicas) == ["a", "a", "b", "c"]
+    spread = _handle("coordinator").replica_addresses.remote().result()
+    assert {name: len(addresses) for name, addresses in spread.items()} == {"a": 2, "b": 1, "c": 1}
+
+
+def test_greedy_output_equals_the_local_engine(cluster, tiny_pipeline):
+    from services.client import FusionClient
+
+    sampling = {"max_tokens": 24, "temperature": 0.0}
+    with FusionClient(cluster.address, timeout=60) as client:
+        for prompt in PROMPTS:
+            remote = list(client.generate(prompt, sampling))
+            local = tiny_pipeline.complete(prompt, sampling)
+            assert [e.token.token_id for e in remote] == local.token_ids
+            assert "".join(e.text for e in remote) == local.text
+            assert remote[-1].finish_reason == local.finish_reason
+
+
+def _replica_holding_sessions(addresses_by_replica: dict[str, str]) -> str:
+    """The replica id whose Expert server caches the most sessions now."""
+    from services.protos import expert_pb2, expert_pb2_grpc
+
+    counts = {}
+    for replica_id, address in addresses_by_replica.items():
+        with grpc.insecure_channel(address) as channel:
+            info = expert_pb2_grpc.ExpertStub(channel).Info(expert_pb2.InfoRequest(), timeout=10)
+        counts[replica_id] = info.active_sessions
+    return max(counts, key=counts.get)
+
+
+def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
+    import ray
+
+    from services.client import FusionClient
+
+    sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    prompt = "hello world , fusion"
+    expected = tiny_pipeline.complete(prompt, sampling).token_ids
+    registry = _handle("registry")
+    replicas_a = {r["replica_id"]: r["address"] for r in registry.replicas.remote().result() if r["expert"] == "a"}
+    assert len(replicas_a) == 2
+    failovers_before = _handle("coordinator").failovers.remote().result()["a"]
+
+    with FusionClient(cluster.address, timeout=120) as client:
+        events = client.generate(prompt, sampling)
+        tokens = [next(events).token.token_id for _ in range(5)]
+        victim = _replica_holding_sessions(replicas_a)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        tokens += [e.token.token_id for e in events]
+
+    assert tokens == expected
+    assert _handle("coordinator").failovers.remote().result()["a"] > failovers_before
+
+    # Serve replaces the killed replica; it registers and the coordinator spreads sessions over it again.
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        live = {r["replica_id"] for r in registry.replicas.remote().result() if r["expert"] == "a"}
+        spread = _handle("coordinator").replica_addresses.remote().result()["a"]
+        if len(live) == 2 and victim not in live and len(spread) == 2:
+            break
+        time.sleep(1.0)
+    else:
+        pytest.fail(f"expert a did not get back to two replicas: live {live}, coordinator {spread}")
+    with FusionClient(cluster.address, timeout=60) as client:
+        again = [e.token.token_id for e in client.generate(PROMPTS[0], {"max_tokens": 24})]
+    assert again == tiny_pipeline.complete(PROMPTS[0], {"max_tokens": 24}).token_ids
+
+
+def test_health_checks_step_the_model(cluster):
+    from ray import serve
+
+    for name in ("expert-a", "expert-b", "expert-c", "coordinator"):
+        assert _handle(name).check_health.remote().result(timeout_s=30) is None
+    deployments = serve.status().applications[APP].deployments
+    assert all(d.status == "HEALTHY" for d in deployments.values()), deployments

@@ -276,6 +276,37 @@ def serve_expert(
     run_guarded(run)
 
 
+@app.command("deploy")
+def deploy(
+    config_path: Optional[Path] = ConfigOption,
+    port: int = typer.Option(50051, "--port", help="gRPC port of the Fusion service (0 picks a free one)."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Coordinator /metrics port."),
+    address: Optional[str] = typer.Option(None, "--address", help="Deploy on the Ray cluster at ADDRESS "
+                                          "(sharing this machine's model paths) instead of a new local one."),
+    num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray cluster (default: all)."),
+    cpus_per_replica: float = typer.Option(0.0, "--cpus-per-replica",
+                                           help="Ray CPUs each replica reserves (0: all share the cores)."),
+    cache: Optional[Path] = CacheOption,
+) -> None:
+    """Run the experts and the coordinator as Ray Serve deployments; block until Ctrl-C."""
+
+    def run() -> None:
+        from deploy.app import run_local
+
+        config = read_config(config_path)
+        resolve = model_resolver(cache_dir(cache))  # prepare builtin models once, here, not in every replica
+        experts = [e.model_copy(update={"model": resolve(e.model)}) for e in config.experts]
+        args = {
+            "config": config.model_copy(update={"experts": experts}).model_dump(),
+            "port": port, "metrics_port": metrics_port,
+            "expert": {"num_cpus": cpus_per_replica}, "coordinator": {"num_cpus": cpus_per_replica},
+        }
+        run_local(args, address=address, num_cpus=num_cpus,
+                  on_ready=lambda where: typer.echo(f"fusion coordinator serving on {where} (Ctrl-C stops)"))
+
+    run_guarded(run)
+
+
 @models_app.command("fetch")
 def models_fetch(
     cache: Optional[Path] = CacheOption,

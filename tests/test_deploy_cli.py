@@ -1,0 +1,50 @@
+"""`fusion deploy` as a user runs it: a local Ray cluster with the experts and the coordinator on Serve,
+a client's greedy output equal to the local engine's, and Ctrl-C tearing everything down."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import yaml
+
+from services.client import FusionClient
+from tests.conftest import tiny_config_dict
+from tests.test_deploy import ray_process_ids, wait_until_gone
+
+
+def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_pipeline):
+    config = tmp_path / "fusion.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
+    before = ray_process_ids()
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", FUSION_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusion.cli", "deploy", "--config", str(config), "--port", "0", "--num-cpus", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=180)
+            assert line is not None, f"fusion deploy exited early with {proc.wait()}"
+            match = re.search(r"serving on (\S+:\d+)", line)
+            if match:
+                break
+        expected = tiny_pipeline.complete("hello world", {"max_tokens": 12})
+        with FusionClient(match.group(1), timeout=60) as client:
+            got = [e.token.token_id for e in client.generate("hello world", {"max_tokens": 12})]
+        assert got == expected.token_ids
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_until_gone(before)

@@ -1,0 +1,176 @@
+"""The Kubernetes manifests: they parse, their kinds and required fields are right, and their ports,
+names, resources and replica bounds agree with the embedded Serve config and deploy/serve-gpu.yaml."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.settings import parse_args
+from services.protos import FUSION_SERVICE
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "k8s" / "rayservice.yaml"
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d is not None]
+
+
+def one(docs, kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def service(docs):
+    return one(docs, "RayService")
+
+
+@pytest.fixture(scope="module")
+def serve_config(service):
+    return yaml.safe_load(service["spec"]["serveConfigV2"])
+
+
+@pytest.fixture(scope="module")
+def settings(serve_config):
+    [app] = serve_config["applications"]
+    return parse_args(app["args"])
+
+
+def group(service, name):
+    [found] = [g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == name]
+    return found
+
+
+def container(group_spec):
+    [only] = group_spec["template"]["spec"]["containers"]
+    return only
+
+
+def ports(c):
+    return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+
+
+def test_kinds_and_api_versions(docs):
+    assert sorted((d["apiVersion"], d["kind"]) for d in docs) == sorted([
+        ("ray.io/v1", "RayService"),
+        ("v1", "Service"),
+        ("v1", "Service"),
+        ("monitoring.coreos.com/v1", "PodMonitor"),
+        ("policy/v1", "PodDisruptionBudget"),
+    ])
+    for d in docs:
+        assert d["metadata"]["name"] and d["metadata"]["labels"]["app.kubernetes.io/name"] == "logit-fusion"
+
+
+def test_embedded_serve_config_is_serve_gpu_yaml(serve_config):
+    from ray.serve.schema import ServeDeploySchema
+
+    assert serve_config == yaml.safe_load((ROOT / "deploy" / "serve-gpu.yaml").read_text())
+    ServeDeploySchema.model_validate(serve_config)
+    [app] = serve_config["applications"]
+    assert app["import_path"] == "deploy.app:build_app"
+
+
+def test_ray_version_and_image(service):
+    import ray
+
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__
+    images = {container(g)["image"] for g in cluster["workerGroupSpecs"]}
+    images.add(cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"])
+    assert len(images) == 1  # one image everywhere
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert f"rayproject/ray:{ray.__version__}-" in dockerfile
+
+
+def test_every_container_has_requests_and_limits(service):
+    cluster = service["spec"]["rayClusterConfig"]
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]]
+    containers += [container(g) for g in cluster["workerGroupSpecs"]]
+    for c in containers:
+        for key in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][key]), c["name"]
+    auto = cluster["autoscalerOptions"]["resources"]
+    assert {"cpu", "memory"} <= set(auto["requests"]) and {"cpu", "memory"} <= set(auto["limits"])
+
+
+def test_gpu_group_matches_the_experts(service, settings):
+    config = settings.fusion_config()
+    gpu = group(service, "gpu")
+    resources = container(gpu)["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+    assert all(e.num_gpus == 1 and e.device == "cuda" for e in config.experts)
+    # Enough GPU pods for every expert's min and max replicas (one GPU each).
+    scaling = [settings.expert_options(e.name).autoscaling_config for e in config.experts]
+    assert all(s is not None for s in scaling)
+    assert gpu["minReplicas"] >= sum(math.ceil(s["min_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
+    assert gpu["maxReplicas"] >= sum(math.ceil(s["max_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
+    assert gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
+    assert ports(container(gpu))["fusion-metrics"] == settings.expert_metrics_port
+
+
+def test_coordinator_group_port_probe_and_resource(service, settings):
+    coordinator = group(service, "coordinator")
+    c = container(coordinator)
+    assert ports(c) == {"grpc-fusion": settings.port, "fusion-metrics": settings.metrics_port}
+    probe = c["readinessProbe"]["grpc"]
+    assert probe == {"port": settings.port, "service": FUSION_SERVICE}
+    # The custom resource that pins one coordinator replica to each pod of this group.
+    offered = yaml.safe_load(yaml.safe_load(coordinator["rayStartParams"]["resources"]))
+    assert settings.coordinator.resources == offered == {"fusion_coordinator": 1}
+    assert settings.coordinator.max_replicas_per_node == 1
+    scaling = settings.coordinator.autoscaling_config
+    assert coordinator["minReplicas"] >= scaling["min_replicas"]
+    assert coordinator["maxReplicas"] >= scaling["max_replicas"]
+    # Shutdown fits in the pod's grace period: preStop drain, then Serve's graceful stop.
+    grace = coordinator["template"]["spec"]["terminationGracePeriodSeconds"]
+    pre_stop = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert int(pre_stop.rsplit("sleep", 1)[1].split()[0]) < grace
+    assert settings.grace_s < settings.coordinator.graceful_shutdown_timeout_s <= grace
+
+
+def test_head_has_no_probe_of_ours_and_no_cpus(service):
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
+    # KubeRay submits the Serve config only to a ready head: a probe on the coordinator port there
+    # would never pass.
+    assert "readinessProbe" not in head["template"]["spec"]["containers"][0]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_port_names_kuberay_leaves_alone(service):
+    # KubeRay replaces a container port named `metrics` with Ray's own metrics port.
+    for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert "metrics" not in ports(container(g))
+        assert all(len(name) <= 15 for name in ports(container(g)))
+
+
+def test_services_reach_ready_coordinators(docs, service, settings):
+    labels = group(service, "coordinator")["template"]["metadata"]["labels"]
+    for name in ("logit-fusion-grpc", "logit-fusion-grpc-headless"):
+        svc = one(docs, "Service", name)
+        assert svc["spec"]["selector"].items() <= labels.items()
+        [port] = svc["spec"]["ports"]
+        assert port["port"] == settings.port and port["targetPort"] == "grpc-fusion"
+    assert one(docs, "Service", "logit-fusion-grpc-headless")["spec"]["clusterIP"] == "None"
+    budget = one(docs, "PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_pod_monitor_scrapes_named_ports_that_exist(docs, service):
+    monitor = one(docs, "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    for g in groups:
+        assert selector.items() <= g["template"]["metadata"]["labels"].items()
+    scraped = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert "fusion-metrics" in scraped
+    for g in groups:
+        assert "fusion-metrics" in ports(container(g))
+    assert scraped - {"fusion-metrics"} == {"metrics"}  # Ray's own, added by KubeRay

@@ -96,6 +96,15 @@ def model_dir(cache_dir: Path, name: str) -> Path:
 # --- staging: a folder appears complete or not at all ---------------------------------------
 
 
+def _make_readable(root: Path) -> None:
+    """Give a staged tree the modes the umask allows (mkdtemp and some writers use 0o700/0o600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for p in root.rglob("*"):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
     """Yield an empty temp folder beside `target`; on success rename it to `target`.
@@ -108,6 +117,7 @@ def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        _make_readable(tmp)
         if target.exists():
             if not replace:
                 logger.info("%s appeared meanwhile; keeping it", target)
@@ -208,7 +218,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     logger.info("loading %s with transformers (about 20 s)", name)
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    # Dequantizing to float32 then casting is faster than asking for bf16, and bit-identical.
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
     logger.info("loaded in %.1f s", time.monotonic() - started)
     # The weights are already dequantized; the GGUF marker would make save_pretrained refuse.
     if hasattr(model.config, "quantization_config"):

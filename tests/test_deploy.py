@@ -184,6 +184,27 @@ def test_greedy_output_equals_the_local_engine(cluster, tiny_pipeline):
             assert remote[-1].finish_reason == local.finish_reason
 
 
+def test_step_through_a_serve_handle(cluster, tiny_pipeline):
+    import torch
+
+    from fusion.errors import InvalidArgumentError
+    from fusion.expert import StepRequest
+    from services.protos import expert_pb2
+    from services.wire import decode_tensor
+
+    def request(session_id):
+        return expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session_id, token_ids=[5, 6, 7])])
+
+    got = decode_tensor(_handle("expert-b").Step.remote(request("handle-1")).result(timeout_s=30).logits, "b")
+    local = tiny_pipeline.engine.experts[1]
+    try:
+        assert torch.equal(got, local.step([StepRequest("handle-1", [5, 6, 7])]))
+    finally:
+        local.release(["handle-1"])
+    with pytest.raises(InvalidArgumentError, match="session_id"):
+        _handle("expert-b").Step.remote(request("")).result(timeout_s=30)
+
+
 def _replica_holding_sessions(addresses_by_replica: dict[str, str]) -> str:
     """The replica id whose Expert server caches the most sessions now."""
     from services.protos import expert_pb2, expert_pb2_grpc

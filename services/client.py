@@ -79,11 +79,11 @@ class FusionClient:
     ) -> Iterator[GenerateEvent]:
         """Stream the fused answer. `sampling` overrides the server's defaults field by field; `spec`
         None uses the server's default fusion spec."""
-        request = generate_request(prompt, sampling, spec, request_id)
-        call = self.stub.Generate(request, timeout=timeout or self.timeout)
-        return self._events(call)
+        request = generate_request(prompt, sampling, spec, request_id)  # bad arguments raise here
+        return self._stream(request, timeout or self.timeout)
 
-    def _events(self, call) -> Iterator[GenerateEvent]:
+    def _stream(self, request: fusion_pb2.GenerateRequest, timeout: float | None) -> Iterator[GenerateEvent]:
+        call = self.stub.Generate(request, timeout=timeout)  # starts on the first next()
         try:
             for response in call:
                 yield event_from_response(response)

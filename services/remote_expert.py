@@ -182,16 +182,6 @@ class RemoteExpert:
             logger.warning("expert %r: release on %s failed: %s", self.name, address, call.code().name)
 
     # -- replicas ------------------------------------------------------------------------------
-    def replica_infos(self, timeout_s: float = 5.0) -> list[expert_pb2.ExpertInfo | None]:
-        """Each replica's live Info (None where it does not answer)."""
-        out = []
-        for replica in self._replicas:
-            try:
-                out.append(replica.stub.Info(expert_pb2.InfoRequest(), timeout=timeout_s))
-            except grpc.RpcError:
-                out.append(None)
-        return out
-
     def _fetch_info(self) -> ExpertInfo:
         failures = []
         for replica in self._replicas:

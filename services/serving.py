@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from fusion.errors import FusionError
 from services.metrics import ServerMetrics, serve_metrics
 
 logger = logging.getLogger(__name__)
@@ -80,15 +81,18 @@ async def start_server(
     reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         port = server.add_insecure_port(address)
-    except RuntimeError as err:
-        raise OSError(f"cannot bind {address}: {err}") from None
+    except RuntimeError:
+        raise FusionError(f"cannot listen on {address}: the address is in use or not valid here") from None
+    running = RunningServer(server, port, health_servicer, servicer, metrics)
+    if metrics_port is not None:
+        try:
+            http, running.metrics_port = serve_metrics(metrics.registry, metrics_port, metrics_host)
+        except OSError as err:
+            raise FusionError(f"metrics: cannot listen on {metrics_host}:{metrics_port}: {err.strerror or err}") from None
+        running.on_stop(http.shutdown)
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningServer(server, port, health_servicer, servicer, metrics)
-    if metrics_port is not None:
-        http, running.metrics_port = serve_metrics(metrics.registry, metrics_port, metrics_host)
-        running.on_stop(http.shutdown)
     logger.info("%s serving on port %d%s", service_name, port,
                 f", metrics on {running.metrics_port}" if running.metrics_port is not None else "")
     return running

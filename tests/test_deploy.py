@@ -28,27 +28,47 @@ ROOT = Path(__file__).resolve().parent.parent
 APP = "fusion-test"
 
 
-def ray_process_ids() -> set[int]:
-    """Ray's own processes on this machine now (GCS, raylets, workers), by /proc."""
-    pids = set()
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command name) of the living processes (not zombies), from /proc."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            comm = (entry / "comm").read_text().strip()
+            stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if comm in ("raylet", "gcs_server") or comm.startswith("ray::"):
-            pids.add(int(entry.name))
-    return pids
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+        if state != "Z":
+            out[int(entry.name)] = (int(ppid), name)
+    return out
 
 
-def wait_until_gone(before: set[int], timeout_s: float = 30.0) -> None:
-    """Assert that every Ray process started since `before` was taken has exited."""
+def descendants(root: int) -> dict[int, str]:
+    """The processes started under `root` (Ray's GCS, raylet and workers of a cluster it started)."""
+    table = _processes()
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, name) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = name
+                frontier.append(pid)
+    return found
+
+
+def wait_until_gone(started: dict[int, str], timeout_s: float = 30.0) -> None:
+    """Assert that every process in `started` has exited (other clusters on the machine are not ours)."""
     deadline = time.monotonic() + timeout_s
-    while (left := ray_process_ids() - before) and time.monotonic() < deadline:
+    while True:
+        table = _processes()
+        left = {pid: name for pid, name in started.items() if pid in table and table[pid][1] == name}
+        if not left or time.monotonic() > deadline:
+            break
         time.sleep(0.5)
-    assert not left, f"Ray processes left behind: {sorted(left)}"
+    assert not left, f"processes left behind: {left}"
+    assert {"raylet", "gcs_server"} <= set(started.values()), f"no Ray cluster was seen: {started}"
 
 
 # -- without Ray -------------------------------------------------------------------------------
@@ -133,7 +153,6 @@ def cluster(tiny_dir):
 
     from deploy.app import build_app, coordinator_address
 
-    before = ray_process_ids()
     config = tiny_config_dict(tiny_dir)
     args = {
         "config": config, "port": 0, "grace_s": 2.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
@@ -145,11 +164,12 @@ def cluster(tiny_dir):
     try:
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name=APP, route_prefix=None)
-        yield SimpleNamespace(address=coordinator_address(APP), config=parse_config(config), before=before)
+        yield SimpleNamespace(address=coordinator_address(APP), config=parse_config(config))
     finally:
+        started = descendants(os.getpid())  # the cluster ray.init started: GCS, raylet, workers
         serve.shutdown()
         ray.shutdown()
-    wait_until_gone(before)
+    wait_until_gone(started)
 
 
 def _handle(name):

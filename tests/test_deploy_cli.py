@@ -15,18 +15,18 @@ import yaml
 
 from services.client import FusionClient
 from tests.conftest import tiny_config_dict
-from tests.test_deploy import ray_process_ids, wait_until_gone
+from tests.test_deploy import descendants, wait_until_gone
 
 
 def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_pipeline):
     config = tmp_path / "fusion.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
-    before = ray_process_ids()
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", FUSION_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusion.cli", "deploy", "--config", str(config), "--port", "0", "--num-cpus", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
+    started: dict[int, str] = {}
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
@@ -41,10 +41,11 @@ def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_pipeline):
         with FusionClient(match.group(1), timeout=60) as client:
             got = [e.token.token_id for e in client.generate("hello world", {"max_tokens": 12})]
         assert got == expected.token_ids
+        started = descendants(proc.pid)  # the local cluster it started: GCS, raylet, workers
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    wait_until_gone(before)
+    wait_until_gone(started)

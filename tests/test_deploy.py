@@ -154,12 +154,16 @@ def cluster(tiny_dir):
     from deploy.app import build_app, coordinator_address
 
     config = tiny_config_dict(tiny_dir)
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
+               "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5}
     args = {
         "config": config, "port": 0, "grace_s": 2.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
         "expert": {"num_cpus": 0, "health_check_period_s": 2.0},
-        "experts": {"a": {"num_replicas": 2}},
+        "experts": {"a": {"num_replicas": 2}, "c": {"autoscaling_config": scaling}},
         "coordinator": {"num_cpus": 0},
     }
+    # Replicas report their load every half second instead of every ten (the workers inherit it).
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
@@ -169,6 +173,7 @@ def cluster(tiny_dir):
         started = descendants(os.getpid())  # the cluster ray.init started: GCS, raylet, workers
         serve.shutdown()
         ray.shutdown()
+        os.environ.pop("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", None)
     wait_until_gone(started)
 
 
@@ -176,6 +181,26 @@ def _handle(name):
     from ray import serve
 
     return serve.get_deployment_handle(name, APP)
+
+
+def _wait_for(condition, what: str, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = condition()
+        if state is True:
+            return
+        time.sleep(1.0)
+    pytest.fail(f"{what} within {timeout_s:.0f} s; last seen: {state}")
+
+
+def _replicas_of(expert: str) -> tuple[int, int, set[str]]:
+    """(RUNNING replicas by Serve, replicas the coordinator uses, replica ids in the registry)."""
+    from ray import serve
+
+    running = serve.status().applications[APP].deployments[f"expert-{expert}"].replica_states.get("RUNNING", 0)
+    used = len(_handle("coordinator").replica_addresses.remote().result()[expert])
+    registered = {r["replica_id"] for r in _handle("registry").replicas.remote().result() if r["expert"] == expert}
+    return running, used, registered
 
 
 def test_deployments_follow_the_config(cluster):
@@ -261,18 +286,34 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
     assert _handle("coordinator").failovers.remote().result()["a"] > failovers_before
 
     # Serve replaces the killed replica; it registers and the coordinator spreads sessions over it again.
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        live = {r["replica_id"] for r in registry.replicas.remote().result() if r["expert"] == "a"}
-        spread = _handle("coordinator").replica_addresses.remote().result()["a"]
-        if len(live) == 2 and victim not in live and len(spread) == 2:
-            break
-        time.sleep(1.0)
-    else:
-        pytest.fail(f"expert a did not get back to two replicas: live {live}, coordinator {spread}")
+    def recovered():
+        running, used, registered = _replicas_of("a")
+        return (running, used, len(registered), victim in registered) == (2, 2, 2, False) or (running, used, registered)
+
+    _wait_for(recovered, "expert a back to two replicas")
     with FusionClient(cluster.address, timeout=60) as client:
         again = [e.token.token_id for e in client.generate(PROMPTS[0], {"max_tokens": 24})]
     assert again == tiny_pipeline.complete(PROMPTS[0], {"max_tokens": 24}).token_ids
+
+
+def test_expert_scales_on_the_sessions_it_holds(cluster):
+    """Expert c scales on its cached sessions (target 1 per replica, at most 2): three sessions opened
+    directly on its replica bring a second one, which the coordinator then uses; releasing them
+    brings it back to one."""
+    from services.protos import expert_pb2, expert_pb2_grpc
+
+    [address] = [r["address"] for r in _handle("registry").replicas.remote().result() if r["expert"] == "c"]
+    sessions = [f"load-{i}" for i in range(3)]
+    with grpc.insecure_channel(address) as channel:
+        stub = expert_pb2_grpc.ExpertStub(channel)
+        for session in sessions:
+            stub.Step(expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session, token_ids=[5, 6])]),
+                      timeout=30)
+        try:
+            _wait_for(lambda: _replicas_of("c")[:2] == (2, 2) or _replicas_of("c"), "expert c scaled up to two")
+        finally:
+            stub.Release(expert_pb2.ReleaseRequest(session_ids=sessions), timeout=30)
+    _wait_for(lambda: _replicas_of("c")[:2] == (1, 1) or _replicas_of("c"), "expert c scaled back to one")
 
 
 def test_health_checks_step_the_model(cluster):

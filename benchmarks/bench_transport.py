@@ -106,7 +106,8 @@ def main() -> None:
     from services.serving import channel_options
     from services.wire import decode_tensor
 
-    folder = build_expert(Path(tempfile.mkdtemp(prefix="bench-transport-")) / "smol", opts.layers)
+    workdir = tempfile.TemporaryDirectory(prefix="bench-transport-")
+    folder = build_expert(Path(workdir.name) / "smol", opts.layers)
     config = parse_config({"experts": [{"name": "smol", "model": str(folder), "dtype": "bfloat16"}]})
     args = {"config": config.model_dump(), "port": 0, "grace_s": 1.0}
     ingress_port = free_port()
@@ -164,6 +165,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+        workdir.cleanup()
 
 
 def remote_logits_proto(address: str, prompt: list[int]):

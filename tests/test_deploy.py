@@ -127,19 +127,23 @@ def test_load_policy_asks_for_load_over_target():
 
 @pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
 def test_serve_configs_validate_and_build(name):
-    from ray.serve.schema import ServeDeploySchema
+    import importlib
 
-    from deploy.app import build_app
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
 
     data = yaml.safe_load((ROOT / "deploy" / name).read_text())
     schema = ServeDeploySchema.model_validate(data)
     [app] = schema.applications
-    assert app.import_path == "deploy.app:build_app"
     settings = parse_args(app.args)
     config = settings.fusion_config()
     gpus = {e.num_gpus for e in config.experts}
     assert gpus == ({0.0} if name == "serve-cpu.yaml" else {1.0})
-    assert build_app(app.args) is not None
+    # What `serve run` / `serve deploy` do with import_path and args.
+    module, attr = app.import_path.split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
 
 
 # -- on a local Ray cluster ----------------------------------------------------------------------

@@ -291,7 +291,10 @@ def deploy(
     """Run the experts and the coordinator as Ray Serve deployments; block until Ctrl-C."""
 
     def run() -> None:
-        from deploy.app import run_local
+        try:
+            from deploy.app import run_local
+        except ImportError as err:
+            fail(f"fusion deploy needs Ray Serve ({err}); install it with: pip install 'logit-fusion[ray]'")
 
         config = read_config(config_path)
         resolve = model_resolver(cache_dir(cache))  # prepare builtin models once, here, not in every replica

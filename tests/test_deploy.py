@@ -17,6 +17,8 @@ import grpc
 import pytest
 import yaml
 
+pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
+
 from deploy.autoscaling import LOAD_METRIC, fusion_load_policy
 from deploy.registry import ReplicaTable
 from deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args

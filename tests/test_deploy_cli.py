@@ -11,7 +11,10 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import yaml
+
+pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
 
 from services.client import FusionClient
 from tests.conftest import tiny_config_dict

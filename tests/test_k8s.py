@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
+
 from deploy.settings import parse_args
 from services.protos import FUSION_SERVICE
 

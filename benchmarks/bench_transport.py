@@ -109,7 +109,6 @@ def main() -> None:
     workdir = tempfile.TemporaryDirectory(prefix="bench-transport-")
     folder = build_expert(Path(workdir.name) / "smol", opts.layers)
     config = parse_config({"experts": [{"name": "smol", "model": str(folder), "dtype": "bfloat16"}]})
-    args = {"config": config.model_dump(), "port": 0, "grace_s": 1.0}
     ingress_port = free_port()
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
@@ -119,8 +118,9 @@ def main() -> None:
             "grpc_servicer_functions": ["services._generated.expert_pb2_grpc.add_ExpertServicer_to_server"],
         })
         replica = ExpertReplica.options(name="expert-smol", num_replicas=1, ray_actor_options={"num_cpus": 0})
-        handle = serve.run(replica.bind(config.model_dump(), "smol", ReplicaRegistry.bind(10.0), args),
-                           name=APP, route_prefix="/transport")  # routed apps only reach the proxies
+        app = replica.bind(config.experts[0].model_dump(), config.limits.model_dump(), ReplicaRegistry.bind(10.0),
+                           {"grace_s": 1.0})
+        handle = serve.run(app, name=APP, route_prefix="/transport")  # routed apps only reach the proxies
         address = handle.grpc_address.remote().result()
         threads = ray.get(ray.remote(num_cpus=0)(torch_threads).remote())
         torch.set_num_threads(threads)  # the forward costs the same here as in the replica
@@ -140,7 +140,8 @@ def main() -> None:
                 ingress.Step(message(s, h), metadata=(("application", APP),), timeout=60).logits, "ingress"),
             "handle": lambda s, h: decode_tensor(handle.Step.remote(message(s, h)).result().logits, "handle"),
         }
-        prompt = [int(t) for t in torch.randint(3, 1000, (opts.prompt_tokens,), generator=torch.Generator().manual_seed(0))]
+        ids = torch.randint(3, 1000, (opts.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+        prompt = [int(t) for t in ids]
         reference = transports["local"]("check-local", prompt)
         for name in ("grpc", "ingress", "handle"):  # same logits on every path (and warm-up)
             assert torch.equal(transports[name](f"check-{name}", prompt), reference), name

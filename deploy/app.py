@@ -40,16 +40,19 @@ def build_app(args: dict[str, Any] | DeployArgs) -> Application:
     if settings.cache_dir is None and os.environ.get("FUSION_CACHE_DIR"):
         settings = settings.model_copy(update={"cache_dir": os.environ["FUSION_CACHE_DIR"]})
     config = settings.fusion_config()
-    config_data = config.model_dump()  # plain data travels to every replica
-    args_data = settings.model_dump()
     registry = ReplicaRegistry.bind(settings.registry_ttl_s)
+    # Each expert gets its own config only, so changing one expert restarts that one (and the
+    # coordinator, which holds the whole config), and replica counts restart nothing.
+    expert_runtime = settings.expert_runtime().model_dump()
+    limits = config.limits.model_dump()
     experts = {}
     for expert in config.experts:
         options = settings.expert_options(expert.name).serve_options(num_gpus=expert.num_gpus)
         deployment = ExpertReplica.options(name=expert_deployment_name(expert.name), **options)
-        experts[expert.name] = deployment.bind(config_data, expert.name, registry, args_data)
+        experts[expert.name] = deployment.bind(expert.model_dump(), limits, registry, expert_runtime)
     coordinator = CoordinatorReplica.options(**settings.coordinator.serve_options())
-    return coordinator.bind(config_data, registry, args_data, experts=experts)
+    return coordinator.bind(config.model_dump(), registry, settings.coordinator_runtime().model_dump(),
+                            experts=experts)
 
 
 def coordinator_address(app_name: str = APP_NAME, timeout_s: float = 60.0) -> str:

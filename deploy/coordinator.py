@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
 from deploy._replica import ServerLoop, advertised_host
-from deploy.settings import parse_args
+from deploy.settings import CoordinatorRuntime, model_resolver
 from fusion.config import FusionConfig, parse_config
 from fusion.errors import ExpertUnavailableError
 from services.coordinator import create_coordinator_server
@@ -45,9 +45,9 @@ def with_addresses(config: FusionConfig, addresses: dict[str, list[str]]) -> Fus
 @serve.deployment(name=COORDINATOR_DEPLOYMENT, health_check_period_s=10.0, health_check_timeout_s=30.0,
                   graceful_shutdown_timeout_s=60.0)
 class CoordinatorReplica:
-    async def __init__(self, config: dict[str, Any], registry, args: dict[str, Any],
+    async def __init__(self, config: dict[str, Any], registry, runtime: dict[str, Any],
                        experts: dict[str, Any] | None = None) -> None:
-        settings = parse_args(args)
+        settings = CoordinatorRuntime(**runtime)
         fusion_config = parse_config(config)
         self._registry = registry
         self.expert_handles = experts or {}  # Serve handles of the expert deployments
@@ -56,8 +56,8 @@ class CoordinatorReplica:
         addresses = await self._wait_for_experts(fusion_config.expert_names, settings.startup_timeout_s)
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_coordinator_server(
-            with_addresses(fusion_config, addresses), settings.model_resolver(), f"{settings.host}:{settings.port}",
-            settings.metrics_port, settings.host,
+            with_addresses(fusion_config, addresses), model_resolver(settings.cache_dir),
+            f"{settings.host}:{settings.port}", settings.metrics_port, settings.host,
         ))
         self.address = f"{advertised_host(settings.host)}:{port}"
         self.remote_experts = {e.name: e for e in self._running.servicer.pipeline.engine.experts
@@ -111,7 +111,8 @@ class CoordinatorReplica:
         stub = health_pb2_grpc.HealthStub(self._channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=FUSION_SERVICE), timeout=10.0)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise RuntimeError(f"the Fusion service reports {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            raise RuntimeError(f"the Fusion service reports {status}")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         from deploy.autoscaling import LOAD_METRIC

@@ -23,8 +23,8 @@ import grpc
 from ray import serve
 
 from deploy._replica import DirectContext, ServerLoop, advertised_host
-from deploy.settings import parse_args
-from fusion.config import parse_config
+from deploy.settings import ExpertRuntime, model_resolver
+from fusion.config import ExpertConfig, Limits
 from fusion.expert import LocalExpert
 from services.expert_server import create_expert_server
 from services.metrics import serve_metrics
@@ -42,31 +42,29 @@ def expert_deployment_name(expert: str) -> str:
 
 @serve.deployment(health_check_period_s=10.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=30.0)
 class ExpertReplica:
-    async def __init__(self, config: dict[str, Any], name: str, registry, args: dict[str, Any]) -> None:
-        settings = parse_args(args)
-        fusion_config = parse_config(config)
-        expert_config = fusion_config.expert(name)
-        self.name = name
+    async def __init__(self, expert: dict[str, Any], limits: dict[str, Any], registry,
+                       runtime: dict[str, Any]) -> None:
+        expert_config, limits_config = ExpertConfig(**expert), Limits(**limits)
+        settings = ExpertRuntime(**runtime)
+        self.name = expert_config.name
         self._registry = registry
         self._grace = settings.grace_s
         self._closed = True  # until fully started: nothing for __del__ to stop
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
-        model_path = settings.model_resolver()(expert_config.model)
-        expert = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
-        self._probe_token = (expert.info.eos_token_ids or (0,))[0]
+        model_path = model_resolver(settings.cache_dir)(expert_config.model)
+        local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
+        self._probe_token = (local.info.eos_token_ids or (0,))[0]
         self._loop = ServerLoop()
-        self._running, port = await self._loop.call(
-            create_expert_server(expert, fusion_config.limits, f"{settings.host}:0")
-        )
-        if settings.expert_metrics_port is not None:
-            self._serve_metrics(settings.expert_metrics_port, settings.host)
+        self._running, port = await self._loop.call(create_expert_server(local, limits_config, f"{settings.host}:0"))
+        if settings.metrics_port is not None:
+            self._serve_metrics(settings.metrics_port, settings.host)
         self.address = f"{advertised_host(settings.host)}:{port}"
         self._channel = None  # the health probe's, made on the server loop
-        self._message_bytes = fusion_config.limits.max_message_bytes
+        self._message_bytes = limits_config.max_message_bytes
         self._closed = False
         await self._register()
         self._heartbeat = asyncio.create_task(self._beat(settings.heartbeat_s))
-        logger.info("expert %r replica %s serving on %s", name, self.replica_id, self.address)
+        logger.info("expert %r replica %s serving on %s", self.name, self.replica_id, self.address)
 
     def _serve_metrics(self, port: int, host: str) -> None:
         """/metrics on the fixed port when free; several replicas on one node fall back to a free port."""

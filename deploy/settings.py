@@ -119,16 +119,45 @@ class DeployArgs(_Strict):
         own = self.experts.get(name)
         return own.over(self.expert) if own is not None else self.expert
 
-    def model_resolver(self) -> Callable[[str], str]:
-        """`builtin:NAME` refs to folders in the model cache (prepared on first use); others unchanged."""
-        from fusion.assets import default_cache_dir, resolve_model
+    def expert_runtime(self) -> ExpertRuntime:
+        return ExpertRuntime(cache_dir=self.cache_dir, host=self.host, metrics_port=self.expert_metrics_port,
+                             heartbeat_s=self.heartbeat_s, grace_s=self.grace_s)
 
-        cache = Path(self.cache_dir) if self.cache_dir else None
+    def coordinator_runtime(self) -> CoordinatorRuntime:
+        return CoordinatorRuntime(cache_dir=self.cache_dir, host=self.host, port=self.port,
+                                  metrics_port=self.metrics_port, refresh_s=self.refresh_s,
+                                  startup_timeout_s=self.startup_timeout_s, grace_s=self.grace_s)
 
-        def resolve(ref: str) -> str:
-            return resolve_model(ref, cache or default_cache_dir())
 
-        return resolve
+# What a replica is constructed with, and nothing more: Serve restarts a deployment's replicas when
+# their constructor arguments change, so an option of one deployment (or a replica count, which is
+# not among them) must not restart the others.
+class ExpertRuntime(_Strict):
+    cache_dir: str | None = None
+    host: str = "0.0.0.0"
+    metrics_port: int | None = None
+    heartbeat_s: float = 2.0
+    grace_s: float = 20.0
+
+
+class CoordinatorRuntime(_Strict):
+    cache_dir: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int | None = None
+    refresh_s: float = 2.0
+    startup_timeout_s: float = 900.0
+    grace_s: float = 20.0
+
+
+def model_resolver(cache_dir: str | None) -> Callable[[str], str]:
+    """`builtin:NAME` refs to folders in the model cache (prepared on first use); others unchanged."""
+    from fusion.assets import default_cache_dir, resolve_model
+
+    def resolve(ref: str) -> str:
+        return resolve_model(ref, Path(cache_dir) if cache_dir else default_cache_dir())
+
+    return resolve
 
 
 def parse_args(args: dict[str, Any] | DeployArgs | None) -> DeployArgs:

@@ -41,8 +41,9 @@ def build_app(args: dict[str, Any] | DeployArgs) -> Application:
         settings = settings.model_copy(update={"cache_dir": os.environ["FUSION_CACHE_DIR"]})
     config = settings.fusion_config()
     registry = ReplicaRegistry.bind(settings.registry_ttl_s)
-    # Each expert gets its own config only, so changing one expert restarts that one (and the
-    # coordinator, which holds the whole config), and replica counts restart nothing.
+    # Each replica gets only what it needs: its expert's config and limits, or the whole config for
+    # the coordinator. (Serve restarts every replica when `args` change; replica counts and
+    # autoscaling changed in a serve YAML's `deployments:` section restart none.)
     expert_runtime = settings.expert_runtime().model_dump()
     limits = config.limits.model_dump()
     experts = {}

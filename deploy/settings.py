@@ -6,10 +6,16 @@ The fusion config is the same YAML the local build reads (`fusion.config`), give
 inline as a mapping (what a KubeRay `serveConfigV2` embeds). GPUs are never set here: each expert
 deployment asks for its expert's `num_gpus` from the fusion config.
 
+Replica counts and autoscaling set here are the application's defaults. In a serve YAML they are
+better set in the application's `deployments:` section (by deployment name: `expert-<name>`,
+`coordinator`): Serve applies a change there without restarting replicas, while any change to
+`args` restarts all of them.
+
 Autoscaling works on load the deployments report themselves (sessions on an expert replica,
 requests on a coordinator; see `deploy.autoscaling`), because the decode traffic runs over the
 services' own gRPC channels, which Serve does not see. `target_ongoing_requests` is therefore read as
-sessions per replica.
+sessions per replica, and an `autoscaling_config` given here gets that policy unless it names one
+(one given in a `deployments:` section must name it: `deploy.autoscaling:fusion_load_policy`).
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ class DeploymentOptions(_Strict):
             autoscaling = dict(self.autoscaling_config)
             autoscaling.setdefault("policy", {"policy_function": LOAD_POLICY})
             out["autoscaling_config"] = autoscaling
-        else:
-            out["num_replicas"] = self.num_replicas or 1
+        elif self.num_replicas is not None:  # else Serve's default (1), or a serve YAML's `deployments:`
+            out["num_replicas"] = self.num_replicas
         for name in ("max_replicas_per_node", "health_check_period_s", "health_check_timeout_s",
                      "graceful_shutdown_timeout_s"):
             value = getattr(self, name)
@@ -129,9 +135,7 @@ class DeployArgs(_Strict):
                                   startup_timeout_s=self.startup_timeout_s, grace_s=self.grace_s)
 
 
-# What a replica is constructed with, and nothing more: Serve restarts a deployment's replicas when
-# their constructor arguments change, so an option of one deployment (or a replica count, which is
-# not among them) must not restart the others.
+# What a replica is constructed with, and nothing more.
 class ExpertRuntime(_Strict):
     cache_dir: str | None = None
     host: str = "0.0.0.0"

@@ -99,6 +99,7 @@ def test_options_layer_and_become_serve_options():
     scaled = base.serve_options()
     assert scaled["autoscaling_config"]["policy"] == {"policy_function": LOAD_POLICY}
     assert "num_replicas" not in scaled and "num_gpus" not in scaled["ray_actor_options"]
+    assert DeploymentOptions().serve_options() == {"ray_actor_options": {"num_cpus": 1.0}}  # Serve's defaults
     with pytest.raises(ValueError, match="either num_replicas or autoscaling_config"):
         DeploymentOptions(num_replicas=1, autoscaling_config={})
 
@@ -146,6 +147,14 @@ def test_serve_configs_validate_and_build(name):
     module, attr = app.import_path.split(":")
     builder = getattr(importlib.import_module(module), attr)
     assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
+    # Overrides name deployments the builder makes, and keep the load policy (Serve's own would see
+    # no traffic).
+    names = {f"expert-{e.name}" for e in config.experts} | {"coordinator", "registry"}
+    for override in app.deployments:
+        assert override.name in names
+        scaling = override.autoscaling_config
+        if scaling is not None:
+            assert scaling["policy"] == {"policy_function": LOAD_POLICY}, override.name
 
 
 # -- on a local Ray cluster ----------------------------------------------------------------------

@@ -45,6 +45,15 @@ def settings(serve_config):
     return parse_args(app["args"])
 
 
+def autoscaling(serve_config, settings, deployment: str, options):
+    """A deployment's autoscaling config: the serve YAML's `deployments:` override, else the args'."""
+    [app] = serve_config["applications"]
+    for override in app.get("deployments", []):
+        if override["name"] == deployment and "autoscaling_config" in override:
+            return override["autoscaling_config"]
+    return options.autoscaling_config
+
+
 def group(service, name):
     [found] = [g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == name]
     return found
@@ -103,14 +112,15 @@ def test_every_container_has_requests_and_limits(service):
     assert {"cpu", "memory"} <= set(auto["requests"]) and {"cpu", "memory"} <= set(auto["limits"])
 
 
-def test_gpu_group_matches_the_experts(service, settings):
+def test_gpu_group_matches_the_experts(service, serve_config, settings):
     config = settings.fusion_config()
     gpu = group(service, "gpu")
     resources = container(gpu)["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
     assert all(e.num_gpus == 1 and e.device == "cuda" for e in config.experts)
     # Enough GPU pods for every expert's min and max replicas (one GPU each).
-    scaling = [settings.expert_options(e.name).autoscaling_config for e in config.experts]
+    scaling = [autoscaling(serve_config, settings, f"expert-{e.name}", settings.expert_options(e.name))
+               for e in config.experts]
     assert all(s is not None for s in scaling)
     assert gpu["minReplicas"] >= sum(math.ceil(s["min_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
     assert gpu["maxReplicas"] >= sum(math.ceil(s["max_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
@@ -118,7 +128,7 @@ def test_gpu_group_matches_the_experts(service, settings):
     assert ports(container(gpu))["fusion-metrics"] == settings.expert_metrics_port
 
 
-def test_coordinator_group_port_probe_and_resource(service, settings):
+def test_coordinator_group_port_probe_and_resource(service, serve_config, settings):
     coordinator = group(service, "coordinator")
     c = container(coordinator)
     assert ports(c) == {"grpc-fusion": settings.port, "fusion-metrics": settings.metrics_port}
@@ -128,7 +138,7 @@ def test_coordinator_group_port_probe_and_resource(service, settings):
     offered = yaml.safe_load(yaml.safe_load(coordinator["rayStartParams"]["resources"]))
     assert settings.coordinator.resources == offered == {"fusion_coordinator": 1}
     assert settings.coordinator.max_replicas_per_node == 1
-    scaling = settings.coordinator.autoscaling_config
+    scaling = autoscaling(serve_config, settings, "coordinator", settings.coordinator)
     assert coordinator["minReplicas"] >= scaling["min_replicas"]
     assert coordinator["maxReplicas"] >= scaling["max_replicas"]
     # Shutdown fits in the pod's grace period: preStop drain, then Serve's graceful stop.

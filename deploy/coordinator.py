@@ -1,6 +1,7 @@
 """The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients.
 
-At start it waits until every expert has a registered replica, then builds the pipeline with one
+At start it waits until every expert has a registered replica of the version its config names
+(same model, dtype, device; see `deploy.registry`), then builds the pipeline with one
 `RemoteExpert` per expert over those replicas' addresses and serves on `port` (fixed, so a
 Kubernetes Service and probes can find it). Every `refresh_s` it re-reads the registry and hands
 each expert's current replica list to its `RemoteExpert` (`set_addresses`): new replicas take new
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
 from deploy._replica import ServerLoop, advertised_host
+from deploy.registry import expert_version
 from deploy.settings import CoordinatorRuntime, model_resolver
 from fusion.config import FusionConfig, parse_config
 from fusion.errors import ExpertUnavailableError
@@ -53,6 +55,7 @@ class CoordinatorReplica:
         self.expert_handles = experts or {}  # Serve handles of the expert deployments
         self._grace = settings.grace_s
         self._closed = True
+        self.versions = {e.name: expert_version(e) for e in fusion_config.experts}  # replicas of these only
         addresses = await self._wait_for_experts(fusion_config.expert_names, settings.startup_timeout_s)
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_coordinator_server(
@@ -70,7 +73,7 @@ class CoordinatorReplica:
     async def _wait_for_experts(self, names: list[str], timeout_s: float) -> dict[str, list[str]]:
         deadline = time.monotonic() + timeout_s
         while True:
-            addresses = await self._registry.addresses.remote()
+            addresses = await self._registry.addresses.remote(self.versions)
             missing = [n for n in names if not addresses.get(n)]
             if not missing:
                 return addresses
@@ -82,7 +85,8 @@ class CoordinatorReplica:
         while True:
             await asyncio.sleep(period_s)
             try:
-                addresses = await asyncio.wait_for(self._registry.addresses.remote(), timeout=max(period_s, 5.0))
+                addresses = await asyncio.wait_for(self._registry.addresses.remote(self.versions),
+                                                   timeout=max(period_s, 5.0))
             except Exception as err:  # the registry restarting: keep the replicas we know
                 logger.warning("reading the replica registry failed: %s", err)
                 continue

@@ -23,6 +23,7 @@ import grpc
 from ray import serve
 
 from deploy._replica import DirectContext, ServerLoop, advertised_host
+from deploy.registry import expert_version
 from deploy.settings import ExpertRuntime, model_resolver
 from fusion.config import ExpertConfig, Limits
 from fusion.expert import LocalExpert
@@ -47,6 +48,7 @@ class ExpertReplica:
         expert_config, limits_config = ExpertConfig(**expert), Limits(**limits)
         settings = ExpertRuntime(**runtime)
         self.name = expert_config.name
+        self.version = expert_version(expert_config)
         self._registry = registry
         self._grace = settings.grace_s
         self._closed = True  # until fully started: nothing for __del__ to stop
@@ -79,7 +81,7 @@ class ExpertReplica:
 
     # -- registration ---------------------------------------------------------------------------
     async def _register(self) -> None:
-        await self._registry.register.remote(self.name, self.replica_id, self.address)
+        await self._registry.register.remote(self.name, self.replica_id, self.address, self.version)
 
     async def _beat(self, period_s: float) -> None:
         while True:
@@ -94,7 +96,7 @@ class ExpertReplica:
         return self.address
 
     def replica_info(self) -> dict[str, Any]:
-        return {"expert": self.name, "replica_id": self.replica_id, "address": self.address,
+        return {"expert": self.name, "replica_id": self.replica_id, "address": self.address, "version": self.version,
                 "metrics_port": self._running.metrics_port, "sessions": len(self._running.servicer.expert.cache)}
 
     async def check_health(self) -> None:

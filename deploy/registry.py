@@ -1,10 +1,14 @@
 """Where the coordinator finds the expert replicas' gRPC servers.
 
 Each expert replica serves the Expert service on a free port of its node and registers
-`(expert, replica id, address)` here, again every `heartbeat_s` seconds. An entry not heard from for
+`(expert, replica id, address, version)` here, again every `heartbeat_s` seconds. An entry not heard from for
 `ttl_s` seconds is dropped (a killed replica cannot unregister); a replica shutting down unregisters
 itself. The coordinator reads `addresses()` every few seconds and hands each expert's list to its
 `RemoteExpert`, which pins sessions to replicas and fails over between them.
+
+The version (`expert_version`) names what decides an expert's logits: model, weights file, dtype,
+device. A coordinator asks only for replicas of the versions its config names, so during a rolling
+update that changes a model, old and new replicas of one expert never serve the same session.
 
 The table is soft state: if the registry's replica restarts, the expert replicas' next heartbeats
 fill it again, and until then the coordinator keeps the replicas it knew.
@@ -12,13 +16,23 @@ fill it again, and until then the coordinator keeps the replicas it knew.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ray import serve
 
+from fusion.config import ExpertConfig
+
 REGISTRY_DEPLOYMENT = "registry"
+
+
+def expert_version(config: ExpertConfig) -> str:
+    """A short hash of what decides the expert's logits (not its weight, replicas or placement)."""
+    decisive = {k: getattr(config, k) for k in ("name", "model", "gguf_file", "dtype", "device")}
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -26,6 +40,7 @@ class ReplicaEntry:
     expert: str
     replica_id: str  # Serve's full replica id, also the replica actor's name in the "serve" namespace
     address: str  # host:port of the replica's Expert gRPC server
+    version: str  # expert_version of the config the replica serves
     seen: float  # monotonic time of the last registration
 
 
@@ -37,8 +52,8 @@ class ReplicaTable:
         self._clock = clock
         self._entries: dict[str, ReplicaEntry] = {}
 
-    def register(self, expert: str, replica_id: str, address: str) -> None:
-        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, self._clock())
+    def register(self, expert: str, replica_id: str, address: str, version: str) -> None:
+        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock())
 
     def unregister(self, replica_id: str) -> bool:
         return self._entries.pop(replica_id, None) is not None
@@ -50,10 +65,12 @@ class ReplicaTable:
             del self._entries[replica_id]
         return sorted(self._entries.values(), key=lambda e: (e.expert, e.replica_id))
 
-    def addresses(self) -> dict[str, list[str]]:
+    def addresses(self, versions: dict[str, str] | None = None) -> dict[str, list[str]]:
+        """Live addresses by expert; with `versions`, only those experts at those versions."""
         out: dict[str, list[str]] = {}
         for entry in self.live():
-            out.setdefault(entry.expert, []).append(entry.address)
+            if versions is None or versions.get(entry.expert) == entry.version:
+                out.setdefault(entry.expert, []).append(entry.address)
         return out
 
 
@@ -69,14 +86,14 @@ class ReplicaRegistry:
     def __init__(self, ttl_s: float = 10.0) -> None:
         self.table = ReplicaTable(ttl_s)
 
-    def register(self, expert: str, replica_id: str, address: str) -> None:
-        self.table.register(expert, replica_id, address)
+    def register(self, expert: str, replica_id: str, address: str, version: str) -> None:
+        self.table.register(expert, replica_id, address, version)
 
     def unregister(self, replica_id: str) -> bool:
         return self.table.unregister(replica_id)
 
-    def addresses(self) -> dict[str, list[str]]:
-        return self.table.addresses()
+    def addresses(self, versions: dict[str, str] | None = None) -> dict[str, list[str]]:
+        return self.table.addresses(versions)
 
     def replicas(self) -> list[dict]:
         """Every live entry with its age in seconds (for operators and tests)."""

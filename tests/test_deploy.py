@@ -77,16 +77,33 @@ def wait_until_gone(started: dict[int, str], timeout_s: float = 30.0) -> None:
 def test_replica_table_expires_silent_replicas():
     now = [100.0]
     table = ReplicaTable(ttl_s=5.0, clock=lambda: now[0])
-    table.register("a", "r1", "10.0.0.1:1")
-    table.register("a", "r2", "10.0.0.2:1")
-    table.register("b", "r3", "10.0.0.3:1")
+    table.register("a", "r1", "10.0.0.1:1", "v1")
+    table.register("a", "r2", "10.0.0.2:1", "v1")
+    table.register("b", "r3", "10.0.0.3:1", "v1")
     assert table.addresses() == {"a": ["10.0.0.1:1", "10.0.0.2:1"], "b": ["10.0.0.3:1"]}
     now[0] += 4.0
-    table.register("a", "r1", "10.0.0.1:1")  # heartbeat
+    table.register("a", "r1", "10.0.0.1:1", "v1")  # heartbeat
     now[0] += 2.0  # r2 and r3 silent for 6 s
     assert table.addresses() == {"a": ["10.0.0.1:1"]}
     assert table.unregister("r1") and not table.unregister("r1")
     assert table.addresses() == {}
+
+
+def test_coordinators_see_only_replicas_of_their_expert_versions():
+    from deploy.registry import expert_version
+    from fusion.config import ExpertConfig
+
+    old = ExpertConfig(name="a", model="/models/a-v1")
+    new = old.model_copy(update={"model": "/models/a-v2"})
+    assert expert_version(old) != expert_version(new)
+    # Weight, replicas and placement do not change the logits.
+    assert expert_version(old) == expert_version(old.model_copy(update={"weight": 3.0, "num_gpus": 0.5}))
+    table = ReplicaTable(ttl_s=5.0)
+    table.register("a", "r1", "10.0.0.1:1", expert_version(old))
+    table.register("a", "r2", "10.0.0.2:1", expert_version(new))  # a rolling update under way
+    table.register("b", "r3", "10.0.0.3:1", "vb")
+    assert table.addresses({"a": expert_version(new), "b": "vb"}) == {"a": ["10.0.0.2:1"], "b": ["10.0.0.3:1"]}
+    assert table.addresses({"a": expert_version(old)}) == {"a": ["10.0.0.1:1"]}
 
 
 def test_options_layer_and_become_serve_options():

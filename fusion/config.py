@@ -117,12 +117,80 @@ class Limits(_Strict):
     max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
+class TLSConfig(_Strict):
+    """Certificate files (PEM) for TLS on every gRPC server and channel.
+
+    Servers (coordinator and experts) present `cert_file`/`key_file`. Channels (clients → coordinator,
+    coordinator → experts) trust `ca_file` (the system roots when unset). With `require_client_auth`
+    an expert server accepts only callers presenting a certificate signed by `ca_file`, and the
+    coordinator presents `client_cert_file`/`client_key_file` to its experts (mutual TLS).
+    """
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    require_client_auth: bool = False
+    server_name: str | None = None  # the name checked in servers' certificates, if not the dialled host
+
+    @model_validator(mode="after")
+    def _pairs(self) -> TLSConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("give both cert_file and key_file, or neither")
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError("give both client_cert_file and client_key_file, or neither")
+        if self.require_client_auth and self.ca_file is None:
+            raise ValueError("require_client_auth needs ca_file (the CA that signs client certificates)")
+        return self
+
+
+class SecurityConfig(_Strict):
+    """Transport security and authentication of both gRPC services.
+
+    `plaintext` defaults to true so that configs written before this section keep working on
+    loopback; a server serving plaintext on a non-loopback address logs a WARNING. A `tls` section
+    switches every server and channel to TLS (plaintext then defaults to false; giving both
+    `plaintext: true` and `tls` is an error). API keys (hashed, in `api_keys_file` or in the YAML
+    text of the environment variable `api_keys_env`) are then required by the Fusion service. The
+    Expert service accepts only the coordinator: by its client certificate (`tls.require_client_auth`)
+    and/or a shared secret read from the environment variable `expert_secret_env` or `expert_secret_file`.
+    """
+
+    plaintext: bool = True
+    tls: TLSConfig | None = None
+    api_keys_file: str | None = None
+    api_keys_env: str | None = None
+    expert_secret_env: str | None = None
+    expert_secret_file: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tls_means_no_plaintext(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("tls") is not None:
+            if data.get("plaintext") is True:
+                raise ValueError("give either plaintext: true or a tls section, not both")
+            data = {**data, "plaintext": False}
+        return data
+
+    @model_validator(mode="after")
+    def _explicit(self) -> SecurityConfig:
+        if not self.plaintext and self.tls is None:
+            raise ValueError("plaintext: false needs a tls section (cert_file, key_file, ca_file)")
+        if self.expert_secret_env is not None and self.expert_secret_file is not None:
+            raise ValueError("give either expert_secret_env or expert_secret_file, not both")
+        if self.api_keys_file is not None and self.api_keys_env is not None:
+            raise ValueError("give either api_keys_file or api_keys_env, not both")
+        return self
+
+
 class FusionConfig(_Strict):
     experts: list[ExpertConfig] = Field(min_length=1)
     fusion: FusionSpec = Field(default_factory=FusionSpec)
     profiles: dict[str, dict[str, float]] = Field(default_factory=dict)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     limits: Limits = Field(default_factory=Limits)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _cross_check(self) -> FusionConfig:

@@ -14,12 +14,13 @@ from typing import Any, Iterator, Sequence
 
 import grpc
 
-from fusion.config import FusionSpec, SamplingParams
+from fusion.config import FusionSpec, SamplingParams, SecurityConfig
 from fusion.engine import ExpertAttribution, TokenEvent
 from fusion.errors import FusionError
 from fusion.pipeline import ScoreResult, TextEvent
 from fusion.text import Message
 from services.protos import fusion_pb2, fusion_pb2_grpc
+from services.security import api_key_metadata, open_channel
 from services.serving import channel_options
 from services.status import error_from_rpc
 from services.wire import generate_request, spec_to_proto
@@ -53,10 +54,15 @@ def event_from_response(response: fusion_pb2.GenerateResponse) -> GenerateEvent:
 
 
 class FusionClient:
-    def __init__(self, address: str, *, timeout: float | None = None, max_message_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, address: str, *, timeout: float | None = None, max_message_bytes: int = 64 * 1024 * 1024,
+                 api_key: str | None = None, security: SecurityConfig | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        """`api_key` is sent with every call; `security` (a config's section) or `credentials` make
+        the channel TLS (plaintext without either)."""
         self.address = address
         self.timeout = timeout  # default deadline of each call, in seconds
-        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = open_channel(address, security, channel_options(max_message_bytes),
+                                    metadata=api_key_metadata(api_key), credentials=credentials)
         self.stub = fusion_pb2_grpc.FusionStub(self.channel)
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from fusion.scheduler import Scheduler
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.remote_expert import RemoteExpert
+from services.security import fusion_interceptors, server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import stream_errors, unary_errors
 from services.wire import (
@@ -98,7 +99,8 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str]) -> 
             tokenizers.append(local.tokenizer)
             continue
         tokenizer = load_tokenizer(expert_config, path)
-        remote = RemoteExpert(expert_config, max_message_bytes=config.limits.max_message_bytes)
+        remote = RemoteExpert(expert_config, max_message_bytes=config.limits.max_message_bytes,
+                              security=config.security)
         if tokenizer_fingerprint(tokenizer) != remote.info.tokenizer_fingerprint:
             raise ConfigError(f"experts.{expert_config.name}: the tokenizer at {path!r} differs from the one "
                               f"its replicas {expert_config.addresses} serve")
@@ -229,6 +231,9 @@ async def create_coordinator_server(
             servicer, fusion_pb2_grpc.add_FusionServicer_to_server, FUSION_SERVICE, metrics,
             address=address, max_message_bytes=config.limits.max_message_bytes,
             metrics_port=metrics_port, metrics_host=metrics_host,
+            credentials=server_credentials(config.security, expert=False),
+            interceptors=fusion_interceptors(config.security, FUSION_SERVICE, metrics.registry,
+                                             default_max_tokens=config.sampling.max_tokens),
         )
     except BaseException:
         scheduler.stop()

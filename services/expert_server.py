@@ -17,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from fusion.config import FusionConfig, Limits
+from fusion.config import FusionConfig, Limits, SecurityConfig
 from fusion.errors import InvalidArgumentError
 from fusion.expert import LocalExpert, StepRequest
 from services.metrics import ExpertMetrics
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
+from services.security import expert_interceptors, server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import unary_errors
 from services.wire import encode_tensor, info_to_proto, wire_dtype
@@ -166,8 +167,10 @@ async def create_expert_server(
     address: str = "127.0.0.1:0",
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
+    security: SecurityConfig | None = None,
 ) -> tuple[RunningServer, int]:
-    """Serve `expert` on `address`; returns (server, bound port). Call on the serving event loop."""
+    """Serve `expert` on `address`; returns (server, bound port). Call on the serving event loop.
+    `security` (the config's section) sets TLS, client certificates and the coordinator's secret."""
     limits = limits or Limits()
     metrics = ExpertMetrics()
     servicer = ExpertServicer(expert, limits, metrics)
@@ -175,6 +178,8 @@ async def create_expert_server(
         servicer, expert_pb2_grpc.add_ExpertServicer_to_server, EXPERT_SERVICE, metrics,
         address=address, max_message_bytes=limits.max_message_bytes,
         metrics_port=metrics_port, metrics_host=metrics_host,
+        credentials=server_credentials(security, expert=True) if security is not None else None,
+        interceptors=expert_interceptors(security, EXPERT_SERVICE),
     )
     running.on_stop(servicer.close)
     return running, running.port
@@ -195,7 +200,8 @@ def run_expert_server(
     expert = LocalExpert.load(expert_config, resolve_model(expert_config.model))
 
     async def main() -> None:
-        running, bound = await create_expert_server(expert, config.limits, f"{host}:{port}", metrics_port, host)
+        running, bound = await create_expert_server(expert, config.limits, f"{host}:{port}", metrics_port, host,
+                                                    security=config.security)
         print(f"expert {name!r} serving on {host}:{bound}", file=sys.stderr, flush=True)
         await serve_until_signalled(running, grace)
 

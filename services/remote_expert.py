@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 import grpc
 import torch
 
-from fusion.config import ExpertConfig
+from fusion.config import ExpertConfig, SecurityConfig
 from fusion.errors import ConfigError, ExpertOutputError, ExpertUnavailableError
 from fusion.expert import ExpertInfo, StepRequest
 from services.protos import expert_pb2, expert_pb2_grpc
+from services.security import expert_channel_metadata, open_channel
 from services.serving import channel_options
 from services.status import error_from_rpc
 from services.wire import decode_tensor, info_from_proto
@@ -72,6 +73,7 @@ class RemoteExpert:
         timeout_s: float | None = None,
         retry_after_s: float = 5.0,
         wire_dtype: str = "",
+        security: SecurityConfig | None = None,
     ) -> None:
         if not config.addresses:
             raise ConfigError(f"experts.{config.name}.addresses: a remote expert needs at least one address")
@@ -81,9 +83,11 @@ class RemoteExpert:
         self.wire_dtype = wire_dtype
         options = channel_options(max_message_bytes) + _RECONNECT
         self._channel_options = options
+        self._security = security  # TLS / client certificate / the expert secret on every channel
+        self._metadata = expert_channel_metadata(security)
         self._replicas = []
         for address in config.addresses:
-            channel = grpc.insecure_channel(address, options=options)
+            channel = self._open(address)
             self._replicas.append(_Replica(address, channel, expert_pb2_grpc.ExpertStub(channel)))
         self._lock = threading.Lock()
         self._pinned: dict[str, int] = {}  # session -> replica index
@@ -95,6 +99,9 @@ class RemoteExpert:
             logger.warning("expert %r: its replicas serve an expert named %r", config.name, self.replica_info.name)
         # Logits land on this machine's CPU, whatever device the replicas compute on.
         self.info = dataclasses.replace(self.replica_info, name=config.name, device="cpu")
+
+    def _open(self, address: str) -> grpc.Channel:
+        return open_channel(address, self._security, self._channel_options, to_expert=True, metadata=self._metadata)
 
     @property
     def addresses(self) -> list[str]:
@@ -113,7 +120,7 @@ class RemoteExpert:
             for address in wanted:
                 replica = known.get(address)
                 if replica is None:
-                    channel = grpc.insecure_channel(address, options=self._channel_options)
+                    channel = self._open(address)
                     self._replicas.append(_Replica(address, channel, expert_pb2_grpc.ExpertStub(channel)))
                 elif replica.retired:
                     replica.retired, replica.down_until = False, 0.0

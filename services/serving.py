@@ -11,7 +11,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fusion.errors import FusionError
 from services.metrics import ServerMetrics, serve_metrics
+from services.security import warn_if_plaintext
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,23 @@ async def start_server(
     max_message_bytes: int,
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
-    """Serve `servicer` with health and reflection on `address` ("host:0" picks a free port)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)])
+    """Serve `servicer` with health and reflection on `address` ("host:0" picks a free port); over TLS
+    with `credentials`, else plaintext. `interceptors` see every call (authentication, limits)."""
+    server = grpc.aio.server(options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
+                             interceptors=list(interceptors) or None)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        port = server.add_insecure_port(address)
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            warn_if_plaintext(address, service_name)
+            port = server.add_insecure_port(address)
     except RuntimeError:
         raise FusionError(f"cannot listen on {address}: the address is in use or not valid here") from None
     running = RunningServer(server, port, health_servicer, servicer, metrics)

@@ -1,0 +1,604 @@
+"""Transport security and authentication for both gRPC services (the config's `security:` section).
+
+- TLS: `server_credentials` / `channel_credentials` build gRPC credentials from the PEM files the
+  config names; `open_channel` opens a plaintext or TLS channel (sync or `grpc.aio`) and attaches
+  metadata (an API key, the expert secret) to every call.
+- API keys (Fusion service): `ApiKeyStore` reads `key id → {hash, revoked, limits}` from a YAML file
+  (re-read when it changes, so a revocation takes effect without a restart) or from the YAML text
+  of an environment variable. Keys look like `fsk_<id>_<secret>`; only a salted PBKDF2 hash is
+  stored. `ApiKeyInterceptor` checks `authorization: Bearer <key>` or `x-api-key: <key>` on every
+  Fusion method (health and reflection stay open for probes) and enforces each key's limits:
+  concurrent streams, tokens per minute (generated tokens over a sliding 60 s window) and
+  max tokens per request. Refusals: UNAUTHENTICATED, or RESOURCE_EXHAUSTED naming the limit.
+- Expert service: `ExpertSecretInterceptor` accepts only callers sending the shared secret in
+  `x-fusion-expert-secret` (compared in constant time); with `tls.require_client_auth` the TLS
+  handshake itself refuses callers without a client certificate signed by the CA.
+- Per-key usage counters (`fusion_key_*`) carry the key id, never the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+import yaml
+from prometheus_client import CollectorRegistry, Counter
+
+from fusion.config import SecurityConfig
+from fusion.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_HEADER = "x-api-key"
+EXPERT_SECRET_HEADER = "x-fusion-expert-secret"
+KEY_PREFIX = "fsk_"
+PBKDF2_ITERATIONS = 200_000
+WINDOW_S = 60.0
+_ANONYMOUS = "-"  # key id label of callers without a valid key (never their key or a made-up id)
+
+
+# -- TLS -----------------------------------------------------------------------------------------
+def _read(path: str | None, field_name: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"security.tls.{field_name}: cannot read {path!r}: {err.strerror or err}") from None
+
+
+def server_credentials(security: SecurityConfig, *, expert: bool) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server (None: plaintext). Expert servers require client certificates
+    when `tls.require_client_auth` is set; the coordinator authenticates clients by API key."""
+    tls = security.tls
+    if security.plaintext or tls is None:
+        return None
+    if tls.cert_file is None:
+        raise ConfigError("security.tls.cert_file: a TLS server needs a certificate and key")
+    pair = (_read(tls.key_file, "key_file"), _read(tls.cert_file, "cert_file"))
+    require = bool(expert and tls.require_client_auth)
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=_read(tls.ca_file, "ca_file") if require else None,
+        require_client_auth=require,
+    )
+
+
+def channel_credentials(security: SecurityConfig, *, to_expert: bool) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a channel (None: plaintext). Channels to experts present the client
+    certificate when the config names one."""
+    tls = security.tls
+    if security.plaintext or tls is None:
+        return None
+    key = cert = None
+    if to_expert and tls.client_cert_file is not None:
+        key = _read(tls.client_key_file, "client_key_file")
+        cert = _read(tls.client_cert_file, "client_cert_file")
+    return grpc.ssl_channel_credentials(_read(tls.ca_file, "ca_file"), key, cert)
+
+
+def tls_options(security: SecurityConfig) -> list[tuple[str, Any]]:
+    if security.plaintext or security.tls is None or not security.tls.server_name:
+        return []
+    return [("grpc.ssl_target_name_override", security.tls.server_name)]
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_plaintext(address: str, service: str) -> None:
+    if not is_loopback(address):
+        logger.warning("%s serves PLAINTEXT on %s (security.plaintext): traffic and API keys are not "
+                       "encrypted; give a security.tls section on a shared network", service, address)
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata to every call of a sync channel."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.metadata = list(metadata)
+
+    def _details(self, details):
+        return details._replace(metadata=list(details.metadata or []) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+class _AioMetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.metadata = list(metadata)
+
+    def _details(self, details):
+        metadata = grpc.aio.Metadata(*(tuple(details.metadata or ())), *self.metadata)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+def open_channel(
+    address: str,
+    security: SecurityConfig | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    to_expert: bool = False,
+    metadata: Sequence[tuple[str, str]] = (),
+    aio: bool = False,
+    credentials: grpc.ChannelCredentials | None = None,
+):
+    """A channel to `address`: TLS where the config (or `credentials`) says so, else plaintext;
+    `metadata` goes with every call (an API key, the expert secret)."""
+    security = security or SecurityConfig()
+    creds = credentials or channel_credentials(security, to_expert=to_expert)
+    options = list(options) + tls_options(security)
+    if aio:
+        interceptors = [_AioMetadataInterceptor(metadata)] if metadata else None
+        if creds is None:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+    channel = (grpc.insecure_channel(address, options=options) if creds is None
+               else grpc.secure_channel(address, creds, options=options))
+    return grpc.intercept_channel(channel, _MetadataInterceptor(metadata)) if metadata else channel
+
+
+def api_key_metadata(api_key: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
+# -- the expert secret ---------------------------------------------------------------------------
+def expert_secret(security: SecurityConfig) -> str | None:
+    """The shared coordinator↔expert secret the config names (None: none configured)."""
+    if security.expert_secret_env is not None:
+        value = os.environ.get(security.expert_secret_env, "")
+        if not value:
+            raise ConfigError(f"security.expert_secret_env: the environment variable "
+                              f"{security.expert_secret_env!r} is unset or empty")
+        return value
+    if security.expert_secret_file is not None:
+        try:
+            value = Path(security.expert_secret_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"security.expert_secret_file: cannot read {security.expert_secret_file!r}: "
+                              f"{err}") from None
+        if not value:
+            raise ConfigError(f"security.expert_secret_file: {security.expert_secret_file!r} is empty")
+        return value
+    return None
+
+
+def expert_channel_metadata(security: SecurityConfig | None) -> list[tuple[str, str]]:
+    secret = expert_secret(security) if security is not None else None
+    return [(EXPERT_SECRET_HEADER, secret)] if secret else []
+
+
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """The same method (same deserialisers), answering only `code`."""
+
+    async def unary(request, context):
+        await context.abort(code, message)
+
+    async def stream(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=unary)
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=stream)
+    return handler  # client-streaming methods: none in these services
+
+
+def _metadata(details: grpc.HandlerCallDetails) -> dict[str, str]:
+    out = {}
+    for key, value in details.invocation_metadata or ():
+        if isinstance(value, bytes):
+            continue
+        out.setdefault(key.lower(), value)
+    return out
+
+
+class ExpertSecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every Expert-service call without the shared secret (health and reflection stay open)."""
+
+    def __init__(self, secret: str, service: str) -> None:
+        self._secret = secret.encode("utf-8")
+        self._prefix = f"/{service}/"
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self._prefix):
+            return handler
+        given = _metadata(handler_call_details).get(EXPERT_SECRET_HEADER, "").encode("utf-8", "replace")
+        if not hmac.compare_digest(given, self._secret):
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
+                             "the Expert service answers only the coordinator: missing or wrong "
+                             f"{EXPERT_SECRET_HEADER}")
+        return handler
+
+
+def expert_interceptors(security: SecurityConfig | None, service: str) -> list[grpc.aio.ServerInterceptor]:
+    if security is None:
+        return []
+    secret = expert_secret(security)
+    if secret is None:
+        if not (security.tls is not None and security.tls.require_client_auth):
+            logger.warning("the Expert service accepts any caller: set security.expert_secret_env (or _file) "
+                           "or security.tls.require_client_auth")
+        return []
+    return [ExpertSecretInterceptor(secret, service)]
+
+
+# -- API keys ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyLimits:
+    max_concurrent_streams: int | None = None
+    tokens_per_minute: int | None = None
+    max_tokens_per_request: int | None = None
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: str
+    hash: str
+    revoked: bool = False
+    limits: KeyLimits = KeyLimits()
+
+
+def hash_key(key: str, *, iterations: int = PBKDF2_ITERATIONS, salt: bytes | None = None) -> str:
+    salt = salt if salt is not None else secrets.token_bytes(16)
+    digest = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8"), salt, iterations)
+    return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
+
+
+def verify_key(key: str, stored: str) -> bool:
+    """Check `key` against a stored hash: `pbkdf2_sha256$ITER$SALT$HEX` or `sha256:HEX`."""
+    try:
+        if stored.startswith("sha256:"):
+            return hmac.compare_digest(hashlib.sha256(key.encode("utf-8")).hexdigest(), stored[7:])
+        scheme, iterations, salt, digest = stored.split("$")
+        if scheme != "pbkdf2_sha256":
+            return False
+        computed = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8"), bytes.fromhex(salt), int(iterations))
+        return hmac.compare_digest(computed.hex(), digest)
+    except (ValueError, UnicodeEncodeError):
+        return False
+
+
+def new_key(key_id: str) -> str:
+    if not key_id or "_" in key_id or not all(c.isalnum() or c in "-." for c in key_id):
+        raise ConfigError(f"key id {key_id!r}: use letters, digits, '-' and '.'")
+    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=").replace("_", "-")
+    return f"{KEY_PREFIX}{key_id}_{secret}"
+
+
+def key_id_of(key: str) -> str | None:
+    if not key.startswith(KEY_PREFIX):
+        return None
+    body = key[len(KEY_PREFIX):]
+    key_id, sep, _ = body.partition("_")
+    return key_id if sep and key_id else None
+
+
+_LIMIT_FIELDS = {"max_concurrent_streams", "tokens_per_minute", "max_tokens_per_request"}
+
+
+def parse_keys(data: Any, source: str) -> dict[str, ApiKey]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of key id -> {{hash, revoked, limits}}")
+    keys = {}
+    for key_id, entry in data.items():
+        where = f"{source}: {key_id}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("hash"), str):
+            raise ConfigError(f"{where}: needs a 'hash' string")
+        unknown = set(entry) - {"hash", "revoked", "limits", "created"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown fields {sorted(unknown)}")
+        limits = entry.get("limits") or {}
+        if not isinstance(limits, dict) or set(limits) - _LIMIT_FIELDS:
+            raise ConfigError(f"{where}.limits: expected some of {sorted(_LIMIT_FIELDS)}, got {limits!r}")
+        for name, value in limits.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{where}.limits.{name}: must be a positive integer, got {value!r}")
+        keys[str(key_id)] = ApiKey(str(key_id), entry["hash"], bool(entry.get("revoked", False)), KeyLimits(**limits))
+    return keys
+
+
+def read_keys_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"API keys file {path}: {err}".replace("\n", " ")) from None
+    return data or {}
+
+
+def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, int | None] | None = None) -> str:
+    """Add key `key_id` to the keys file (created if missing, mode 0600); returns the key, which is
+    stored only as a hash. Refuses to replace an existing id."""
+    path = Path(path)
+    data = read_keys_file(path)
+    parse_keys(data, str(path))
+    if key_id in data:
+        raise ConfigError(f"API keys file {path}: key id {key_id!r} exists (revoke it, or choose another id)")
+    key = new_key(key_id)
+    entry: dict[str, Any] = {"hash": hash_key(key), "revoked": False,
+                             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    clean = {k: v for k, v in (limits or {}).items() if v is not None}
+    if clean:
+        entry["limits"] = clean
+    data[key_id] = entry
+    parse_keys(data, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        yaml.safe_dump(data, out, sort_keys=True)
+    os.replace(tmp, path)
+    return key
+
+
+def revoke_key(path: str | Path, key_id: str) -> None:
+    path = Path(path)
+    data = read_keys_file(path)
+    if key_id not in data:
+        raise ConfigError(f"API keys file {path}: no key id {key_id!r}")
+    data[key_id]["revoked"] = True
+    path.write_text(yaml.safe_dump(data, sort_keys=True), encoding="utf-8")
+
+
+class ApiKeyStore:
+    """The keys of a file (re-read when its mtime or size changes) or of an environment variable."""
+
+    def __init__(self, *, path: str | Path | None = None, env: str | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.env = env
+        self._stamp: tuple[float, int] | None = None
+        self._keys: dict[str, ApiKey] = {}
+        self._verified: dict[str, tuple[str, str]] = {}  # sha256(key) -> (key id, stored hash)
+        self._lock = threading.Lock()
+        if env is not None:
+            text = os.environ.get(env)
+            if text is None:
+                raise ConfigError(f"security.api_keys_env: the environment variable {env!r} is unset")
+            try:
+                self._keys = parse_keys(yaml.safe_load(text), f"${env}")
+            except yaml.YAMLError as err:
+                raise ConfigError(f"security.api_keys_env: ${env} is not valid YAML: {err}".replace("\n", " ")) from None
+        else:
+            self._reload()
+
+    @classmethod
+    def from_config(cls, security: SecurityConfig | None) -> ApiKeyStore | None:
+        if security is None or (security.api_keys_file is None and security.api_keys_env is None):
+            return None
+        return cls(path=security.api_keys_file, env=security.api_keys_env)
+
+    def _reload(self) -> None:
+        if self.path is None:
+            return
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp and self._stamp is not None:
+            return
+        try:
+            keys = parse_keys(read_keys_file(self.path), str(self.path))
+        except ConfigError:
+            if self._stamp is None:
+                raise
+            logger.exception("API keys file %s is invalid; keeping the keys read before", self.path)
+            return
+        with self._lock:
+            self._keys, self._stamp = keys, stamp
+            self._verified.clear()
+
+    def authenticate(self, key: str) -> tuple[ApiKey | None, str]:
+        """(the key's record, "") or (None, why it was refused)."""
+        self._reload()
+        key_id = key_id_of(key)
+        with self._lock:
+            record = self._keys.get(key_id) if key_id is not None else None
+        if record is None:
+            return None, "unknown API key"
+        fingerprint = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
+        cached = self._verified.get(fingerprint)
+        if cached != (record.key_id, record.hash):
+            if not verify_key(key, record.hash):
+                return None, "unknown API key"
+            with self._lock:
+                if len(self._verified) > 10_000:
+                    self._verified.clear()
+                self._verified[fingerprint] = (record.key_id, record.hash)
+        if record.revoked:
+            return None, f"API key {record.key_id!r} is revoked"
+        return record, ""
+
+
+# -- per-key usage and limits --------------------------------------------------------------------
+class KeyMetrics:
+    """Per-key counters (key id label only, never the key)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("fusion_key_requests", "Authenticated requests, by API key id and method",
+                                ["key_id", "method"], registry=registry)
+        self.tokens = Counter("fusion_key_tokens", "Tokens generated, by API key id", ["key_id"], registry=registry)
+        self.refusals = Counter("fusion_key_refusals", "Refused requests, by API key id ('-': no valid key) and reason",
+                                ["key_id", "reason"], registry=registry)
+
+
+@dataclass
+class _Usage:
+    streams: int = 0
+    tokens: deque = field(default_factory=deque)  # (monotonic time, count)
+    window_total: int = 0
+
+    def tokens_in_window(self, now: float) -> int:
+        while self.tokens and self.tokens[0][0] <= now - WINDOW_S:
+            self.window_total -= self.tokens.popleft()[1]
+        return self.window_total
+
+    def add_tokens(self, now: float, count: int) -> None:
+        self.tokens.append((now, count))
+        self.window_total += count
+
+
+class Refusal(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.code, self.message, self.reason = code, message, reason
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call of `service` by API key and enforces the key's limits."""
+
+    def __init__(self, store: ApiKeyStore, service: str, registry: CollectorRegistry, *,
+                 default_max_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self._prefix = f"/{service}/"
+        self.metrics = KeyMetrics(registry)
+        self.default_max_tokens = default_max_tokens
+        self.clock = clock
+        self._usage: dict[str, _Usage] = {}
+
+    def usage(self, key_id: str) -> _Usage:
+        return self._usage.setdefault(key_id, _Usage())
+
+    def _key_from(self, details: grpc.HandlerCallDetails) -> str | None:
+        md = _metadata(details)
+        auth = md.get("authorization")
+        if auth is not None:
+            scheme, _, value = auth.partition(" ")
+            return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+        return md.get(API_KEY_HEADER) or None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self._prefix):
+            return handler
+        name = method[len(self._prefix):]
+        key = self._key_from(handler_call_details)
+        if key is None:
+            self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="no_key").inc()
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
+                             "an API key is required: send 'authorization: Bearer <key>' or 'x-api-key: <key>'")
+        record, why = await asyncio.to_thread(self.store.authenticate, key)
+        if record is None:
+            revoked = why.endswith("revoked")
+            self.metrics.refusals.labels(key_id=_ANONYMOUS if not revoked else key_id_of(key) or _ANONYMOUS,
+                                         reason="revoked" if revoked else "bad_key").inc()
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, why)
+        self.metrics.requests.labels(key_id=record.key_id, method=name).inc()
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._metered_stream(handler.unary_stream, record))
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._checked_unary(handler.unary_unary, record))
+        return handler
+
+    def _refuse(self, record: ApiKey, limit: str, message: str) -> Refusal:
+        self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
+
+    def _check_rate(self, record: ApiKey) -> None:
+        limit = record.limits.tokens_per_minute
+        if limit is not None:
+            used = self.usage(record.key_id).tokens_in_window(self.clock())
+            if used >= limit:
+                raise self._refuse(record, "tokens_per_minute", f"limit {limit} reached ({used} tokens in the "
+                                   "last 60 s); retry later")
+
+    def _checked_unary(self, behaviour, record: ApiKey):
+        async def unary(request, context):
+            try:
+                self._check_rate(record)
+            except Refusal as refusal:
+                await context.abort(refusal.code, refusal.message)
+            return await behaviour(request, context)
+
+        return unary
+
+    def _requested_max_tokens(self, request) -> int:
+        sampling = getattr(request, "sampling", None)
+        if sampling is not None and sampling.HasField("max_tokens"):
+            return sampling.max_tokens
+        return self.default_max_tokens
+
+    def _metered_stream(self, behaviour, record: ApiKey):
+        async def stream(request, context):
+            usage = self.usage(record.key_id)
+            limits = record.limits
+            try:
+                requested = self._requested_max_tokens(request)
+                if limits.max_tokens_per_request is not None and requested > limits.max_tokens_per_request:
+                    raise self._refuse(record, "max_tokens_per_request",
+                                       f"is {limits.max_tokens_per_request}, the request asks {requested}")
+                self._check_rate(record)
+                if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
+                    raise self._refuse(record, "max_concurrent_streams",
+                                       f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+            except Refusal as refusal:
+                await context.abort(refusal.code, refusal.message)
+            usage.streams += 1
+            responses = behaviour(request, context)
+            over = None
+            try:
+                async for response in responses:
+                    now = self.clock()
+                    usage.add_tokens(now, 1)
+                    self.metrics.tokens.labels(key_id=record.key_id).inc()
+                    yield response
+                    if limits.tokens_per_minute is not None and not getattr(response, "finish_reason", ""):
+                        used = usage.tokens_in_window(now)
+                        if used >= limits.tokens_per_minute:
+                            over = self._refuse(record, "tokens_per_minute",
+                                                f"limit {limits.tokens_per_minute} reached mid-stream; "
+                                                "the stream is cut")
+                            break
+            finally:
+                usage.streams -= 1
+                await responses.aclose()  # cancels the request when the stream ends early
+            if over is not None:
+                await context.abort(over.code, over.message)
+
+        return stream
+
+
+def fusion_interceptors(security: SecurityConfig | None, service: str, registry: CollectorRegistry, *,
+                        default_max_tokens: int) -> list[grpc.aio.ServerInterceptor]:
+    store = ApiKeyStore.from_config(security)
+    if store is None:
+        return []
+    return [ApiKeyInterceptor(store, service, registry, default_max_tokens=default_max_tokens)]

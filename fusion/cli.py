@@ -20,6 +20,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fuse several
 models_app = typer.Typer(no_args_is_help=True, help="Fetch and list the builtin models.")
 app.add_typer(models_app, name="models")
 
+from services.keys_cli import keys_app  # noqa: E402  (typer only; the work is imported lazily)
+
+app.add_typer(keys_app, name="keys")
+
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML config (default: the builtin trio).")
 CacheOption = typer.Option(None, "--cache-dir", help="Model cache (default: $FUSION_CACHE_DIR or XDG cache).")
 

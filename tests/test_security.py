@@ -1,0 +1,485 @@
+"""Security of a shared cluster: TLS (and mutual TLS to experts), API keys with per-key limits on the
+Fusion service, the coordinator's secret on the Expert service, per-key usage metrics.
+
+Real servers on loopback with tiny experts; a throwaway CA and certificates made in tmp_path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+import urllib.request
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fusion.config import SecurityConfig, parse_config
+from fusion.errors import ConfigError, ExpertUnavailableError
+from fusion.expert import LocalExpert
+from services import security
+from services.background import BackgroundLoop
+from services.client import FusionClient
+from services.coordinator import create_coordinator_server
+from services.expert_server import create_expert_server
+from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
+from services.security import ApiKeyStore, create_key, hash_key, revoke_key, verify_key
+from tests.conftest import tiny_config_dict
+
+LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400}
+UNAUTH, EXHAUSTED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def addr(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def loop():
+    with BackgroundLoop() as background:
+        yield background
+
+
+# -- certificates ----------------------------------------------------------------------------------
+def _name(common: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write(path, key, cert) -> tuple[str, str]:
+    from cryptography.hazmat.primitives import serialization
+
+    key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".crt")
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(cert_path), str(key_path)
+
+
+def make_ca(path, common: str):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    key = _key()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(_name(common)).issuer_name(_name(common))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, _ = _write(path, key, cert)
+    return key, cert, cert_file
+
+
+def make_leaf(path, ca, common: str, *, server: bool) -> tuple[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca_key, ca_cert, _ = ca
+    key = _key()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(common)).issuer_name(ca_cert.subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server
+                                                     else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName([
+            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return _write(path, key, builder.sign(ca_key, hashes.SHA256()))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    ca = make_ca(root / "ca", "fusion test CA")
+    rogue = make_ca(root / "rogue-ca", "rogue CA")
+    server_cert, server_key = make_leaf(root / "server", ca, "localhost", server=True)
+    client_cert, client_key = make_leaf(root / "coordinator", ca, "coordinator", server=False)
+    rogue_cert, rogue_key = make_leaf(root / "rogue-client", rogue, "coordinator", server=False)
+    return {"ca": ca[2], "rogue_ca": rogue[2], "server": (server_cert, server_key),
+            "client": (client_cert, client_key), "rogue_client": (rogue_cert, rogue_key)}
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# -- config --------------------------------------------------------------------------------------
+def test_security_config_is_explicit(tiny_dir):
+    assert parse_config(tiny_config_dict(tiny_dir)).security.plaintext  # today's configs: plaintext
+    with pytest.raises(ConfigError, match="plaintext: false needs a tls section"):
+        parse_config(tiny_config_dict(tiny_dir, security={"plaintext": False}))
+    with pytest.raises(ConfigError, match="either plaintext: true or a tls section"):
+        parse_config(tiny_config_dict(tiny_dir, security={"plaintext": True, "tls": {"ca_file": "x"}}))
+    with pytest.raises(ConfigError, match="require_client_auth needs ca_file"):
+        parse_config(tiny_config_dict(tiny_dir, security={"tls": {"require_client_auth": True}}))
+    with pytest.raises(ConfigError, match="cert_file and key_file"):
+        parse_config(tiny_config_dict(tiny_dir, security={"tls": {"cert_file": "x"}}))
+    with pytest.raises(ConfigError, match="security.tlz"):
+        parse_config(tiny_config_dict(tiny_dir, security={"tlz": {}}))
+    tls = parse_config(tiny_config_dict(tiny_dir, security={"tls": {"ca_file": "ca.pem"}})).security
+    assert tls.plaintext is False
+
+
+def test_plaintext_warning_only_off_loopback(caplog):
+    with caplog.at_level("WARNING", logger="services.security"):
+        security.warn_if_plaintext("127.0.0.1:0", "svc")
+        security.warn_if_plaintext("localhost:5", "svc")
+        security.warn_if_plaintext("[::1]:5", "svc")
+        assert not caplog.records
+        security.warn_if_plaintext("0.0.0.0:50051", "svc")
+        assert "PLAINTEXT" in caplog.text
+
+
+# -- keys ----------------------------------------------------------------------------------------
+def test_keys_are_stored_hashed_and_checked(tmp_path):
+    path = tmp_path / "keys.yaml"
+    key = create_key(path, "team-a", limits={"tokens_per_minute": 100, "max_concurrent_streams": None})
+    assert key.startswith("fsk_team-a_") and len(key) > 40
+    text = path.read_text()
+    assert key not in text and key.split("_", 2)[2] not in text
+    assert (path.stat().st_mode & 0o777) == 0o600
+    entry = yaml.safe_load(text)["team-a"]
+    assert entry["limits"] == {"tokens_per_minute": 100} and entry["revoked"] is False
+    assert verify_key(key, entry["hash"]) and not verify_key(key + "x", entry["hash"])
+    assert verify_key("abc", "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+    assert not verify_key("abc", "md5$1$2$3") and not verify_key("abc", "garbage")
+    with pytest.raises(ConfigError, match="exists"):
+        create_key(path, "team-a")
+    with pytest.raises(ConfigError, match="key id"):
+        create_key(path, "bad_id")
+
+    store = ApiKeyStore(path=path)
+    record, why = store.authenticate(key)
+    assert record.key_id == "team-a" and record.limits.tokens_per_minute == 100 and why == ""
+    assert store.authenticate(key[:-1] + ("A" if key[-1] != "A" else "B"))[0] is None
+    assert store.authenticate("fsk_nobody_xyz") == (None, "unknown API key")
+    assert store.authenticate("not a key")[0] is None
+    revoke_key(path, "team-a")
+    assert store.authenticate(key) == (None, "API key 'team-a' is revoked")  # file re-read on change
+
+
+def test_keys_from_environment(monkeypatch):
+    key = "fsk_env-team_secretvalue"
+    monkeypatch.setenv("FUSION_KEYS", yaml.safe_dump({"env-team": {"hash": hash_key(key, iterations=1000)}}))
+    store = ApiKeyStore.from_config(SecurityConfig(api_keys_env="FUSION_KEYS"))
+    assert store.authenticate(key)[0].key_id == "env-team"
+    monkeypatch.delenv("FUSION_KEYS")
+    with pytest.raises(ConfigError, match="FUSION_KEYS"):
+        ApiKeyStore.from_config(SecurityConfig(api_keys_env="FUSION_KEYS"))
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"hash": 3}, "hash"),
+    ({"hash": "x", "limits": {"tokens_per_minute": -1}}, "tokens_per_minute"),
+    ({"hash": "x", "limits": {"rpm": 1}}, "limits"),
+    ({"hash": "x", "colour": 1}, "unknown fields"),
+])
+def test_bad_keys_file_is_named(tmp_path, entry, message):
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"k": entry}))
+    with pytest.raises(ConfigError, match=message):
+        ApiKeyStore(path=path)
+
+
+# -- API keys on the Fusion service ----------------------------------------------------------------
+KEY_LIMITS = {
+    "one-stream": {"max_concurrent_streams": 1},
+    "free": {},
+    "rate": {"tokens_per_minute": 10},
+    "short": {"max_tokens_per_request": 4},
+    "gone": {},
+}
+
+
+@pytest.fixture(scope="module")
+def keyed(loop, tiny_dir, tmp_path_factory):
+    """A coordinator (in-process experts) requiring API keys; yields (server, port, {id: key})."""
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys = {key_id: create_key(path, key_id, limits=limits) for key_id, limits in KEY_LIMITS.items()}
+    revoke_key(path, "gone")
+    config = parse_config(tiny_config_dict(tiny_dir, limits=LIMITS, security={"api_keys_file": str(path)}))
+    server, port = loop.run(create_coordinator_server(config, metrics_port=0, metrics_host="127.0.0.1"))
+    yield server, port, keys
+    loop.run(server.stop(0))
+
+
+def generate_code(port: int, metadata=(), **sampling) -> grpc.StatusCode | int:
+    """The status of a Generate call, or the number of tokens streamed when it succeeds."""
+    sampling = {"max_tokens": 3, "ignore_eos": True} | sampling
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        request = fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(**sampling))
+        try:
+            return len(list(stub.Generate(request, metadata=list(metadata), timeout=30)))
+        except grpc.RpcError as err:
+            return err.code()
+
+
+def test_unauthenticated_callers_are_refused(keyed):
+    _, port, keys = keyed
+    assert generate_code(port) == UNAUTH
+    assert generate_code(port, [("authorization", "Bearer fsk_free_wrongsecret")]) == UNAUTH
+    assert generate_code(port, [("authorization", "Bearer " + keys["free"][:-2])]) == UNAUTH
+    assert generate_code(port, [("x-api-key", "garbage")]) == UNAUTH
+    assert generate_code(port, [("authorization", "Basic " + keys["free"])]) == UNAUTH
+    assert generate_code(port, [("authorization", "Bearer " + keys["gone"])]) == UNAUTH  # revoked
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        for call, request in ((stub.Score, fusion_pb2.ScoreRequest(prompt="a", continuation="b")),
+                              (stub.Describe, fusion_pb2.DescribeRequest())):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(request, timeout=10)
+            assert caught.value.code() == UNAUTH and "API key" in caught.value.details()
+        # health stays open for probes
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    # both headers work, and every method answers a valid key
+    assert generate_code(port, [("authorization", "Bearer " + keys["free"])]) == 3
+    assert generate_code(port, [("x-api-key", keys["free"])]) == 3
+    with FusionClient(addr(port), timeout=30, api_key=keys["free"]) as client:
+        assert client.describe().experts and client.score("a b", " c").token_ids
+        assert len(list(client.generate("hi", {"max_tokens": 2, "ignore_eos": True}))) == 2
+    with FusionClient(addr(port), timeout=30, api_key=keys["gone"]) as client:
+        with pytest.raises(Exception, match="revoked"):
+            client.describe()
+
+
+def test_stream_limit_is_per_key(keyed):
+    _, port, keys = keyed
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        long = fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(
+            max_tokens=300, ignore_eos=True))
+        first = stub.Generate(long, metadata=[("x-api-key", keys["one-stream"])], timeout=60)
+        next(first)  # the stream is open
+        # a second stream of the same key is refused, naming the limit
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(long, metadata=[("x-api-key", keys["one-stream"])], timeout=30))
+        assert caught.value.code() == EXHAUSTED and "max_concurrent_streams" in caught.value.details()
+        # other keys' clients keep streaming, concurrently
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(
+            generate_code(port, [("x-api-key", keys["free"])], max_tokens=20))) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [20, 20, 20]
+        rest = list(first)
+        assert len(rest) == 299 and rest[-1].finish_reason == "length"
+    # the slot is free again once the stream ended
+    assert generate_code(port, [("x-api-key", keys["one-stream"])]) == 3
+
+
+def test_closing_a_stream_frees_its_slot(keyed):
+    _, port, keys = keyed
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        call = stub.Generate(fusion_pb2.GenerateRequest(prompt="x", sampling=fusion_pb2.SamplingParams(
+            max_tokens=300, ignore_eos=True)), metadata=[("x-api-key", keys["one-stream"])], timeout=60)
+        next(call)
+        call.cancel()
+    for _ in range(50):
+        code = generate_code(port, [("x-api-key", keys["one-stream"])])
+        if code == 3:
+            break
+        threading.Event().wait(0.1)
+    assert code == 3
+
+
+def test_tokens_per_minute(keyed, monkeypatch):
+    _, port, keys = keyed
+    md = [("x-api-key", keys["rate"])]
+    assert generate_code(port, md, max_tokens=6) == 6
+    # the next stream crosses 10 tokens: it is cut there, naming the limit
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        call = stub.Generate(fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(
+            max_tokens=8, ignore_eos=True)), metadata=md, timeout=30)
+        got = []
+        with pytest.raises(grpc.RpcError) as caught:
+            for response in call:
+                got.append(response)
+        assert caught.value.code() == EXHAUSTED and "tokens_per_minute" in caught.value.details()
+        assert len(got) == 4
+    # refused up front while the window is full; other keys are unaffected
+    assert generate_code(port, md) == EXHAUSTED
+    assert generate_code(port, [("x-api-key", keys["free"])]) == 3
+    with FusionClient(addr(port), timeout=30, api_key=keys["rate"]) as client:
+        with pytest.raises(Exception, match="tokens_per_minute"):
+            client.score("a", "b")
+    # the window slides: tokens older than the window no longer count
+    monkeypatch.setattr(security, "WINDOW_S", 0.5)
+    threading.Event().wait(0.6)
+    assert generate_code(port, md) == 3
+
+
+def test_max_tokens_per_request(keyed):
+    _, port, keys = keyed
+    md = [("x-api-key", keys["short"])]
+    assert generate_code(port, md, max_tokens=4) == 4
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        for sampling in (fusion_pb2.SamplingParams(max_tokens=5), fusion_pb2.SamplingParams()):  # unset: 128
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(fusion_pb2.GenerateRequest(prompt="hi", sampling=sampling), metadata=md,
+                                   timeout=30))
+            assert caught.value.code() == EXHAUSTED and "max_tokens_per_request" in caught.value.details()
+
+
+def test_per_key_metrics(keyed):
+    server, port, keys = keyed
+    assert generate_code(port, [("x-api-key", keys["free"])], max_tokens=5) == 5
+    assert generate_code(port, [("x-api-key", "fsk_free_wrong")]) == UNAUTH
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+
+    def value(line_start: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+    assert value('fusion_key_requests_total{key_id="free",method="Generate"}') >= 1
+    assert value('fusion_key_tokens_total{key_id="free"}') >= 5
+    assert value('fusion_key_refusals_total{key_id="-",reason="bad_key"}') >= 1
+    assert value('fusion_key_refusals_total{key_id="-",reason="no_key"}') >= 0
+    for key in keys.values():
+        assert key not in text and key.rsplit("_", 1)[1] not in text
+    assert "fsk_free_wrong" not in text
+
+
+# -- TLS and the expert's caller ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def secure_cluster(loop, tiny_dir, pki, tmp_path_factory):
+    """Expert servers with TLS, client certificates and a secret; a TLS coordinator with API keys."""
+    secret_file = tmp_path_factory.mktemp("secret") / "expert-secret"
+    secret_file.write_text("s3cret-for-experts\n")
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    key = create_key(keys_file, "team-tls")
+    tls = {"cert_file": pki["server"][0], "key_file": pki["server"][1], "ca_file": pki["ca"],
+           "client_cert_file": pki["client"][0], "client_key_file": pki["client"][1], "require_client_auth": True}
+    sec = {"tls": tls, "expert_secret_file": str(secret_file), "api_keys_file": str(keys_file)}
+    base = parse_config(tiny_config_dict(tiny_dir, names=("a", "b"), limits=LIMITS, security=sec))
+    experts = {e.name: loop.run(create_expert_server(LocalExpert.load(e), base.limits, security=base.security))
+               for e in base.experts}
+    data = tiny_config_dict(tiny_dir, names=("a", "b"), limits=LIMITS, security=sec)
+    for expert in data["experts"]:
+        expert["addresses"] = [f"localhost:{experts[expert['name']][1]}"]
+    config = parse_config(data)
+    coordinator, port = loop.run(create_coordinator_server(config))
+    yield {"config": config, "experts": experts, "port": port, "key": key, "secret": "s3cret-for-experts"}
+    loop.run(coordinator.stop(0))
+    for server, _ in experts.values():
+        loop.run(server.stop(0))
+
+
+def test_tls_end_to_end(secure_cluster, tiny_dir):
+    from fusion.pipeline import FusionPipeline
+
+    cluster = secure_cluster
+    with FusionClient(f"localhost:{cluster['port']}", timeout=60, api_key=cluster["key"],
+                      security=cluster["config"].security) as client:
+        events = list(client.generate("hello world", {"max_tokens": 8, "ignore_eos": True}))
+    local = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
+    try:
+        assert [e.token.token_id for e in events] == local.complete(
+            "hello world", {"max_tokens": 8, "ignore_eos": True}).token_ids
+    finally:
+        local.close()
+
+
+def _client_error(port: int, credentials, *, api_key: str) -> grpc.StatusCode:
+    with FusionClient(f"localhost:{port}", timeout=10, api_key=api_key, credentials=credentials) as client:
+        try:
+            client.stub.Describe(fusion_pb2.DescribeRequest(), timeout=10)
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_untrusted_certificates_fail_the_handshake(secure_cluster, pki):
+    port, key = secure_cluster["port"], secure_cluster["key"]
+    assert _client_error(port, grpc.ssl_channel_credentials(read(pki["ca"])), api_key=key) == grpc.StatusCode.OK
+    # a client trusting another CA does not accept the server's certificate
+    assert _client_error(port, grpc.ssl_channel_credentials(read(pki["rogue_ca"])),
+                         api_key=key) == grpc.StatusCode.UNAVAILABLE
+    # a plaintext client cannot talk to a TLS server
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            fusion_pb2_grpc.FusionStub(channel).Describe(fusion_pb2.DescribeRequest(),
+                                                         metadata=[("x-api-key", key)], timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _expert_info(port: int, credentials, metadata=()) -> grpc.StatusCode:
+    channel = (grpc.secure_channel(f"localhost:{port}", credentials) if credentials is not None
+               else grpc.insecure_channel(f"localhost:{port}"))
+    with channel:
+        try:
+            expert_pb2_grpc.ExpertStub(channel).Info(expert_pb2.InfoRequest(), metadata=list(metadata), timeout=10)
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_expert_answers_only_the_coordinator(secure_cluster, pki):
+    port = secure_cluster["experts"]["a"][1]
+    secret = [(security.EXPERT_SECRET_HEADER, secure_cluster["secret"])]
+    ca = read(pki["ca"])
+    coordinator_creds = grpc.ssl_channel_credentials(ca, read(pki["client"][1]), read(pki["client"][0]))
+    assert _expert_info(port, coordinator_creds, secret) == grpc.StatusCode.OK
+    # no client certificate, or one from another CA: the handshake fails
+    assert _expert_info(port, grpc.ssl_channel_credentials(ca), secret) == grpc.StatusCode.UNAVAILABLE
+    rogue = grpc.ssl_channel_credentials(ca, read(pki["rogue_client"][1]), read(pki["rogue_client"][0]))
+    assert _expert_info(port, rogue, secret) == grpc.StatusCode.UNAVAILABLE
+    assert _expert_info(port, None, secret) == grpc.StatusCode.UNAVAILABLE  # plaintext
+    # the right certificate without the secret, or with a wrong one
+    assert _expert_info(port, coordinator_creds) == UNAUTH
+    assert _expert_info(port, coordinator_creds, [(security.EXPERT_SECRET_HEADER, "guess")]) == UNAUTH
+
+
+def test_expert_secret_without_tls(loop, tiny_config, monkeypatch, tiny_dir):
+    monkeypatch.setenv("FUSION_EXPERT_SECRET", "shared-secret")
+    sec = SecurityConfig(plaintext=True, expert_secret_env="FUSION_EXPERT_SECRET")
+    expert = tiny_config.experts[0]
+    server, port = loop.run(create_expert_server(LocalExpert.load(expert), tiny_config.limits, security=sec))
+    try:
+        assert _expert_info(port, None) == UNAUTH
+        assert _expert_info(port, None, [(security.EXPERT_SECRET_HEADER, "shared-secreT")]) == UNAUTH
+        assert _expert_info(port, None, [(security.EXPERT_SECRET_HEADER, "shared-secret")]) == grpc.StatusCode.OK
+        with grpc.insecure_channel(addr(port)) as channel:  # probes need no secret
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as caught:
+                expert_pb2_grpc.ExpertStub(channel).Step(expert_pb2.StepRequest(sessions=[
+                    expert_pb2.SessionStep(session_id="s", token_ids=[1, 2])]), timeout=10)
+            assert caught.value.code() == UNAUTH
+        # a coordinator with the secret connects; one without it is refused, naming the expert
+        data = tiny_config_dict(tiny_dir, names=("a",))
+        data["experts"][0]["addresses"] = [addr(port)]
+        with_secret = parse_config(data | {"security": {"expert_secret_env": "FUSION_EXPERT_SECRET"}})
+        coordinator, _ = loop.run(create_coordinator_server(with_secret))
+        loop.run(coordinator.stop(0))
+        with pytest.raises(ExpertUnavailableError, match="UNAUTHENTICATED"):
+            loop.run(create_coordinator_server(parse_config(data)))
+        monkeypatch.delenv("FUSION_EXPERT_SECRET")
+        with pytest.raises(ConfigError, match="FUSION_EXPERT_SECRET"):
+            loop.run(create_coordinator_server(with_secret))
+    finally:
+        loop.run(server.stop(0))

@@ -1,0 +1,158 @@
+"""A small CPU training loop for causal LMs with a large vocabulary.
+
+On two CPU cores the 49,152-way softmax, not the tiny transformer, dominates the cost of a step.
+So the loss is a sampled softmax: every target token of the batch plus a few thousand uniformly
+drawn negatives, each negative's logit raised by log(tokens it stands for / negatives drawn) so
+the normaliser estimates the full one. Matmuls run under bf16 autocast (fp32 master weights).
+Everything is seeded: the same seed and step count give the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] right-padded
+    labels: torch.Tensor  # [B, S]: the token after input_ids[:, t], -100 where no loss
+    prefix_ids: torch.Tensor | None = None  # [P]: tokens every row starts with, before input_ids
+
+
+@dataclass
+class LoopSettings:
+    steps: int | None  # stop after this many steps (None: only the time budget)
+    minutes: float | None = None  # stop once this much wall time has passed
+    batch_size: int = 64
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05  # cosine decay down to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    negatives: int = 4096  # sampled-softmax negatives per step; 0 = full softmax
+    log_every_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.minutes is None:
+            raise ValueError("LoopSettings needs steps or minutes (both are None)")
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise ValueError(f"minutes must be positive, got {self.minutes}")
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    initial_loss: float  # the first step's loss
+    final_loss: float  # mean sampled-softmax loss over the last steps
+    seconds: float
+    tokens: int  # tokens processed (inputs, including the shared prefix once per row)
+
+
+def sampled_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, negatives: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Cross-entropy of `hidden` [N, H] against output embeddings `weight` [V, H] for `targets` [N]."""
+    vocab = weight.shape[0]
+    if negatives <= 0 or negatives >= vocab:
+        return F.cross_entropy((hidden @ weight.t()).float(), targets)  # [N, V]
+    pos = targets.unique()  # [Pn] sorted
+    drawn = torch.randint(0, vocab, (negatives,), generator=gen)
+    neg = drawn[~torch.isin(drawn, pos)].unique()  # [Nn]
+    cand = torch.cat([pos, neg])  # [C]
+    logits = (hidden @ weight[cand].t()).float()  # [N, C]
+    # Each drawn negative stands in for (vocab - |pos|) / |neg| non-target tokens.
+    correction = math.log(max(vocab - len(pos), 1) / max(len(neg), 1))
+    offset = torch.zeros(len(cand))
+    offset[len(pos) :] = correction
+    return F.cross_entropy(logits + offset, torch.searchsorted(pos, targets))
+
+
+def _hidden_states(model, batch: Batch) -> torch.Tensor:
+    """Last hidden states [B, S, H] for batch.input_ids, after the shared prefix if any."""
+    ids = batch.input_ids
+    if batch.prefix_ids is None or batch.prefix_ids.numel() == 0:
+        return model.model(input_ids=ids).last_hidden_state
+    # The prefix is identical for every row: run it once and share its KV cache (gradients flow
+    # back through the repeat into the prefix computation).
+    prefix_len = batch.prefix_ids.numel()
+    out = model.model(input_ids=batch.prefix_ids[None], use_cache=True)
+    kv = out.cache
+    kv.batch_repeat_interleave(ids.shape[0])
+    positions = torch.arange(prefix_len, prefix_len + ids.shape[1])[None].expand(ids.shape[0], -1)
+    return model.model(input_ids=ids, cache=kv, position_ids=positions, use_cache=True).last_hidden_state
+
+
+def _lr_at(progress: float, settings: LoopSettings, step: int) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return settings.lr * (settings.min_lr_ratio + (1 - settings.min_lr_ratio) * cos)
+
+
+def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings, *, seed: int) -> LoopResult:
+    """Train `model` (a *ForCausalLM with tied or untied lm_head) in place; return a summary."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.98),
+    )
+    budget_s = settings.minutes * 60 if settings.minutes is not None else math.inf
+    model.train()
+    started = last_log = time.monotonic()
+    recent: list[float] = []
+    initial = float("nan")
+    step = tokens = tokens_at_log = 0
+    while True:
+        elapsed = time.monotonic() - started
+        if (settings.steps is not None and step >= settings.steps) or elapsed >= budget_s:
+            break
+        progress = max(step / settings.steps if settings.steps else 0.0, elapsed / budget_s)
+        lr = _lr_at(progress, settings, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = next_batch(settings.batch_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = _hidden_states(model, batch)  # [B, S, H]
+            mask = batch.labels != -100  # [B, S]
+            loss = sampled_cross_entropy(
+                hidden[mask], model.get_output_embeddings().weight, batch.labels[mask], settings.negatives, gen
+            )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        prefix = 0 if batch.prefix_ids is None else batch.prefix_ids.numel()
+        tokens += batch.input_ids.numel() + prefix * batch.input_ids.shape[0]
+        recent = (recent + [loss.item()])[-20:]
+        if step == 1:
+            initial = recent[0]
+        now = time.monotonic()
+        if now - last_log >= settings.log_every_s or step == settings.steps:
+            logger.info(
+                "step %d%s loss %.4f lr %.2e %.0f tok/s elapsed %.0f s",
+                step,
+                f"/{settings.steps}" if settings.steps else "",
+                sum(recent) / len(recent),
+                lr,
+                (tokens - tokens_at_log) / max(now - last_log, 1e-9),
+                now - started,
+            )
+            last_log, tokens_at_log = now, tokens
+    model.eval()
+    final = sum(recent) / len(recent) if recent else float("nan")
+    return LoopResult(steps=step, initial_loss=initial, final_loss=final, seconds=time.monotonic() - started, tokens=tokens)

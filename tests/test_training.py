@@ -1,0 +1,231 @@
+"""Specialist training: held-out questions, answer extraction, and a loss that falls on a tiny model."""
+
+import json
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from fusion.training import train_expert
+from fusion.training.arithmetic import (
+    TEMPLATES,
+    ArithmeticStream,
+    Problem,
+    answer_text,
+    chat_prompt,
+    extract_answer,
+    is_held_out,
+    make_questions,
+    question_text,
+    random_problem,
+    training_problem,
+)
+from fusion.training.loop import LoopSettings, sampled_cross_entropy, train_loop
+from fusion.training.model import ModelShape, build_model
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+TINY = ModelShape(hidden=32, layers=1, heads=2, intermediate=64, max_positions=512)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine thread hand-offs dominate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A small word-level tokenizer (single-digit tokens) with a chat template, saved offline."""
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Whitespace()])
+    rng = random.Random(0)
+    corpus = [t.format(a=1, b=2) for ts in TEMPLATES.values() for t in ts]
+    corpus += [answer_text(random_problem(rng)) for _ in range(300)]
+    corpus += ["You are a helpful AI assistant system user assistant", "def return import self"]
+    words = sorted({w for text in corpus for w, _ in pre.pre_tokenize_str(text)})
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="[UNK]",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    out = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(out)
+    return out
+
+
+# --- held-out questions -------------------------------------------------------------------
+
+
+def test_make_questions_is_deterministic_and_distinct():
+    assert make_questions(50, seed=0) == make_questions(50, seed=0)
+    assert make_questions(50, seed=0) != make_questions(50, seed=1)
+    qs = make_questions(300, seed=3)
+    assert len(qs) == 300
+    assert all(isinstance(q, str) and isinstance(a, int) for q, a in qs)
+
+
+def test_make_questions_rejects_bad_n():
+    with pytest.raises(ValueError, match="n=-1"):
+        make_questions(-1, 0)
+    with pytest.raises(ValueError, match="n=1000000"):
+        make_questions(1_000_000, 0)
+
+
+def test_held_out_questions_never_appear_in_training():
+    held = {q for seed in range(3) for q, _ in make_questions(500, seed)}
+    rng = random.Random("train:0")
+    train_questions = set()
+    for _ in range(20_000):
+        p = training_problem(rng)
+        assert not is_held_out(p)
+        train_questions.add(question_text(p, rng))
+    assert not held & train_questions
+
+
+def test_held_out_split_is_about_a_tenth_and_covers_all_operators():
+    rng = random.Random(0)
+    draws = [random_problem(rng) for _ in range(20_000)]
+    share = sum(map(is_held_out, draws)) / len(draws)
+    assert 0.07 < share < 0.13
+    questions = [q for q, _ in make_questions(300, 0)]
+    for words in (("+", "plus", "sum", "Add"), ("-", "minus", "Subtract"), ("*", " x ", "×", "times", "product", "Multiply")):
+        assert any(w in q for q in questions for w in words)
+
+
+@pytest.mark.parametrize(
+    "problem, answer",
+    [
+        (Problem("+", 47, 38), "47+38: 7+8=15, carry 1; 4+3+1=8. So the answer is 85."),
+        (Problem("-", 38, 47), "38-47: swap, 47-38; 17-8=9, borrow 1; 4-3-1=0. So the answer is -9."),
+        (Problem("*", 47, 6), "47*6: 7*6=42, carry 4; 4*6+4=24+4=28. So the answer is 282."),
+        (Problem("*", 7, 8), "7*8: 7*8=56. So the answer is 56."),
+        (Problem("*", 9, 12), "9*12: 2*9=18, carry 1; 1*9+1=9+1=10. So the answer is 108."),
+    ],
+)
+def test_answer_format(problem, answer):
+    assert answer_text(problem) == answer
+
+
+def test_every_working_ends_in_the_right_value():
+    for op in "+-":
+        for a in range(100):
+            for b in range(100):
+                assert extract_answer(answer_text(Problem(op, a, b))) == Problem(op, a, b).value
+    for a in range(100):
+        for m in range(10):
+            assert extract_answer(answer_text(Problem("*", a, m))) == a * m
+            assert extract_answer(answer_text(Problem("*", m, a))) == a * m
+
+
+# --- answer extraction --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("12 + 35 = 47", 47),
+        ("47+38: 7+8=15, carry 1; 4+3+1=8. So the answer is 85.", 85),
+        ("So the answer is -9.", -9),
+        ("The answer is 56. 7 x 8 is a multiplication of 2 numbers.", 56),
+        ("The sum of 47 and 38 is 85.", 85),
+        ("47 - 38 = 9", 9),
+        ("47-38=9", 9),
+        ("The result is −12", -12),
+        ("Answer: 1,234", 1234),
+        ("I cannot compute that.", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(text, value):
+    assert extract_answer(text) == value
+
+
+# --- training -----------------------------------------------------------------------------
+
+
+def test_stream_masks_everything_but_the_answer(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stream = ArithmeticStream(tok, seed=0)
+    batch = stream(4)
+    assert batch.input_ids.shape == batch.labels.shape
+    full_prompt = tok(chat_prompt(tok, "1 + 1"), add_special_tokens=False)["input_ids"]
+    assert full_prompt[: batch.prefix_ids.numel()] == batch.prefix_ids.tolist()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for row in range(4):
+        targets = batch.labels[row][batch.labels[row] != -100].tolist()
+        assert targets[-1] == end
+        text = tok.decode(targets[:-1])
+        assert "answer is" in text and extract_answer(text) is not None
+        assert "system" not in text and "user" not in text
+
+
+def test_loss_falls_over_a_few_dozen_steps(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = build_model(tok, TINY, seed=0)
+    settings = LoopSettings(steps=40, batch_size=16, lr=1e-2, warmup_steps=5, log_every_s=1e9)
+    result = train_loop(model, ArithmeticStream(tok, seed=0), settings, seed=0)
+    assert result.steps == 40
+    assert result.final_loss < 0.6 * result.initial_loss
+
+
+def test_sampled_softmax_estimates_the_full_softmax():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(5, 8), torch.randn(200, 8)
+    targets = torch.tensor([1, 3, 3, 7, 49])
+    full = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets)
+    assert torch.allclose(sampled_cross_entropy(hidden, weight, targets, 0, gen), full)
+    sampled = torch.stack([sampled_cross_entropy(hidden, weight, targets, 50, gen) for _ in range(200)])
+    assert abs(sampled.mean() - full) < 0.05 * full  # the log-correction keeps the normaliser honest
+
+
+def test_train_expert_saves_a_loadable_expert(tokenizer_dir, tmp_path):
+    out = train_expert("arithmetic", tmp_path / "arith", base_dir=tokenizer_dir, steps=2, seed=0, shape=TINY)
+    meta = json.loads((out / "fusion_expert.json").read_text())
+    assert meta["kind"] == "arithmetic" and meta["steps"] == 2 and meta["seed"] == 0
+    assert {"final_loss", "initial_loss", "train_seconds", "shape"} <= set(meta)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.vocab_size == len(tok) and model.config.tie_word_embeddings
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert not list(tmp_path.glob(".arith*"))  # no staging leftovers
+
+
+def test_training_is_deterministic(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings = LoopSettings(steps=3, batch_size=8, log_every_s=1e9)
+    weights = []
+    for _ in range(2):
+        model = build_model(tok, TINY, seed=7)
+        train_loop(model, ArithmeticStream(tok, seed=7), settings, seed=7)
+        weights.append(model.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_python_expert_trains_on_stdlib(tokenizer_dir, tmp_path):
+    out = train_expert("python", tmp_path / "py", base_dir=tokenizer_dir, steps=3, seed=0, shape=TINY)
+    meta = json.loads((out / "fusion_expert.json").read_text())
+    assert meta["kind"] == "python" and meta["steps"] == 3
+
+
+def test_unknown_kind(tokenizer_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown expert kind 'poetry'"):
+        train_expert("poetry", tmp_path, base_dir=tokenizer_dir, steps=1)

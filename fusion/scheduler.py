@@ -142,12 +142,14 @@ class Scheduler:
                 self._cancelled.add(handle.request_id)
             self._cond.notify_all()
 
-    def _admit(self) -> None:
-        """Under the lock: move waiting requests into the batch and drop cancelled ones."""
+    def _admit(self) -> list[str]:
+        """Under the lock: move waiting requests into the batch; return the cancelled requests, whose
+        sessions the loop frees after dropping the lock (a slow expert must not block `submit`)."""
+        cancelled = []
         for request_id in self._cancelled:
             handle = self._running.pop(request_id, None)
             if handle is not None:
-                self._batch.cancel(request_id)
+                cancelled.append(request_id)
                 handle._put(_DONE)
         self._cancelled.clear()
         while self._waiting and len(self._running) < self.max_batch_size:
@@ -158,6 +160,7 @@ class Scheduler:
                 handle._put(ErrorEvent(handle.request_id, err))
                 continue
             self._running[handle.request_id] = handle
+        return cancelled
 
     def _loop(self) -> None:
         while True:
@@ -166,9 +169,12 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopped:
                     break
-                self._admit()
-                if not self._running:
-                    continue
+                cancelled = self._admit()
+                idle = not self._running
+            for request_id in cancelled:
+                self._batch.cancel(request_id)
+            if idle:
+                continue
             try:
                 events = self._batch.step()
             except Exception as err:  # a bug must not kill the loop: fail the batch, keep serving

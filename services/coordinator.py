@@ -24,7 +24,7 @@ from fusion.engine import DecodeBatch, FusionEngine, StepTimings, TokenEvent, ne
 from fusion.errors import AssetError, ConfigError
 from fusion.expert import Expert, LocalExpert, tokenizer_fingerprint
 from fusion.pipeline import FusionPipeline
-from fusion.rules import RULES
+from fusion.rules import known_rules
 from fusion.scheduler import Scheduler
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
@@ -196,7 +196,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         return fusion_pb2.DescribeResponse(
             experts=experts,
             rules=[fusion_pb2.RuleDescription(name=name, params=getattr(factory, "param_names", ()))
-                   for name, factory in sorted(RULES.items())],
+                   for name, factory in sorted(known_rules().items())],
             profiles=[fusion_pb2.Profile(name=name, weights=weights)
                       for name, weights in sorted(self.config.profiles.items())],
             default_spec=spec_to_proto(self.config.fusion),

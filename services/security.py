@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from fusion.config import SecurityConfig
 from fusion.errors import ConfigError
+from services.protos import fusion_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -551,8 +552,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
     def _requested_max_tokens(self, request) -> int:
-        sampling = getattr(request, "sampling", None)
-        if sampling is not None and sampling.HasField("max_tokens"):
+        if not isinstance(request, fusion_pb2.GenerateRequest):
+            return 0  # not a message: MalformedRequestInterceptor answers INVALID_ARGUMENT
+        sampling = request.sampling
+        if sampling.HasField("max_tokens"):
             return sampling.max_tokens
         return self.default_max_tokens
 
@@ -602,3 +605,57 @@ def fusion_interceptors(security: SecurityConfig | None, service: str, registry:
     if store is None:
         return []
     return [ApiKeyInterceptor(store, service, registry, default_max_tokens=default_max_tokens)]
+
+
+# -- malformed requests --------------------------------------------------------------------------
+class _Undecodable:
+    """What a request that does not parse as its message type becomes (instead of gRPC's UNKNOWN)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as err:  # DecodeError, bad UTF-8, wrong wire types
+            return _Undecodable(err)
+
+    return deserialize
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request get INVALID_ARGUMENT naming the message type
+    (gRPC itself answers UNKNOWN and logs a traceback). Install innermost: authentication first."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+
+        def message(request: _Undecodable) -> str:
+            first = (str(request.error).splitlines() or [type(request.error).__name__])[0]
+            return f"{method}: the request is not a valid message: {first[:200]}"
+
+        if handler.unary_unary is not None:
+            behaviour = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+                return await behaviour(request, context)
+
+            return handler._replace(unary_unary=unary, request_deserializer=_lenient(handler.request_deserializer))
+        if handler.unary_stream is not None:
+            behaviour = handler.unary_stream
+
+            async def stream(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+                async for response in behaviour(request, context):
+                    yield response
+
+            return handler._replace(unary_stream=stream, request_deserializer=_lenient(handler.request_deserializer))
+        return handler

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fusion.errors import FusionError
 from services.metrics import ServerMetrics, serve_metrics
-from services.security import warn_if_plaintext
+from services.security import MalformedRequestInterceptor, warn_if_plaintext
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ async def start_server(
     """Serve `servicer` with health and reflection on `address` ("host:0" picks a free port); over TLS
     with `credentials`, else plaintext. `interceptors` see every call (authentication, limits)."""
     server = grpc.aio.server(options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
-                             interceptors=list(interceptors) or None)
+                             interceptors=[*interceptors, MalformedRequestInterceptor()])
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -161,7 +161,7 @@ def generate(
         if server:
             from services.client import stream_remote
 
-            events = stream_remote(server, prompt, overrides, spec)
+            events = stream_remote(server, prompt, overrides, spec, security=config.security)
             names = None
         else:
             pipeline = load_pipeline(config, cache_dir(cache))

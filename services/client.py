@@ -121,8 +121,12 @@ class FusionClient:
 
 
 def stream_remote(
-    server: str, prompt: str | Sequence[Message], overrides: dict[str, Any], spec: FusionSpec | None
+    server: str, prompt: str | Sequence[Message], overrides: dict[str, Any], spec: FusionSpec | None,
+    *, security: SecurityConfig | None = None, api_key: str | None = None,
 ) -> Iterator[GenerateEvent]:
-    """What `fusion generate --server HOST:PORT` streams."""
-    with FusionClient(server) as client:
+    """What `fusion generate --server HOST:PORT` streams (TLS as `security` says; the API key from
+    `api_key` or $FUSION_API_KEY)."""
+    import os
+
+    with FusionClient(server, security=security, api_key=api_key or os.environ.get("FUSION_API_KEY")) as client:
         yield from client.generate(prompt, overrides, spec)

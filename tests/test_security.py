@@ -483,3 +483,44 @@ def test_expert_secret_without_tls(loop, tiny_config, monkeypatch, tiny_dir):
             loop.run(create_coordinator_server(with_secret))
     finally:
         loop.run(server.stop(0))
+
+
+def test_keys_cli_and_remote_generate(tmp_path, keyed, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fusion.cli import app
+    from services.client import stream_remote
+
+    path = tmp_path / "keys.yaml"
+    runner = CliRunner()
+    result = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-a", "--tokens-per-minute", "50"])
+    assert result.exit_code == 0, result.output
+    key = result.stdout.strip().splitlines()[0]
+    assert key.startswith("fsk_team-a_") and key not in path.read_text()
+    assert ApiKeyStore(path=path).authenticate(key)[0].limits.tokens_per_minute == 50
+    again = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-a"])
+    assert again.exit_code == 2 and "exists" in again.output
+    assert runner.invoke(app, ["keys", "revoke", "--file", str(path), "--id", "team-a"]).exit_code == 0
+    assert ApiKeyStore(path=path).authenticate(key)[0] is None
+
+    # `fusion generate --server` sends $FUSION_API_KEY
+    _, port, keys = keyed
+    monkeypatch.setenv("FUSION_API_KEY", keys["free"])
+    events = list(stream_remote(addr(port), "hi", {"max_tokens": 2, "ignore_eos": True}, None))
+    assert len(events) == 2
+
+
+def test_undecodable_request_is_invalid_argument(keyed):
+    _, port, keys = keyed
+    with grpc.insecure_channel(addr(port)) as channel:
+        for method, stream in (("Describe", False), ("Generate", True), ("Score", False)):
+            multi = (channel.unary_stream if stream else channel.unary_unary)(f"/fusion.v1.Fusion/{method}")
+            with pytest.raises(grpc.RpcError) as caught:
+                result = multi(b"\x0a\x05ab", metadata=[("x-api-key", keys["free"])], timeout=10)
+                list(result) if stream else None
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert "not a valid message" in caught.value.details()
+            with pytest.raises(grpc.RpcError) as caught:  # authentication comes first
+                result = multi(b"\x0a\x05ab", timeout=10)
+                list(result) if stream else None
+            assert caught.value.code() == UNAUTH

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -395,7 +396,8 @@ class ApiKeyStore:
             try:
                 self._keys = parse_keys(yaml.safe_load(text), f"${env}")
             except yaml.YAMLError as err:
-                raise ConfigError(f"security.api_keys_env: ${env} is not valid YAML: {err}".replace("\n", " ")) from None
+                message = f"security.api_keys_env: ${env} is not valid YAML: {err}".replace("\n", " ")
+                raise ConfigError(message) from None
         else:
             self._reload()
 
@@ -654,8 +656,9 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             async def stream(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
-                async for response in behaviour(request, context):
-                    yield response
+                async with contextlib.aclosing(behaviour(request, context)) as responses:  # closed with us
+                    async for response in responses:
+                        yield response
 
             return handler._replace(unary_stream=stream, request_deserializer=_lenient(handler.request_deserializer))
         return handler

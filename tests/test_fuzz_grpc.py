@@ -284,10 +284,12 @@ def step_requests() -> st.SearchStrategy[bytes]:
     ).map(lambda m: m.SerializeToString())
     sane = st.builds(
         lambda ids, dtype: expert_pb2.StepRequest(dtype=dtype, sessions=[
-            expert_pb2.SessionStep(session_id=f"fuzz-{i}", token_ids=t) for i, t in enumerate(ids)]).SerializeToString(),
+            expert_pb2.SessionStep(session_id=f"fuzz-{i}", token_ids=t) for i, t in enumerate(ids)]
+        ).SerializeToString(),
         st.lists(SANE_IDS, min_size=1, max_size=4), st.sampled_from(["", "float32", "bfloat16", "float16"]))
     bad_utf8 = INVALID_UTF8.map(lambda bad: field_bytes(1, field_bytes(1, bad) + field_bytes(2, varint(5))))
-    return st.builds(bytes.__add__, st.one_of(sane, message, sane, bad_utf8, wrong_types([1, 2]), st.binary(max_size=64)),
+    return st.builds(bytes.__add__, st.one_of(sane, message, sane, bad_utf8, wrong_types([1, 2]),
+                                              st.binary(max_size=64)),
                      unknown_fields())
 
 
@@ -301,7 +303,8 @@ def expert_score_requests() -> st.SearchStrategy[bytes]:
                                                                   num_positions=n).SerializeToString(),
                      SANE_IDS, st.integers(1, 3))
     bad_utf8 = INVALID_UTF8.map(lambda bad: field_bytes(1, bad) + field_bytes(2, varint(5)) + field_varint(3, 1))
-    return st.builds(bytes.__add__, st.one_of(sane, message, bad_utf8, wrong_types([1, 2, 3, 4]), st.binary(max_size=64)),
+    return st.builds(bytes.__add__, st.one_of(sane, message, bad_utf8, wrong_types([1, 2, 3, 4]),
+                                              st.binary(max_size=64)),
                      unknown_fields())
 
 

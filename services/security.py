@@ -388,6 +388,7 @@ class ApiKeyStore:
         self._stamp: tuple[float, int] | None = None
         self._keys: dict[str, ApiKey] = {}
         self._verified: dict[str, tuple[str, str]] = {}  # sha256(key) -> (key id, stored hash)
+        self._rejected: dict[str, str] = {}  # sha256(wrong key) -> the stored hash it failed against
         self._lock = threading.Lock()
         if env is not None:
             text = os.environ.get(env)
@@ -427,6 +428,7 @@ class ApiKeyStore:
         with self._lock:
             self._keys, self._stamp = keys, stamp
             self._verified.clear()
+            self._rejected.clear()
 
     def authenticate(self, key: str) -> tuple[ApiKey | None, str]:
         """(the key's record, "") or (None, why it was refused)."""
@@ -439,7 +441,13 @@ class ApiKeyStore:
         fingerprint = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
         cached = self._verified.get(fingerprint)
         if cached != (record.key_id, record.hash):
+            if self._rejected.get(fingerprint) == record.hash:  # the same wrong key again: no new PBKDF2
+                return None, "unknown API key"
             if not verify_key(key, record.hash):
+                with self._lock:
+                    if len(self._rejected) > 10_000:
+                        self._rejected.clear()
+                    self._rejected[fingerprint] = record.hash
                 return None, "unknown API key"
             with self._lock:
                 if len(self._verified) > 10_000:

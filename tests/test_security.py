@@ -524,3 +524,12 @@ def test_undecodable_request_is_invalid_argument(keyed):
                 result = multi(b"\x0a\x05ab", timeout=10)
                 list(result) if stream else None
             assert caught.value.code() == UNAUTH
+
+
+def test_coordinator_without_client_certificate_is_refused_by_experts(secure_cluster, loop, pki):
+    """mTLS: a coordinator that presents no client certificate cannot reach the experts."""
+    config = secure_cluster["config"]
+    tls = config.security.tls.model_copy(update={"client_cert_file": None, "client_key_file": None})
+    no_cert = config.model_copy(update={"security": config.security.model_copy(update={"tls": tls})})
+    with pytest.raises(ExpertUnavailableError, match="UNAVAILABLE"):
+        loop.run(create_coordinator_server(no_cert))

@@ -412,6 +412,7 @@ def evaluate(
     domains: str = typer.Option("arithmetic,python,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
+    router: Optional[Path] = typer.Option(None, "--router", help="Add a `route` row with this router checkpoint."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
     cache: Optional[Path] = CacheOption,
@@ -422,7 +423,8 @@ def evaluate(
         from fusion import evaluation as ev
 
         pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
-        rows = ev.default_rows(pipeline)
+        extra = [("route", FusionSpec(rule="route", params={"path": str(router)}))] if router else []
+        rows = ev.default_rows(pipeline, extra)
         if only:
             wanted = [w.strip() for w in only.split(",")]
             unknown = sorted(set(wanted) - {name for name, _ in rows})

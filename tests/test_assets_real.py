@@ -28,7 +28,8 @@ def test_fetch_smollm2_real(cache_dir):
     tok = AutoTokenizer.from_pretrained(folder)
     assert model.config.vocab_size == 49152 and len(tok) == 49152
     assert not hasattr(model.config, "quantization_config")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():

@@ -47,7 +47,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """A small word-level tokenizer (single-digit tokens) with a chat template, saved offline."""
-    pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Whitespace()])
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    pre = pre_tokenizers.Sequence([digits, pre_tokenizers.Whitespace()])
     rng = random.Random(0)
     corpus = [t.format(a=1, b=2) for ts in TEMPLATES.values() for t in ts]
     corpus += [answer_text(random_problem(rng)) for _ in range(300)]
@@ -105,7 +106,8 @@ def test_held_out_split_is_about_a_tenth_and_covers_all_operators():
     share = sum(map(is_held_out, draws)) / len(draws)
     assert 0.07 < share < 0.13
     questions = [q for q, _ in make_questions(300, 0)]
-    for words in (("+", "plus", "sum", "Add"), ("-", "minus", "Subtract"), ("*", " x ", "×", "times", "product", "Multiply")):
+    mul = ("*", " x ", "×", "times", "product", "Multiply")
+    for words in (("+", "plus", "sum", "Add"), ("-", "minus", "Subtract"), mul):
         assert any(w in q for q in questions for w in words)
 
 

@@ -200,9 +200,10 @@ def training_problem(rng: random.Random) -> Problem:
 
 @cache
 def _held_out_pool() -> tuple[Problem, ...]:
-    pool = [Problem(op, a, b) for op in "+-" for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
-    pool += [Problem("*", a, m) for a in range(MAX_OPERAND + 1) for m in range(MAX_MULTIPLIER + 1)]
-    pool += [Problem("*", m, a) for a in range(MAX_MULTIPLIER + 1, MAX_OPERAND + 1) for m in range(MAX_MULTIPLIER + 1)]
+    operands, multipliers = range(MAX_OPERAND + 1), range(MAX_MULTIPLIER + 1)
+    pool = [Problem(op, a, b) for op in "+-" for a in operands for b in operands]
+    pool += [Problem("*", a, m) for a in operands for m in multipliers]
+    pool += [Problem("*", m, a) for a in operands if a > MAX_MULTIPLIER for m in multipliers]
     return tuple(p for p in pool if is_held_out(p))
 
 

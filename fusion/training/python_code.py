@@ -103,7 +103,7 @@ def lm_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
     for start in range(0, windows.shape[0], batch_size):
         chunk = windows[start : start + batch_size]  # [b, S]
         logits = model(input_ids=chunk).logits[:, :-1].float()  # [b, S-1, V]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum")
-        total += loss.item()
+        targets = chunk[:, 1:].reshape(-1)  # [b * (S-1)]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum").item()
         count += chunk[:, 1:].numel()
     return total / count

@@ -33,6 +33,20 @@ class ServerLoop(BackgroundLoop):
     async def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
+    def shut_down(self, running: Any, channel: Any, grace: float) -> None:
+        """Stop a replica's gRPC server (in-flight calls get `grace` seconds), close its probe channel
+        if any, then this loop."""
+
+        async def stop() -> None:
+            await running.stop(grace)
+            if channel is not None:
+                await channel.close()
+
+        try:
+            self.run(stop(), timeout=grace + 10.0)
+        finally:
+            self.close()
+
 
 class DirectContext:
     """The part of `grpc.aio.ServicerContext` the servicers use, for calls made through a Serve handle

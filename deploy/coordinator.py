@@ -130,12 +130,4 @@ class CoordinatorReplica:
         self._closed = True
         self._refresher.cancel()
 
-        async def stop() -> None:
-            await self._running.stop(self._grace)
-            if self._channel is not None:
-                await self._channel.close()
-
-        try:
-            self._loop.run(stop(), timeout=self._grace + 10.0)
-        finally:
-            self._loop.close()
+        self._loop.shut_down(self._running, self._channel, self._grace)

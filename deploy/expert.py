@@ -139,12 +139,4 @@ class ExpertReplica:
         except Exception as err:
             logger.warning("expert %r: unregistering failed: %s", self.name, err)
 
-        async def stop() -> None:
-            await self._running.stop(self._grace)
-            if self._channel is not None:
-                await self._channel.close()
-
-        try:
-            self._loop.run(stop(), timeout=self._grace + 10.0)
-        finally:
-            self._loop.close()
+        self._loop.shut_down(self._running, self._channel, self._grace)

@@ -25,7 +25,7 @@ import torch
 
 from fusion.config import Limits, SamplingParams
 from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
-from fusion.expert import Expert, StepRequest
+from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import FusionRule
 from fusion.sampler import SamplingMetadata, sample
 from fusion.vocab import VocabAlignment
@@ -115,6 +115,10 @@ class FusionEngine:
             torch.cuda.Stream(device=e.info.device) if e.info.device.startswith("cuda") else None
             for e in self.experts
         ]
+        # In-process CPU experts run one after another on the calling thread: each forward already
+        # uses every core, and a forward on a pool thread leaves that thread's OpenMP team spinning,
+        # which slows the next forward on another thread by half. Remote and GPU experts overlap.
+        self._inline = [isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
         self.last_timings = StepTimings()
 
     def close(self) -> None:
@@ -217,7 +221,7 @@ class FusionEngine:
             return expert.score(session, list(prompt_ids[index]) + list(continuation_ids), n)
 
         try:
-            per_expert = list(self._pool.map(run, range(len(self.experts))))
+            per_expert = self._map_experts(run)
         finally:
             for expert in self.experts:
                 expert.release([session])
@@ -266,15 +270,27 @@ class FusionEngine:
             full[row_idx] = out
             return full
 
-        if len(self.experts) == 1:
-            outputs = [run(0)]
-        else:
-            outputs = list(self._pool.map(run, range(len(self.experts))))
+        outputs = self._map_experts(run)
         width = self.vocab_size
         filled = [
             o.to(self.device) if o is not None else torch.zeros(len(rows), width, device=self.device) for o in outputs
         ]
         return self.alignment.stack(filled).float()
+
+    def _map_experts(self, fn):
+        """[fn(0), …, fn(E-1)]: overlapped experts go to the pool first, inline ones run meanwhile here."""
+        futures = {
+            i: self._pool.submit(fn, i) for i in range(len(self.experts)) if not self._inline[i]
+        } if len(self.experts) > 1 else {}
+        results = [None] * len(self.experts)
+        try:
+            for i in range(len(self.experts)):
+                if i not in futures:
+                    results[i] = fn(i)
+        finally:
+            for i, future in futures.items():
+                results[i] = future.result()
+        return results
 
     def _check_finite(
         self, logits: torch.Tensor, rows: list[_Row] | None, consulted: torch.Tensor | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -386,17 +387,29 @@ def train_router_command(
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the router checkpoint (.pt)."),
     minutes: float = typer.Option(5.0, "--minutes", help="Training time budget."),
     max_texts: Optional[int] = typer.Option(None, "--max-texts", help="Stop after this many training texts."),
+    data: Optional[list[Path]] = typer.Option(
+        None, "--data", help="Training data (repeatable): .jsonl lines {\"prompt\": ..., \"text\": ...} "
+        "(prompt optional, chat-formatted per expert) or plain text files. Default: the built-in mix of "
+        "arithmetic chats, stdlib Python and pydoc prose."),
     seed: int = typer.Option(0, "--seed"),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Train a token-level router (FusionRoute style) on the experts' logged outputs."""
 
     def run() -> None:
-        from fusion.router_training import RouterTrainSettings, train_router
+        from fusion.router_training import RouterTrainSettings, file_samples, train_router
 
+        samples = None
+        if data:
+            samples = file_samples(data, seed)
+            try:
+                first = next(samples)
+            except ValueError as err:
+                fail(str(err))
+            samples = itertools.chain([first], samples)
         pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
-        result = train_router(pipeline, out, settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts,
-                                                                          seed=seed))
+        result = train_router(pipeline, out, texts=samples,
+                              settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed))
         pipeline.close()
         typer.echo(f"{result.path}  ({result.texts} texts, {result.steps} steps, loss {result.first_loss:.3f} "
                    f"-> {result.last_loss:.3f}, {result.seconds:.0f} s)")

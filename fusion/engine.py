@@ -26,7 +26,7 @@ import torch
 from fusion.config import Limits, SamplingParams
 from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, LocalExpert, StepRequest
-from fusion.rules import FusionRule
+from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
 from fusion.sampler import SamplingMetadata, sample
 from fusion.vocab import VocabAlignment
 
@@ -198,7 +198,7 @@ class FusionEngine:
         logits = self.continuation_logits(prompt_ids, continuation_ids, uses=[
             rule.uses_expert(e, weights) for e in range(len(self.experts))
         ])
-        return self.fused_logprobs(logits, continuation_ids, rule, weights, prompt_ids[0][-1])
+        return self.fused_logprobs(logits, continuation_ids, rule, weights, prompt_ids[0])
 
     def continuation_logits(
         self, prompt_ids: list[list[int]], continuation_ids: list[int], uses: Sequence[bool] | None = None
@@ -231,14 +231,14 @@ class FusionEngine:
 
     def fused_logprobs(
         self, logits: torch.Tensor, continuation_ids: list[int], rule: FusionRule, weights: list[float],
-        prev_id: int,
+        prefix_ids: Sequence[int],
     ) -> list[float]:
         """Fuse teacher-forced logits (E, n, V) and gather each continuation id's log-probability.
-        `prev_id` is the id before the continuation (the prompt's last)."""
+        `prefix_ids` are the ids before the continuation (the first expert's prompt)."""
         n = logits.shape[1]
         w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
-        prev = torch.tensor([prev_id] + list(continuation_ids[:-1]), device=self.device)  # (n,)
-        fused = rule.fuse(logits, w, prev).logits  # (n, V)
+        context = teacher_forced_context(prefix_ids, continuation_ids, self.device)  # (n, K)
+        fused = rule.fuse(logits, w, context).logits  # (n, V)
         log_probs = torch.log_softmax(fused.float(), dim=-1)
         ids = torch.tensor(continuation_ids, device=self.device)
         return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
@@ -458,20 +458,19 @@ class DecodeBatch:
         """Apply each row's rule; rows sharing a rule object are fused together. (B, V), (E, B)."""
         device = self.engine.device
         weights = torch.tensor([r.request.weights for r in rows], dtype=torch.float32, device=device).T  # (E, B)
-        prev = torch.tensor(
-            [(r.generated or r.request.prompt_ids[0])[-1] for r in rows], device=device
-        )  # (B,)
+        histories = [r.request.prompt_ids[0][-CONTEXT_TOKENS:] + r.generated[-CONTEXT_TOKENS:] for r in rows]
+        context = context_rows(histories, device)  # (B, K)
         groups: dict[int, list[int]] = {}
         for b, row in enumerate(rows):
             groups.setdefault(id(row.request.rule), []).append(b)
         if len(groups) == 1:
-            result = rows[0].request.rule.fuse(logits, weights, prev)
+            result = rows[0].request.rule.fuse(logits, weights, context)
             return result.logits, result.weights
         fused = torch.empty(logits.shape[1:], device=device)
         used_weights = torch.empty_like(weights)
         for indices in groups.values():
             idx = torch.tensor(indices, device=device)
-            result = rows[indices[0]].request.rule.fuse(logits[:, idx], weights[:, idx], prev[idx])
+            result = rows[indices[0]].request.rule.fuse(logits[:, idx], weights[:, idx], context[idx])
             fused[idx] = result.logits
             used_weights[:, idx] = result.weights
         return fused, used_weights

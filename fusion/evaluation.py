@@ -5,7 +5,7 @@ held-out arithmetic questions (problems training never draws), bits-per-byte on 
 each domain, and tokens/s while answering the arithmetic questions (batched).
 
 Domains for bits-per-byte, all available offline on any Python install:
-  arithmetic  held-out questions with their worked answers, as chat transcripts
+  arithmetic  worked answers to held-out questions, each scored after its chat prompt (as generated)
   python      held-out standard-library source files (the code specialist never trained on them)
   general     English documentation prose: IDLE's help page and Python's licence history
 Experts' teacher-forced logits are computed once per text chunk and every rule is applied to them.
@@ -26,6 +26,7 @@ from typing import Sequence
 from fusion.config import FusionSpec, SamplingParams
 from fusion.engine import GenerationRequest
 from fusion.pipeline import FusionPipeline
+from fusion.text import TextSample
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +115,16 @@ def python_text() -> str:
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files(held_out=True)[:40])
 
 
-def arithmetic_text(n: int, seed: int) -> str:
-    from fusion.training.arithmetic import _held_out_pool, answer_text, question_text  # noqa: F401
+def arithmetic_answers(n: int, seed: int) -> list[TextSample]:
+    """`n` held-out questions, each with its worked answer (ending the turn) after the chat prompt."""
     import random
+
+    from fusion.training.arithmetic import _held_out_pool, answer_text, question_text
 
     rng = random.Random(f"bpb:{seed}")
     pool = list(_held_out_pool())
     rng.shuffle(pool)
-    return "\n".join(f"{question_text(p, rng)}\n{answer_text(p)}" for p in pool[:n])
+    return [TextSample(answer_text(p), prompt=question_text(p, rng), end_turn=True) for p in pool[:n]]
 
 
 def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
@@ -142,24 +145,20 @@ def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
 
 
 def bits_per_byte(
-    pipeline: FusionPipeline, specs: list[FusionSpec], texts: list[str]
+    pipeline: FusionPipeline, specs: list[FusionSpec], samples: Sequence[TextSample | str]
 ) -> list[float]:
-    """Bits per UTF-8 byte of `texts` under each spec. Each expert runs once per text; every rule is
-    applied to the same teacher-forced logits."""
-    from fusion.text import encode_plain
-
+    """Bits per UTF-8 byte of the samples' text (an end-of-turn token is scored but adds no bytes) under
+    each spec. Each expert runs once per sample; every rule is applied to the same teacher-forced logits."""
     engine = pipeline.engine
     nats = [0.0] * len(specs)
     total_bytes = 0
     resolved = [pipeline.resolve_spec(s) for s in specs]
-    context = "\n"  # a one-token context so the first token of the text is predicted too
-    for text in texts:
-        prompt_ids = [encode_plain(tok, context, add_special_tokens=True) for tok in pipeline.tokenizers]
-        ids = encode_plain(pipeline.tokenizers[0], text, add_special_tokens=False)
+    for sample in samples:
+        prompt_ids, ids = pipeline.sample_ids(sample)
         logits = engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
         for i, (rule, weights) in enumerate(resolved):
-            nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights, prompt_ids[0][-1]))
-        total_bytes += len(text.encode("utf-8"))
+            nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights, prompt_ids[0]))
+        total_bytes += len((sample.text if isinstance(sample, TextSample) else sample).encode("utf-8"))
     return [n / math.log(2) / total_bytes for n in nats]
 
 
@@ -184,11 +183,15 @@ def evaluate(
             acc, tps, _ = arithmetic_accuracy(pipeline, spec, qs)
             result.arithmetic_accuracy, result.tokens_per_s = acc, tps
             logger.info("arithmetic: %s: %.1f%% exact, %.1f tokens/s", name, 100 * acc, tps)
-    sources = {"arithmetic": lambda: arithmetic_text(200, seed), "python": python_text, "general": general_text}
     tokenizer = pipeline.tokenizers[0]
+    sources = {
+        "arithmetic": lambda: arithmetic_answers(8 * text_chunks, seed),
+        "python": lambda: chunks(python_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
+        "general": lambda: chunks(general_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
+    }
     for domain in domains:
-        texts = chunks(sources[domain](), tokenizer, count=text_chunks, tokens=chunk_tokens)
-        logger.info("bits-per-byte: %s (%d chunks)", domain, len(texts))
+        texts = sources[domain]()
+        logger.info("bits-per-byte: %s (%d samples)", domain, len(texts))
         for result, bpb in zip(results, bits_per_byte(pipeline, [spec for _, spec in rows], texts)):
             result.bits_per_byte[domain] = bpb
     return results

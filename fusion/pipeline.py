@@ -18,7 +18,7 @@ from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest, TokenEven
 from fusion.errors import InvalidArgumentError, NotFoundError
 from fusion.expert import Expert, LocalExpert
 from fusion.rules import FusionRule, make_rule
-from fusion.text import Message, TextStream, encode_plain, encode_prompt
+from fusion.text import Message, TextSample, TextStream, encode_plain, encode_prompt, end_of_turn_id
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,24 @@ class FusionPipeline:
             return overrides
         return parse_sampling(overrides or {}, base=self.config.sampling)
 
+    def prompt_ids(self, prompt: str | Sequence[Message]) -> list[list[int]]:
+        """The prompt as each expert expects it (its own chat template and system prompt)."""
+        return [encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)]
+
+    def sample_ids(self, sample: TextSample | str, max_tokens: int | None = None
+                   ) -> tuple[list[list[int]], list[int]]:
+        """(one prompt per expert, continuation ids) for a text sample; see `TextSample`."""
+        if isinstance(sample, str):
+            sample = TextSample(sample)
+        if sample.prompt is None:
+            prompts = [encode_plain(tok, "\n", add_special_tokens=True) for tok in self.tokenizers]
+        else:
+            prompts = self.prompt_ids(sample.prompt)
+        ids = encode_plain(self.tokenizers[0], sample.text, add_special_tokens=False)
+        if sample.end_turn:
+            ids.append(end_of_turn_id(self.tokenizers[0]))
+        return prompts, ids[:max_tokens] if max_tokens is not None else ids
+
     def build_request(
         self,
         prompt: str | Sequence[Message],
@@ -116,10 +134,7 @@ class FusionPipeline:
         request_id: str | None = None,
     ) -> GenerationRequest:
         rule, weights = self.resolve_spec(spec)
-        prompt_ids = [
-            encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)
-        ]
-        request = GenerationRequest(prompt_ids, self.sampling(sampling), rule, weights)
+        request = GenerationRequest(self.prompt_ids(prompt), self.sampling(sampling), rule, weights)
         if request_id:
             request.request_id = request_id
         self.engine.validate(request)

@@ -2,7 +2,8 @@
 
 At every step a light network reads what is known at decode time — each expert's confidence
 (entropy, top-1 log-prob, top-1/top-2 margin), how much each expert believes the others' top
-choice, and an embedding of the previous token — and outputs
+choice, an embedding of the previous token, and bags of the recent tokens' embeddings (which tell
+arithmetic from code from prose) — and outputs
 
   * routing weights over the experts `w (E, B)` (softmax), and
   * a complementary logit `c (B, V)` added in log space, which lets the fused distribution reach
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from fusion.errors import ConfigError
-from fusion.rules import FusedLogits, FusionRule, register_rule
+from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule, register_rule
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,22 @@ class RouterShape:
     num_experts: int
     vocab_size: int
     embed_dim: int = 32
-    hidden: int = 64
+    hidden: int = 96
     complementary: bool = True
+    windows: tuple[int, ...] = (8, CONTEXT_TOKENS)  # recent-token bags, each the mean over its last w ids
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "windows", tuple(int(w) for w in self.windows))
+        if not self.windows or not all(0 < w <= CONTEXT_TOKENS for w in self.windows):
+            raise ValueError(f"router windows must be in [1, {CONTEXT_TOKENS}], got {self.windows}")
 
     @property
     def num_features(self) -> int:
         return 3 * self.num_experts + self.num_experts**2
+
+    @property
+    def num_inputs(self) -> int:
+        return self.num_features + self.embed_dim * (1 + len(self.windows))
 
 
 def logit_features(log_probs: torch.Tensor) -> torch.Tensor:
@@ -69,7 +80,8 @@ class Router(nn.Module):
         self.shape = shape
         self.embed = nn.Embedding(shape.vocab_size, shape.embed_dim)
         self.body = nn.Sequential(
-            nn.Linear(shape.num_features + shape.embed_dim, shape.hidden), nn.GELU(),
+            nn.LayerNorm(shape.num_inputs),
+            nn.Linear(shape.num_inputs, shape.hidden), nn.GELU(),
             nn.Linear(shape.hidden, shape.hidden), nn.GELU(),
         )
         self.route = nn.Linear(shape.hidden, shape.num_experts)
@@ -78,13 +90,24 @@ class Router(nn.Module):
             nn.init.zeros_(self.comp.weight)
             nn.init.zeros_(self.comp.bias)
 
+    def context_features(self, context: torch.Tensor) -> torch.Tensor:
+        """context (B, K) recent ids, -1 = none → previous-token embedding and one mean-embedding
+        bag per window: (B, embed_dim · (1 + len(windows)))."""
+        valid = (context >= 0).float()  # (B, K)
+        emb = self.embed(context.clamp(min=0)) * valid[..., None]  # (B, K, D)
+        parts = [emb[:, -1]]
+        for w in self.shape.windows:
+            count = valid[:, -w:].sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
+            parts.append(emb[:, -w:].sum(1) / count)
+        return torch.cat(parts, dim=-1)
+
     def forward(
-        self, log_probs: torch.Tensor, prev_ids: torch.Tensor, allowed: torch.Tensor | None = None
+        self, log_probs: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """log_probs (E, B, V), prev_ids (B,), allowed (E, B) bool → route logits (B, E),
+        """log_probs (E, B, V), context (B, K) recent ids, allowed (E, B) bool → route logits (B, E),
         weights (E, B), complementary logit (B, V) or None."""
         feats = logit_features(log_probs)
-        h = self.body(torch.cat([feats, self.embed(prev_ids)], dim=-1))  # (B, hidden)
+        h = self.body(torch.cat([feats, self.context_features(context)], dim=-1))  # (B, hidden)
         route_logits = self.route(h)  # (B, E)
         if allowed is not None:
             route_logits = route_logits.masked_fill(~allowed.T, float("-inf"))
@@ -92,14 +115,14 @@ class Router(nn.Module):
         comp = self.comp(h) if self.comp is not None else None
         return route_logits, weights, comp
 
-    def fuse(self, logits: torch.Tensor, prev_ids: torch.Tensor, allowed: torch.Tensor | None = None,
-             hard: bool = False) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None,
+             hard: bool = False, complementary: bool = True) -> FusedLogits:
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, B, V)
-        _, weights, comp = self(log_probs, prev_ids, allowed)
+        _, weights, comp = self(log_probs, context, allowed)
         if hard:  # pick one expert per row
             weights = torch.nn.functional.one_hot(weights.argmax(0), weights.shape[0]).T.to(weights.dtype)
         fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
-        if comp is not None:
+        if comp is not None and complementary:
             fused = fused + comp
         return FusedLogits(fused, weights)
 
@@ -144,7 +167,7 @@ def load_router(path: Path) -> tuple[Router, dict]:
         raise ConfigError(f"router checkpoint not found: {path}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        router = Router(RouterShape(**payload["shape"]))
+        router = Router(RouterShape(**payload["shape"]))  # older layouts fail on the state dict below
         router.load_state_dict(payload["state_dict"])
     except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as err:
         raise ConfigError(f"router checkpoint {path} is not readable: {err}".splitlines()[0]) from None
@@ -171,18 +194,20 @@ def check_experts(payload: dict, experts: Sequence[Any], path: Path | str) -> No
 
 class Route(FusionRule):
     """`route`: a learned router picks/weights experts per step and adds a complementary logit.
-    Request weights act as a mask: experts with weight 0 are never routed to."""
+    Request weights act as a mask: experts with weight 0 are never routed to. `hard` routes each token
+    to one expert; `complementary: false` leaves the complementary logit out (pure routing)."""
 
     name = "route"
-    param_names = ("path", "hard")
+    param_names = ("path", "hard", "complementary")
 
     def __init__(self, expert_names: Sequence[str], path: str | None = None, hard: bool = False,
-                 router: Router | None = None) -> None:
+                 complementary: bool = True, router: Router | None = None) -> None:
         super().__init__(expert_names)
         if router is None and not path:
             raise ValueError("rule 'route' needs params.path, a router checkpoint from `fusion train-router`")
         self.path = path
         self.hard = bool(hard)
+        self.complementary = bool(complementary)
         self.router = router
         self._payload = None
         if router is None:
@@ -197,12 +222,13 @@ class Route(FusionRule):
         if self._payload is not None:
             check_experts(self._payload, experts, self.path)
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
-        if prev_ids is None:
-            raise ValueError("rule 'route' needs the previous token ids")
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
+        if context is None:
+            raise ValueError("rule 'route' needs each row's recent token ids")
         with torch.no_grad():
             router = self.router.to(logits.device)
-            return router.fuse(logits, prev_ids, allowed=weights > 0, hard=self.hard)
+            return router.fuse(logits, context, allowed=weights > 0, hard=self.hard,
+                               complementary=self.complementary)
 
 
 register_rule(Route.name, Route)

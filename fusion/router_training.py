@@ -6,8 +6,12 @@ For each training text the experts' teacher-forced logits are computed once thro
     loss = CE(fused distribution, reference next token)
          + route_weight · CE(route logits, best expert)   only where the experts' top-1 choices differ
 
+         + comp_l2 · mean(complementary logit²)            keeps the complementary logit small off-domain
+
 "Best expert" is the one giving the reference token the highest probability, as FusionRoute does.
-The training mix draws from each domain's training split; evaluation texts are held out.
+A training sample is a text, either plain (after a one-token context, as `fusion eval` scores text) or
+the answer to a chat prompt formatted by each expert's own template (as `fusion generate` runs).
+The default mix draws from each domain's training split; evaluation texts are held out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 
 from fusion.pipeline import FusionPipeline
 from fusion.router import Router, RouterShape, expert_fingerprint, save_router
+from fusion.rules import teacher_forced_context
+from fusion.text import TextSample
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,7 @@ class RouterTrainSettings:
     steps_per_text: int = 2
     lr: float = 3e-3
     route_weight: float = 0.5
+    comp_l2: float = 1e-3
     seq_tokens: int = 192
     seed: int = 0
 
@@ -49,15 +56,17 @@ class RouterTrainResult:
     seconds: float
 
 
-def router_loss(router: Router, logits: torch.Tensor, prev_ids: torch.Tensor, targets: torch.Tensor,
-                route_weight: float) -> torch.Tensor:
-    """logits (E, n, V) of the frozen experts, prev_ids (n,), targets (n,) → scalar loss."""
+def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
+                route_weight: float, comp_l2: float = 0.0) -> torch.Tensor:
+    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, n, V)
-    route_logits, weights, comp = router(log_probs, prev_ids)
+    route_logits, weights, comp = router(log_probs, context)
     fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (n, V)
     if comp is not None:
         fused = fused + comp
     loss = torch.nn.functional.cross_entropy(fused, targets)
+    if comp is not None and comp_l2 > 0:
+        loss = loss + comp_l2 * comp.pow(2).mean()
     top1 = log_probs.argmax(-1)  # (E, n)
     disagree = (top1 != top1[:1]).any(0)  # (n,)
     if route_weight > 0 and bool(disagree.any()):
@@ -66,9 +75,9 @@ def router_loss(router: Router, logits: torch.Tensor, prev_ids: torch.Tensor, ta
     return loss
 
 
-def default_training_texts(seed: int) -> Iterator[str]:
-    """An endless shuffled mix of the training splits: arithmetic transcripts, Python source,
-    and English prose (the standard library's pydoc topics)."""
+def default_training_samples(seed: int) -> Iterator[TextSample]:
+    """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns,
+    Python source, and English prose (the standard library's pydoc topics)."""
     import pydoc_data.topics as topics
 
     from fusion.training.arithmetic import answer_text, question_text, training_problem
@@ -78,33 +87,66 @@ def default_training_texts(seed: int) -> Iterator[str]:
     code_files = stdlib_files(held_out=False)
     prose = [t for t in topics.topics.values() if len(t) > 400]
 
-    def arithmetic() -> str:
-        lines = []
-        for _ in range(6):
-            p = training_problem(rng)
-            lines.append(f"{question_text(p, rng)}\n{answer_text(p)}")
-        return "\n".join(lines)
+    def arithmetic() -> TextSample:
+        p = training_problem(rng)
+        return TextSample(answer_text(p), prompt=question_text(p, rng), end_turn=True)
 
-    def code() -> str:
-        text = rng.choice(code_files).read_text(encoding="utf-8", errors="replace")
+    def window(text: str) -> TextSample:
         start = rng.randrange(max(1, len(text) - 1500))
-        return text[start:start + 1500]
+        return TextSample(text[start:start + 1500])
 
-    def general() -> str:
-        text = rng.choice(prose)
-        start = rng.randrange(max(1, len(text) - 1500))
-        return text[start:start + 1500]
+    def code() -> TextSample:
+        return window(rng.choice(code_files).read_text(encoding="utf-8", errors="replace"))
+
+    def general() -> TextSample:
+        return window(rng.choice(prose))
 
     sources = [arithmetic, code, general]
     while True:
         yield sources[rng.randrange(len(sources))]()
 
 
+def file_samples(paths: Sequence[Path], seed: int, window_chars: int = 1500) -> Iterator[TextSample]:
+    """An endless shuffled stream from user data: `.jsonl` lines {"prompt": ..., "text": ...} (prompt
+    optional, and a prompted text ends the chat turn; "completion" is accepted for "text"), any other
+    file read as plain text in windows."""
+    import json
+
+    samples: list[TextSample] = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--data: no such file: {path}")
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text = record.get("text", record.get("completion"))
+                    prompt = record.get("prompt")
+                except (json.JSONDecodeError, AttributeError):
+                    raise ValueError(f"--data: {path}:{number} is not a JSON object") from None
+                if not isinstance(text, str) or not text or not (prompt is None or isinstance(prompt, str)):
+                    raise ValueError(f"--data: {path}:{number} needs a non-empty string \"text\" "
+                                     "(and an optional string \"prompt\")")
+                samples.append(TextSample(text, prompt, end_turn=prompt is not None))
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            samples += [TextSample(text[i:i + window_chars]) for i in range(0, len(text), window_chars)
+                        if text[i:i + window_chars].strip()]
+    if not samples:
+        raise ValueError(f"--data: no samples in {[str(p) for p in paths]}")
+    rng = random.Random(f"router-data:{seed}")
+    while True:
+        yield samples[rng.randrange(len(samples))]
+
+
 def train_router(
     pipeline: FusionPipeline,
     out: Path,
     *,
-    texts: Iterator[str] | None = None,
+    texts: Iterator[TextSample | str] | None = None,
     settings: RouterTrainSettings | None = None,
     shape: RouterShape | None = None,
     on_step: Callable[[int, float], None] | None = None,
@@ -115,25 +157,23 @@ def train_router(
     shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size)
     router = Router(shape)
     optimiser = torch.optim.AdamW(router.parameters(), lr=settings.lr, weight_decay=0.0)
-    texts = texts or default_training_texts(settings.seed)
-    tokenizer = pipeline.tokenizers[0]
+    texts = texts or default_training_samples(settings.seed)
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
     n_texts = steps = 0
     first_loss = last_loss = math.nan
     ema = None
     while time.perf_counter() < deadline and (settings.max_texts is None or n_texts < settings.max_texts):
-        ids = tokenizer(next(texts), add_special_tokens=False)["input_ids"][: settings.seq_tokens + 1]
-        if len(ids) < 8:
+        prompts, continuation = pipeline.sample_ids(next(texts), settings.seq_tokens)
+        if len(continuation) < 4:
             continue
-        prompt, continuation = ids[:1], ids[1:]
         with torch.no_grad():
-            logits = engine.continuation_logits([prompt] * len(engine.experts), continuation)  # (E, n, V)
-        prev = torch.tensor(ids[:-1], device=logits.device)
+            logits = engine.continuation_logits(prompts, continuation)  # (E, n, V)
+        context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
         targets = torch.tensor(continuation, device=logits.device)
         router.train()
         for _ in range(settings.steps_per_text):
-            loss = router_loss(router, logits, prev, targets, settings.route_weight)
+            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2)
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(router.parameters(), 1.0)

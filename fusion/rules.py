@@ -1,8 +1,9 @@
 """Fusion rules: small pure functions over the experts' stacked logits, behind one registry.
 
 Every rule maps `logits (E, B, V)` and `weights (E, B)` to fused log-space scores `(B, V)` plus the
-weights it effectively used `(E, B)` (for per-token attribution). `prev_ids (B,)`, the id each row's
-history ends with, is context for learned rules; the others ignore it. Rules validate their parameters at
+weights it effectively used `(E, B)` (for per-token attribution). `context (B, K)`, each row's last K
+history ids (left-padded with -1; the last column is the previous token), is context for learned rules;
+the others ignore it. Rules validate their parameters at
 construction and a request's weights with `check_weights`; both raise `ValueError` naming the value.
 
     weighted_logits   z = Σ w_i z_i, weights normalised to sum 1 (a weighted product of experts)
@@ -27,6 +28,25 @@ from fusion.errors import InvalidArgumentError
 # Floor for log-probabilities of impossible tokens before signed combination: -inf times a negative
 # weight would become +inf.
 _LOGPROB_FLOOR = -1e4
+
+
+CONTEXT_TOKENS = 64  # history ids a rule sees per row
+
+
+def context_rows(histories: Sequence[Sequence[int]], device: torch.device | str = "cpu",
+                 k: int = CONTEXT_TOKENS) -> torch.Tensor:
+    """The last `k` ids of each history, left-padded with -1: (B, k) long."""
+    rows = [list(h[-k:]) for h in histories]
+    return torch.tensor([[-1] * (k - len(r)) + r for r in rows], dtype=torch.long, device=device)
+
+
+def teacher_forced_context(prefix: Sequence[int], continuation: Sequence[int], device: torch.device | str = "cpu",
+                           k: int = CONTEXT_TOKENS) -> torch.Tensor:
+    """Context rows for predicting each id of `continuation` after `prefix`: row j holds the last `k`
+    ids of prefix + continuation[:j]. (n, k) long."""
+    tail = list(prefix[-k:])
+    ids = [-1] * (k - len(tail)) + tail + list(continuation[:-1])  # (k + n - 1,)
+    return torch.tensor(ids, dtype=torch.long, device=device).unfold(0, k, 1)  # (n, k)
 
 
 @dataclass
@@ -63,7 +83,7 @@ class FusionRule:
         """Whether the rule reads expert `index`'s logits under these weights (others need no forward)."""
         return weights[index] != 0
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         raise NotImplementedError
 
     def _check_count(self, weights: Sequence[float]) -> None:
@@ -99,7 +119,7 @@ def _mixture(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class WeightedLogits(FusionRule):
     name = "weighted_logits"
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         w = _normalised(weights)
         return FusedLogits(_weighted_sum(logits, w), w)
 
@@ -107,7 +127,7 @@ class WeightedLogits(FusionRule):
 class Mixture(FusionRule):
     name = "mixture"
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         w = _normalised(weights)
         return FusedLogits(_mixture(logits, w), w)
 
@@ -134,7 +154,7 @@ class LogitArithmetic(FusionRule):
                 f"weight, got {weights[self.lead]}"
             )
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         log_probs = torch.log_softmax(logits, dim=-1).clamp(min=_LOGPROB_FLOOR)  # (E, B, V)
         combined = _weighted_sum(log_probs, weights)  # (B, V)
         lead = log_probs[self.lead]  # (B, V)
@@ -158,7 +178,7 @@ class Confidence(FusionRule):
         self.tau = float(tau)
         self.combine = combine
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         log_probs = torch.log_softmax(logits, dim=-1)  # (E, B, V)
         entropy = -(log_probs.exp() * log_probs.clamp(min=_LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
         # Softmax over experts of (log prior - H / tau); zero priors stay zero.
@@ -182,7 +202,7 @@ class Single(FusionRule):
     def uses_expert(self, index: int, weights: Sequence[float]) -> bool:
         return index == self.index
 
-    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, prev_ids: torch.Tensor | None = None) -> FusedLogits:
+    def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         w = torch.zeros_like(weights)
         w[self.index] = 1.0
         return FusedLogits(logits[self.index], w)

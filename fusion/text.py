@@ -27,6 +27,26 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
     return list(tokenizer(text)["input_ids"])
 
 
+@dataclass(frozen=True)
+class TextSample:
+    """A text to score or learn from: plain (after a one-token context, "\\n"), or the answer to a chat
+    prompt that each expert formats with its own template, optionally closed by the end-of-turn token."""
+
+    text: str
+    prompt: str | None = None
+    end_turn: bool = False
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The chat turn terminator: <|im_end|> when the vocabulary has it, else the eos token."""
+    tid = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if tid is None or tid == tokenizer.unk_token_id:
+        tid = tokenizer.eos_token_id
+    if tid is None:
+        raise ValueError("tokenizer has neither <|im_end|> nor an eos token")
+    return tid
+
+
 def encode_plain(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 

@@ -8,11 +8,14 @@ import itertools
 import pytest
 import torch
 
-from fusion.config import FusionSpec, parse_config
+from fusion.config import FusionSpec, SamplingParams, parse_config
+from fusion.engine import GenerationRequest
 from fusion.errors import InvalidArgumentError
 from fusion.pipeline import FusionPipeline
 from fusion.router import Route, Router, RouterShape, load_router, logit_features
-from fusion.router_training import RouterTrainSettings, router_loss, train_router
+from fusion.router_training import RouterTrainSettings, file_samples, router_loss, train_router
+from fusion.rules import context_rows, teacher_forced_context
+from fusion.text import TextSample, end_of_turn_id
 from tests.conftest import tiny_config_dict
 from tests.tiny_models import CORPUS
 
@@ -43,8 +46,8 @@ def test_saved_router_reloads_to_identical_outputs(trained, tiny_pipeline):
     router, _ = load_router(path)
     again, _ = load_router(path)
     logits = torch.randn(3, 5, tiny_pipeline.engine.vocab_size)
-    prev = torch.tensor([1, 2, 3, 4, 5])
-    a, b = router.fuse(logits, prev), again.fuse(logits, prev)
+    context = context_rows([[1], [1, 2], [3], [4, 5, 6], [7]])
+    a, b = router.fuse(logits, context), again.fuse(logits, context)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.weights, b.weights)
     rule, weights = tiny_pipeline.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
     completion = tiny_pipeline.complete("hello world", {"max_tokens": 6, "ignore_eos": True},
@@ -74,9 +77,6 @@ def test_router_always_picking_one_expert_reproduces_it(tiny_pipeline):
             p.zero_()
         router.route.bias[2] = 50.0  # always expert "c"
     rule = Route(engine.names, router=router)
-    from fusion.config import SamplingParams
-    from fusion.engine import GenerationRequest
-
     prompt = [5, 17, 42, 99]
     routed = [e.token_id for e in engine.generate(GenerationRequest(
         [prompt] * 3, SamplingParams(max_tokens=12, ignore_eos=True), rule, [1.0, 1.0, 1.0]))]
@@ -97,8 +97,89 @@ def test_features_and_loss_reference():
     torch.testing.assert_close(feats[:, 6 + 1], lp[0].gather(-1, lp[1].argmax(-1, keepdim=True))[:, 0])
     router = Router(RouterShape(num_experts=2, vocab_size=10, complementary=False))
     targets = torch.tensor([1, 2, 3, 4])
-    prev = torch.tensor([0, 1, 2, 3])
-    loss = router_loss(router, logits, prev, targets, route_weight=0.0)
-    _, w, _ = router(lp, prev)
+    context = teacher_forced_context([5, 0], [1, 2, 3, 4])
+    loss = router_loss(router, logits, context, targets, route_weight=0.0)
+    _, w, _ = router(lp, context)
     fused = torch.log((w[..., None] * p).sum(0))
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(fused, targets))
+
+
+def test_context_rows_and_teacher_forced_context_agree():
+    prefix, continuation = [7, 8, 9], [10, 11, 12, 13]
+    forced = teacher_forced_context(prefix, continuation, k=5)
+    expected = context_rows([prefix + continuation[:j] for j in range(len(continuation))], k=5)
+    assert torch.equal(forced, expected)
+    assert forced[0].tolist() == [-1, -1, 7, 8, 9] and forced[3].tolist() == [8, 9, 10, 11, 12]
+    long = list(range(100))
+    assert context_rows([long]).tolist() == [long[-64:]]
+
+
+def test_context_features_are_window_means():
+    router = Router(RouterShape(num_experts=2, vocab_size=30, windows=(2, 4)))
+    context = context_rows([[3, 4, 5, 6, 7], [9]], k=4)  # (2, 4)
+    feats = router.context_features(context)
+    emb = router.embed.weight.detach()
+    expected0 = torch.cat([emb[7], emb[[6, 7]].mean(0), emb[[4, 5, 6, 7]].mean(0)])
+    expected1 = torch.cat([emb[9], emb[9], emb[9]])  # padding never counts
+    torch.testing.assert_close(feats.detach(), torch.stack([expected0, expected1]))
+
+
+def _random_router(vocab_size: int) -> Router:
+    torch.manual_seed(3)
+    router = Router(RouterShape(num_experts=3, vocab_size=vocab_size))
+    with torch.no_grad():
+        router.comp.weight.normal_(std=0.5)  # make the complementary logit matter
+    return router.eval()
+
+
+def test_route_scores_what_it_generates(tiny_pipeline):
+    """The decode path (per-step context rows) and the teacher-forced path (sliding windows) give the
+    router the same context: scored log-probs equal those reported while sampling, past the window."""
+    engine = tiny_pipeline.engine
+    rule = Route(engine.names, router=_random_router(engine.vocab_size))
+    prompt = [[5, 17, 42, 99, 7, 8]] * 3
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=70, ignore_eos=True, temperature=1.0, seed=11),
+                                rule, [1.0, 1.0, 1.0])
+    events = list(engine.generate(request))
+    ids = [e.token_id for e in events]
+    scored = engine.score(prompt, ids, rule, [1.0, 1.0, 1.0])
+    assert scored == pytest.approx([e.logprob for e in events], abs=1e-4)
+
+
+def test_complementary_logit_can_be_left_out(tiny_pipeline):
+    engine = tiny_pipeline.engine
+    router = _random_router(engine.vocab_size)
+    logits = torch.randn(3, 4, engine.vocab_size)
+    context = context_rows([[1, 2], [3], [4, 5], [6]])
+    with_comp = Route(engine.names, router=router).fuse(logits, torch.ones(3, 4), context)
+    pure = Route(engine.names, router=router, complementary=False).fuse(logits, torch.ones(3, 4), context)
+    lp = torch.log_softmax(logits, -1)
+    expected = torch.logsumexp(torch.log(pure.weights)[..., None] + lp, 0)
+    torch.testing.assert_close(pure.logits, expected)
+    comp = router.comp(router.body(torch.cat([logit_features(lp), router.context_features(context)], -1)))
+    torch.testing.assert_close(with_comp.logits, expected + comp.detach())
+
+
+def test_training_data_files(tmp_path):
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text('{"prompt": "What is 2 + 2?", "text": "4"}\n\n{"completion": "plain words"}\n')
+    plain = tmp_path / "notes.txt"
+    plain.write_text("x" * 3100)
+    samples = file_samples([jsonl, plain], seed=0)
+    seen = {next(samples) for _ in range(200)}
+    assert TextSample("4", "What is 2 + 2?", end_turn=True) in seen
+    assert TextSample("plain words") in seen
+    assert {len(s.text) for s in seen if s.text.startswith("x")} == {1500, 100}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "q"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 needs a non-empty string \"text\""):
+        next(file_samples([bad], seed=0))
+    with pytest.raises(ValueError, match="no such file"):
+        next(file_samples([tmp_path / "missing.txt"], seed=0))
+
+
+def test_chat_sample_ids_end_the_turn(tiny_pipeline):
+    prompts, ids = tiny_pipeline.sample_ids(TextSample("the cat", "hello", end_turn=True))
+    tok = tiny_pipeline.tokenizers[0]
+    assert prompts == tiny_pipeline.build_request("hello", {"max_tokens": 1}).prompt_ids
+    assert ids == tok("the cat", add_special_tokens=False)["input_ids"] + [end_of_turn_id(tok)]

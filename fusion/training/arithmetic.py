@@ -31,6 +31,7 @@ from functools import cache
 import torch
 
 from fusion.training.loop import Batch
+from fusion.text import end_of_turn_id
 
 MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND
 MAX_MULTIPLIER = 9  # *: one operand in 0..MAX_MULTIPLIER, the other in 0..MAX_OPERAND
@@ -256,16 +257,6 @@ def chat_prompt(tokenizer, question: str) -> str:
     )
 
 
-def _end_id(tokenizer) -> int:
-    """The chat turn terminator: <|im_end|> when the vocabulary has it, else the eos token."""
-    tid = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if tid is None or tid == tokenizer.unk_token_id:
-        tid = tokenizer.eos_token_id
-    if tid is None:
-        raise ValueError("tokenizer has neither <|im_end|> nor an eos token")
-    return tid
-
-
 class ArithmeticStream:
     """Endless batches of (chat prompt + working answer + <|im_end|>), loss on the answer only.
 
@@ -276,7 +267,7 @@ class ArithmeticStream:
     def __init__(self, tokenizer, seed: int):
         self.tokenizer = tokenizer
         self.rng = random.Random(f"train:{seed}")
-        self.end_id = _end_id(tokenizer)
+        self.end_id = end_of_turn_id(tokenizer)
         one = self._encode(chat_prompt(tokenizer, "1 + 1"))
         two = self._encode(chat_prompt(tokenizer, "What is 2 x 3?"))
         n = 0

@@ -7,8 +7,10 @@ One decode step for a batch of requests:
   3. fuse with each request's rule and weights → `(B, V)`
   4. sample (mask/bias → penalties → temperature → top-k/top-p/min-p) → `(B,)` token ids
   5. append the token to every expert's history; stop on EOS, stop ids or max_tokens
-Requests join and leave a `DecodeBatch` between steps (continuous batching); the first step of a
-request is its prefill (each expert computes only what its cache lacks).
+Requests join and leave a `DecodeBatch` between steps (continuous batching). A joining request's
+prompt is prefilled in chunks of at most `limits.prefill_chunk_tokens` per step, shared by all joining
+requests, so running streams never wait for more than one chunk; the step that completes a prompt
+also samples its first token. Each expert computes only what its cache lacks.
 """
 
 from __future__ import annotations
@@ -89,9 +91,16 @@ class StepLogits:
 
 
 @dataclass
+class _StepJob:
+    session_id: str
+    histories: list[list[int] | None]  # per expert: the ids to step on (None: expert not consulted)
+
+
+@dataclass
 class _Row:
     request: GenerationRequest
     generated: list[int] = field(default_factory=list)
+    prefilled: list[int] | None = None  # prompt ids each expert has computed while joining; None: joined
     generator: torch.Generator | None = None
     output_counts: torch.Tensor | None = None  # (V,) for frequency/presence penalties
     seen: torch.Tensor | None = None  # (V,) bool for the repetition penalty
@@ -244,19 +253,15 @@ class FusionEngine:
         return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
 
     # -- internals ----------------------------------------------------------------------------
-    def _step_experts(self, rows: list[_Row]) -> torch.Tensor:
-        """Step every expert that some row consults; (E, B, V) logits (zeros where not consulted)."""
-        used = [[r.request.rule.uses_expert(e, r.request.weights) for r in rows] for e in range(len(self.experts))]
+    def _step_experts(self, jobs: list[_StepJob]) -> torch.Tensor:
+        """Step every expert on the sessions that consult it. (E, B, V) logits, zeros where not consulted."""
         timings = self.last_timings
 
         def run(index: int) -> torch.Tensor | None:
-            row_idx = [b for b, flag in enumerate(used[index]) if flag]
+            row_idx = [b for b, job in enumerate(jobs) if job.histories[index] is not None]
             if not row_idx:
                 return None
-            requests = [
-                StepRequest(rows[b].request.request_id, rows[b].request.prompt_ids[index] + rows[b].generated)
-                for b in row_idx
-            ]
+            requests = [StepRequest(jobs[b].session_id, jobs[b].histories[index]) for b in row_idx]
             stream = self._streams[index]
             start = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -264,16 +269,16 @@ class FusionEngine:
                 if stream is not None:
                     stream.synchronize()
             timings.per_expert_s[self.names[index]] = time.perf_counter() - start
-            if len(row_idx) == len(rows):
+            if len(row_idx) == len(jobs):
                 return out
-            full = torch.zeros(len(rows), out.shape[-1], dtype=out.dtype, device=out.device)
+            full = torch.zeros(len(jobs), out.shape[-1], dtype=out.dtype, device=out.device)
             full[row_idx] = out
             return full
 
         outputs = self._map_experts(run)
         width = self.vocab_size
         filled = [
-            o.to(self.device) if o is not None else torch.zeros(len(rows), width, device=self.device) for o in outputs
+            o.to(self.device) if o is not None else torch.zeros(len(jobs), width, device=self.device) for o in outputs
         ]
         return self.alignment.stack(filled).float()
 
@@ -322,7 +327,7 @@ class DecodeBatch:
 
     def add(self, request: GenerationRequest) -> None:
         self.engine.validate(request)
-        row = _Row(request)
+        row = _Row(request, prefilled=[0] * len(self.engine.experts))
         if request.sampling.seed is not None:
             row.generator = torch.Generator(device=self.engine.device).manual_seed(request.sampling.seed)
         params = request.sampling
@@ -352,19 +357,60 @@ class DecodeBatch:
             except Exception:  # a dead remote replica has nothing left to free
                 logger.warning("could not release session %s on %s", row.request.request_id, expert.info.name)
 
-    def fused_logits(self) -> StepLogits:
-        """Steps 1-3 of the pipeline for every active row: expert forwards, alignment, fusion.
-        Rows whose experts failed are cancelled and reported in `errors`."""
+    def _schedule(self) -> tuple[list[_Row], list[tuple[_Row, list[int]]]]:
+        """This step's work: rows that sample (running ones, and joining ones whose rest of prompt fits
+        in the prefill budget), and joining rows that compute one more prompt chunk, with the prompt
+        length each expert reaches."""
         engine = self.engine
-        rows = list(self.rows)
+        budget = engine.limits.prefill_chunk_tokens
+        ready: list[_Row] = []
+        chunks: list[tuple[_Row, list[int]]] = []
+        for row in self.rows:
+            if row.prefilled is None:
+                ready.append(row)
+                continue
+            prompts, uses = row.request.prompt_ids, self._uses(row)
+            remaining = max((len(p) - done for p, done, used in zip(prompts, row.prefilled, uses) if used), default=0)
+            if remaining <= budget:
+                budget -= remaining
+                ready.append(row)
+            elif budget > 0:
+                chunks.append((row, [min(len(p), done + budget) for p, done in zip(prompts, row.prefilled)]))
+                budget = 0
+        return ready, chunks
+
+    def _uses(self, row: _Row) -> list[bool]:
+        request = row.request
+        return [request.rule.uses_expert(e, request.weights) for e in range(len(self.engine.experts))]
+
+    def fused_logits(self) -> StepLogits:
+        """Steps 1-3 of the pipeline for every row that samples this step: expert forwards, alignment,
+        fusion (joining rows may only compute a prompt chunk). Rows whose experts failed are cancelled
+        and reported in `errors`."""
+        engine = self.engine
+        rows, chunks = self._schedule()
+        jobs = [
+            _StepJob(r.request.request_id, [p + r.generated if used else None
+                                            for p, used in zip(r.request.prompt_ids, self._uses(r))])
+            for r in rows
+        ] + [
+            _StepJob(r.request.request_id, [p[:end] if used and end > done else None
+                                            for p, end, done, used in zip(r.request.prompt_ids, ends, r.prefilled,
+                                                                          self._uses(r))])
+            for r, ends in chunks
+        ]
         start = time.perf_counter()
         try:
-            logits = engine._step_experts(rows)  # (E, B, V)
+            logits = engine._step_experts(jobs)[:, : len(rows)]  # (E, B, V); prompt chunks' logits unused
         except Exception as err:  # every row shares the failed step
-            errors = [ErrorEvent(r.request.request_id, err) for r in rows]
+            errors = [ErrorEvent(r.request.request_id, err) for r in self.rows]
             self.cancel_all()
             return StepLogits([], None, None, None, errors)
         engine.last_timings.experts_s = time.perf_counter() - start
+        for row, ends in chunks:
+            row.prefilled = ends
+        for row in rows:
+            row.prefilled = None
         errors: list[ErrorEvent] = []
         for b, name in engine._check_finite(logits, rows):
             request_id = rows[b].request.request_id
@@ -378,8 +424,8 @@ class DecodeBatch:
                 self.cancel(request_id)
             rows = [rows[b] for b in keep]
             logits = logits[:, keep]
-            if not rows:
-                return StepLogits([], None, None, None, errors)
+        if not rows:
+            return StepLogits([], None, None, None, errors)
         fused, weights = self._fuse(rows, logits)  # (B, V), (E, B)
         return StepLogits(rows, logits, fused, weights, errors)
 

@@ -379,3 +379,48 @@ def test_batched_decode_matches_one_by_one(tiny_dir):
             histories[s] = histories[s] + [int(row[:300].argmax())]
     assert batch_sizes == [2, 2, 3, 3, 3]  # the batched path really ran; the late joiner batches from step 3
     assert len(batched.cache) == 3
+
+
+def _run_with_joins(engine, requests, joins):
+    """Step one DecodeBatch, adding request i at step joins[i]; returns each request's token ids, and
+    the prompt tokens the experts computed at each step (cache misses)."""
+    batch = engine.new_batch()
+    tokens = {r.request_id: [] for r in requests}
+    computed, step = [], 0
+    while step <= max(joins) or batch.active:
+        for request, join in zip(requests, joins):
+            if join == step:
+                batch.add(request)
+        before = [e.cache.misses for e in engine.experts]
+        for event in batch.step():
+            tokens[event.request_id].append(event.token_id)
+        computed.append([e.cache.misses - b for e, b in zip(engine.experts, before)])
+        step += 1
+    return [tokens[r.request_id] for r in requests], computed
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9}])
+def test_chunked_prefill_gives_the_same_tokens(tiny_dir, sampling):
+    """Long prompts joining a running batch are prefilled a chunk per step; every step computes at most
+    one chunk of prompt per expert besides one id per running row, and the tokens equal those of
+    whole-prompt prefill, greedy and seeded."""
+    prompts = [list(range(5, 45)), [3, 250, 11], list(range(100, 161)), [8, 9, 10, 11, 12]]
+    joins = [0, 0, 2, 3]
+    results = {}
+    for chunk in (4096, 7):
+        config = parse_config(tiny_config_dict(tiny_dir, limits={"prefill_chunk_tokens": chunk}))
+        pipeline = FusionPipeline.from_config(config)
+        rule, weights = pipeline.resolve_spec(None)
+        requests = [
+            GenerationRequest([p] * 3, SamplingParams(max_tokens=6, ignore_eos=True, seed=20 + i, **sampling),
+                              rule, weights)
+            for i, p in enumerate(prompts)
+        ]
+        results[chunk] = _run_with_joins(pipeline.engine, requests, joins)
+        pipeline.close()
+    (whole, whole_computed), (chunked, chunked_computed) = results[4096], results[7]
+    assert chunked == whole
+    assert all(len(t) == 6 for t in chunked)
+    assert max(max(c) for c in whole_computed) >= 61  # the whole 61-id prompt in one step
+    assert max(max(c) for c in chunked_computed) <= 7 + len(prompts)  # one chunk + one id per running row
+    assert len(chunked_computed) > len(whole_computed)  # the prompts took several steps

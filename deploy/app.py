@@ -41,16 +41,17 @@ def build_app(args: dict[str, Any] | DeployArgs) -> Application:
         settings = settings.model_copy(update={"cache_dir": os.environ["FUSION_CACHE_DIR"]})
     config = settings.fusion_config()
     registry = ReplicaRegistry.bind(settings.registry_ttl_s)
-    # Each replica gets only what it needs: its expert's config and limits, or the whole config for
-    # the coordinator. (Serve restarts every replica when `args` change; replica counts and
+    # Each replica gets only what it needs: its expert's config, limits and security, or the whole
+    # config for the coordinator. (Serve restarts every replica when `args` change; replica counts and
     # autoscaling changed in a serve YAML's `deployments:` section restart none.)
     expert_runtime = settings.expert_runtime().model_dump()
     limits = config.limits.model_dump()
+    security = config.security.model_dump()
     experts = {}
     for expert in config.experts:
         options = settings.expert_options(expert.name).serve_options(num_gpus=expert.num_gpus)
         deployment = ExpertReplica.options(name=expert_deployment_name(expert.name), **options)
-        experts[expert.name] = deployment.bind(expert.model_dump(), limits, registry, expert_runtime)
+        experts[expert.name] = deployment.bind(expert.model_dump(), limits, registry, expert_runtime, security)
     coordinator = CoordinatorReplica.options(**settings.coordinator.serve_options())
     return coordinator.bind(config.model_dump(), registry, settings.coordinator_runtime().model_dump(),
                             experts=experts)

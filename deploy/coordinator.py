@@ -8,7 +8,8 @@ each expert's current replica list to its `RemoteExpert` (`set_addresses`): new 
 sessions, sessions stay pinned to their replica (its KV cache), and a step that fails on a replica
 (killed, draining, past the deadline) is resent to another one, which re-prefills the history.
 
-- `check_health`: the server's own gRPC health service must report SERVING.
+- `check_health`: the server's own gRPC health service must report SERVING, dialled with the config's
+  TLS settings (health needs no API key, as for Kubernetes probes).
 - `record_autoscaling_stats`: requests in flight (what `deploy.autoscaling` scales on).
 - `__del__` (Serve's graceful shutdown): NOT_SERVING, streams in flight get `grace_s` to finish.
 """
@@ -20,7 +21,6 @@ import logging
 import time
 from typing import Any
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
@@ -32,6 +32,7 @@ from fusion.errors import ExpertUnavailableError
 from services.coordinator import create_coordinator_server
 from services.protos import FUSION_SERVICE
 from services.remote_expert import RemoteExpert
+from services.security import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class CoordinatorReplica:
         self._closed = True
         self.versions = {e.name: expert_version(e) for e in fusion_config.experts}  # replicas of these only
         addresses = await self._wait_for_experts(fusion_config.expert_names, settings.startup_timeout_s)
+        self._security = fusion_config.security  # the health probe dials as clients do (TLS)
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_coordinator_server(
             with_addresses(fusion_config, addresses), model_resolver(settings.cache_dir),
@@ -111,7 +113,7 @@ class CoordinatorReplica:
 
     async def _probe(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = open_channel(self.address, self._security, aio=True)
         stub = health_pb2_grpc.HealthStub(self._channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=FUSION_SERVICE), timeout=10.0)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:

@@ -6,11 +6,17 @@ re-registers every `heartbeat_s`. The coordinator talks to it over that gRPC cha
 bytes, continuous batching across sessions), not through Serve's request path.
 
 - `check_health`: one tiny step of a throwaway session through the replica's own gRPC server, so a
-  wedged model or server fails it and Serve replaces the replica.
+  wedged model or server fails it and Serve replaces the replica. The probe dials as the coordinator
+  does (TLS, client certificate, expert secret), so it also fails when those are broken.
 - `record_autoscaling_stats`: the sessions cached here (what `deploy.autoscaling` scales on).
 - `Step`: the same batched step for a caller holding a Serve handle, or Serve's gRPC ingress.
 - `__del__` (Serve's graceful shutdown): unregister, report NOT_SERVING, let in-flight steps finish
   for `grace_s`, then stop. A caller refused meanwhile fails over to another replica.
+
+The config's `security` section applies as in `fusion serve-expert`: TLS server credentials, client
+certificates when `tls.require_client_auth`, and the coordinator's shared secret on every gRPC call.
+Its files (and `expert_secret_env`) are read on the replica's node. `Step` through a Serve handle is
+not checked: it comes from inside the Ray cluster, and whoever reaches Ray can run code on it anyway.
 """
 
 from __future__ import annotations
@@ -19,17 +25,17 @@ import asyncio
 import logging
 from typing import Any
 
-import grpc
 from ray import serve
 
 from deploy._replica import DirectContext, ServerLoop, advertised_host
 from deploy.registry import expert_version
 from deploy.settings import ExpertRuntime, model_resolver
-from fusion.config import ExpertConfig, Limits
+from fusion.config import ExpertConfig, Limits, SecurityConfig
 from fusion.expert import LocalExpert
 from services.expert_server import create_expert_server
 from services.metrics import serve_metrics
 from services.protos import expert_pb2, expert_pb2_grpc
+from services.security import expert_channel_metadata, open_channel
 from services.serving import channel_options
 
 logger = logging.getLogger(__name__)
@@ -44,8 +50,9 @@ def expert_deployment_name(expert: str) -> str:
 @serve.deployment(health_check_period_s=10.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=30.0)
 class ExpertReplica:
     async def __init__(self, expert: dict[str, Any], limits: dict[str, Any], registry,
-                       runtime: dict[str, Any]) -> None:
+                       runtime: dict[str, Any], security: dict[str, Any] | None = None) -> None:
         expert_config, limits_config = ExpertConfig(**expert), Limits(**limits)
+        self._security = SecurityConfig(**(security or {}))
         settings = ExpertRuntime(**runtime)
         self.name = expert_config.name
         self.version = expert_version(expert_config)
@@ -57,7 +64,8 @@ class ExpertReplica:
         local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
         self._probe_token = (local.info.eos_token_ids or (0,))[0]
         self._loop = ServerLoop()
-        self._running, port = await self._loop.call(create_expert_server(local, limits_config, f"{settings.host}:0"))
+        self._running, port = await self._loop.call(create_expert_server(
+            local, limits_config, f"{settings.host}:0", security=self._security))
         if settings.metrics_port is not None:
             self._serve_metrics(settings.metrics_port, settings.host)
         self.address = f"{advertised_host(settings.host)}:{port}"
@@ -107,7 +115,8 @@ class ExpertReplica:
     async def _probe(self) -> None:
         """On the server loop: step and release one throwaway session over gRPC."""
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options(self._message_bytes))
+            self._channel = open_channel(self.address, self._security, channel_options(self._message_bytes),
+                                         to_expert=True, metadata=expert_channel_metadata(self._security), aio=True)
         stub = expert_pb2_grpc.ExpertStub(self._channel)
         session = f"health-check:{self.replica_id}"
         step = expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session,

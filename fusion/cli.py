@@ -425,7 +425,7 @@ def evaluate(
     domains: str = typer.Option("arithmetic,python,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
-    router: Optional[Path] = typer.Option(None, "--router", help="Add a `route` row with this router checkpoint."),
+    router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
     cache: Optional[Path] = CacheOption,
@@ -436,7 +436,10 @@ def evaluate(
         from fusion import evaluation as ev
 
         pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
-        extra = [("route", FusionSpec(rule="route", params={"path": str(router)}))] if router else []
+        extra = [
+            ("route", FusionSpec(rule="route", params={"path": str(router)})),
+            ("route, pure", FusionSpec(rule="route", params={"path": str(router), "complementary": False})),
+        ] if router else []
         rows = ev.default_rows(pipeline, extra)
         if only:
             wanted = [w.strip() for w in only.split(",")]

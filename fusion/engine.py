@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from fusion.config import Limits, SamplingParams
+from fusion.config import EngineConfig, Limits, SamplingParams
 from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
@@ -109,7 +109,8 @@ class _Row:
 class FusionEngine:
     """Runs N experts in lockstep over shared generated ids. Thread-compatible: one DecodeBatch per thread."""
 
-    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu") -> None:
+    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu",
+                 settings: EngineConfig | None = None) -> None:
         if not experts:
             raise InvalidArgumentError("experts: at least one expert is required")
         self.experts = list(experts)
@@ -124,14 +125,16 @@ class FusionEngine:
             torch.cuda.Stream(device=e.info.device) if e.info.device.startswith("cuda") else None
             for e in self.experts
         ]
-        # In-process CPU experts run one after another on the calling thread: each forward already
-        # uses every core, and a forward on a pool thread leaves that thread's OpenMP team spinning,
-        # which slows the next forward on another thread by half. Remote and GPU experts overlap.
-        self._inline = [isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
+        self._inline = self._serial_experts(settings or EngineConfig())
         self.last_timings = StepTimings()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def _serial_experts(self, settings: EngineConfig) -> list[bool]:
+        """Which experts run on the stepping thread instead of overlapping on the pool (see EngineConfig)."""
+        serial = settings.cpu_experts == "serial"
+        return [serial and isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:

@@ -52,7 +52,13 @@ def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec
         ("confidence", FusionSpec(rule="confidence", params={"tau": 0.5}, weights=weights)),
     ]
     configured = config.fusion
-    if all(configured != spec for _, spec in rows):
+    resolved = pipeline.resolve_spec(configured)
+
+    def same(spec: FusionSpec) -> bool:  # the same rule, parameters and effective weights
+        rule, weights = pipeline.resolve_spec(spec)
+        return (spec.rule, spec.params, weights) == (configured.rule, configured.params, resolved[1])
+
+    if not any(same(spec) for _, spec in rows):
         rows.append((f"config ({configured.rule})", configured))
     rows += list(extra)
     return rows

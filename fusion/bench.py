@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
 from fusion.expert import LocalExpert
@@ -47,7 +48,12 @@ def _prompt_ids(pipeline: FusionPipeline) -> list[list[int]]:
 
 
 def plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
-    """Mean time of one decode forward of the bare model with its KV cache (the reference)."""
+    """Mean time of one decode forward of the bare model with its KV cache (the reference), on the
+    compute thread like the engine's forwards."""
+    return run_on_compute_thread(_plain_forward_ms, expert, prompt, steps)
+
+
+def _plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
     from transformers import DynamicCache
 
     model = expert.model
@@ -140,55 +146,78 @@ def bench_generate(pipeline: FusionPipeline, report: BenchReport, max_tokens: in
         ids = torch.tensor([prompts[i]], device=expert.device)
         gen_config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                       pad_token_id=0)
-        with torch.no_grad():
-            expert.model.generate(ids, generation_config=gen_config)
-            start = time.perf_counter()
-            out = expert.model.generate(ids, generation_config=gen_config)
-        tps = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+
+        def timed_generate(model=expert.model, ids=ids, gen_config=gen_config) -> tuple[torch.Tensor, float]:
+            with torch.no_grad():
+                model.generate(ids, generation_config=gen_config)  # warm-up
+                start = time.perf_counter()
+                return model.generate(ids, generation_config=gen_config), time.perf_counter() - start
+
+        out, seconds = run_on_compute_thread(timed_generate)
+        tps = (out.shape[1] - ids.shape[1]) / seconds
         report.add(f"generate_tokens_per_s.{expert.info.name}", tps,
                    f"plain generate, {expert.info.name}: {tps:.1f} tokens/s; fused / plain = {fused_tps / tps:.3f}")
 
 
+def _concurrency_round(pipeline: FusionPipeline, level: int, max_tokens: int) -> tuple[float, list[float]]:
+    """`level` sessions through one Scheduler at once: (aggregate tokens/s, inter-token gaps in s)."""
+    scheduler = Scheduler(pipeline.engine, max_concurrent=level, max_batch_size=level).start()
+    gaps: list[float] = []
+    lock = threading.Lock()
+    counts = [0] * level
+
+    def consume(i: int) -> None:
+        request = pipeline.build_request(f"{BENCH_PROMPT} ({i})", {"max_tokens": max_tokens, "ignore_eos": True})
+        last = None
+        local = []
+        for _ in scheduler.submit(request):
+            now = time.perf_counter()
+            if last is not None:
+                local.append(now - last)
+            last = now
+            counts[i] += 1
+        with lock:
+            gaps.extend(local)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(level)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    scheduler.stop()
+    return sum(counts) / elapsed, gaps
+
+
 def bench_concurrency(pipeline: FusionPipeline, report: BenchReport, levels=(1, 4, 8, 16),
-                      max_tokens: int = 24) -> None:
-    """Aggregate tokens/s at N concurrent sessions / 1 session, with p50/p95 inter-token latency."""
-    base_tps = None
+                      max_tokens: int = 32, rounds: int = 3) -> None:
+    """Aggregate tokens/s at N concurrent sessions / 1 session, with p50/p95 inter-token latency.
+    Each round runs every level once, so machine drift hits all levels alike; a level's ratio is the
+    median over rounds of its tokens/s over the same round's single-session tokens/s."""
+    levels = sorted(set(levels) | {1})
+    tps: dict[int, list[float]] = {level: [] for level in levels}
+    gaps: dict[int, list[float]] = {level: [] for level in levels}
+    for r in range(rounds):
+        logger.info("concurrency round %d/%d", r + 1, rounds)
+        for level in levels:
+            rate, level_gaps = _concurrency_round(pipeline, level, max_tokens)
+            tps[level].append(rate)
+            gaps[level].extend(level_gaps)
     for level in levels:
-        scheduler = Scheduler(pipeline.engine, max_concurrent=level, max_batch_size=level).start()
-        gaps: list[float] = []
-        lock = threading.Lock()
-        counts = [0] * level
-
-        def consume(i: int) -> None:
-            request = pipeline.build_request(f"{BENCH_PROMPT} ({i})", {"max_tokens": max_tokens, "ignore_eos": True})
-            last = None
-            local = []
-            for _ in scheduler.submit(request):
-                now = time.perf_counter()
-                if last is not None:
-                    local.append(now - last)
-                last = now
-                counts[i] += 1
-            with lock:
-                gaps.extend(local)
-
-        start = time.perf_counter()
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(level)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
-        scheduler.stop()
-        tps = sum(counts) / elapsed
-        base_tps = base_tps or tps
-        gaps.sort()
-        p50 = gaps[len(gaps) // 2] * 1e3
-        p95 = gaps[min(len(gaps) - 1, int(len(gaps) * 0.95))] * 1e3
-        report.add(f"concurrency.{level}", {"tokens_per_s": tps, "ratio": tps / base_tps, "itl_p50_ms": p50,
+        ratio = statistics.median(t / one for t, one in zip(tps[level], tps[1]))
+        ordered = sorted(gaps[level])
+        p50 = ordered[len(ordered) // 2] * 1e3
+        p95 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1e3
+        rate = statistics.median(tps[level])
+        report.add(f"concurrency.{level}", {"tokens_per_s": rate, "ratio": ratio, "itl_p50_ms": p50,
                                             "itl_p95_ms": p95},
-                   f"{level:>2} sessions: {tps:6.1f} tokens/s ({tps / base_tps:.2f}x one session), "
+                   f"{level:>2} sessions: {rate:6.1f} tokens/s ({ratio:.2f}x one session), "
                    f"inter-token p50 {p50:.0f} ms, p95 {p95:.0f} ms")
+    base = report.figures["concurrency.1"]["itl_p95_ms"]
+    for level in levels[1:]:
+        figures = report.figures[f"concurrency.{level}"]
+        figures["itl_p95_ratio"] = figures["itl_p95_ms"] / base
 
 
 def bench_memory(pipeline: FusionPipeline, report: BenchReport) -> None:

@@ -187,18 +187,6 @@ class SecurityConfig(_Strict):
         return self
 
 
-class EngineConfig(_Strict):
-    """How the engine runs its in-process CPU experts at each step.
-
-    `serial` (default): one after another on the stepping thread, each forward using every core.
-    `overlap`: one thread per expert. On CPU this loses: each pool thread brings its own OpenMP team,
-    whose idle workers spin and slow the forward running beside them. Measured on 2 cores, one
-    process per setting: 46 vs 72 ms per fused step for the default trio, 131 vs 150 ms for three
-    SmolLM2-size experts. Remote and GPU experts always overlap (network waits, CUDA streams)."""
-
-    cpu_experts: Literal["serial", "overlap"] = "serial"
-
-
 class FusionConfig(_Strict):
     experts: list[ExpertConfig] = Field(min_length=1)
     fusion: FusionSpec = Field(default_factory=FusionSpec)
@@ -206,7 +194,6 @@ class FusionConfig(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     limits: Limits = Field(default_factory=Limits)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @model_validator(mode="after")
     def _cross_check(self) -> FusionConfig:

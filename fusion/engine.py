@@ -25,7 +25,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from fusion.config import EngineConfig, Limits, SamplingParams
+from fusion.compute import run_on_compute_thread
+from fusion.config import Limits, SamplingParams
 from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
@@ -109,8 +110,7 @@ class _Row:
 class FusionEngine:
     """Runs N experts in lockstep over shared generated ids. Thread-compatible: one DecodeBatch per thread."""
 
-    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu",
-                 settings: EngineConfig | None = None) -> None:
+    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu") -> None:
         if not experts:
             raise InvalidArgumentError("experts: at least one expert is required")
         self.experts = list(experts)
@@ -125,16 +125,13 @@ class FusionEngine:
             torch.cuda.Stream(device=e.info.device) if e.info.device.startswith("cuda") else None
             for e in self.experts
         ]
-        self._inline = self._serial_experts(settings or EngineConfig())
+        # In-process CPU experts all compute on the one compute thread (fusion.compute), so they run one
+        # after another from the stepping thread; remote and GPU experts overlap on the pool.
+        self._inline = [isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
         self.last_timings = StepTimings()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-    def _serial_experts(self, settings: EngineConfig) -> list[bool]:
-        """Which experts run on the stepping thread instead of overlapping on the pool (see EngineConfig)."""
-        serial = settings.cpu_experts == "serial"
-        return [serial and isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -205,6 +202,9 @@ class FusionEngine:
         weights: list[float],
     ) -> list[float]:
         """Fused log-probability of each continuation id after each expert's prompt (teacher forcing)."""
+        return run_on_compute_thread(self._score, prompt_ids, continuation_ids, rule, weights)
+
+    def _score(self, prompt_ids, continuation_ids, rule, weights) -> list[float]:
         probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
         self.validate(probe)
         logits = self.continuation_logits(prompt_ids, continuation_ids, uses=[
@@ -217,6 +217,9 @@ class FusionEngine:
     ) -> torch.Tensor:
         """Every expert's logits predicting each continuation id, teacher forced: (E, n, V).
         Experts not in `uses` are not run (zeros)."""
+        return run_on_compute_thread(self._continuation_logits, prompt_ids, continuation_ids, uses)
+
+    def _continuation_logits(self, prompt_ids, continuation_ids, uses) -> torch.Tensor:
         if not continuation_ids:
             raise InvalidArgumentError("continuation: must not be empty")
         bad = [t for t in continuation_ids if not 0 <= t < self.vocab_size]
@@ -247,6 +250,9 @@ class FusionEngine:
     ) -> list[float]:
         """Fuse teacher-forced logits (E, n, V) and gather each continuation id's log-probability.
         `prefix_ids` are the ids before the continuation (the first expert's prompt)."""
+        return run_on_compute_thread(self._fused_logprobs, logits, continuation_ids, rule, weights, prefix_ids)
+
+    def _fused_logprobs(self, logits, continuation_ids, rule, weights, prefix_ids) -> list[float]:
         n = logits.shape[1]
         w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
         context = teacher_forced_context(prefix_ids, continuation_ids, self.device)  # (n, K)
@@ -433,7 +439,11 @@ class DecodeBatch:
         return StepLogits(rows, logits, fused, weights, errors)
 
     def step(self) -> list[TokenEvent | ErrorEvent]:
-        """One token for every active row (steps 1-5); finished rows leave the batch."""
+        """One token for every active row (steps 1-5); finished rows leave the batch. Runs on the
+        process's compute thread (fusion.compute)."""
+        return run_on_compute_thread(self._step)
+
+    def _step(self) -> list[TokenEvent | ErrorEvent]:
         if not self.rows:
             return []
         engine = self.engine

@@ -72,7 +72,7 @@ class FusionPipeline:
             raise ValueError("tokenizers are required with externally built experts")
         devices = {e.info.device for e in experts}
         device = devices.pop() if len(devices) == 1 else "cpu"
-        return cls(config, FusionEngine(experts, config.limits, device=device, settings=config.engine), tokenizers)
+        return cls(config, FusionEngine(experts, config.limits, device=device), tokenizers)
 
     @property
     def expert_names(self) -> list[str]:

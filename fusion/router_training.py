@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from fusion.compute import run_on_compute_thread
 from fusion.pipeline import FusionPipeline
 from fusion.router import Router, RouterShape, expert_fingerprint, save_router
 from fusion.rules import teacher_forced_context
@@ -151,6 +152,12 @@ def train_router(
     shape: RouterShape | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> RouterTrainResult:
+    """Train a router on the pipeline's experts and save it to `out`. Runs on the compute thread,
+    beside the experts' forwards (see fusion.compute)."""
+    return run_on_compute_thread(_train_router, pipeline, out, texts, settings, shape, on_step)
+
+
+def _train_router(pipeline, out, texts, settings, shape, on_step) -> RouterTrainResult:
     settings = settings or RouterTrainSettings()
     engine = pipeline.engine
     torch.manual_seed(settings.seed)

@@ -425,13 +425,3 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_dir, sampling):
     assert max(max(c) for c in chunked_computed) <= 7 + len(prompts)  # one chunk + one id per running row
     assert len(chunked_computed) > len(whole_computed)  # the prompts took several steps
 
-
-def test_serial_and_overlapped_experts_agree(tiny_dir):
-    """Running CPU experts one after another or on one thread each changes timing, never tokens."""
-    outputs = {}
-    for mode in ("serial", "overlap"):
-        pipeline = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, engine={"cpu_experts": mode})))
-        assert pipeline.engine._inline == [mode == "serial"] * 3
-        outputs[mode] = pipeline.complete("hello world", {"max_tokens": 10, "ignore_eos": True}).token_ids
-        pipeline.close()
-    assert outputs["serial"] == outputs["overlap"] and len(outputs["serial"]) == 10

@@ -391,6 +391,7 @@ def train_router_command(
         None, "--data", help="Training data (repeatable): .jsonl lines {\"prompt\": ..., \"text\": ...} "
         "(prompt optional, chat-formatted per expert) or plain text files. Default: the built-in mix of "
         "arithmetic chats, stdlib Python and pydoc prose."),
+    comp_l2: float = typer.Option(1e-3, "--comp-l2", help="L2 penalty on the complementary logit (per position)."),
     seed: int = typer.Option(0, "--seed"),
     cache: Optional[Path] = CacheOption,
 ) -> None:
@@ -409,7 +410,8 @@ def train_router_command(
             samples = itertools.chain([first], samples)
         pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
         result = train_router(pipeline, out, texts=samples,
-                              settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed))
+                              settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
+                                                                  comp_l2=comp_l2))
         pipeline.close()
         typer.echo(f"{result.path}  ({result.texts} texts, {result.steps} steps, loss {result.first_loss:.3f} "
                    f"-> {result.last_loss:.3f}, {result.seconds:.0f} s)")

@@ -113,6 +113,7 @@ class LocalExpert:
         self.cache = SessionCache(config.max_cached_tokens)
         self._lock = threading.Lock()
         self.max_decode_batch = max_decode_batch
+        self._plain_cache: bool | None = None  # whether a fresh cache has only plain (non-sliding) layers
         width = model.get_output_embeddings().weight.shape[0]
         self.info = ExpertInfo(
             name=config.name,
@@ -139,7 +140,8 @@ class LocalExpert:
         """Next-token logits for each session: (B, V) float32 on the expert's device.
 
         Sessions whose cache lacks only the last id (steady decoding) run as one batched forward;
-        the others (prefill, diverged or evicted histories) run one by one."""
+        sessions with nothing cached (new prompts) run as another, left-padded; the others (a later
+        prompt chunk, diverged or evicted histories) run one by one."""
         if not requests:
             return torch.empty(0, self.info.vocab_size)
         ids = [r.session_id for r in requests]
@@ -147,22 +149,30 @@ class LocalExpert:
             raise InvalidArgumentError(f"expert {self.info.name!r}: a step names a session twice: {ids}")
         with self._lock, torch.no_grad():
             rows: list[torch.Tensor | None] = [None] * len(requests)
-            decode = []
+            decode, fresh = [], []
             for i, r in enumerate(requests):
                 token_ids = list(r.token_ids)
                 self._check_ids(token_ids)
                 entry = self.cache.get(r.session_id)
                 if self._batchable(entry, token_ids):
                     decode.append((i, entry, token_ids))
+                elif self._fresh_batchable(entry, token_ids):
+                    fresh.append((i, entry, token_ids))
                 else:
                     rows[i] = self._forward_tail(r.session_id, token_ids, 1)[-1]
-            if len(decode) == 1:
-                i, _, token_ids = decode[0]
-                rows[i] = self._forward_tail(requests[i].session_id, token_ids, 1)[-1]
-            elif decode:
-                logits = self._decode_batch([entry for _, entry, _ in decode], [t for _, _, t in decode])
-                for (i, _, _), row in zip(decode, logits):
-                    rows[i] = row
+            for group, batched_forward in ((decode, self._decode_batch), (fresh, self._prefill_batch)):
+                if len(group) == 1:
+                    i, _, token_ids = group[0]
+                    rows[i] = self._forward_tail(requests[i].session_id, token_ids, 1)[-1]
+                elif group:
+                    try:
+                        logits = batched_forward([entry for _, entry, _ in group], [t for _, _, t in group])
+                    except Exception:
+                        for i, _, _ in group:  # half-updated caches must not be reused
+                            self.cache.release(requests[i].session_id)
+                        raise
+                    for (i, _, _), row in zip(group, logits):
+                        rows[i] = row
             self.cache.evict(keep=ids)
         return torch.stack(rows)
 
@@ -207,6 +217,44 @@ class LocalExpert:
             and entry.token_ids == token_ids[:-1]
             and all(type(layer).__name__ == "DynamicLayer" for layer in entry.kv.layers)
         )
+
+    def _fresh_batchable(self, entry, token_ids: list[int]) -> bool:
+        """A new prompt (nothing reusable cached) on a model whose cache layers are all plain."""
+        if self.max_decode_batch <= 1 or self.cache.reusable_length(entry, token_ids) > 0:
+            return False
+        if self._plain_cache is None:
+            from transformers import DynamicCache
+
+            layers = DynamicCache(config=self.model.config).layers
+            self._plain_cache = bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+        return self._plain_cache
+
+    def _prefill_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
+        """One forward for B new prompts of different lengths, left-padded (padding masked out, positions
+        counted from each prompt's first id); each session keeps its own unpadded slice of the keys and
+        values. Returns (B, V) float32: the logits after each prompt's last id."""
+        from transformers import DynamicCache
+
+        lengths = [len(h) for h in histories]
+        longest = max(lengths)
+        ids = torch.zeros(len(histories), longest, dtype=torch.long, device=self.device)  # (B, longest)
+        mask = torch.zeros_like(ids)
+        for row, history in enumerate(histories):
+            ids[row, longest - len(history):] = torch.tensor(history, device=self.device)
+            mask[row, longest - len(history):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, longest)
+        batched = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batched,
+                         use_cache=True, logits_to_keep=1)
+        for row, (entry, history) in enumerate(zip(entries, histories)):
+            start = longest - len(history)
+            entry.kv = DynamicCache(ddp_cache_data=[
+                (layer.keys[row:row + 1, :, start:].clone(), layer.values[row:row + 1, :, start:].clone())
+                for layer in batched.layers
+            ])
+            entry.token_ids = history
+        self.cache.record(hits=0, misses=sum(lengths))
+        return out.logits[:, -1].float()
 
     def _decode_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
         """One forward for B sessions of different lengths: their caches are left-padded into one

@@ -6,7 +6,7 @@ For each training text the experts' teacher-forced logits are computed once thro
     loss = CE(fused distribution, reference next token)
          + route_weight · CE(route logits, best expert)   only where the experts' top-1 choices differ
 
-         + comp_l2 · mean(complementary logit²)            keeps the complementary logit small off-domain
+         + comp_l2 · Σ_v complementary logit² (mean over positions) keeps the complementary logit small off-domain
 
 "Best expert" is the one giving the reference token the highest probability, as FusionRoute does.
 A training sample is a text, either plain (after a one-token context, as `fusion eval` scores text) or
@@ -66,8 +66,8 @@ def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, tar
     if comp is not None:
         fused = fused + comp
     loss = torch.nn.functional.cross_entropy(fused, targets)
-    if comp is not None and comp_l2 > 0:
-        loss = loss + comp_l2 * comp.pow(2).mean()
+    if comp is not None and comp_l2 > 0:  # an L2 penalty per position, summed over the vocabulary
+        loss = loss + comp_l2 * comp.pow(2).sum(-1).mean()
     top1 = log_probs.argmax(-1)  # (E, n)
     disagree = (top1 != top1[:1]).any(0)  # (n,)
     if route_weight > 0 and bool(disagree.any()):

@@ -425,3 +425,24 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_dir, sampling):
     assert max(max(c) for c in chunked_computed) <= 7 + len(prompts)  # one chunk + one id per running row
     assert len(chunked_computed) > len(whole_computed)  # the prompts took several steps
 
+
+
+def test_batched_prefill_matches_one_by_one(tiny_dir):
+    """New prompts of different lengths prefilled in one left-padded forward give the logits of
+    separate prefills, and their caches then decode like separately built ones."""
+    config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32"}]})
+    batched = LocalExpert.load(config.experts[0])
+    single = LocalExpert(config.experts[0], batched.model, batched.tokenizer, max_decode_batch=1)
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9, 10, 11, 12], "s4": [7]}
+    calls = []
+    prefill = batched._prefill_batch
+    batched._prefill_batch = lambda entries, hist: calls.append(len(entries)) or prefill(entries, hist)
+    for step in range(4):
+        requests = [StepRequest(s, h) for s, h in histories.items()]
+        got = batched.step(requests)
+        expected = torch.stack([single.step([r])[0] for r in requests])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for s, row in zip(histories, got):
+            histories[s] = histories[s] + [int(row[:300].argmax())]
+    assert calls == [4]  # one batched prefill, then batched decoding
+    assert batched.cache.cached_tokens == single.cache.cached_tokens

@@ -226,3 +226,41 @@ def bench_memory(pipeline: FusionPipeline, report: BenchReport) -> None:
             size = sum(p.numel() * p.element_size() for p in expert.model.parameters())
             report.add(f"weights_mb.{expert.info.name}", size / 2**20,
                        f"weights, {expert.info.name}: {size / 2**20:.1f} MiB ({expert.info.dtype})")
+
+
+def plot(figures: dict[str, Any], path) -> None:
+    """A PNG: throughput ratio and inter-token latency per concurrency level, and the overhead ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted(int(k.split(".")[1]) for k in figures if k.startswith("concurrency."))
+    ratios = {k: figures[k] for k in ("fused_step_over_sum_of_forwards", "fusion_sampling_over_one_forward")
+              if k in figures}
+    panels = (2 if levels else 0) + (1 if ratios else 0)
+    if not panels:
+        raise ValueError("no concurrency or step figures to plot")
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.0), squeeze=False)
+    axes = list(axes[0])
+    if levels:
+        conc = [figures[f"concurrency.{n}"] for n in levels]
+        ax = axes.pop(0)
+        ax.bar([str(n) for n in levels], [c["ratio"] for c in conc], color="#66c2a5")
+        ax.axhline(4.0, color="grey", linestyle="--", linewidth=1, label="goal at 8 sessions")
+        ax.set(title="aggregate tokens/s vs 1 session", xlabel="concurrent sessions", ylabel="ratio")
+        ax.legend(fontsize=8)
+        ax = axes.pop(0)
+        ax.plot(levels, [c["itl_p50_ms"] for c in conc], marker="o", label="p50")
+        ax.plot(levels, [c["itl_p95_ms"] for c in conc], marker="o", label="p95")
+        ax.set(title="inter-token latency", xlabel="concurrent sessions", ylabel="ms")
+        ax.legend(fontsize=8)
+    if ratios:
+        ax = axes.pop(0)
+        labels = {"fused_step_over_sum_of_forwards": "fused step /\nsum of forwards",
+                  "fusion_sampling_over_one_forward": "fusion+sampling /\none forward"}
+        ax.bar([labels[k] for k in ratios], list(ratios.values()), color="#fc8d62")
+        ax.set(title="per-step overhead", ylabel="ratio")
+    fig.suptitle(figures.get("machine", ""), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

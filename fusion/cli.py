@@ -472,6 +472,7 @@ def bench(
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
     levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of the figures."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Measure fusion overhead, throughput and concurrency as side-by-side ratios."""
@@ -503,6 +504,8 @@ def bench(
             typer.echo(line)
         if json_out:
             json_out.write_text(json.dumps(report.figures, indent=2))
+        if plot:
+            b.plot(report.figures, plot)
 
     run_guarded(run)
 

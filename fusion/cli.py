@@ -440,7 +440,7 @@ def evaluate(
         pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
         extra = [
             ("route", FusionSpec(rule="route", params={"path": str(router)})),
-            ("route, pure", FusionSpec(rule="route", params={"path": str(router), "complementary": False})),
+            ("route (pure)", FusionSpec(rule="route", params={"path": str(router), "complementary": False})),
         ] if router else []
         rows = ev.default_rows(pipeline, extra)
         if only:

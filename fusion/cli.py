@@ -107,14 +107,34 @@ def parse_weights(text: Optional[str]) -> Optional[dict[str, float]]:
     return weights
 
 
-def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str], weights: Optional[str]):
+def parse_params(text: Optional[str]) -> Optional[dict[str, Any]]:
+    """`path=out/router.pt,hard=true` → {"path": "out/router.pt", "hard": True} (values read as YAML)."""
+    if not text:
+        return None
+    import yaml
+
+    params = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            fail(f"--params: expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+        try:
+            params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            fail(f"--params: cannot read the value of {name.strip()!r}: {value!r}")
+    return params
+
+
+def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str], weights: Optional[str],
+               params: Optional[str] = None):
     base = config.fusion
-    if rule is None and profile is None and weights is None:
+    if rule is None and profile is None and weights is None and params is None:
         return base
     parsed = parse_weights(weights)
+    given = parse_params(params)
     return FusionSpec(
         rule=rule or base.rule,
-        params=base.params if rule in (None, base.rule) else {},
+        params=given if given is not None else (base.params if rule in (None, base.rule) else {}),
         weights=parsed if parsed is not None else (None if profile else base.weights),
         profile=profile if profile is not None else (None if parsed is not None else base.profile),
     )
@@ -140,6 +160,7 @@ def generate(
     top_k: Optional[int] = typer.Option(None, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Reproducible sampling."),
     rule: Optional[str] = typer.Option(None, "--rule", help="Fusion rule (default: the config's)."),
+    params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. path=out/router.pt."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Named weight profile from the config."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Per-expert weights, e.g. smollm2=0.6,arith=0.4."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with per-token attribution."),
@@ -158,7 +179,7 @@ def generate(
 
     def run() -> None:
         config = read_config(config_path)
-        spec = build_spec(config, rule, profile, weights)
+        spec = build_spec(config, rule, profile, weights, params)
         if server:
             from services.client import stream_remote
 
@@ -221,6 +242,7 @@ def score(
     continuation: str = typer.Option(..., "--continuation", "-C", help="Text to score after the prompt."),
     config_path: Optional[Path] = ConfigOption,
     rule: Optional[str] = typer.Option(None, "--rule"),
+    params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. tau=0.5."),
     profile: Optional[str] = typer.Option(None, "--profile"),
     weights: Optional[str] = typer.Option(None, "--weights"),
     as_json: bool = typer.Option(False, "--json"),
@@ -231,7 +253,7 @@ def score(
     def run() -> None:
         config = read_config(config_path)
         pipeline = load_pipeline(config, cache_dir(cache))
-        result = pipeline.score(prompt, continuation, build_spec(config, rule, profile, weights))
+        result = pipeline.score(prompt, continuation, build_spec(config, rule, profile, weights, params))
         payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob}
         if as_json:
             typer.echo(json.dumps(payload))

@@ -10,6 +10,7 @@ import sys
 import pytest
 import yaml
 
+from fusion.config import FusionSpec
 from tests.conftest import tiny_config_dict
 
 
@@ -47,6 +48,15 @@ def test_score_json(config_file, tiny_pipeline):
     assert payload["total_logprob"] == pytest.approx(sum(expected.logprobs), abs=1e-4)
 
 
+def test_generate_with_rule_params(config_file, tiny_pipeline):
+    out = fusion("generate", "hello world", "--config", str(config_file), "--max-tokens", "5", "--json",
+                 "--rule", "confidence", "--params", "tau=0.25,combine=weighted_logits")
+    assert out.returncode == 0, out.stderr
+    spec = FusionSpec(rule="confidence", params={"tau": 0.25, "combine": "weighted_logits"})
+    assert json.loads(out.stdout)["token_ids"] == tiny_pipeline.complete("hello world", {"max_tokens": 5},
+                                                                         spec).token_ids
+
+
 def test_show_experts_without_terminal(config_file):
     out = fusion("generate", "hi", "--config", str(config_file), "--max-tokens", "3", "--show-experts")
     assert out.returncode == 0, out.stderr
@@ -60,6 +70,9 @@ def test_show_experts_without_terminal(config_file):
     ("unknown_expert_weight", "unknown expert"),
     ("unknown_profile_expert", "names unknown experts"),
     ("bad_temperature", "temperature"),
+    ("bad_params", "--params: expected NAME=VALUE"),
+    ("bad_rule_param", "tau must be a finite number > 0"),
+    ("missing_router_data", "--data: no such file"),
 ])
 def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     path = tmp_path / "c.yaml"
@@ -79,6 +92,13 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
         data["profiles"] = {"p": {"ghost": 1.0}}
     elif setup == "bad_temperature":
         args += ["--temperature", "-1"]
+    elif setup == "bad_params":
+        args += ["--rule", "confidence", "--params", "tau"]
+    elif setup == "bad_rule_param":
+        args += ["--rule", "confidence", "--params", "tau=-1"]
+    elif setup == "missing_router_data":
+        args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"),
+                "--data", str(tmp_path / "missing.jsonl")]
     if data is not None:
         path.write_text(yaml.safe_dump(data))
     out = fusion(*args)

@@ -84,7 +84,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 
 def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/fusion`, else `~/.cache/fusion`."""
+    """`$FUSION_CACHE_DIR`, else `$XDG_CACHE_HOME/fusion`, else `~/.cache/fusion`."""
+    if os.environ.get("FUSION_CACHE_DIR"):
+        return Path(os.environ["FUSION_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME")
     return (Path(base) if base else Path.home() / ".cache") / "fusion"
 

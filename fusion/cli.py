@@ -74,8 +74,6 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
 def cache_dir(option: Optional[Path]) -> Path:
     if option is not None:
         return option
-    if os.environ.get("FUSION_CACHE_DIR"):
-        return Path(os.environ["FUSION_CACHE_DIR"])
     from fusion.assets import default_cache_dir
 
     return default_cache_dir()
@@ -140,10 +138,11 @@ def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str]
     )
 
 
-def load_pipeline(config: FusionConfig, cache: Path):
+def load_pipeline(config: FusionConfig, cache: Path, prepare_router: bool = True):
     from fusion.pipeline import FusionPipeline
 
-    return FusionPipeline.from_config(config, resolve_model=model_resolver(cache))
+    return FusionPipeline.from_config(config, resolve_model=model_resolver(cache), cache_dir=cache,
+                                      prepare_router=prepare_router)
 
 
 # Colours for --show-experts, by expert position.
@@ -406,7 +405,9 @@ def train_expert(
 @app.command("train-router")
 def train_router_command(
     config_path: Optional[Path] = ConfigOption,
-    out: Path = typer.Option(..., "--out", "-o", help="Where to write the router checkpoint (.pt)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Where to write the router checkpoint (.pt). Default: the cache entry that "
+        "`rule: route` with `path: auto` reads for these experts."),
     minutes: float = typer.Option(5.0, "--minutes", help="Training time budget."),
     max_texts: Optional[int] = typer.Option(None, "--max-texts", help="Stop after this many training texts."),
     data: Optional[list[Path]] = typer.Option(
@@ -430,8 +431,8 @@ def train_router_command(
             except ValueError as err:
                 fail(str(err))
             samples = itertools.chain([first], samples)
-        pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
-        result = train_router(pipeline, out, texts=samples,
+        pipeline = load_pipeline(read_config(config_path), cache_dir(cache), prepare_router=False)
+        result = train_router(pipeline, out or pipeline.auto_router_path(), texts=samples,
                               settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
                                                                   comp_l2=comp_l2))
         pipeline.close()

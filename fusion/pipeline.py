@@ -7,10 +7,12 @@ streams tokens with text deltas and stop strings, and scores continuations.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from fusion.config import FusionConfig, FusionSpec, SamplingParams, parse_sampling
@@ -49,11 +51,17 @@ class Completion:
     finish_reason: str | None = None
 
 
+AUTO_ROUTER = "auto"  # `route` rule path: the router trained for exactly these experts, in the cache
+
+
 class FusionPipeline:
-    def __init__(self, config: FusionConfig, engine: FusionEngine, tokenizers: Sequence[Any]) -> None:
+    def __init__(self, config: FusionConfig, engine: FusionEngine, tokenizers: Sequence[Any],
+                 cache_dir: Path | None = None) -> None:
         self.config = config
         self.engine = engine
         self.tokenizers = list(tokenizers)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._auto_router: Path | None = None
         self._rule_cache = lru_cache(maxsize=64)(self._make_rule)
 
     @classmethod
@@ -63,8 +71,12 @@ class FusionPipeline:
         resolve_model: Callable[[str], str] = lambda ref: ref,
         experts: Sequence[Expert] | None = None,
         tokenizers: Sequence[Any] | None = None,
+        cache_dir: Path | None = None,
+        prepare_router: bool = True,
     ) -> FusionPipeline:
-        """Load every expert in-process (the local build), unless experts/tokenizers are given."""
+        """Load every expert in-process (the local build), unless experts/tokenizers are given. When the
+        config's rule is `route` with `path: auto` and no router exists yet for these experts, one is
+        trained now (once; about 8 minutes for the default trio on 2 CPU cores)."""
         if experts is None:
             loaded = [LocalExpert.load(e, resolve_model(e.model)) for e in config.experts]
             experts, tokenizers = loaded, [e.tokenizer for e in loaded]
@@ -72,7 +84,19 @@ class FusionPipeline:
             raise ValueError("tokenizers are required with externally built experts")
         devices = {e.info.device for e in experts}
         device = devices.pop() if len(devices) == 1 else "cpu"
-        return cls(config, FusionEngine(experts, config.limits, device=device), tokenizers)
+        pipeline = cls(config, FusionEngine(experts, config.limits, device=device), tokenizers, cache_dir)
+        if prepare_router and pipeline.uses_auto_router:
+            try:
+                pipeline.prepare_router()
+            except BaseException:
+                pipeline.close()
+                raise
+        return pipeline
+
+    @property
+    def uses_auto_router(self) -> bool:
+        fusion = self.config.fusion
+        return fusion.rule == "route" and fusion.params.get("path") == AUTO_ROUTER
 
     @property
     def expert_names(self) -> list[str]:
@@ -81,9 +105,43 @@ class FusionPipeline:
     def close(self) -> None:
         self.engine.close()
 
+    # -- the router trained for these experts ----------------------------------------------------
+    def auto_router_path(self) -> Path:
+        """Where `path: auto` finds this trio's router: keyed by the experts' names and behaviour."""
+        if self._auto_router is None:
+            from fusion.assets import default_cache_dir
+            from fusion.router import expert_fingerprint
+
+            fingerprints = [expert_fingerprint(e) for e in self.engine.experts]
+            key = hashlib.sha256(json.dumps([self.expert_names, fingerprints]).encode()).hexdigest()[:16]
+            self._auto_router = (self.cache_dir or default_cache_dir()) / "routers" / f"router-{key}.pt"
+        return self._auto_router
+
+    def prepare_router(self, settings=None) -> Path:
+        """Train this trio's `auto` router unless the cache has it (`RouterTrainSettings`, default: the
+        built-in mix, 450 texts)."""
+        path = self.auto_router_path()
+        if not path.is_file():
+            from fusion.router_training import RouterTrainSettings, train_router
+
+            settings = settings or RouterTrainSettings(minutes=30.0, max_texts=450)
+            logger.info("training the router for experts %s once (%d texts); it is cached at %s",
+                        self.expert_names, settings.max_texts or 0, path)
+            train_router(self, path, settings=settings)
+        return path
+
     # -- requests -----------------------------------------------------------------------------
     def _make_rule(self, name: str, params_json: str) -> FusionRule:
-        rule = make_rule(name, json.loads(params_json), self.expert_names)
+        params = json.loads(params_json)
+        if name == "route" and params.get("path") == AUTO_ROUTER:
+            path = self.auto_router_path()
+            if not path.is_file():
+                raise InvalidArgumentError(
+                    "fusion.params.path: no router has been trained for these experts yet; configure "
+                    "`rule: route` with `path: auto` (trained at start-up) or run `fusion train-router`"
+                )
+            params["path"] = str(path)
+        rule = make_rule(name, params, self.expert_names)
         rule.bind(self.engine.experts)
         return rule
 

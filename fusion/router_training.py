@@ -76,9 +76,18 @@ def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, tar
     return loss
 
 
+# Requests whose chat answers are prose or code, so that the router learns a chat turn is not by itself
+# a sign of arithmetic.
+_PROSE_REQUESTS = ("Tell me about {}.", "Explain {} in Python.", "Write a short paragraph about {}.",
+                   "What should I know about {}?", "Describe {}, please.", "How does {} work?")
+_CODE_REQUESTS = ("Show me some Python code from the {} module.", "Write Python code like {}.py.",
+                  "Give me an example of Python source, e.g. from {}.")
+
+
 def default_training_samples(seed: int) -> Iterator[TextSample]:
-    """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns,
-    Python source, and English prose (the standard library's pydoc topics)."""
+    """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns;
+    Python source and English prose (the standard library's pydoc topics), each both as plain text
+    and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
     from fusion.training.arithmetic import answer_text, question_text, training_problem
@@ -86,25 +95,36 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
 
     rng = random.Random(f"router:{seed}")
     code_files = stdlib_files(held_out=False)
-    prose = [t for t in topics.topics.values() if len(t) > 400]
+    prose = [(name, text) for name, text in topics.topics.items() if len(text) > 400]
 
     def arithmetic() -> TextSample:
         p = training_problem(rng)
         return TextSample(answer_text(p), prompt=question_text(p, rng), end_turn=True)
 
-    def window(text: str) -> TextSample:
+    def window(text: str) -> str:
         start = rng.randrange(max(1, len(text) - 1500))
-        return TextSample(text[start:start + 1500])
+        return text[start:start + 1500]
 
     def code() -> TextSample:
-        return window(rng.choice(code_files).read_text(encoding="utf-8", errors="replace"))
+        return TextSample(window(rng.choice(code_files).read_text(encoding="utf-8", errors="replace")))
 
     def general() -> TextSample:
-        return window(rng.choice(prose))
+        return TextSample(window(rng.choice(prose)[1]))
 
-    sources = [arithmetic, code, general]
+    def prose_chat() -> TextSample:
+        name, text = rng.choice(prose)
+        subject = name.replace("-", " ")
+        return TextSample(text.strip()[:700], prompt=rng.choice(_PROSE_REQUESTS).format(subject))
+
+    def code_chat() -> TextSample:
+        path = rng.choice(code_files)
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return TextSample(window(text)[:700], prompt=rng.choice(_CODE_REQUESTS).format(path.stem))
+
+    sources = [arithmetic, code, general, prose_chat, code_chat]
+    shares = [0.3, 0.175, 0.175, 0.2, 0.15]
     while True:
-        yield sources[rng.randrange(len(sources))]()
+        yield rng.choices(sources, shares)[0]()
 
 
 def file_samples(paths: Sequence[Path], seed: int, window_chars: int = 1500) -> Iterator[TextSample]:

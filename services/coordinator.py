@@ -115,7 +115,10 @@ def build_pipeline(
     experts, tokenizers = build_experts(config, resolve_model)
     devices = {e.info.device for e in experts}
     device = devices.pop() if len(devices) == 1 else "cpu"
-    return FusionPipeline(config, MeteredEngine(experts, config.limits, device, metrics), tokenizers)
+    pipeline = FusionPipeline(config, MeteredEngine(experts, config.limits, device, metrics), tokenizers)
+    if pipeline.uses_auto_router:  # `rule: route, path: auto`: train this trio's router once, before serving
+        pipeline.prepare_router()
+    return pipeline
 
 
 # -- the service ---------------------------------------------------------------------------------

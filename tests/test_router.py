@@ -183,3 +183,30 @@ def test_chat_sample_ids_end_the_turn(tiny_pipeline):
     tok = tiny_pipeline.tokenizers[0]
     assert prompts == tiny_pipeline.build_request("hello", {"max_tokens": 1}).prompt_ids
     assert ids == tok("the cat", add_special_tokens=False)["input_ids"] + [end_of_turn_id(tok)]
+
+
+def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
+    """`path: auto` names the cached router of exactly these experts: refused (clearly) before it exists,
+    trained once by `prepare_router`, then reused by every pipeline of the same trio."""
+    cache = tmp_path / "cache"
+    config = parse_config(tiny_config_dict(tiny_dir))
+    pipeline = FusionPipeline.from_config(config, cache_dir=cache)
+    auto = FusionSpec(rule="route", params={"path": "auto"})
+    with pytest.raises(InvalidArgumentError, match="no router has been trained for these experts"):
+        pipeline.resolve_spec(auto)
+    path = pipeline.prepare_router(RouterTrainSettings(max_texts=4, steps_per_text=1))
+    assert path.parent == cache / "routers" and path.is_file()
+    stamp = path.stat().st_mtime_ns
+    assert pipeline.prepare_router() == path and path.stat().st_mtime_ns == stamp  # not trained again
+    expected = pipeline.complete("hello world", {"max_tokens": 5}, FusionSpec(rule="route", params={"path": str(path)}))
+    pipeline.close()
+
+    routed = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),
+                                        cache_dir=cache)
+    assert path.stat().st_mtime_ns == stamp
+    assert routed.complete("hello world", {"max_tokens": 5}).token_ids == expected.token_ids
+    routed.close()
+    swapped = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c"))),
+                                         cache_dir=cache)
+    assert swapped.auto_router_path() != path  # another trio, another router
+    swapped.close()

@@ -59,7 +59,10 @@ def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec
         return (spec.rule, spec.params, weights) == (configured.rule, configured.params, resolved[1])
 
     if not any(same(spec) for _, spec in rows):
-        rows.append((f"config ({configured.rule})", configured))
+        rows.append((f"{configured.rule} (config)", configured))
+    if configured.rule == "route":  # the same router without its complementary logit: pure routing
+        pure = configured.model_copy(update={"params": {**configured.params, "complementary": False}})
+        rows.append(("route (config, pure)", pure))
     rows += list(extra)
     return rows
 

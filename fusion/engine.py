@@ -79,7 +79,8 @@ class ErrorEvent:
 class StepTimings:
     experts_s: float = 0.0  # wall time of the overlapped expert forwards
     per_expert_s: dict[str, float] = field(default_factory=dict)
-    fuse_sample_s: float = 0.0  # alignment + fusion + sampling + attribution
+    fuse_s: float = 0.0  # the finiteness check + the rule's fusion
+    fuse_sample_s: float = 0.0  # fuse_s + sampling + attribution
 
 
 @dataclass
@@ -415,7 +416,8 @@ class DecodeBatch:
             errors = [ErrorEvent(r.request.request_id, err) for r in self.rows]
             self.cancel_all()
             return StepLogits([], None, None, None, errors)
-        engine.last_timings.experts_s = time.perf_counter() - start
+        fuse_start = time.perf_counter()
+        engine.last_timings.experts_s = fuse_start - start
         for row, ends in chunks:
             row.prefilled = ends
         for row in rows:
@@ -436,6 +438,7 @@ class DecodeBatch:
         if not rows:
             return StepLogits([], None, None, None, errors)
         fused, weights = self._fuse(rows, logits)  # (B, V), (E, B)
+        engine.last_timings.fuse_s = time.perf_counter() - fuse_start
         return StepLogits(rows, logits, fused, weights, errors)
 
     def step(self) -> list[TokenEvent | ErrorEvent]:
@@ -474,7 +477,7 @@ class DecodeBatch:
         weights_host = weights.T.tolist()  # (B, E)
         probs_host = expert_probs.T.tolist()
         top = list(zip(out.top_ids.tolist(), out.top_logprobs.tolist())) if out.top_ids is not None else None
-        engine.last_timings.fuse_sample_s = time.perf_counter() - start
+        engine.last_timings.fuse_sample_s = engine.last_timings.fuse_s + time.perf_counter() - start
 
         finished = []
         for b, row in enumerate(rows):

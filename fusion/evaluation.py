@@ -42,6 +42,11 @@ class EvalRow:
     tokens_per_s: float | None = None
 
 
+def pure_routing(spec: FusionSpec) -> FusionSpec:
+    """A `route` spec's router without its complementary logit: pure routing."""
+    return spec.model_copy(update={"params": {**spec.params, "complementary": False}})
+
+
 def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec]] = ()) -> list[tuple[str, FusionSpec]]:
     config = pipeline.config
     weights = {e.name: e.weight for e in config.experts}
@@ -60,9 +65,8 @@ def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec
 
     if not any(same(spec) for _, spec in rows):
         rows.append((f"{configured.rule} (config)", configured))
-    if configured.rule == "route":  # the same router without its complementary logit: pure routing
-        pure = configured.model_copy(update={"params": {**configured.params, "complementary": False}})
-        rows.append(("route (config, pure)", pure))
+    if configured.rule == "route":
+        rows.append(("route (config, pure)", pure_routing(configured)))
     rows += list(extra)
     return rows
 

@@ -244,8 +244,14 @@ def test_deployments_follow_the_config(cluster):
     assert deployments["expert-a"].replica_states.get("RUNNING") == 2
     replicas = _handle("registry").replicas.remote().result()
     assert sorted(r["expert"] for r in replicas) == ["a", "a", "b", "c"]
-    spread = _handle("coordinator").replica_addresses.remote().result()
-    assert {name: len(addresses) for name, addresses in spread.items()} == {"a": 2, "b": 1, "c": 1}
+
+    # The coordinator re-reads the registry every refresh_s, so its view converges shortly after.
+    def coordinator_spread():
+        spread = _handle("coordinator").replica_addresses.remote().result()
+        counts = {name: len(addresses) for name, addresses in spread.items()}
+        return True if counts == {"a": 2, "b": 1, "c": 1} else counts
+
+    _wait_for(coordinator_spread, "the coordinator uses every registered replica", timeout_s=30.0)
 
 
 def test_greedy_output_equals_the_local_engine(cluster, tiny_pipeline):

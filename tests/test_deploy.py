@@ -308,6 +308,7 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
     sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
     prompt = "hello world , fusion"
     expected = tiny_pipeline.complete(prompt, sampling).token_ids
+    _wait_for(lambda: _replicas_of("a")[:2] == (2, 2) or _replicas_of("a"), "the coordinator using both replicas of a")
     registry = _handle("registry")
     replicas_a = {r["replica_id"]: r["address"] for r in registry.replicas.remote().result() if r["expert"] == "a"}
     assert len(replicas_a) == 2
@@ -359,5 +360,9 @@ def test_health_checks_step_the_model(cluster):
 
     for name in ("expert-a", "expert-b", "expert-c", "coordinator"):
         assert _handle(name).check_health.remote().result(timeout_s=30) is None
-    deployments = serve.status().applications[APP].deployments
-    assert all(d.status == "HEALTHY" for d in deployments.values()), deployments
+
+    def all_healthy():  # an autoscaling test before this one may still be settling
+        deployments = serve.status().applications[APP].deployments
+        return all(d.status == "HEALTHY" for d in deployments.values()) or deployments
+
+    _wait_for(all_healthy, "every deployment HEALTHY", timeout_s=30.0)

@@ -20,6 +20,7 @@ import torch
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
+from fusion.kv_cache import GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class LocalExpert:
             and entry.kv is not None
             and len(token_ids) == entry.length + 1
             and entry.token_ids == token_ids[:-1]
-            and all(type(layer).__name__ == "DynamicLayer" for layer in entry.kv.layers)
+            and all(is_plain(layer) for layer in entry.kv.layers)
         )
 
     def _left_padded_mask(self, lengths: list[int], width: int) -> torch.Tensor:
@@ -231,18 +232,14 @@ class LocalExpert:
         if self.max_decode_batch <= 1 or self.cache.reusable_length(entry, token_ids) > 0:
             return False
         if self._plain_cache is None:
-            from transformers import DynamicCache
-
-            layers = DynamicCache(config=self.model.config).layers
-            self._plain_cache = bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+            layers = new_cache(self.model.config).layers
+            self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)
         return self._plain_cache
 
     def _prefill_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
         """One forward for B new prompts of different lengths, left-padded (padding masked out, positions
         counted from each prompt's first id); each session keeps its own unpadded slice of the keys and
         values. Returns (B, V) float32: the logits after each prompt's last id."""
-        from transformers import DynamicCache
-
         lengths = [len(h) for h in histories]
         longest = max(lengths)
         ids = torch.zeros(len(histories), longest, dtype=torch.long, device=self.device)  # (B, longest)
@@ -250,38 +247,25 @@ class LocalExpert:
             ids[row, longest - len(history):] = torch.tensor(history, device=self.device)
         mask = self._left_padded_mask(lengths, longest)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, longest)
-        batched = DynamicCache(config=self.model.config)
+        batched = new_cache(self.model.config, spare=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batched,
                          use_cache=True, logits_to_keep=1)
         for row, (entry, history) in enumerate(zip(entries, histories)):
             start = longest - len(history)
-            entry.kv = DynamicCache(ddp_cache_data=[
-                (layer.keys[row:row + 1, :, start:].clone(), layer.values[row:row + 1, :, start:].clone())
-                for layer in batched.layers
+            entry.kv = cache_holding([
+                (layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:]) for layer in batched.layers
             ])
             entry.token_ids = history
         self.cache.record(hits=0, misses=sum(lengths))
         return out.logits[:, -1].float()
 
     def _decode_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
-        """One forward for B sessions of different lengths: their caches are left-padded into one
-        batch (padding masked out), and each session's new key/value column is appended to its own
-        cache afterwards. Returns (B, V) float32."""
-        from transformers import DynamicCache
-
+        """One forward for B sessions of different lengths: their caches are copied, left-padded, into
+        one batch with a free column for the new id (padding masked out), and each session's new
+        key/value column is appended to its own cache afterwards. Returns (B, V) float32."""
         lengths = [e.length for e in entries]
         longest = max(lengths)
-        num_layers = len(entries[0].kv.layers)
-        data = []
-        for layer in range(num_layers):
-            keys, values = [], []
-            for entry, n in zip(entries, lengths):
-                k, v = entry.kv.layers[layer].keys, entry.kv.layers[layer].values  # (1, H, n, D)
-                pad = (0, 0, longest - n, 0)  # left-pad the sequence dimension
-                keys.append(torch.nn.functional.pad(k, pad))
-                values.append(torch.nn.functional.pad(v, pad))
-            data.append((torch.cat(keys), torch.cat(values)))  # (B, H, longest, D)
-        batched = DynamicCache(ddp_cache_data=data)
+        batched = cache_of(self._left_padded_layers([e.kv for e in entries], lengths, longest))
         mask = self._left_padded_mask([n + 1 for n in lengths], longest + 1)  # cached ids + the new one
         out = self.model(
             input_ids=torch.tensor([[h[-1]] for h in histories], device=self.device),  # (B, 1)
@@ -291,7 +275,7 @@ class LocalExpert:
             use_cache=True,
             logits_to_keep=1,
         )
-        for layer in range(num_layers):
+        for layer in range(len(batched.layers)):
             new_k = batched.layers[layer].keys[:, :, -1:]  # (B, H, 1, D)
             new_v = batched.layers[layer].values[:, :, -1:]
             for row, entry in enumerate(entries):
@@ -301,10 +285,26 @@ class LocalExpert:
         self.cache.record(hits=sum(lengths), misses=len(entries))
         return out.logits[:, -1].float()
 
+    @staticmethod
+    def _left_padded_layers(caches: list, lengths: list[int], longest: int) -> list[GrowingLayer]:
+        """Per layer, the sessions' keys/values copied into one batch buffer (B, H, longest + 1, D),
+        row b filled over columns [longest - lengths[b], longest); the last column is free for the step."""
+        layers = []
+        for index in range(len(caches[0].layers)):
+            sources = [cache.layers[index] for cache in caches]
+            buffers = []
+            for part in ("keys", "values"):
+                first = getattr(sources[0], part)  # (1, H, n, D)
+                buffer = first.new_empty(len(sources), first.shape[1], longest + 1, first.shape[-1])
+                for row, (source, n) in enumerate(zip(sources, lengths)):
+                    buffer[row, :, : longest - n].zero_()  # padding: masked out, but must not hold NaNs
+                    buffer[row, :, longest - n : longest] = getattr(source, part)[0]
+                buffers.append(buffer)
+            layers.append(GrowingLayer.adopting(*buffers, length=longest))
+        return layers
+
     def _forward_tail(self, session_id: str, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         """Run the uncached suffix of `token_ids`; return logits of its last `num_logits` positions (n, V)."""
-        from transformers import DynamicCache
-
         token_ids = list(token_ids)
         self._check_ids(token_ids)
         entry = self.cache.get(session_id)
@@ -312,7 +312,7 @@ class LocalExpert:
         # Logits are needed for the last `num_logits` positions, so those must be recomputed.
         reuse = min(reuse, len(token_ids) - num_logits)
         if entry.kv is None or reuse == 0:
-            entry.kv = DynamicCache(config=self.model.config)
+            entry.kv = new_cache(self.model.config)
             reuse = 0
         elif reuse < entry.length:
             entry.kv.crop(reuse - entry.kv.get_seq_length())  # negative: drop the diverged tail

@@ -1,0 +1,97 @@
+"""In-place key/value caches against transformers' own concatenating ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+import fusion.kv_cache as kv_cache
+from fusion.config import parse_config
+from fusion.expert import LocalExpert, StepRequest
+from fusion.kv_cache import GrowingLayer, cache_holding, new_cache
+
+
+def test_growing_layer_equals_dynamic_layer_through_appends_and_crops():
+    torch.manual_seed(0)
+    growing, plain = GrowingLayer(spare=2), DynamicLayer()
+    reallocations, capacity = 0, 0
+    for step, (op, n) in enumerate([("add", 5)] + [("add", 1)] * 40 + [("crop", -7), ("add", 3), ("crop", -1)]
+                                   + [("add", 1)] * 30):
+        if op == "add":
+            keys, values = torch.randn(2, 3, n, 4), torch.randn(2, 3, n, 5)  # (B, H, n, D); D differs for V
+            got, expected = growing.update(keys, values), plain.update(keys, values)
+            assert all(torch.equal(g, e) for g, e in zip(got, expected)), step
+        else:
+            growing.crop(n)
+            plain.crop(n)
+        assert torch.equal(growing.keys, plain.keys) and torch.equal(growing.values, plain.values), step
+        assert growing.get_seq_length() == plain.get_seq_length()
+        reallocations += growing.capacity != capacity
+        capacity = growing.capacity
+    assert growing.get_seq_length() == 5 + 40 - 7 + 3 - 1 + 30
+    assert reallocations <= 8  # grows geometrically, not once per append
+    with pytest.raises(ValueError, match="negative"):
+        growing.crop(3)
+
+
+def test_holding_copies_and_batch_selection():
+    keys, values = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
+    layer = GrowingLayer.holding(keys, values, spare=1)
+    keys.zero_()  # the layer holds its own copy
+    assert layer.keys.abs().sum() > 0 and layer.capacity == 5
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.values, values[[2, 0]])
+    layer.update(torch.ones(2, 2, 3, 8), torch.ones(2, 2, 3, 8))  # past the capacity: regrows
+    assert layer.get_seq_length() == 7 and torch.equal(layer.values[:, :, :4], values[[2, 0]])
+
+
+def _greedy_logits(model, cache, prompt, steps):
+    """Logits of a greedy decode through `cache`: (steps, V)."""
+    rows, ids = [], torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+            rows.append(logits)
+            ids = logits.argmax().view(1, 1)
+    return torch.stack(rows)
+
+
+def test_model_decodes_the_same_through_growing_and_dynamic_caches(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
+    prompt = [5, 17, 42, 99, 7]
+    expected = _greedy_logits(model, DynamicCache(config=model.config), prompt, 40)
+    got = _greedy_logits(model, new_cache(model.config, spare=3), prompt, 40)  # regrows several times
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_holding_continues_a_prefill(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
+    prompt = list(range(20, 36))
+    prefilled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompt[:-1]]), cache=prefilled, use_cache=True)
+    copied = cache_holding([(layer.keys, layer.values) for layer in prefilled.layers], spare=0)
+    expected = _greedy_logits(model, prefilled, prompt[-1:], 6)
+    got = _greedy_logits(model, copied, prompt[-1:], 6)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decode_past_buffer_growth_equals_plain_forwards(tiny_dir, monkeypatch):
+    """Sessions decoded in batched steps, with buffers small enough to regrow many times, give the
+    logits of a plain uncached forward over each whole history."""
+    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
+    config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32"}]})
+    expert = LocalExpert.load(config.experts[0])
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9]}
+    for step in range(24):
+        requests = [StepRequest(s, h) for s, h in histories.items()]
+        got = expert.step(requests)
+        if step % 6 == 5:
+            with torch.no_grad():
+                expected = torch.stack([expert.model(torch.tensor([h])).logits[0, -1] for h in histories.values()])
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for s, row in zip(histories, got):
+            histories[s] = histories[s] + [int(row[:300].argmax())]
+    assert all(isinstance(layer, GrowingLayer) for layer in expert.cache.get("s1").kv.layers)

@@ -220,6 +220,53 @@ def bench_concurrency(pipeline: FusionPipeline, report: BenchReport, levels=(1, 
         figures["itl_p95_ratio"] = figures["itl_p95_ms"] / base
 
 
+def bench_long_context(pipeline: FusionPipeline, report: BenchReport, sessions: int = 8, context: int = 1024,
+                       steps: int = 16) -> None:
+    """Batched decode at long context: the expert runtime's step (sessions batched from their own
+    in-place caches) / transformers' own batched decode through one DynamicCache, on the same batch
+    of the first local expert. The two decode in alternation, so machine drift hits both alike."""
+    expert = next(e for e in pipeline.engine.experts if isinstance(e, LocalExpert))
+    if expert.info.max_positions:
+        context = min(context, expert.info.max_positions - steps - 1)
+    ours, theirs = run_on_compute_thread(_long_context_steps, expert, sessions, context, steps)
+    name = expert.info.name
+    report.add("long_context_step_ms", {"runtime": ours, "transformers": theirs},
+               f"batched decode, {name}, {sessions} sessions x {context} ids: runtime {ours:.1f} ms, "
+               f"transformers DynamicCache {theirs:.1f} ms")
+    report.add("long_context_step_over_transformers", ours / theirs,
+               f"long-context batched step / transformers' own: {ours / theirs:.3f}")
+
+
+def _long_context_steps(expert: LocalExpert, sessions: int, context: int, steps: int) -> tuple[float, float]:
+    from transformers import DynamicCache
+
+    from fusion.expert import StepRequest
+
+    generator = torch.Generator().manual_seed(0)
+    limit = min(expert.info.vocab_size, expert.info.tokenizer_size)
+    prompts = torch.randint(0, limit, (sessions, context), generator=generator)  # (B, context)
+    histories = {f"long-{row}": prompts[row].tolist() for row in range(sessions)}
+    logger.info("long-context benchmark: prefilling %d x %d ids twice", sessions, context)
+    with torch.no_grad():
+        expert.step([StepRequest(s, h) for s, h in histories.items()])
+        cache = DynamicCache(config=expert.model.config)
+        expert.model(input_ids=prompts.to(expert.device), cache=cache, use_cache=True, logits_to_keep=1)
+        ours, theirs = [], []
+        for step in range(steps + 1):
+            next_id = 1 + step % (limit - 1)
+            for history in histories.values():
+                history.append(next_id)
+            start = time.perf_counter()
+            expert.step([StepRequest(s, h) for s, h in histories.items()])
+            ours.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            expert.model(input_ids=torch.full((sessions, 1), next_id, device=expert.device), cache=cache,
+                         use_cache=True, logits_to_keep=1)
+            theirs.append(time.perf_counter() - start)
+    expert.release(list(histories))
+    return statistics.median(ours[1:]) * 1e3, statistics.median(theirs[1:]) * 1e3
+
+
 def bench_memory(pipeline: FusionPipeline, report: BenchReport) -> None:
     for expert in pipeline.engine.experts:
         if isinstance(expert, LocalExpert):
@@ -236,8 +283,10 @@ def plot(figures: dict[str, Any], path) -> None:
     import matplotlib.pyplot as plt
 
     levels = sorted(int(k.split(".")[1]) for k in figures if k.startswith("concurrency."))
-    ratios = {k: figures[k] for k in ("fused_step_over_sum_of_forwards", "fusion_sampling_over_one_forward")
-              if k in figures}
+    labels = {"fused_step_over_sum_of_forwards": "fused step /\nsum of forwards",
+              "fusion_sampling_over_one_forward": "fusion+sampling /\none forward",
+              "long_context_step_over_transformers": "long-context step /\ntransformers'"}
+    ratios = {k: figures[k] for k in labels if k in figures}
     panels = (2 if levels else 0) + (1 if ratios else 0)
     if not panels:
         raise ValueError("no concurrency or step figures to plot")
@@ -257,8 +306,6 @@ def plot(figures: dict[str, Any], path) -> None:
         ax.legend(fontsize=8)
     if ratios:
         ax = axes.pop(0)
-        labels = {"fused_step_over_sum_of_forwards": "fused step /\nsum of forwards",
-                  "fusion_sampling_over_one_forward": "fusion+sampling /\none forward"}
         ax.bar([labels[k] for k in ratios], list(ratios.values()), color="#fc8d62")
         ax.set(title="per-step overhead", ylabel="ratio")
     fig.suptitle(figures.get("machine", ""), fontsize=8)

@@ -496,10 +496,11 @@ def evaluate(
 @app.command()
 def bench(
     config_path: Optional[Path] = ConfigOption,
-    suites: str = typer.Option("step,generate,concurrency,memory", "--suites",
-                               help="Comma-separated: step, generate, concurrency, memory."),
+    suites: str = typer.Option("step,generate,concurrency,long,memory", "--suites",
+                               help="Comma-separated: step, generate, concurrency, long, memory."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
     levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
+    context: int = typer.Option(1024, "--context", min=2, help="Ids per session in the long-context suite."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of the figures."),
     cache: Optional[Path] = CacheOption,
@@ -516,7 +517,7 @@ def bench(
         report = b.BenchReport()
         report.figures["machine"] = b.machine_description()
         chosen = [s.strip() for s in suites.split(",") if s.strip()]
-        known = {"step", "generate", "concurrency", "memory"}
+        known = {"step", "generate", "concurrency", "long", "memory"}
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
@@ -525,6 +526,8 @@ def bench(
             b.bench_generate(pipeline, report)
         if "concurrency" in chosen:
             b.bench_concurrency(pipeline, report, levels=tuple(int(x) for x in levels.split(",")))
+        if "long" in chosen:
+            b.bench_long_context(pipeline, report, context=context)
         if "memory" in chosen:
             b.bench_memory(pipeline, report)
         pipeline.close()

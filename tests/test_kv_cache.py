@@ -78,13 +78,19 @@ def test_cache_holding_continues_a_prefill(tiny_dir):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_batched_decode_past_buffer_growth_equals_plain_forwards(tiny_dir, monkeypatch):
-    """Sessions decoded in batched steps, with buffers small enough to regrow many times, give the
-    logits of a plain uncached forward over each whole history."""
+@pytest.mark.parametrize("prompts", [
+    {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9]},
+    {"s1": [5, 17, 42], "s2": [30, 31, 32]},  # equal lengths: no padding, the mask is all ones
+    {"s1": [5, 17, 42]},  # one session: the unbatched decode path
+])
+def test_decode_past_buffer_growth_equals_plain_forwards(tiny_dir, monkeypatch, prompts):
+    """Sessions decoded step by step (batched when several), with buffers small enough to regrow
+    many times, give the logits of a plain uncached forward over each whole history."""
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
     config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32"}]})
     expert = LocalExpert.load(config.experts[0])
-    histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9]}
+    assert expert._ready_made_decode_mask  # CPU + SDPA: decode steps pass their own 4D mask
+    histories = {s: list(p) for s, p in prompts.items()}
     for step in range(24):
         requests = [StepRequest(s, h) for s, h in histories.items()]
         got = expert.step(requests)

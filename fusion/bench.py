@@ -283,9 +283,9 @@ def plot(figures: dict[str, Any], path) -> None:
     import matplotlib.pyplot as plt
 
     levels = sorted(int(k.split(".")[1]) for k in figures if k.startswith("concurrency."))
-    labels = {"fused_step_over_sum_of_forwards": "fused step /\nsum of forwards",
-              "fusion_sampling_over_one_forward": "fusion+sampling /\none forward",
-              "long_context_step_over_transformers": "long-context step /\ntransformers'"}
+    labels = {"fused_step_over_sum_of_forwards": "fused step\n/ sum of\nforwards",
+              "fusion_sampling_over_one_forward": "fusion +\nsampling /\none forward",
+              "long_context_step_over_transformers": "long-context\nstep /\ntransformers'"}
     ratios = {k: figures[k] for k in labels if k in figures}
     panels = (2 if levels else 0) + (1 if ratios else 0)
     if not panels:
@@ -302,7 +302,7 @@ def plot(figures: dict[str, Any], path) -> None:
         ax = axes.pop(0)
         ax.plot(levels, [c["itl_p50_ms"] for c in conc], marker="o", label="p50")
         ax.plot(levels, [c["itl_p95_ms"] for c in conc], marker="o", label="p95")
-        ax.set(title="inter-token latency", xlabel="concurrent sessions", ylabel="ms")
+        ax.set(title="inter-token latency", xlabel="concurrent sessions", ylabel="ms", xticks=levels)
         ax.legend(fontsize=8)
     if ratios:
         ax = axes.pop(0)

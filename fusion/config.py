@@ -36,7 +36,9 @@ class ExpertConfig(_Strict):
     # Remote replicas ("host:port"); empty means the expert runs in-process.
     addresses: list[str] = Field(default_factory=list)
     step_timeout_s: float = Field(default=60.0, gt=0)  # deadline of one remote step; then fail over
-    max_cached_tokens: int = Field(default=65536, gt=0)  # KV budget for this expert's sessions
+    # KV budget for this expert's sessions, in cached ids; each session's buffers also reserve spare
+    # columns for appends (fusion.kv_cache: up to 128 + 50%), which the budget does not count.
+    max_cached_tokens: int = Field(default=65536, gt=0)
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
 
     @field_validator("weight")

@@ -329,21 +329,24 @@ class NaNExpert:
     def __init__(self, inner, value):
         self.inner, self.value, self.info = inner, value, inner.info
 
-    def step(self, requests):
-        out = self.inner.step(requests)
-        out[:, 3] = self.value
+    def _poison(self, out):
+        if self.value == "all -inf":  # no token possible at all
+            out[:] = float("-inf")
+        else:
+            out[:, 3] = self.value
         return out
 
+    def step(self, requests):
+        return self._poison(self.inner.step(requests))
+
     def score(self, session_id, token_ids, n):
-        out = self.inner.score(session_id, token_ids, n)
-        out[:, 3] = self.value
-        return out
+        return self._poison(self.inner.score(session_id, token_ids, n))
 
     def release(self, ids):
         self.inner.release(ids)
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "all -inf"])
 def test_non_finite_logits_are_refused(tiny_pipeline, value):
     experts = list(tiny_pipeline.engine.experts)
     experts[1] = NaNExpert(experts[1], value)
@@ -355,6 +358,18 @@ def test_non_finite_logits_are_refused(tiny_pipeline, value):
     with pytest.raises(ExpertOutputError, match="expert 'b'"):
         engine.score([[1, 2, 3]] * 3, [4, 5], rule, [1, 1, 1])
     assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+    engine.close()
+
+
+def test_a_masked_token_is_not_refused(tiny_pipeline):
+    """-inf for some ids is how a model rules tokens out; only rows with NaN, +inf or nothing finite fail."""
+    experts = list(tiny_pipeline.engine.experts)
+    experts[1] = NaNExpert(experts[1], float("-inf"))
+    engine = FusionEngine(experts)
+    rule = make_rule("mixture", {}, engine.names)
+    request = GenerationRequest([[1, 2, 3]] * 3, SamplingParams(max_tokens=4, ignore_eos=True), rule, [1, 1, 1])
+    events = list(engine.generate(request))  # raises ExpertOutputError if the row were refused
+    assert [e.index for e in events] == [0, 1, 2, 3]
     engine.close()
 
 

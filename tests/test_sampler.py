@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fusion.config import SamplingParams
-from fusion.sampler import SamplingMetadata, apply_penalties, sample
+from fusion import sampler
+from fusion.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, sample
 
 V = 64
 
@@ -44,13 +45,22 @@ def allowed_set(row: torch.Tensor, p: SamplingParams) -> set[int]:
     return keep
 
 
+@pytest.fixture(params=[V, 8], ids=["candidates-all", "candidates-8"])
+def candidates(request, monkeypatch):
+    """The CPU path ranks CANDIDATES ids per truncating row: all of them, or 8 (so that some rows'
+    sets reach past them and take the full sort)."""
+    monkeypatch.setattr(sampler, "CANDIDATES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.0, top_k=12),
     SamplingParams(temperature=3.0, top_p=0.6),
     SamplingParams(temperature=1.3, min_p=0.2),
     SamplingParams(temperature=1.0, top_k=10, top_p=0.8, min_p=0.05),
-], ids=["top_k", "top_p", "min_p", "all"])
-def test_truncation_never_leaves_its_set(params):
+], ids=["top_k", "top_k-past-8", "top_p", "min_p", "all"])
+def test_truncation_never_leaves_its_set(params, candidates):
     logits = logits_batch()
     allowed = [allowed_set(logits[b], params) for b in range(4)]
     seen = [set() for _ in range(4)]
@@ -65,18 +75,57 @@ def test_truncation_never_leaves_its_set(params):
     assert any(len(s) > 1 for s in seen)
 
 
-def test_seeded_rows_reproduce_independently_of_batch():
+@pytest.mark.parametrize("p", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.7),
+                               SamplingParams(temperature=2.0, top_p=0.7)],
+                         ids=["temperature", "top_p-within-8", "top_p-past-8"])
+def test_seeded_rows_reproduce_independently_of_batch(p, candidates):
     logits = logits_batch()
-    p = SamplingParams(temperature=1.0)
+    # Row 0 takes the full path (no truncation), row 3 too when its nucleus is wider than 8 ids.
+    neighbours = [SamplingParams(temperature=1.0), p, p, SamplingParams(temperature=0.5, top_p=0.99)]
 
-    def run(rows_with_gen):
-        gens = {b: torch.Generator().manual_seed(42) for b in rows_with_gen}
-        return [sample(logits, metadata([p] * 4, gens)).token_ids.tolist() for _ in range(20)]
+    def run(rows_with_gen, params):
+        gens = {b: torch.Generator().manual_seed(42 + b) for b in rows_with_gen}  # each row its own seed
+        return [sample(logits, metadata(params, gens)).token_ids.tolist() for _ in range(20)]
 
-    alone = [r[2] for r in run([2])]
-    together = [r[2] for r in run([0, 2, 3])]
-    assert alone == together
+    alone = [r[2] for r in run([2], [p] * 4)]
+    together = [r[2] for r in run([0, 2, 3], [p] * 4)]
+    among_others = [r[2] for r in run([0, 1, 2, 3], neighbours)]  # other rows take other paths
+    assert alone == together == among_others
     assert len(set(alone)) > 1
+
+
+def test_candidate_truncation_equals_the_full_sort(monkeypatch):
+    """Rows whose top-k/top-p set lies within their 8 best ids keep exactly the ids the full sort keeps;
+    the others are reported as not fitting."""
+    monkeypatch.setattr(sampler, "CANDIDATES", 8)
+    logits = logits_batch(6, seed=5)
+    logits[3] = logits[3] / 20  # nearly flat: its 0.9 nucleus needs far more than 8 ids
+    params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=6, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=30), SamplingParams(temperature=1.0, top_k=8, top_p=0.95)]
+    md = metadata(params)
+    cand, ids, fits = sampler._candidates(logits, md)
+    full = apply_top_k_top_p_min_p(logits, md)
+    assert fits.tolist() == [True, True, True, False, False, True]
+    for b in range(6):
+        if fits[b]:
+            assert set(ids[b][cand[b].isfinite()].tolist()) == set(full[b].isfinite().nonzero()[:, 0].tolist())
+            assert set(ids[b][cand[b].isfinite()].tolist()) == allowed_set(logits[b], params[b])
+
+
+def test_nucleus_sampling_follows_the_truncated_distribution(monkeypatch):
+    """Within the nucleus, draws follow the renormalised probabilities."""
+    monkeypatch.setattr(sampler, "CANDIDATES", 8)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0] + [-6.0] * (V - 4)])
+    p = SamplingParams(temperature=1.0, top_p=0.8)
+    allowed = sorted(allowed_set(logits[0], p))
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.zeros(V)
+    for _ in range(4000):
+        counts[sample(logits, metadata([p], {0: gen})).token_ids[0]] += 1
+    assert set(counts.nonzero()[:, 0].tolist()) == set(allowed)
+    expected = torch.softmax(logits[0, allowed], -1)
+    torch.testing.assert_close(counts[allowed] / 4000, expected, atol=0.03, rtol=0)
 
 
 def test_greedy_and_mixed_rows():

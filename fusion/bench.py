@@ -267,6 +267,50 @@ def _long_context_steps(expert: LocalExpert, sessions: int, context: int, steps:
     return statistics.median(ours[1:]) * 1e3, statistics.median(theirs[1:]) * 1e3
 
 
+def bench_sampling(pipeline: FusionPipeline, report: BenchReport, sessions: int = 8, steps: int = 12,
+                   sampling: dict | None = None) -> None:
+    """The sampler on real fused distributions: `sample` (on a CPU: top-k/top-p among each row's best
+    ids) / the full-sort path, timed in alternation on the same logits, with the share of rows whose
+    nucleus fit among the candidates."""
+    from fusion import sampler
+
+    sampling = sampling or {"temperature": 0.8, "top_p": 0.9}
+    fused_rows = run_on_compute_thread(_fused_distributions, pipeline, sessions, steps, sampling)
+    params = [SamplingParams(**sampling)] * sessions
+    ours, full, fits = [], [], []
+    for fused in fused_rows:  # (B, V) each
+        md = sampler.SamplingMetadata.build(params[: fused.shape[0]], fused.shape[-1], {}, fused.device)
+        scaled = fused / md.temperature[:, None]
+        for timings, run in ((ours, lambda: sampler.sample(fused, md)),
+                             (full, lambda: sampler._sample_full(scaled, md))):
+            start = time.perf_counter()
+            run()
+            timings.append(time.perf_counter() - start)
+        if not (md.no_top_k and md.no_top_p):
+            fits.extend(sampler._candidates(scaled, md)[2].tolist())
+    ours_ms, full_ms = statistics.median(ours) * 1e3, statistics.median(full) * 1e3
+    share = sum(fits) / len(fits) if fits else 1.0
+    report.add("sampling_ms", {"sample": ours_ms, "full_sort": full_ms, "candidates_fit": share},
+               f"sampling {sampling}, {sessions} rows: {ours_ms:.2f} ms, full sort {full_ms:.2f} ms; "
+               f"{share:.0%} of rows fit among {sampler.CANDIDATES} candidates")
+    report.add("sampling_over_full_sort", ours_ms / full_ms, f"sampling / full-sort sampling: {ours_ms / full_ms:.3f}")
+
+
+def _fused_distributions(pipeline: FusionPipeline, sessions: int, steps: int, sampling: dict) -> list[torch.Tensor]:
+    """The fused (B, V) logits of `steps` decode steps of `sessions` concurrent requests."""
+    batch = pipeline.engine.new_batch()
+    for i in range(sessions):
+        batch.add(pipeline.build_request(f"{BENCH_PROMPT} ({i})", {**sampling, "max_tokens": steps + 1,
+                                                                    "ignore_eos": True, "seed": i}))
+    captured = []
+    while batch.active:
+        step = batch.fused_logits()
+        if step.fused is not None and len(step.rows) == sessions:
+            captured.append(step.fused.clone())
+        batch.emit_tokens(step)
+    return captured
+
+
 def bench_memory(pipeline: FusionPipeline, report: BenchReport) -> None:
     for expert in pipeline.engine.experts:
         if isinstance(expert, LocalExpert):
@@ -285,7 +329,8 @@ def plot(figures: dict[str, Any], path) -> None:
     levels = sorted(int(k.split(".")[1]) for k in figures if k.startswith("concurrency."))
     labels = {"fused_step_over_sum_of_forwards": "fused step\n/ sum of\nforwards",
               "fusion_sampling_over_one_forward": "fusion +\nsampling /\none forward",
-              "long_context_step_over_transformers": "long-context\nstep /\ntransformers'"}
+              "long_context_step_over_transformers": "long-context\nstep /\ntransformers'",
+              "sampling_over_full_sort": "top-p sampling\n/ full sort"}
     ratios = {k: figures[k] for k in labels if k in figures}
     panels = (2 if levels else 0) + (1 if ratios else 0)
     if not panels:

@@ -496,8 +496,8 @@ def evaluate(
 @app.command()
 def bench(
     config_path: Optional[Path] = ConfigOption,
-    suites: str = typer.Option("step,generate,concurrency,long,memory", "--suites",
-                               help="Comma-separated: step, generate, concurrency, long, memory."),
+    suites: str = typer.Option("step,generate,concurrency,long,sampling,memory", "--suites",
+                               help="Comma-separated: step, generate, concurrency, long, sampling, memory."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
     levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
     context: int = typer.Option(1024, "--context", min=2, help="Ids per session in the long-context suite."),
@@ -517,7 +517,7 @@ def bench(
         report = b.BenchReport()
         report.figures["machine"] = b.machine_description()
         chosen = [s.strip() for s in suites.split(",") if s.strip()]
-        known = {"step", "generate", "concurrency", "long", "memory"}
+        known = {"step", "generate", "concurrency", "long", "sampling", "memory"}
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
@@ -528,6 +528,8 @@ def bench(
             b.bench_concurrency(pipeline, report, levels=tuple(int(x) for x in levels.split(",")))
         if "long" in chosen:
             b.bench_long_context(pipeline, report, context=context)
+        if "sampling" in chosen:
+            b.bench_sampling(pipeline, report)
         if "memory" in chosen:
             b.bench_memory(pipeline, report)
         pipeline.close()

@@ -450,8 +450,11 @@ class DecodeBatch:
     def _step(self) -> list[TokenEvent | ErrorEvent]:
         if not self.rows:
             return []
+        return self.emit_tokens(self.fused_logits())
+
+    def emit_tokens(self, step: StepLogits) -> list[TokenEvent | ErrorEvent]:
+        """Steps 4-5 for the rows of `step` (from `fused_logits`): sample, attribute, finish rows."""
         engine = self.engine
-        step = self.fused_logits()
         events: list[TokenEvent | ErrorEvent] = list(step.errors)
         if not step.rows:
             return events

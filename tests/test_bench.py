@@ -13,8 +13,12 @@ def test_suites_report_ratios_and_plot(tiny_pipeline, tmp_path):
     bench.bench_step(tiny_pipeline, report, steps=2, rounds=1)
     bench.bench_concurrency(tiny_pipeline, report, levels=(2,), max_tokens=4, rounds=2)
     bench.bench_long_context(tiny_pipeline, report, sessions=3, context=40, steps=3)
+    bench.bench_sampling(tiny_pipeline, report, sessions=3, steps=3)
     bench.bench_memory(tiny_pipeline, report)
     figures = report.figures
+    sampling = figures["sampling_ms"]
+    assert figures["sampling_over_full_sort"] == sampling["sample"] / sampling["full_sort"]
+    assert 0.0 <= sampling["candidates_fit"] <= 1.0
     long = figures["long_context_step_ms"]
     assert figures["long_context_step_over_transformers"] == long["runtime"] / long["transformers"]
     assert not any(e.cache for e in tiny_pipeline.engine.experts)  # its sessions were released

@@ -335,7 +335,9 @@ def plot(figures: dict[str, Any], path) -> None:
     panels = (2 if levels else 0) + (1 if ratios else 0)
     if not panels:
         raise ValueError("no concurrency or step figures to plot")
-    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.0), squeeze=False)
+    widths = [1.0] * (2 if levels else 0) + ([0.45 * len(ratios)] if ratios else [])
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * sum(widths), 4.0), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
     axes = list(axes[0])
     if levels:
         conc = [figures[f"concurrency.{n}"] for n in levels]
@@ -352,7 +354,7 @@ def plot(figures: dict[str, Any], path) -> None:
     if ratios:
         ax = axes.pop(0)
         ax.bar([labels[k] for k in ratios], list(ratios.values()), color="#fc8d62")
-        ax.set(title="per-step overhead", ylabel="ratio")
+        ax.set(title="side-by-side time ratios (lower is faster)", ylabel="ratio")
     fig.suptitle(figures.get("machine", ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -20,7 +20,7 @@ import torch
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.kv_cache import GrowingLayer, cache_holding, cache_of, is_plain, new_cache
+from fusion.kv_cache import Cohort, cache_holding, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class LocalExpert:
         self.max_decode_batch = max_decode_batch
         layers = new_cache(model.config).layers
         self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)  # no sliding windows
+        self._cohort: Cohort | None = None  # the sessions of the last batched decode step (see Cohort)
         # See `_decode_mask`: on CPU, decode steps hand SDPA a ready-made mask.
         self._ready_made_decode_mask = (
             self._plain_cache and self.device.type == "cpu"
@@ -198,6 +199,10 @@ class LocalExpert:
         with self._lock:
             for session_id in session_ids:
                 self.cache.release(session_id)
+            if self._cohort is not None:  # free the batch buffers once none of their sessions is left
+                alive = {id(entry.kv) for entry in self.cache.entries()}
+                if not any(id(member) in alive for member in self._cohort.members):
+                    self._cohort = None
 
     # -- internals -------------------------------------------------------------------------------
     def _check_ids(self, token_ids: Sequence[int]) -> None:
@@ -272,48 +277,39 @@ class LocalExpert:
         return out.logits[:, -1].float()
 
     def _decode_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
-        """One forward for B sessions of different lengths: their caches are copied, left-padded, into
-        one batch with a free column for the new id (padding masked out), and each session's new
-        key/value column is appended to its own cache afterwards. Returns (B, V) float32."""
-        lengths = [e.length for e in entries]
-        longest = max(lengths)
-        batched = cache_of(self._left_padded_layers([e.kv for e in entries], lengths, longest))
-        mask = self._decode_mask([n + 1 for n in lengths], longest + 1)  # cached ids + the new one
-        out = self.model(
-            input_ids=torch.tensor([[h[-1]] for h in histories], device=self.device),  # (B, 1)
-            attention_mask=mask,
-            position_ids=torch.tensor([[n] for n in lengths], device=self.device),  # (B, 1)
-            cache=batched,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        for layer in range(len(batched.layers)):
-            new_k = batched.layers[layer].keys[:, :, -1:]  # (B, H, 1, D)
-            new_v = batched.layers[layer].values[:, :, -1:]
-            for row, entry in enumerate(entries):
-                entry.kv.layers[layer].update(new_k[row : row + 1], new_v[row : row + 1])
+        """One forward for B sessions of different lengths, left-padded into one batch (padding masked
+        out). The batch is the expert's `Cohort`: built (one copy of each cache) when the sessions
+        differ from the last batched step's, reused in place when they are the same; either way each
+        session's cache is then a view of its batch row. Returns (B, V) float32 in `entries` order."""
+        caches = [e.kv for e in entries]
+        rows = self._cohort.rows_for(caches) if self._cohort is not None else None
+        if rows is None:  # other sessions than last step's: copy them into a new batch once
+            previous, self._cohort = self._cohort, Cohort(caches)
+            if previous is not None:
+                previous.release(keep=caches, alive=[e.kv for e in self.cache.entries()])
+            rows = list(range(len(entries)))
+        cohort = self._cohort
+        order = sorted(range(len(entries)), key=rows.__getitem__)  # request index of each batch row
+        lengths = cohort.lengths()  # (B,) cached ids per batch row
+        mask = self._decode_mask([n + 1 for n in lengths], cohort.frontier + 1)  # cached ids + the new one
+        try:
+            out = self.model(
+                input_ids=torch.tensor([[histories[i][-1]] for i in order], device=self.device),  # (B, 1)
+                attention_mask=mask,
+                position_ids=torch.tensor([[n] for n in lengths], device=self.device),  # (B, 1)
+                cache=cohort.batch_cache(),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except Exception:
+            self._cohort = None
+            raise
+        cohort.point_members()
         for entry, history in zip(entries, histories):
             entry.token_ids = history
         self.cache.record(hits=sum(lengths), misses=len(entries))
-        return out.logits[:, -1].float()
-
-    @staticmethod
-    def _left_padded_layers(caches: list, lengths: list[int], longest: int) -> list[GrowingLayer]:
-        """Per layer, the sessions' keys/values copied into one batch buffer (B, H, longest + 1, D),
-        row b filled over columns [longest - lengths[b], longest); the last column is free for the step."""
-        layers = []
-        for index in range(len(caches[0].layers)):
-            sources = [cache.layers[index] for cache in caches]
-            buffers = []
-            for part in ("keys", "values"):
-                first = getattr(sources[0], part)  # (1, H, n, D)
-                buffer = first.new_empty(len(sources), first.shape[1], longest + 1, first.shape[-1])
-                for row, (source, n) in enumerate(zip(sources, lengths)):
-                    buffer[row, :, : longest - n].zero_()  # padding: masked out, but must not hold NaNs
-                    buffer[row, :, longest - n : longest] = getattr(source, part)[0]
-                buffers.append(buffer)
-            layers.append(GrowingLayer.adopting(*buffers, length=longest))
-        return layers
+        logits = out.logits[:, -1].float()  # (B, V) in batch-row order
+        return logits[torch.tensor(rows, device=logits.device)]  # back in request order
 
     def _forward_tail(self, session_id: str, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         """Run the uncached suffix of `token_ids`; return logits of its last `num_logits` positions (n, V)."""

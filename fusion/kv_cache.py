@@ -68,6 +68,27 @@ class GrowingLayer(DynamicLayer):
             values[..., : self._length, :] = self._value_buffer[..., : self._length, :]
         self._key_buffer, self._value_buffer = keys, values
 
+    def row_view(self, row: int, start: int, length: int) -> GrowingLayer:
+        """A layer whose buffers are row `row` of this one's from column `start` on (views, no copy):
+        appending to it writes into that row, until it outgrows the row and copies itself out."""
+        return GrowingLayer.adopting(self._key_buffer[row : row + 1, :, start:],
+                                     self._value_buffer[row : row + 1, :, start:], length)
+
+    def is_row_view(self, batch: GrowingLayer, row: int, start: int) -> bool:
+        """Whether this layer's buffers are still `batch.row_view(row, start, ...)`'s."""
+        return all(
+            mine is not None and mine._base is theirs
+            and mine.storage_offset() == theirs.storage_offset() + row * theirs.stride(0) + start * theirs.stride(2)
+            for mine, theirs in ((self._key_buffer, batch._key_buffer), (self._value_buffer, batch._value_buffer))
+        )
+
+    def set_length(self, length: int) -> None:
+        """Declare the first `length` columns filled (the owner of the buffers wrote them)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} outside the buffer's capacity {self.capacity}")
+        self._length = length
+        self._view()
+
     def _view(self) -> None:
         self.keys = self._key_buffer[..., : self._length, :]
         self.values = self._value_buffer[..., : self._length, :]
@@ -139,3 +160,92 @@ def cache_of(layers: list) -> DynamicCache:
 def cache_holding(layers: list[tuple[torch.Tensor, torch.Tensor]], spare: int | None = None) -> DynamicCache:
     """A cache holding copies of per-layer (keys, values), each (B, H, n, D), with `spare` free columns."""
     return cache_of([GrowingLayer.holding(keys, values, spare) for keys, values in layers])
+
+
+class Cohort:
+    """Sessions decoded together whose caches are rows of one left-padded batch buffer per layer.
+
+    A batched decode step needs the sessions' keys/values side by side in one padded batch. Copying
+    them there on every step (and each new column back) costs a pass over every cache per step.
+    Instead, the batch is built once; afterwards each session's cache layers are views of its row
+    (`GrowingLayer.row_view`), and a step whose sessions are exactly the cohort's, each still a view
+    of its row and ending at the common frontier, runs on the batch buffers in place. A session
+    extended on its own (a crop, a prompt chunk) either writes into its row or, past the row's
+    capacity, copies itself out; either way `rows_for` no longer matches and the next step rebuilds.
+
+    Row b holds its session's columns [starts[b], frontier); columns before are zero padding."""
+
+    def __init__(self, caches: list[DynamicCache], spare: int | None = None) -> None:
+        spare = DEFAULT_SPARE if spare is None else spare
+        lengths = [cache.get_seq_length() for cache in caches]
+        longest = max(lengths)
+        self.members = list(caches)  # the sessions' cache objects, by identity
+        self.starts = [longest - n for n in lengths]
+        self.layers: list[GrowingLayer] = []
+        for index in range(len(caches[0].layers)):
+            sources = [cache.layers[index] for cache in caches]
+            buffers = []
+            for part in ("keys", "values"):
+                first = getattr(sources[0], part)  # (1, H, n, D)
+                buffer = first.new_empty(len(sources), first.shape[1], longest + 1 + spare, first.shape[-1])
+                for row, (source, start) in enumerate(zip(sources, self.starts)):
+                    buffer[row, :, :start].zero_()  # padding: masked out, but must not hold NaNs
+                    buffer[row, :, start:longest] = getattr(source, part)[0]
+                buffers.append(buffer)
+            self.layers.append(GrowingLayer.adopting(*buffers, length=longest))
+        self.point_members()
+
+    @property
+    def frontier(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def lengths(self) -> list[int]:
+        return [self.frontier - start for start in self.starts]
+
+    def rows_for(self, caches: list[DynamicCache]) -> list[int] | None:
+        """The row of each cache if these are exactly the cohort's sessions, unchanged since its last
+        step; otherwise None."""
+        if len(caches) != len(self.members):
+            return None
+        row_of = {id(cache): row for row, cache in enumerate(self.members)}
+        rows = [row_of.get(id(cache)) for cache in caches]
+        if None in rows or len(set(rows)) != len(rows):
+            return None
+        frontier = self.frontier
+        for cache, row in zip(caches, rows):
+            start = self.starts[row]
+            if cache.get_seq_length() != frontier - start or len(cache.layers) != len(self.layers):
+                return None
+            if not all(isinstance(own, GrowingLayer) and own.is_row_view(batch, row, start)
+                       for own, batch in zip(cache.layers, self.layers)):
+                return None
+        return rows
+
+    def batch_cache(self) -> DynamicCache:
+        """The batch as one cache (B rows) for a forward; call `point_members` after it."""
+        return cache_of(self.layers)
+
+    def point_members(self) -> None:
+        """Make every member's layers views of its row, up to the frontier (after a step, or after the
+        batch buffers grew and moved)."""
+        for row, (cache, start) in enumerate(zip(self.members, self.starts)):
+            length = self.frontier - start
+            for index, batch in enumerate(self.layers):
+                own = cache.layers[index]
+                if isinstance(own, GrowingLayer) and own.is_row_view(batch, row, start):
+                    own.set_length(length)
+                else:
+                    cache.layers[index] = batch.row_view(row, start, length)
+
+    def release(self, keep: list[DynamicCache], alive: list[DynamicCache]) -> None:
+        """Dissolve the cohort: `alive` members not in `keep` that are still views of its rows get
+        buffers of their own (the others are gone), so that the batch buffers are freed."""
+        kept, living = {id(cache) for cache in keep}, {id(cache) for cache in alive}
+        for row, (cache, start) in enumerate(zip(self.members, self.starts)):
+            if id(cache) in kept or id(cache) not in living:
+                continue
+            for index, batch in enumerate(self.layers):
+                own = cache.layers[index]
+                if isinstance(own, GrowingLayer) and own.is_row_view(batch, row, start):
+                    cache.layers[index] = GrowingLayer.holding(own.keys, own.values)
+        self.members = []

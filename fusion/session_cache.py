@@ -56,6 +56,10 @@ class SessionCache:
     def sessions(self) -> list[str]:
         return list(self._entries)
 
+    def entries(self) -> list[CacheEntry]:
+        """Every entry, least recently used first (without marking any as used)."""
+        return list(self._entries.values())
+
     def get(self, session_id: str) -> CacheEntry:
         """The session's entry (created empty if absent), marked most recently used."""
         entry = self._entries.get(session_id)

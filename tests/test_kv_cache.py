@@ -101,3 +101,64 @@ def test_decode_past_buffer_growth_equals_plain_forwards(tiny_dir, monkeypatch, 
         for s, row in zip(histories, got):
             histories[s] = histories[s] + [int(row[:300].argmax())]
     assert all(isinstance(layer, GrowingLayer) for layer in expert.cache.get("s1").kv.layers)
+
+
+def _plain_last_logits(model, histories):
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([h])).logits[0, -1] for h in histories])
+
+
+def test_cohort_steps_in_place_and_rebuilds_when_its_sessions_change(tiny_dir, monkeypatch):
+    """A batched step of the same sessions reuses the batch buffers (in any request order); sessions
+    joining, leaving, diverging, scored alone or outgrowing the buffers make it rebuild. Every step's
+    logits equal a plain uncached forward of each whole history."""
+    import fusion.expert as expert_module
+
+    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 3)  # the batch outgrows its buffers every few steps
+    built = []
+
+    class CountingCohort(kv_cache.Cohort):
+        def __init__(self, caches, spare=None):
+            built.append(len(caches))
+            super().__init__(caches, spare)
+
+    monkeypatch.setattr(expert_module, "Cohort", CountingCohort)
+    config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32"}]})
+    expert = LocalExpert.load(config.experts[0])
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 50)), "s3": [8, 9, 10, 11]}
+
+    def step(names):
+        requests = [StepRequest(s, histories[s]) for s in names]
+        got = expert.step(requests)
+        torch.testing.assert_close(got, _plain_last_logits(expert.model, [histories[s] for s in names]),
+                                   rtol=1e-4, atol=1e-4)
+        for s, row in zip(names, got):
+            histories[s] = histories[s] + [int(row[:300].argmax())]
+
+    step(["s1", "s2", "s3"])  # batched prefill
+    step(["s1", "s2", "s3"])  # first batched decode: builds the cohort
+    assert built == [3]
+    for names in (["s1", "s2", "s3"], ["s3", "s1", "s2"], ["s2", "s3", "s1"]) * 2:
+        step(names)  # same sessions, any order: in place (through several buffer growths)
+    assert built == [3]
+    first = expert._cohort
+    row_of_s3 = first.members.index(expert.cache.get("s3").kv)
+    assert all(own.is_row_view(batch, row_of_s3, first.starts[row_of_s3])
+               for own, batch in zip(expert.cache.get("s3").kv.layers, first.layers))
+    step(["s1", "s2"])  # s3 sits out: rebuilt without it, s3 copied out of the old rows
+    assert built == [3, 2]
+    for own, batch in zip(expert.cache.get("s3").kv.layers, first.layers):
+        assert not own.is_row_view(batch, row_of_s3, first.starts[row_of_s3]) and own.keys._base is not batch.keys._base
+    step(["s1", "s2", "s3"])
+    assert built == [3, 2, 3]
+    histories["s2"] = histories["s2"][:-2] + [7, 7]  # s2 diverges: cropped and extended alone,
+    step(["s1", "s2", "s3"])  # while s1 and s3 step as a batch of two
+    step(["s1", "s2", "s3"])
+    assert built == [3, 2, 3, 2, 3]
+    logits = expert.score("s1", histories["s1"] + [4], 2)  # scored on its own between steps
+    torch.testing.assert_close(logits[-1], _plain_last_logits(expert.model, [histories["s1"]])[0],
+                               rtol=1e-4, atol=1e-4)  # the last row predicts the 4 after the history
+    step(["s1", "s2", "s3"])
+    assert expert._cohort is not None
+    expert.release(["s1", "s2", "s3"])
+    assert expert._cohort is None  # no session left: the batch buffers are freed

@@ -6,6 +6,9 @@ expert step on a 2-core CPU. `GrowingLayer` keeps keys and values in buffers wit
 writes new columns in place; `keys`/`values` are views of the filled part. The buffer grows by half
 its size (at least `spare` columns) when full, so appends cost amortised O(new columns).
 
+`Cohort` keeps a batched decode step's sessions side by side: their caches become views of rows of
+one left-padded batch buffer, so consecutive steps of the same sessions copy nothing.
+
 Models whose cache has sliding-window (or other non-plain) layers keep transformers' own layers.
 """
 

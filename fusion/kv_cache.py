@@ -48,7 +48,6 @@ class GrowingLayer(DynamicLayer):
         layer = cls(spare=0)
         layer.lazy_initialization(key_buffer, value_buffer)
         layer._key_buffer, layer._value_buffer, layer._length = key_buffer, value_buffer, length
-        layer._view()
         return layer
 
     @property
@@ -85,16 +84,27 @@ class GrowingLayer(DynamicLayer):
             for mine, theirs in ((self._key_buffer, batch._key_buffer), (self._value_buffer, batch._value_buffer))
         )
 
-    def set_length(self, length: int) -> None:
-        """Declare the first `length` columns filled (the owner of the buffers wrote them)."""
-        if not 0 <= length <= self.capacity:
-            raise ValueError(f"length {length} outside the buffer's capacity {self.capacity}")
-        self._length = length
-        self._view()
+    # `keys`/`values` are views of the filled columns, made on access: moving the fill mark is then an
+    # int assignment (a cohort moves it on every member layer after every step).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        buffer = self.__dict__.get("_key_buffer")
+        return None if buffer is None else buffer[..., : self._length, :]
 
-    def _view(self) -> None:
-        self.keys = self._key_buffer[..., : self._length, :]
-        self.values = self._value_buffer[..., : self._length, :]
+    @keys.setter
+    def keys(self, value) -> None:  # transformers' base class initialises it to None
+        if value is not None:
+            raise AttributeError("GrowingLayer.keys is a view of its buffer; append with update()")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        buffer = self.__dict__.get("_value_buffer")
+        return None if buffer is None else buffer[..., : self._length, :]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("GrowingLayer.values is a view of its buffer; append with update()")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -104,7 +114,6 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer[..., start:end, :] = key_states
         self._value_buffer[..., start:end, :] = value_states
         self._length = end
-        self._view()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -116,7 +125,6 @@ class GrowingLayer(DynamicLayer):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self._length = max(0, self._length + tokens_to_remove)
-        self._view()
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
@@ -127,13 +135,11 @@ class GrowingLayer(DynamicLayer):
         if self._key_buffer is not None:
             self._key_buffer = self._key_buffer[indices]
             self._value_buffer = self._value_buffer[indices]
-            self._view()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._key_buffer is not None:
             self._key_buffer = self._key_buffer.repeat_interleave(repeats, dim=0)
             self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)
-            self._view()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx.to(self.device))
@@ -217,12 +223,20 @@ class Cohort:
         frontier = self.frontier
         for cache, row in zip(caches, rows):
             start = self.starts[row]
-            if cache.get_seq_length() != frontier - start or len(cache.layers) != len(self.layers):
-                return None
-            if not all(isinstance(own, GrowingLayer) and own.is_row_view(batch, row, start)
-                       for own, batch in zip(cache.layers, self.layers)):
+            if cache.get_seq_length() != frontier - start or not self._still_row_view(cache, row):
                 return None
         return rows
+
+    def _still_row_view(self, cache: DynamicCache, row: int) -> bool:
+        """Whether the cache's layers are still views of `row`. A cache's layers are appended, cropped
+        and reallocated together (every forward updates each layer alike), so its first and last
+        layers stand for all."""
+        layers = cache.layers
+        if len(layers) != len(self.layers):
+            return False
+        start = self.starts[row]
+        return all(isinstance(layers[i], GrowingLayer) and layers[i].is_row_view(self.layers[i], row, start)
+                   for i in (0, -1))
 
     def batch_cache(self) -> DynamicCache:
         """The batch as one cache (B rows) for a forward; call `point_members` after it."""
@@ -231,14 +245,14 @@ class Cohort:
     def point_members(self) -> None:
         """Make every member's layers views of its row, up to the frontier (after a step, or after the
         batch buffers grew and moved)."""
+        frontier = self.frontier
         for row, (cache, start) in enumerate(zip(self.members, self.starts)):
-            length = self.frontier - start
-            for index, batch in enumerate(self.layers):
-                own = cache.layers[index]
-                if isinstance(own, GrowingLayer) and own.is_row_view(batch, row, start):
-                    own.set_length(length)
-                else:
-                    cache.layers[index] = batch.row_view(row, start, length)
+            length = frontier - start
+            if self._still_row_view(cache, row):  # the common case: only the fill mark moves
+                for own in cache.layers:
+                    own._length = length
+            else:  # first pointing, or the batch buffers grew and moved
+                cache.layers = [batch.row_view(row, start, length) for batch in self.layers]
 
     def release(self, keep: list[DynamicCache], alive: list[DynamicCache]) -> None:
         """Dissolve the cohort: `alive` members not in `keep` that are still views of its rows get

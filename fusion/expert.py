@@ -117,6 +117,7 @@ class LocalExpert:
         layers = new_cache(model.config).layers
         self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)  # no sliding windows
         self._cohort: Cohort | None = None  # the sessions of the last batched decode step (see Cohort)
+        self.decode_batches = {"in_place": 0, "rebuilt": 0}  # batched decode steps, by how the batch was had
         # See `_decode_mask`: on CPU, decode steps hand SDPA a ready-made mask.
         self._ready_made_decode_mask = (
             self._plain_cache and self.device.type == "cpu"
@@ -204,6 +205,15 @@ class LocalExpert:
                 if not any(id(member) in alive for member in self._cohort.members):
                     self._cohort = None
 
+    def cache_stats(self) -> dict[str, int]:
+        """A consistent snapshot of the KV cache counters (for metrics scrapes from other threads)."""
+        with self._lock:
+            return {
+                "sessions": len(self.cache), "cached_tokens": self.cache.cached_tokens,
+                "reused_tokens": self.cache.hits, "computed_tokens": self.cache.misses,
+                "evictions": self.cache.evictions, **{f"decode_batches_{k}": v for k, v in self.decode_batches.items()},
+            }
+
     # -- internals -------------------------------------------------------------------------------
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         if len(token_ids) == 0:
@@ -288,6 +298,9 @@ class LocalExpert:
             if previous is not None:
                 previous.release(keep=caches, alive=[e.kv for e in self.cache.entries()])
             rows = list(range(len(entries)))
+            self.decode_batches["rebuilt"] += 1
+        else:
+            self.decode_batches["in_place"] += 1
         cohort = self._cohort
         order = sorted(range(len(entries)), key=rows.__getitem__)  # request index of each batch row
         lengths = cohort.lengths()  # (B,) cached ids per batch row

@@ -48,6 +48,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         self._queue: list[_Pending] = []
         self._drainer: asyncio.Task | None = None
         metrics.track_sessions(lambda: len(expert.cache))
+        metrics.track_cache(expert.cache_stats)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

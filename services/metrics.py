@@ -11,6 +11,8 @@ from typing import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Decode steps of small models take milliseconds on a GPU and up to a second or so on a CPU.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -52,6 +54,34 @@ class ExpertMetrics(ServerMetrics):
         self.wire_bytes = Counter(
             "fusion_expert_response_bytes", "Logits bytes sent to callers", registry=self.registry,
         )
+
+    def track_cache(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(ExpertCacheCollector(stats))
+
+
+class ExpertCacheCollector(Collector):
+    """The expert's KV cache, read at scrape time: ids cached now, prompt/history ids reused from the
+    cache or computed, evictions, and batched decode steps run in place or on a rebuilt batch."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        yield GaugeMetricFamily("fusion_expert_cached_tokens", "Ids whose keys/values the expert holds now",
+                                value=stats["cached_tokens"])
+        tokens = CounterMetricFamily("fusion_expert_prefix_tokens", "History ids of steps, by whether the KV "
+                                     "cache served them or they were computed", labels=["outcome"])
+        tokens.add_metric(["reused"], stats["reused_tokens"])
+        tokens.add_metric(["computed"], stats["computed_tokens"])
+        yield tokens
+        yield CounterMetricFamily("fusion_expert_cache_evictions", "Sessions evicted under the KV budget",
+                                  value=stats["evictions"])
+        batches = CounterMetricFamily("fusion_expert_decode_batches", "Batched decode steps, by whether the "
+                                      "batch of the previous step was reused in place or rebuilt", labels=["batch"])
+        batches.add_metric(["in_place"], stats["decode_batches_in_place"])
+        batches.add_metric(["rebuilt"], stats["decode_batches_rebuilt"])
+        yield batches
 
 
 class CoordinatorMetrics(ServerMetrics):

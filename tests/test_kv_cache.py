@@ -160,5 +160,8 @@ def test_cohort_steps_in_place_and_rebuilds_when_its_sessions_change(tiny_dir, m
                                rtol=1e-4, atol=1e-4)  # the last row predicts the 4 after the history
     step(["s1", "s2", "s3"])
     assert expert._cohort is not None
+    stats = expert.cache_stats()  # what the expert server's metrics report
+    assert stats["decode_batches_rebuilt"] == len(built)
+    assert stats["decode_batches_in_place"] == 6  # the six steps of the same sessions in any order
     expert.release(["s1", "s2", "s3"])
     assert expert._cohort is None  # no session left: the batch buffers are freed

@@ -135,9 +135,10 @@ def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str]
         return base
     parsed = parse_weights(weights)
     given = parse_params(params)
+    inherited = base.params if rule in (None, base.rule) else {}  # the config's params, for its own rule
     return FusionSpec(
         rule=rule or base.rule,
-        params=given if given is not None else (base.params if rule in (None, base.rule) else {}),
+        params={**inherited, **(given or {})},  # --params overrides one by one
         weights=parsed if parsed is not None else (None if profile else base.weights),
         profile=profile if profile is not None else (None if parsed is not None else base.profile),
     )
@@ -164,7 +165,8 @@ def generate(
     top_k: Optional[int] = typer.Option(None, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Reproducible sampling."),
     rule: Optional[str] = typer.Option(None, "--rule", help="Fusion rule (default: the config's)."),
-    params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. path=out/router.pt."),
+    params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. hard=true; with the "
+                                         "config's rule they override its params one by one."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Named weight profile from the config."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Per-expert weights, e.g. smollm2=0.6,arith=0.4."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with per-token attribution."),
@@ -246,7 +248,8 @@ def score(
     continuation: str = typer.Option(..., "--continuation", "-C", help="Text to score after the prompt."),
     config_path: Optional[Path] = ConfigOption,
     rule: Optional[str] = typer.Option(None, "--rule"),
-    params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. tau=0.5."),
+    params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. tau=0.5; with the "
+                                         "config's rule they override its params one by one."),
     profile: Optional[str] = typer.Option(None, "--profile"),
     weights: Optional[str] = typer.Option(None, "--weights"),
     as_json: bool = typer.Option(False, "--json"),

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from fusion.config import FusionSpec
+from fusion.config import FusionSpec, parse_config
 from tests.conftest import tiny_config_dict
 
 
@@ -55,6 +55,18 @@ def test_generate_with_rule_params(config_file, tiny_pipeline):
     spec = FusionSpec(rule="confidence", params={"tau": 0.25, "combine": "weighted_logits"})
     assert json.loads(out.stdout)["token_ids"] == tiny_pipeline.complete("hello world", {"max_tokens": 5},
                                                                          spec).token_ids
+
+
+def test_params_override_the_configs_params_one_by_one(tiny_dir):
+    from fusion.cli import build_spec
+
+    config = parse_config(tiny_config_dict(tiny_dir, fusion={"rule": "confidence", "params": {"tau": 0.7}}))
+    assert build_spec(config, None, None, None, "combine=weighted_logits").params == {
+        "tau": 0.7, "combine": "weighted_logits"}  # the config's rule: its params stay unless overridden
+    assert build_spec(config, None, None, None, "tau=0.2").params == {"tau": 0.2}
+    assert build_spec(config, "confidence", None, None, None).params == {"tau": 0.7}
+    assert build_spec(config, "mixture", None, None, None).params == {}  # another rule starts afresh
+    assert build_spec(config, "logit_arithmetic", None, None, "alpha=0.3").params == {"alpha": 0.3}
 
 
 def test_show_experts_without_terminal(config_file):

@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -126,6 +127,11 @@ def parse_params(text: Optional[str]) -> Optional[dict[str, Any]]:
         except yaml.YAMLError:
             fail(f"--params: cannot read the value of {name!r}: {value!r}")
     return params
+
+
+def split_names(text: str) -> list[str]:
+    """Comma-separated names; a comma inside parentheses belongs to its name ("route (config, pure)")."""
+    return [name.strip() for name in re.split(r",(?![^()]*\))", text) if name.strip()]
 
 
 def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str], weights: Optional[str],
@@ -476,7 +482,7 @@ def evaluate(
         extra = [("route", routed), ("route (pure)", ev.pure_routing(routed))] if router else []
         rows = ev.default_rows(pipeline, extra)
         if only:
-            wanted = [w.strip() for w in only.split(",")]
+            wanted = split_names(only)
             unknown = sorted(set(wanted) - {name for name, _ in rows})
             if unknown:
                 fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")

@@ -69,6 +69,13 @@ def test_params_override_the_configs_params_one_by_one(tiny_dir):
     assert build_spec(config, "logit_arithmetic", None, None, "alpha=0.3").params == {"alpha": 0.3}
 
 
+def test_eval_row_names_keep_their_commas():
+    from fusion.cli import split_names
+
+    assert split_names("mixture, route (config, pure),route (config)") == [
+        "mixture", "route (config, pure)", "route (config)"]
+
+
 def test_show_experts_without_terminal(config_file):
     out = fusion("generate", "hi", "--config", str(config_file), "--max-tokens", "3", "--show-experts")
     assert out.returncode == 0, out.stderr

@@ -209,7 +209,7 @@ class LocalExpert:
         """A consistent snapshot of the KV cache counters (for metrics scrapes from other threads)."""
         with self._lock:
             return {
-                "sessions": len(self.cache), "cached_tokens": self.cache.cached_tokens,
+                "cached_tokens": self.cache.cached_tokens,
                 "reused_tokens": self.cache.hits, "computed_tokens": self.cache.misses,
                 "evictions": self.cache.evictions, **{f"decode_batches_{k}": v for k, v in self.decode_batches.items()},
             }

@@ -258,11 +258,9 @@ class Cohort:
         """Dissolve the cohort: `alive` members not in `keep` that are still views of its rows get
         buffers of their own (the others are gone), so that the batch buffers are freed."""
         kept, living = {id(cache) for cache in keep}, {id(cache) for cache in alive}
-        for row, (cache, start) in enumerate(zip(self.members, self.starts)):
+        for row, cache in enumerate(self.members):
             if id(cache) in kept or id(cache) not in living:
                 continue
-            for index, batch in enumerate(self.layers):
-                own = cache.layers[index]
-                if isinstance(own, GrowingLayer) and own.is_row_view(batch, row, start):
-                    cache.layers[index] = GrowingLayer.holding(own.keys, own.values)
+            if self._still_row_view(cache, row):
+                cache.layers = [GrowingLayer.holding(own.keys, own.values) for own in cache.layers]
         self.members = []

@@ -202,16 +202,14 @@ def _sample_candidates(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tens
     if not md.no_min_p:
         scaled = apply_top_k_top_p_min_p(scaled, md.only_min_p())
     token_ids = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
-    truncating = ((md.top_k > 0) | (md.top_p < 1.0)).tolist()
-    fits = [False] * len(truncating)
-    if any(truncating):
-        cand, ids, fits_t = _candidates(scaled, md)
-        fits = [t and f for t, f in zip(truncating, fits_t.tolist())]
-        rows = [b for b, f in enumerate(fits) if f]
-        if rows:
-            index = torch.tensor(rows, device=scaled.device)
-            picked = _race((cand[index] - cand[index, :1]).exp(), md, rows)  # (R,) positions
-            token_ids[index] = ids[index].gather(-1, picked[:, None])[:, 0]
+    truncating = (md.top_k > 0) | (md.top_p < 1.0)  # (B,) rows without either sample over the whole row
+    cand, ids, fits = _candidates(scaled, md)
+    fits = (truncating & fits).tolist()
+    rows = [b for b, f in enumerate(fits) if f]
+    if rows:
+        index = torch.tensor(rows, device=scaled.device)
+        picked = _race((cand[index] - cand[index, :1]).exp(), md, rows)  # (R,) positions
+        token_ids[index] = ids[index].gather(-1, picked[:, None])[:, 0]
     rest = [b for b, f in enumerate(fits) if not f]
     if rest:
         index = torch.tensor(rest, device=scaled.device)

@@ -255,13 +255,20 @@ class FusionEngine:
         return run_on_compute_thread(self._fused_logprobs, logits, continuation_ids, rule, weights, prefix_ids)
 
     def _fused_logprobs(self, logits, continuation_ids, rule, weights, prefix_ids) -> list[float]:
+        log_probs = self.fused_distribution(logits, continuation_ids, rule, weights, prefix_ids)  # (n, V)
+        ids = torch.tensor(continuation_ids, device=self.device)
+        return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
+
+    def fused_distribution(
+        self, logits: torch.Tensor, continuation_ids: Sequence[int], rule: FusionRule, weights: list[float],
+        prefix_ids: Sequence[int],
+    ) -> torch.Tensor:
+        """The fused log-distribution (n, V) at each teacher-forced position of `logits` (E, n, V)."""
         n = logits.shape[1]
         w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
         context = teacher_forced_context(prefix_ids, continuation_ids, self.device)  # (n, K)
         fused = rule.fuse(logits, w, context).logits  # (n, V)
-        log_probs = torch.log_softmax(fused.float(), dim=-1)
-        ids = torch.tensor(continuation_ids, device=self.device)
-        return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
+        return torch.log_softmax(fused.float(), dim=-1)
 
     # -- internals ----------------------------------------------------------------------------
     def _step_experts(self, jobs: list[_StepJob]) -> torch.Tensor:

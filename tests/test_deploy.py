@@ -25,6 +25,7 @@ from deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args
 from fusion.config import parse_config
 from fusion.errors import ConfigError
 from tests.conftest import tiny_config_dict
+from tests.reference import assert_greedy_equivalent, assert_stream_matches
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "fusion-test"
@@ -261,10 +262,8 @@ def test_greedy_output_equals_the_local_engine(cluster, tiny_pipeline):
     with FusionClient(cluster.address, timeout=60) as client:
         for prompt in PROMPTS:
             remote = list(client.generate(prompt, sampling))
-            local = tiny_pipeline.complete(prompt, sampling)
-            assert [e.token.token_id for e in remote] == local.token_ids
-            assert "".join(e.text for e in remote) == local.text
-            assert remote[-1].finish_reason == local.finish_reason
+            # Replicas run with one thread each and batch with other sessions: see tests.reference.
+            assert_stream_matches(tiny_pipeline, prompt, remote, tiny_pipeline.complete(prompt, sampling))
 
 
 def test_step_through_a_serve_handle(cluster, tiny_pipeline):
@@ -281,9 +280,15 @@ def test_step_through_a_serve_handle(cluster, tiny_pipeline):
     got = decode_tensor(_handle("expert-b").Step.remote(request("handle-1")).result(timeout_s=30).logits, "b")
     local = tiny_pipeline.engine.experts[1]
     try:
-        assert torch.equal(got, local.step([StepRequest("handle-1", [5, 6, 7])]))
+        expected = local.step([StepRequest("handle-1", [5, 6, 7])])
     finally:
         local.release(["handle-1"])
+    # The same model through the Expert API. Not bit for bit: the replica computes with one OpenMP thread
+    # (Ray sets OMP_NUM_THREADS from the actor's CPUs), this process with two, and fp32 reductions in
+    # another order differ in their last bits on some CPUs (AVX-512).
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
     with pytest.raises(InvalidArgumentError, match="session_id"):
         _handle("expert-b").Step.remote(request("")).result(timeout_s=30)
 
@@ -321,7 +326,8 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         tokens += [e.token.token_id for e in events]
 
-    assert tokens == expected
+    # The re-prefill on the surviving replica computes the history in another shape: see tests.reference.
+    assert_greedy_equivalent(tiny_pipeline, prompt, tokens, expected)
     assert _handle("coordinator").failovers.remote().result()["a"] > failovers_before
 
     # Serve replaces the killed replica; it registers and the coordinator spreads sessions over it again.
@@ -332,7 +338,8 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
     _wait_for(recovered, "expert a back to two replicas")
     with FusionClient(cluster.address, timeout=60) as client:
         again = [e.token.token_id for e in client.generate(PROMPTS[0], {"max_tokens": 24})]
-    assert again == tiny_pipeline.complete(PROMPTS[0], {"max_tokens": 24}).token_ids
+    assert_greedy_equivalent(tiny_pipeline, PROMPTS[0], again,
+                             tiny_pipeline.complete(PROMPTS[0], {"max_tokens": 24}).token_ids)
 
 
 def test_expert_scales_on_the_sessions_it_holds(cluster):

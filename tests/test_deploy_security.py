@@ -22,6 +22,7 @@ from fusion.errors import FusionError
 from services.protos import expert_pb2, expert_pb2_grpc
 from services.security import create_key, expert_channel_metadata, open_channel
 from tests.conftest import tiny_config_dict
+from tests.reference import assert_stream_matches
 from tests.test_deploy import descendants, wait_until_gone
 from tests.test_security import make_ca, make_leaf
 
@@ -93,8 +94,7 @@ def test_greedy_output_over_tls_equals_the_local_engine(secure_app, tiny_pipelin
     with FusionClient(secure_app.address, timeout=60, api_key=secure_app.key,
                       security=secure_app.config.security) as client:
         remote = list(client.generate(prompt, sampling))
-    assert [e.token.token_id for e in remote] == local.token_ids
-    assert "".join(e.text for e in remote) == local.text
+    assert_stream_matches(tiny_pipeline, prompt, remote, local)  # replicas run in other processes
     with FusionClient(secure_app.address, timeout=30, security=secure_app.config.security) as client:
         with pytest.raises(FusionError) as caught:  # TLS alone is not an API key
             list(client.generate(prompt, sampling))

@@ -42,7 +42,7 @@ from synthetic import build_expert  # noqa: E402  (benchmarks/ is on sys.path wh
 
 def serve_expert(config_path: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fusion.cli", "serve-expert", "--config", str(config_path), "--expert", "smol",
+        [sys.executable, "-m", "fusion.tools.cli", "serve-expert", "--config", str(config_path), "--expert", "smol",
          "--port", "0", "--host", "127.0.0.1"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )

@@ -1,7 +1,7 @@
 """The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients.
 
 At start it waits until every expert has a registered replica of the version its config names
-(same model, dtype, device; see `deploy.registry`), then builds the pipeline with one
+(same model, dtype, device; see `deploy.registry`), then builds the service with one
 `RemoteExpert` per expert over those replicas' addresses and serves on `port` (fixed, so a
 Kubernetes Service and probes can find it). Every `refresh_s` it re-reads the registry and hands
 each expert's current replica list to its `RemoteExpert` (`set_addresses`): new replicas take new
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,10 +64,11 @@ class CoordinatorReplica:
         self._running, port = await self._loop.call(create_coordinator_server(
             with_addresses(fusion_config, addresses), model_resolver(settings.cache_dir),
             f"{settings.host}:{settings.port}", settings.metrics_port, settings.host,
+            Path(settings.cache_dir) if settings.cache_dir else None,
         ))
         self.address = f"{advertised_host(settings.host)}:{port}"
-        self.remote_experts = {e.name: e for e in self._running.servicer.pipeline.engine.experts
-                               if isinstance(e, RemoteExpert)}
+        self.service = self._running.servicer.service
+        self.remote_experts = {e.name: e for e in self.service.experts if isinstance(e, RemoteExpert)}
         self._channel = None
         self._closed = False
         self._refresher = asyncio.create_task(self._refresh(settings.refresh_s))
@@ -123,7 +125,7 @@ class CoordinatorReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         from deploy.autoscaling import LOAD_METRIC
 
-        return {LOAD_METRIC: float(self._running.servicer.scheduler.active)}
+        return {LOAD_METRIC: float(self.service.active)}
 
     # -- shutdown ---------------------------------------------------------------------------------
     def __del__(self) -> None:

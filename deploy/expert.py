@@ -105,7 +105,7 @@ class ExpertReplica:
 
     def replica_info(self) -> dict[str, Any]:
         return {"expert": self.name, "replica_id": self.replica_id, "address": self.address, "version": self.version,
-                "metrics_port": self._running.metrics_port, "sessions": len(self._running.servicer.expert.cache)}
+                "metrics_port": self._running.metrics_port, "sessions": self._running.servicer.expert.active_sessions}
 
     async def check_health(self) -> None:
         if self._closed:
@@ -130,7 +130,7 @@ class ExpertReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         from deploy.autoscaling import LOAD_METRIC
 
-        return {LOAD_METRIC: float(len(self._running.servicer.expert.cache))}
+        return {LOAD_METRIC: float(self._running.servicer.expert.active_sessions)}
 
     async def Step(self, request: expert_pb2.StepRequest) -> expert_pb2.StepResponse:
         """The Expert service's Step, for a Serve handle or Serve's gRPC ingress (batched with the

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fusion.config import FusionConfig, format_validation_error, load_config, parse_config
 from fusion.errors import ConfigError
+from fusion.models import default_cache_dir, resolve_model
 
 LOAD_POLICY = "deploy.autoscaling:fusion_load_policy"
 
@@ -155,8 +156,8 @@ class CoordinatorRuntime(_Strict):
 
 
 def model_resolver(cache_dir: str | None) -> Callable[[str], str]:
-    """`builtin:NAME` refs to folders in the model cache (prepared on first use); others unchanged."""
-    from fusion.assets import default_cache_dir, resolve_model
+    """`builtin:NAME` refs to folders in the model cache (a missing one is an AssetError naming the
+    command that prepares it: replicas never fetch or train); others unchanged."""
 
     def resolve(ref: str) -> str:
         return resolve_model(ref, Path(cache_dir) if cache_dir else default_cache_dir())

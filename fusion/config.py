@@ -7,13 +7,14 @@ parameters and the service limits. Every validation error names the field and th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fusion.errors import ConfigError
+from fusion.errors import ConfigError, InvalidArgumentError, NotFoundError
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
@@ -62,6 +63,45 @@ class FusionSpec(_Strict):
         if self.weights is not None and self.profile is not None:
             raise ValueError("give either weights or profile, not both")
         return self
+
+
+@dataclass(frozen=True)
+class SpecOverrides:
+    """The fusion fields a request sets; None leaves the config's default (see `layer_spec`)."""
+
+    rule: str | None = None
+    params: dict[str, Any] | None = None
+    weights: dict[str, float] | None = None
+    profile: str | None = None
+
+    @classmethod
+    def of(cls, spec: FusionSpec) -> SpecOverrides:
+        """Every field of a whole spec, as overrides."""
+        return cls(spec.rule, dict(spec.params), dict(spec.weights) if spec.weights is not None else None,
+                   spec.profile)
+
+
+def layer_spec(default: FusionSpec, overrides: SpecOverrides | FusionSpec | None) -> FusionSpec:
+    """A request's fusion spec over the config's default. The one merge rule of every front end:
+    - rule: the request's, else the default's;
+    - params: for the default's own rule, the default's params overridden key by key by the request's;
+      for another rule, the request's params alone;
+    - weights and profile: a request that sets either replaces the default's weight source.
+    InvalidArgumentError names a bad field."""
+    if overrides is None:
+        return default
+    if isinstance(overrides, FusionSpec):
+        overrides = SpecOverrides.of(overrides)
+    rule = overrides.rule if overrides.rule is not None else default.rule
+    inherited = default.params if rule == default.rule else {}
+    params = {**inherited, **(overrides.params or {})}
+    weights, profile = overrides.weights, overrides.profile
+    if weights is None and profile is None:
+        weights, profile = default.weights, default.profile
+    try:
+        return FusionSpec(rule=rule, params=params, weights=weights, profile=profile)
+    except ValidationError as err:
+        raise InvalidArgumentError(f"spec: {format_validation_error(err)}") from None
 
 
 class SamplingParams(_Strict):
@@ -218,8 +258,6 @@ class FusionConfig(_Strict):
         for expert in self.experts:
             if expert.name == name:
                 return expert
-        from fusion.errors import NotFoundError
-
         raise NotFoundError(f"unknown expert {name!r}; known: {self.expert_names}")
 
     def check_spec(self, spec: FusionSpec) -> None:
@@ -284,8 +322,6 @@ def load_config(path: str | Path) -> FusionConfig:
 
 def parse_sampling(data: dict[str, Any], *, base: SamplingParams | None = None) -> SamplingParams:
     """Sampling params from a request dict layered over defaults; InvalidArgumentError names the field."""
-    from fusion.errors import InvalidArgumentError
-
     merged = (base.model_dump() if base is not None else {}) | data
     try:
         return SamplingParams.model_validate(merged)

@@ -1,8 +1,9 @@
 """The fused decode engine. It knows only token ids; text, chat templates and stop strings live at the edge.
 
 One decode step for a batch of requests:
-  1. step every expert on its sessions (forward passes overlapped: a thread per expert, and a CUDA
-     stream per expert on GPU); each returns next-token logits `(B, V_e)`
+  1. step every expert on its sessions; each returns next-token logits `(B, V_e)`. In-process CPU
+     experts run one after another on the process's compute thread (each forward already uses every
+     core); remote experts overlap on a thread each, GPU experts on a CUDA stream each
   2. align vocabularies → `(E, B, V)`; refuse rows with NaN/+inf logits
   3. fuse with each request's rule and weights → `(B, V)`
   4. sample (mask/bias → penalties → temperature → top-k/top-p/min-p) → `(B,)` token ids
@@ -21,7 +22,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -77,7 +78,8 @@ class ErrorEvent:
 
 @dataclass
 class StepTimings:
-    experts_s: float = 0.0  # wall time of the overlapped expert forwards
+    step_s: float = 0.0  # the whole step: forwards, fusion, sampling, bookkeeping
+    experts_s: float = 0.0  # wall time of the expert forwards
     per_expert_s: dict[str, float] = field(default_factory=dict)
     fuse_s: float = 0.0  # the finiteness check + the rule's fusion
     fuse_sample_s: float = 0.0  # fuse_s + sampling + attribution
@@ -131,6 +133,8 @@ class FusionEngine:
         # after another from the stepping thread; remote and GPU experts overlap on the pool.
         self._inline = [isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
         self.last_timings = StepTimings()
+        # Called with each decode step's timings, on the stepping thread (metrics are one observer).
+        self.step_observers: list[Callable[[StepTimings], None]] = []
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -166,7 +170,9 @@ class FusionEngine:
         return DecodeBatch(self)
 
     def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
-        """Stream one request's tokens. Closing the generator early releases its sessions."""
+        """Stream one request's tokens (validated here: this bypasses the service's admission). Closing
+        the generator early releases its sessions."""
+        self.validate(request)
         batch = self.new_batch()
         batch.add(request)
         try:
@@ -183,6 +189,7 @@ class FusionEngine:
         batch = self.new_batch()
         results: dict[str, list[TokenEvent]] = {}
         for request in requests:
+            self.validate(request)
             batch.add(request)
             results[request.request_id] = []
         try:
@@ -345,7 +352,7 @@ class DecodeBatch:
         return len(self.rows)
 
     def add(self, request: GenerationRequest) -> None:
-        self.engine.validate(request)
+        """Join a request validated by its caller (`FusionEngine.validate`, done once at admission)."""
         experts = range(len(self.engine.experts))
         row = _Row(request, prefilled=[0] * len(experts),
                    uses=[request.rule.uses_expert(e, request.weights) for e in experts])
@@ -457,7 +464,15 @@ class DecodeBatch:
     def _step(self) -> list[TokenEvent | ErrorEvent]:
         if not self.rows:
             return []
-        return self.emit_tokens(self.fused_logits())
+        engine = self.engine
+        engine.last_timings = timings = StepTimings()  # fresh: experts not stepped leave no entry
+        start = time.perf_counter()
+        events = self.emit_tokens(self.fused_logits())
+        timings.step_s = time.perf_counter() - start
+        if timings.per_expert_s:
+            for observer in engine.step_observers:
+                observer(timings)
+        return events
 
     def emit_tokens(self, step: StepLogits) -> list[TokenEvent | ErrorEvent]:
         """Steps 4-5 for the rows of `step` (from `fused_logits`): sample, attribute, finish rows."""

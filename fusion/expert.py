@@ -2,8 +2,9 @@
 
 `step(requests)` takes a batch of sessions, each with its full token history, and returns the
 next-token logits of each: `(B, V)` float32. Only the uncached suffix of each history is computed.
-The same contract is served over gRPC by `services/expert_server.py`, so the engine cannot tell a
-local expert from a remote one.
+The same contract is served over gRPC by `services/expert_server.py` and called through
+`services/remote_expert.py`; the engine treats both alike except for scheduling (in-process CPU
+experts compute on the compute thread, remote ones overlap on threads of their own).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import hashlib
 import json
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -62,6 +63,16 @@ class Expert(Protocol):
     def release(self, session_ids: Sequence[str]) -> None:
         ...
 
+    def describe(self) -> ExpertInfo:  # what it reports about itself (a remote one: its replicas' device)
+        ...
+
+    @property
+    def active_sessions(self) -> int:  # sessions cached now (0 where unknown)
+        ...
+
+    def close(self) -> None:
+        ...
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the token ↔ id map: equal iff the same ids mean the same strings. Special-token
@@ -82,17 +93,29 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def load_tokenizer(config: ExpertConfig, model_path: str):
+    """The expert's tokenizer (for a remote expert, from the same folder or hub id as its replicas)."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": config.gguf_file} if config.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(model_path, **kwargs)
+    except (OSError, ValueError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise AssetError(f"expert {config.name!r}: cannot load the tokenizer of {model_path!r}: {first_line}") from None
+
+
 def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
     """Load through the real transformers path: a local folder, a hub id, or a GGUF file in a folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
     if looks_local and not Path(model_path).expanduser().exists():
         raise AssetError(f"expert {config.name!r}: model folder not found: {model_path}")
+    tokenizer = load_tokenizer(config, model_path)
     kwargs = {"gguf_file": config.gguf_file} if config.gguf_file else {}
     dtype = _DTYPES.get(config.dtype, "auto")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
     except (OSError, ValueError, EnvironmentError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -204,6 +227,16 @@ class LocalExpert:
                 alive = {id(entry.kv) for entry in self.cache.entries()}
                 if not any(id(member) in alive for member in self._cohort.members):
                     self._cohort = None
+
+    def describe(self) -> ExpertInfo:
+        return self.info
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self.cache)
+
+    def close(self) -> None:
+        """Nothing to free beyond what garbage collection does (the model goes with the object)."""
 
     def cache_stats(self) -> dict[str, int]:
         """A consistent snapshot of the KV cache counters (for metrics scrapes from other threads)."""

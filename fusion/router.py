@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fusion.errors import ConfigError
-from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule, register_rule
+from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule
 
 logger = logging.getLogger(__name__)
 
@@ -231,4 +231,3 @@ class Route(FusionRule):
                                complementary=self.complementary)
 
 
-register_rule(Route.name, Route)

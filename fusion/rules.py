@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-from fusion.errors import InvalidArgumentError
 
 # Floor for log-probabilities of impossible tokens before signed combination: -inf times a negative
 # weight would become +inf.
@@ -208,29 +207,6 @@ class Single(FusionRule):
         return FusedLogits(logits[self.index], w)
 
 
-RULES: dict[str, Callable[..., FusionRule]] = {
+BUILTIN_RULES: dict[str, type[FusionRule]] = {
     rule.name: rule for rule in (WeightedLogits, Mixture, LogitArithmetic, Confidence, Single)
 }
-
-
-def register_rule(name: str, factory: Callable[..., FusionRule]) -> None:
-    RULES[name] = factory
-
-
-def known_rules() -> dict[str, Callable[..., FusionRule]]:
-    import fusion.router  # noqa: F401  (registers the learned "route" rule)
-
-    return RULES
-
-
-def make_rule(name: str, params: dict[str, Any], expert_names: Sequence[str]) -> FusionRule:
-    """Build a rule by name; InvalidArgumentError names an unknown rule or a bad parameter."""
-    if not expert_names:
-        raise InvalidArgumentError("experts: at least one expert is required")
-    factory = known_rules().get(name)
-    if factory is None:
-        raise InvalidArgumentError(f"unknown fusion rule {name!r}; known: {sorted(RULES)}")
-    try:
-        return factory(expert_names, **params)
-    except (TypeError, ValueError) as err:
-        raise InvalidArgumentError(f"fusion.params: {err}") from None

@@ -1,7 +1,8 @@
 """Continuous batching for many concurrent callers over one engine.
 
-A single background thread owns a `DecodeBatch`: between steps it admits waiting requests (up to
-`max_batch_size` rows) and drops cancelled ones, then steps every active row at once. Each caller gets
+A background thread owns a `DecodeBatch`: between steps it admits waiting requests (up to
+`max_batch_size` rows) and drops cancelled ones, then has the process's compute thread
+(`fusion.compute`) step every active row at once. Requests arrive validated (`FusionService.admit`). Each caller gets
 a `RequestHandle` to read its events from, synchronously or with `async for`. Requests beyond
 `max_concurrent` (running + waiting) are refused with `ResourceExhaustedError`, never queued
 without bound.
@@ -118,8 +119,7 @@ class Scheduler:
             return len(self._running) + len(self._waiting)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Admit a request or refuse it at once (validation errors, or the concurrency limit)."""
-        self.engine.validate(request)
+        """Queue a validated request, or refuse it at once when the concurrency limit is reached."""
         handle = RequestHandle(self, request)
         with self._cond:
             if self._stopped:
@@ -156,7 +156,7 @@ class Scheduler:
             handle = self._waiting.popleft()
             try:
                 self._batch.add(handle.request)
-            except Exception as err:  # validated on submit; a late failure still reaches its caller
+            except Exception as err:  # validated at admission; a late failure still reaches its caller
                 handle._put(ErrorEvent(handle.request_id, err))
                 continue
             self._running[handle.request_id] = handle

@@ -1,7 +1,7 @@
 """Per-session KV caches with prefix reuse and least-recently-used eviction under a token budget.
 
 A step carries the session's whole token history (the stateless protocol of the expert contract);
-the cache keeps, per session, the ids whose keys/values it holds. `plan` says how many leading ids
+the cache keeps, per session, the ids whose keys/values it holds. `reusable_length` says how many leading ids
 can be reused, so only the uncached suffix is computed. Losing an entry (eviction, restart) costs a
 re-prefill, never a wrong answer.
 """

@@ -1,7 +1,7 @@
 """A Python client for the Fusion service.
 
 `FusionClient(address).generate(prompt, sampling, spec)` yields the same `TextEvent`s as the local
-`FusionPipeline.stream` (with `TokenEvent`s and per-expert `ExpertAttribution`s), so code reading a
+`FusionService.submit` (with `TokenEvent`s and per-expert `ExpertAttribution`s), so code reading a
 local stream reads a remote one unchanged; the last event also carries `usage`. Closing the iterator
 early cancels the stream, which frees the request's sessions on every expert. Failed calls raise the
 domain errors of `fusion.errors` (the gRPC error is their `__cause__`).
@@ -9,15 +9,14 @@ domain errors of `fusion.errors` (the gRPC error is their `__cause__`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import grpc
 
-from fusion.config import FusionSpec, SamplingParams, SecurityConfig
+from fusion.config import FusionSpec, SamplingParams, SecurityConfig, SpecOverrides
 from fusion.engine import ExpertAttribution, TokenEvent
 from fusion.errors import FusionError
-from fusion.pipeline import ScoreResult, TextEvent
+from fusion.service import ScoreResult, TextEvent, Usage
 from fusion.text import Message
 from services.protos import fusion_pb2, fusion_pb2_grpc
 from services.security import api_key_metadata, open_channel
@@ -26,15 +25,7 @@ from services.status import error_from_rpc
 from services.wire import generate_request, spec_to_proto
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class GenerateEvent(TextEvent):
-    usage: Usage | None = None  # on the last event only
+GenerateEvent = TextEvent  # the same events as a local FusionService stream; `usage` on the last one
 
 
 def event_from_response(response: fusion_pb2.GenerateResponse) -> GenerateEvent:
@@ -78,7 +69,7 @@ class FusionClient:
         self,
         prompt: str | Sequence[Message],
         sampling: dict[str, Any] | SamplingParams | None = None,
-        spec: FusionSpec | None = None,
+        spec: FusionSpec | SpecOverrides | None = None,
         *,
         timeout: float | None = None,
         request_id: str = "",
@@ -98,7 +89,7 @@ class FusionClient:
         finally:
             call.cancel()  # a no-op after the last message; frees the sessions when closed early
 
-    def score(self, prompt: str, continuation: str, spec: FusionSpec | None = None, *,
+    def score(self, prompt: str, continuation: str, spec: FusionSpec | SpecOverrides | None = None, *,
               timeout: float | None = None) -> ScoreResult:
         request = fusion_pb2.ScoreRequest(prompt=prompt, continuation=continuation)
         if spec is not None:
@@ -121,7 +112,7 @@ class FusionClient:
 
 
 def stream_remote(
-    server: str, prompt: str | Sequence[Message], overrides: dict[str, Any], spec: FusionSpec | None,
+    server: str, prompt: str | Sequence[Message], overrides: dict[str, Any], spec: FusionSpec | SpecOverrides | None,
     *, security: SecurityConfig | None = None, api_key: str | None = None,
 ) -> Iterator[GenerateEvent]:
     """What `fusion generate --server HOST:PORT` streams (TLS as `security` says; the API key from

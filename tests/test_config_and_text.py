@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from fusion.config import FusionSpec, load_config, parse_config
-from fusion.errors import ConfigError
+from fusion.config import FusionSpec, SpecOverrides, layer_spec, load_config, parse_config
+from fusion.errors import ConfigError, InvalidArgumentError
 from fusion.session_cache import SessionCache, common_prefix_length
 from fusion.text import TextStream
 
@@ -48,13 +48,34 @@ def test_weights_from_profile_request_and_defaults():
     assert config.weights_for(FusionSpec(weights={"a": 0.5})) == [0.5, 0.0]
 
 
+def test_one_merge_rule_layers_a_request_over_the_config():
+    default = FusionSpec(rule="confidence", params={"tau": 0.7}, profile="math")
+    assert layer_spec(default, None) == default
+    assert layer_spec(default, SpecOverrides()) == default
+    # The config's own rule: its params stay unless overridden, one by one.
+    assert layer_spec(default, SpecOverrides(params={"combine": "mixture"})).params == {"tau": 0.7, "combine": "mixture"}
+    assert layer_spec(default, SpecOverrides(rule="confidence", params={"tau": 0.2})).params == {"tau": 0.2}
+    # Another rule starts from its own params alone.
+    assert layer_spec(default, SpecOverrides(rule="mixture")) == FusionSpec(rule="mixture", profile="math")
+    # Weights or a profile replace the config's weight source; neither keeps it.
+    assert layer_spec(default, SpecOverrides(weights={"a": 1.0})).weights == {"a": 1.0}
+    assert layer_spec(default, SpecOverrides(weights={"a": 1.0})).profile is None
+    assert layer_spec(default, SpecOverrides(profile="code")).profile == "code"
+    # A whole spec is layered the same way (all its fields set).
+    whole = FusionSpec(rule="confidence", params={"combine": "mixture"}, weights={"a": 1.0})
+    assert layer_spec(default, whole) == FusionSpec(rule="confidence", params={"tau": 0.7, "combine": "mixture"},
+                                                    weights={"a": 1.0})
+    with pytest.raises(InvalidArgumentError, match="spec: .*weights or profile"):
+        layer_spec(default, SpecOverrides(weights={"a": 1.0}, profile="code"))
+
+
 def test_session_cache_lru():
     cache = SessionCache(max_tokens=10)
     for name, n in (("a", 4), ("b", 4), ("c", 4)):
         cache.get(name).token_ids = list(range(n))
     cache.get("a")  # a becomes most recent
     assert cache.evict(keep=["c"]) == ["b"]
-    assert cache.sessions() == ["c", "a"] or set(cache.sessions()) == {"a", "c"}
+    assert cache.sessions() == ["c", "a"]  # least recently used first
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     entry = cache.get("a")
     assert cache.reusable_length(entry, [0, 1, 2, 3]) == 3  # the last id is always recomputed

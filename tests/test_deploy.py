@@ -255,7 +255,7 @@ def test_deployments_follow_the_config(cluster):
     _wait_for(coordinator_spread, "the coordinator uses every registered replica", timeout_s=30.0)
 
 
-def test_greedy_output_equals_the_local_engine(cluster, tiny_pipeline):
+def test_greedy_output_equals_the_local_engine(cluster, tiny_service):
     from services.client import FusionClient
 
     sampling = {"max_tokens": 24, "temperature": 0.0}
@@ -263,10 +263,10 @@ def test_greedy_output_equals_the_local_engine(cluster, tiny_pipeline):
         for prompt in PROMPTS:
             remote = list(client.generate(prompt, sampling))
             # Replicas run with one thread each and batch with other sessions: see tests.reference.
-            assert_stream_matches(tiny_pipeline, prompt, remote, tiny_pipeline.complete(prompt, sampling))
+            assert_stream_matches(tiny_service, prompt, remote, tiny_service.complete(prompt, sampling))
 
 
-def test_step_through_a_serve_handle(cluster, tiny_pipeline):
+def test_step_through_a_serve_handle(cluster, tiny_service):
     import torch
 
     from fusion.errors import InvalidArgumentError
@@ -278,7 +278,7 @@ def test_step_through_a_serve_handle(cluster, tiny_pipeline):
         return expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session_id, token_ids=[5, 6, 7])])
 
     got = decode_tensor(_handle("expert-b").Step.remote(request("handle-1")).result(timeout_s=30).logits, "b")
-    local = tiny_pipeline.engine.experts[1]
+    local = tiny_service.engine.experts[1]
     try:
         expected = local.step([StepRequest("handle-1", [5, 6, 7])])
     finally:
@@ -305,14 +305,14 @@ def _replica_holding_sessions(addresses_by_replica: dict[str, str]) -> str:
     return max(counts, key=counts.get)
 
 
-def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
+def test_stream_survives_killing_its_expert_replica(cluster, tiny_service):
     import ray
 
     from services.client import FusionClient
 
     sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
     prompt = "hello world , fusion"
-    expected = tiny_pipeline.complete(prompt, sampling).token_ids
+    expected = tiny_service.complete(prompt, sampling).token_ids
     _wait_for(lambda: _replicas_of("a")[:2] == (2, 2) or _replicas_of("a"), "the coordinator using both replicas of a")
     registry = _handle("registry")
     replicas_a = {r["replica_id"]: r["address"] for r in registry.replicas.remote().result() if r["expert"] == "a"}
@@ -327,7 +327,7 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
         tokens += [e.token.token_id for e in events]
 
     # The re-prefill on the surviving replica computes the history in another shape: see tests.reference.
-    assert_greedy_equivalent(tiny_pipeline, prompt, tokens, expected)
+    assert_greedy_equivalent(tiny_service, prompt, tokens, expected)
     assert _handle("coordinator").failovers.remote().result()["a"] > failovers_before
 
     # Serve replaces the killed replica; it registers and the coordinator spreads sessions over it again.
@@ -338,8 +338,8 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_pipeline):
     _wait_for(recovered, "expert a back to two replicas")
     with FusionClient(cluster.address, timeout=60) as client:
         again = [e.token.token_id for e in client.generate(PROMPTS[0], {"max_tokens": 24})]
-    assert_greedy_equivalent(tiny_pipeline, PROMPTS[0], again,
-                             tiny_pipeline.complete(PROMPTS[0], {"max_tokens": 24}).token_ids)
+    assert_greedy_equivalent(tiny_service, PROMPTS[0], again,
+                             tiny_service.complete(PROMPTS[0], {"max_tokens": 24}).token_ids)
 
 
 def test_expert_scales_on_the_sessions_it_holds(cluster):

@@ -22,12 +22,12 @@ from tests.reference import assert_greedy_equivalent
 from tests.test_deploy import descendants, wait_until_gone
 
 
-def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_pipeline):
+def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
     config = tmp_path / "fusion.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", FUSION_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fusion.cli", "deploy", "--config", str(config), "--port", "0", "--num-cpus", "2"],
+        [sys.executable, "-m", "fusion.tools.cli", "deploy", "--config", str(config), "--port", "0", "--num-cpus", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
     started: dict[int, str] = {}
@@ -41,10 +41,10 @@ def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_pipeline):
             match = re.search(r"serving on (\S+:\d+)", line)
             if match:
                 break
-        expected = tiny_pipeline.complete("hello world", {"max_tokens": 12})
+        expected = tiny_service.complete("hello world", {"max_tokens": 12})
         with FusionClient(match.group(1), timeout=60) as client:
             got = [e.token.token_id for e in client.generate("hello world", {"max_tokens": 12})]
-        assert_greedy_equivalent(tiny_pipeline, "hello world", got, expected.token_ids)  # other processes
+        assert_greedy_equivalent(tiny_service, "hello world", got, expected.token_ids)  # other processes
         started = descendants(proc.pid)  # the local cluster it started: GCS, raylet, workers
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0

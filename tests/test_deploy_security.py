@@ -85,16 +85,16 @@ def test_replicas_pass_their_health_probes_over_tls(secure_app):
     assert all(d.status == "HEALTHY" for d in status.deployments.values()), status.deployments
 
 
-def test_greedy_output_over_tls_equals_the_local_engine(secure_app, tiny_pipeline):
+def test_greedy_output_over_tls_equals_the_local_engine(secure_app, tiny_service):
     from services.client import FusionClient
 
     sampling = {"max_tokens": 16, "temperature": 0.0}
     prompt = "what is 12 + 35 ?"
-    local = tiny_pipeline.complete(prompt, sampling)
+    local = tiny_service.complete(prompt, sampling)
     with FusionClient(secure_app.address, timeout=60, api_key=secure_app.key,
                       security=secure_app.config.security) as client:
         remote = list(client.generate(prompt, sampling))
-    assert_stream_matches(tiny_pipeline, prompt, remote, local)  # replicas run in other processes
+    assert_stream_matches(tiny_service, prompt, remote, local)  # replicas run in other processes
     with FusionClient(secure_app.address, timeout=30, security=secure_app.config.security) as client:
         with pytest.raises(FusionError) as caught:  # TLS alone is not an API key
             list(client.generate(prompt, sampling))

@@ -4,6 +4,7 @@ transformers' generate."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from fusion.config import FusionSpec, SamplingParams, parse_config
 from fusion.engine import FusionEngine, GenerationRequest
 from fusion.errors import ConfigError, ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import LocalExpert, StepRequest
-from fusion.pipeline import FusionPipeline
-from fusion.rules import make_rule
+from fusion.service import FusionRequest, FusionService
+from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
 
 HISTORIES = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 9, 10, 11, 12, 13, 14, 15]]  # B = 3, different lengths
@@ -67,8 +68,8 @@ RULE_CASES = [
 
 
 @pytest.mark.parametrize("rule,params,weights", RULE_CASES, ids=[c[0] for c in RULE_CASES])
-def test_fused_logits_equal_hand_computation(tiny_dir, tiny_pipeline, rule, params, weights):
-    engine = tiny_pipeline.engine
+def test_fused_logits_equal_hand_computation(tiny_dir, tiny_service, rule, params, weights):
+    engine = tiny_service.engine
     V = engine.vocab_size
     z = [plain_last_logits(tiny_dir / n, HISTORIES)[:, :V] for n in ("a", "b", "c")]
     rule_obj = make_rule(rule, params, engine.names)
@@ -83,11 +84,11 @@ def test_fused_logits_equal_hand_computation(tiny_dir, tiny_pipeline, rule, para
     torch.testing.assert_close(step.fused[finite], expected[finite], rtol=1e-4, atol=1e-4)
 
 
-def test_padded_vocab_is_cut_to_shared_ids(tiny_pipeline):
-    engine = tiny_pipeline.engine
+def test_padded_vocab_is_cut_to_shared_ids(tiny_service):
+    engine = tiny_service.engine
     widths = [e.info.vocab_size for e in engine.experts]
     assert widths[2] == widths[0] + 13
-    assert engine.vocab_size == min(widths) == len(tiny_pipeline.tokenizers[0])
+    assert engine.vocab_size == min(widths) == len(tiny_service.tokenizers[0])
 
 
 def greedy_generate(model_dir, prompt, n):
@@ -104,27 +105,27 @@ def greedy_generate(model_dir, prompt, n):
 @pytest.mark.parametrize("name", ["a", "c"])
 def test_single_expert_reproduces_generate(tiny_dir, name):
     config = parse_config({"experts": [{"name": name, "model": str(tiny_dir / name), "dtype": "float32"}]})
-    pipeline = FusionPipeline.from_config(config)
+    service = FusionService.from_config(config)
     prompt = [5, 17, 42, 99, 7, 3]
     expected = greedy_generate(tiny_dir / name, prompt, 24)
     rule = make_rule("weighted_logits", {}, [name])
     request = GenerationRequest([prompt], SamplingParams(max_tokens=24, ignore_eos=True), rule, [1.0])
-    tokens = [ev.token_id for ev in pipeline.engine.generate(request)]
+    tokens = [ev.token_id for ev in service.engine.generate(request)]
     assert tokens == expected
     # Prefix reuse: a second request whose prompt is the first's prompt plus half its output, on the
     # same session id, must continue exactly as generate does.
-    expert = pipeline.engine.experts[0]
+    expert = service.engine.experts[0]
     session = "reuse"
     history = prompt + expected[:12]
     expert.step([StepRequest(session, prompt)])  # cache holds the prompt only
     got = []
     for _ in range(12):
         logits = expert.step([StepRequest(session, history + got)])
-        got.append(int(logits[0, : pipeline.engine.vocab_size].argmax()))
+        got.append(int(logits[0, : service.engine.vocab_size].argmax()))
     assert got == expected[12:]
     assert expert.cache.hits > 0
     expert.release([session])
-    pipeline.close()
+    service.close()
 
 
 def test_self_fusion_equals_generate(tiny_dir):
@@ -135,16 +136,16 @@ def test_self_fusion_equals_generate(tiny_dir):
             {"name": "y", "model": str(tiny_dir / "a"), "dtype": "float32", "weight": 0.7},
         ]
     })
-    pipeline = FusionPipeline.from_config(config)
+    service = FusionService.from_config(config)
     prompt = [8, 9, 10, 11]
-    rule, weights = pipeline.resolve_spec(None)
+    rule, weights = service.resolve_spec(None)
     request = GenerationRequest([prompt, prompt], SamplingParams(max_tokens=16, ignore_eos=True), rule, weights)
-    assert [ev.token_id for ev in pipeline.engine.generate(request)] == greedy_generate(tiny_dir / "a", prompt, 16)
-    pipeline.close()
+    assert [ev.token_id for ev in service.engine.generate(request)] == greedy_generate(tiny_dir / "a", prompt, 16)
+    service.close()
 
 
-def test_prefix_reuse_matches_fresh_prefill(tiny_pipeline):
-    expert = tiny_pipeline.engine.experts[1]
+def test_prefix_reuse_matches_fresh_prefill(tiny_service):
+    expert = tiny_service.engine.experts[1]
     ids = list(range(20, 60))
     fresh = expert.step([StepRequest("fresh", ids)])
     expert.step([StepRequest("cached", ids[:25])])
@@ -174,9 +175,9 @@ def test_lru_eviction_under_budget(tiny_dir):
     torch.testing.assert_close(again, expert.step([StepRequest("fresh", list(range(1, 16)))]))
 
 
-def test_batched_generation_equals_one_by_one(tiny_pipeline):
+def test_batched_generation_equals_one_by_one(tiny_service):
     """Rows in one batch (greedy and seeded sampling, different prompt lengths) match their solo runs."""
-    rule, weights = tiny_pipeline.resolve_spec(FusionSpec(rule="mixture"))
+    rule, weights = tiny_service.resolve_spec(FusionSpec(rule="mixture"))
 
     def requests():
         return [
@@ -187,24 +188,24 @@ def test_batched_generation_equals_one_by_one(tiny_pipeline):
                                                                  top_p=0.9, ignore_eos=True), rule, weights),
         ]
 
-    batched = tiny_pipeline.engine.generate_many(requests())
-    solo_runs = [[ev.token_id for ev in tiny_pipeline.engine.generate(r)] for r in requests()]
+    batched = tiny_service.engine.generate_many(requests())
+    solo_runs = [[ev.token_id for ev in tiny_service.engine.generate(r)] for r in requests()]
     batch_runs = [[ev.token_id for ev in events] for events in batched.values()]
     assert [len(r) for r in batch_runs] == [10, 7, 12]
     assert batch_runs == solo_runs
 
 
-def test_seed_reproduces_sample(tiny_pipeline):
+def test_seed_reproduces_sample(tiny_service):
     params = {"temperature": 1.0, "seed": 1234, "max_tokens": 20, "ignore_eos": True}
-    first = tiny_pipeline.complete("hello world", params)
-    second = tiny_pipeline.complete("hello world", params)
-    other = tiny_pipeline.complete("hello world", params | {"seed": 99})
+    first = tiny_service.complete("hello world", params)
+    second = tiny_service.complete("hello world", params)
+    other = tiny_service.complete("hello world", params | {"seed": 99})
     assert first.token_ids == second.token_ids
     assert first.token_ids != other.token_ids
 
 
-def test_attribution_and_logprobs(tiny_pipeline):
-    completion = tiny_pipeline.complete("the quick brown fox", {"max_tokens": 5, "ignore_eos": True, "logprobs": 3})
+def test_attribution_and_logprobs(tiny_service):
+    completion = tiny_service.complete("the quick brown fox", {"max_tokens": 5, "ignore_eos": True, "logprobs": 3})
     for event in completion.events:
         weights = [a.weight for a in event.attribution]
         assert [a.expert for a in event.attribution] == ["a", "b", "c"]
@@ -215,78 +216,82 @@ def test_attribution_and_logprobs(tiny_pipeline):
         assert event.top_logprobs[0][0] == event.token_id
 
 
-def test_score_matches_generation_logprobs(tiny_pipeline):
+def test_score_matches_generation_logprobs(tiny_service):
     """Teacher-forced fused logprobs equal the logprobs reported while generating the same ids."""
-    tok = tiny_pipeline.tokenizers[0]
+    tok = tiny_service.tokenizers[0]
     prompt = "hello world"
-    rule, weights = tiny_pipeline.resolve_spec(None)
+    rule, weights = tiny_service.resolve_spec(None)
     prompt_ids = [tok(prompt)["input_ids"]] * 3
     request = GenerationRequest(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True), rule, weights)
-    events = list(tiny_pipeline.engine.generate(request))
+    events = list(tiny_service.engine.generate(request))
     ids = [e.token_id for e in events]
-    scored = tiny_pipeline.engine.score(prompt_ids, ids, rule, weights)
+    scored = tiny_service.engine.score(prompt_ids, ids, rule, weights)
     assert scored == pytest.approx([e.logprob for e in events], abs=1e-4)
-    assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
 
 
-def test_stop_conditions(tiny_pipeline):
+def test_stop_conditions(tiny_service):
     base = {"max_tokens": 12, "ignore_eos": True}
-    full = tiny_pipeline.complete("the quick brown fox", base)
+    full = tiny_service.complete("the quick brown fox", base)
     assert full.finish_reason == "length" and len(full.token_ids) == 12
     stop_id = full.token_ids[4]
-    by_id = tiny_pipeline.complete("the quick brown fox", base | {"stop_token_ids": [stop_id]})
+    by_id = tiny_service.complete("the quick brown fox", base | {"stop_token_ids": [stop_id]})
     assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
     stop_text = full.text[3:6]
     if stop_text.strip():
-        by_text = tiny_pipeline.complete("the quick brown fox", base | {"stop": [stop_text]})
+        by_text = tiny_service.complete("the quick brown fox", base | {"stop": [stop_text]})
         assert by_text.finish_reason == "stop"
         assert by_text.text == full.text[: full.text.index(stop_text)]
 
 
-def test_eos_stops_unless_ignored(tiny_pipeline):
-    eos = tiny_pipeline.tokenizers[0].eos_token_id
-    biased = tiny_pipeline.complete("hello", {"max_tokens": 10, "logit_bias": {eos: 100.0}})
+def test_eos_stops_unless_ignored(tiny_service):
+    eos = tiny_service.tokenizers[0].eos_token_id
+    biased = tiny_service.complete("hello", {"max_tokens": 10, "logit_bias": {eos: 100.0}})
     assert biased.token_ids == [eos] and biased.finish_reason == "stop"
-    ignored = tiny_pipeline.complete("hello", {"max_tokens": 3, "logit_bias": {eos: 100.0}, "ignore_eos": True})
+    ignored = tiny_service.complete("hello", {"max_tokens": 3, "logit_bias": {eos: 100.0}, "ignore_eos": True})
     assert ignored.token_ids == [eos] * 3
 
 
-def test_banned_ids_never_sampled(tiny_pipeline):
-    plain = tiny_pipeline.complete("hello", {"max_tokens": 6, "ignore_eos": True})
+def test_banned_ids_never_sampled(tiny_service):
+    plain = tiny_service.complete("hello", {"max_tokens": 6, "ignore_eos": True})
     banned = sorted(set(plain.token_ids))
-    again = tiny_pipeline.complete("hello", {"max_tokens": 6, "ignore_eos": True, "banned_token_ids": banned})
+    again = tiny_service.complete("hello", {"max_tokens": 6, "ignore_eos": True, "banned_token_ids": banned})
     assert not set(again.token_ids) & set(banned)
 
 
-def test_cancelled_stream_frees_sessions(tiny_pipeline):
-    request = tiny_pipeline.build_request("hello", {"max_tokens": 50, "ignore_eos": True})
-    stream = tiny_pipeline.stream(request)
-    next(stream)
-    assert all(request.request_id in e.cache for e in tiny_pipeline.engine.experts)
-    stream.close()
-    assert all(request.request_id not in e.cache for e in tiny_pipeline.engine.experts)
+def test_cancelled_stream_frees_sessions(tiny_service):
+    stream = tiny_service.submit(FusionRequest("hello", {"max_tokens": 50, "ignore_eos": True}))
+    events = iter(stream)
+    next(events)
+    assert all(stream.request_id in e.cache for e in tiny_service.engine.experts)
+    events.close()  # the scheduler frees the sessions between steps
+    deadline = time.monotonic() + 10
+    while any(stream.request_id in e.cache for e in tiny_service.engine.experts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(stream.request_id not in e.cache for e in tiny_service.engine.experts)
+    assert tiny_service.active == 0
 
 
 # -- bad input --------------------------------------------------------------------------------
-def test_unknown_rule_and_bad_params(tiny_pipeline):
+def test_unknown_rule_and_bad_params(tiny_service):
     with pytest.raises(InvalidArgumentError, match="unknown fusion rule 'nope'"):
-        tiny_pipeline.resolve_spec(FusionSpec(rule="nope"))
+        tiny_service.resolve_spec(FusionSpec(rule="nope"))
     with pytest.raises(InvalidArgumentError, match="alpha"):
-        tiny_pipeline.resolve_spec(FusionSpec(rule="logit_arithmetic", params={"alpha": 3}))
+        tiny_service.resolve_spec(FusionSpec(rule="logit_arithmetic", params={"alpha": 3}))
     with pytest.raises(InvalidArgumentError, match="no parameter"):
-        tiny_pipeline.resolve_spec(FusionSpec(rule="mixture", params={"temperature": 1}))
+        tiny_service.resolve_spec(FusionSpec(rule="mixture", params={"temperature": 1}))
 
 
-def test_weights_that_do_not_fit_the_rule(tiny_pipeline):
+def test_weights_that_do_not_fit_the_rule(tiny_service):
     with pytest.raises(InvalidArgumentError, match="weights >= 0.*'c' has -1"):
-        tiny_pipeline.resolve_spec(FusionSpec(rule="mixture", weights={"a": 1, "b": 1, "c": -1}))
+        tiny_service.resolve_spec(FusionSpec(rule="mixture", weights={"a": 1, "b": 1, "c": -1}))
     with pytest.raises(InvalidArgumentError, match="positive weight sum"):
-        tiny_pipeline.resolve_spec(FusionSpec(weights={"a": 0}))
+        tiny_service.resolve_spec(FusionSpec(weights={"a": 0}))
     with pytest.raises(InvalidArgumentError, match="lead expert 'a'"):
-        tiny_pipeline.resolve_spec(FusionSpec(rule="logit_arithmetic", weights={"a": -1, "b": 1}))
+        tiny_service.resolve_spec(FusionSpec(rule="logit_arithmetic", weights={"a": -1, "b": 1}))
     rule = make_rule("mixture", {}, ["a", "b", "c"])
     with pytest.raises(InvalidArgumentError, match="needs 3 weights"):
-        tiny_pipeline.engine.validate(GenerationRequest([[1]] * 3, SamplingParams(), rule, [1.0]))
+        tiny_service.engine.validate(GenerationRequest([[1]] * 3, SamplingParams(), rule, [1.0]))
 
 
 def test_empty_experts_and_mismatched_tokenizers(tiny_dir):
@@ -296,7 +301,7 @@ def test_empty_experts_and_mismatched_tokenizers(tiny_dir):
         FusionEngine([])
     config = parse_config(tiny_config_dict(tiny_dir, names=("a", "other")))
     with pytest.raises(ConfigError, match="experts 'a' and 'other' use different tokenizers"):
-        FusionPipeline.from_config(config)
+        FusionService.from_config(config)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -308,19 +313,19 @@ def test_empty_experts_and_mismatched_tokenizers(tiny_dir):
     ("max_tokens", 0, "max_tokens"),
     ("temperature", float("nan"), "temperature"),
 ])
-def test_bad_sampling_values(tiny_pipeline, field, value, match):
+def test_bad_sampling_values(tiny_service, field, value, match):
     with pytest.raises(InvalidArgumentError, match=match):
-        tiny_pipeline.build_request("hi", {field: value})
+        tiny_service.admit(FusionRequest("hi", {field: value}))
 
 
 def test_limits(tiny_dir):
     config = parse_config(tiny_config_dict(tiny_dir, limits={"max_prompt_tokens": 30, "max_tokens": 5}))
-    pipeline = FusionPipeline.from_config(config)
+    service = FusionService.from_config(config)
     with pytest.raises(ResourceExhaustedError, match="max_prompt_tokens=30"):
-        pipeline.build_request("the quick brown fox jumps over the lazy dog " * 5)
+        service.admit(FusionRequest("the quick brown fox jumps over the lazy dog " * 5))
     with pytest.raises(ResourceExhaustedError, match="max_tokens: 6 exceeds the limit 5"):
-        pipeline.build_request("hi", {"max_tokens": 6})
-    pipeline.close()
+        service.admit(FusionRequest("hi", {"max_tokens": 6}))
+    service.close()
 
 
 class NaNExpert:
@@ -347,8 +352,8 @@ class NaNExpert:
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), "all -inf"])
-def test_non_finite_logits_are_refused(tiny_pipeline, value):
-    experts = list(tiny_pipeline.engine.experts)
+def test_non_finite_logits_are_refused(tiny_service, value):
+    experts = list(tiny_service.engine.experts)
     experts[1] = NaNExpert(experts[1], value)
     engine = FusionEngine(experts)
     rule = make_rule("weighted_logits", {}, engine.names)
@@ -357,13 +362,13 @@ def test_non_finite_logits_are_refused(tiny_pipeline, value):
         list(engine.generate(request))
     with pytest.raises(ExpertOutputError, match="expert 'b'"):
         engine.score([[1, 2, 3]] * 3, [4, 5], rule, [1, 1, 1])
-    assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
     engine.close()
 
 
-def test_a_masked_token_is_not_refused(tiny_pipeline):
+def test_a_masked_token_is_not_refused(tiny_service):
     """-inf for some ids is how a model rules tokens out; only rows with NaN, +inf or nothing finite fail."""
-    experts = list(tiny_pipeline.engine.experts)
+    experts = list(tiny_service.engine.experts)
     experts[1] = NaNExpert(experts[1], float("-inf"))
     engine = FusionEngine(experts)
     rule = make_rule("mixture", {}, engine.names)
@@ -424,15 +429,15 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_dir, sampling):
     results = {}
     for chunk in (4096, 7):
         config = parse_config(tiny_config_dict(tiny_dir, limits={"prefill_chunk_tokens": chunk}))
-        pipeline = FusionPipeline.from_config(config)
-        rule, weights = pipeline.resolve_spec(None)
+        service = FusionService.from_config(config)
+        rule, weights = service.resolve_spec(None)
         requests = [
             GenerationRequest([p] * 3, SamplingParams(max_tokens=6, ignore_eos=True, seed=20 + i, **sampling),
                               rule, weights)
             for i, p in enumerate(prompts)
         ]
-        results[chunk] = _run_with_joins(pipeline.engine, requests, joins)
-        pipeline.close()
+        results[chunk] = _run_with_joins(service.engine, requests, joins)
+        service.close()
     (whole, whole_computed), (chunked, chunked_computed) = results[4096], results[7]
     assert chunked == whole
     assert all(len(t) == 6 for t in chunked)

@@ -1,6 +1,6 @@
 """End-to-end gRPC: real servers on loopback (port 0), tiny experts, client → coordinator → expert servers.
 
-The remote path must give exactly the tokens of the in-process pipeline; a replica lost mid-stream
+The remote path must give exactly the tokens of the in-process service; a replica lost mid-stream
 must not change the output; bad requests get the right status with a message naming the field and
 leave the server serving; cancelled or finished streams leave no session on any expert.
 """
@@ -115,9 +115,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_remote_generation_matches_local(case, client, tiny_pipeline, experts):
+def test_remote_generation_matches_local(case, client, tiny_service, experts):
     prompt, sampling, spec = CASES[case]
-    local = tiny_pipeline.complete(prompt, sampling, spec)
+    local = tiny_service.complete(prompt, sampling, spec)
     events = list(client.generate(prompt, sampling, spec))
     assert [e.token.token_id for e in events] == local.token_ids
     assert "".join(e.text for e in events) == local.text
@@ -133,9 +133,9 @@ def test_remote_generation_matches_local(case, client, tiny_pipeline, experts):
     assert no_sessions_left(experts)
 
 
-def test_remote_score_matches_local(client, tiny_pipeline):
+def test_remote_score_matches_local(client, tiny_service):
     remote = client.score("the quick brown", " fox jumps")
-    local = tiny_pipeline.score("the quick brown", " fox jumps")
+    local = tiny_service.score("the quick brown", " fox jumps")
     assert remote.token_ids == local.token_ids
     assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
 
@@ -264,7 +264,7 @@ def test_too_many_concurrent_sessions(loop, tiny_dir, experts):
                 list(client.generate("hi", {"max_tokens": 2}))
             for stream in streams:
                 stream.close()
-            assert wait_until(lambda: server.servicer.scheduler.active == 0)
+            assert wait_until(lambda: server.servicer.service.active == 0)
             assert_serves(client)
     finally:
         loop.run(server.stop(0))
@@ -279,7 +279,7 @@ def test_cancelled_stream_frees_sessions_on_every_expert(coordinator, client, ex
     assert all(expert_sessions(port) >= 1 for _, port in experts.values())
     stream.close()  # cancels the RPC
     assert no_sessions_left(experts)
-    assert wait_until(lambda: coordinator[0].servicer.scheduler.active == 0)
+    assert wait_until(lambda: coordinator[0].servicer.service.active == 0)
 
 
 def test_deadline_cancels_the_request(coordinator, client, experts):
@@ -288,14 +288,14 @@ def test_deadline_cancels_the_request(coordinator, client, experts):
     assert isinstance(caught.value.__cause__, grpc.RpcError)
     assert caught.value.__cause__.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert no_sessions_left(experts)
-    assert wait_until(lambda: coordinator[0].servicer.scheduler.active == 0)
+    assert wait_until(lambda: coordinator[0].servicer.service.active == 0)
 
 
-def test_concurrent_clients(coordinator, experts, tiny_pipeline):
+def test_concurrent_clients(coordinator, experts, tiny_service):
     """16 clients stream for SOAK_SECONDS (some cancel early); greedy answers match the solo local run."""
     prompts = ["hello", "what is 2 + 2 ?", "def add", "the lazy dog", "fusion of small models"]
     greedy = {"max_tokens": 12, "ignore_eos": True}
-    expected = {p: tiny_pipeline.complete(p, greedy).token_ids for p in prompts}
+    expected = {p: tiny_service.complete(p, greedy).token_ids for p in prompts}
     errors: list[str] = []
     counts = [0] * 16
     stop_at = time.monotonic() + SOAK_SECONDS
@@ -328,7 +328,7 @@ def test_concurrent_clients(coordinator, experts, tiny_pipeline):
         t.join(SOAK_SECONDS + 120)
     assert not errors, errors[:5]
     assert all(c > 0 for c in counts)
-    assert wait_until(lambda: coordinator[0].servicer.scheduler.active == 0)
+    assert wait_until(lambda: coordinator[0].servicer.service.active == 0)
     assert no_sessions_left(experts)
 
 
@@ -343,13 +343,13 @@ def replicas(loop, tiny_config):
         loop.run(server.stop(0))
 
 
-def test_replica_lost_mid_stream_keeps_the_output(loop, tiny_dir, experts, replicas, tiny_pipeline):
+def test_replica_lost_mid_stream_keeps_the_output(loop, tiny_dir, experts, replicas, tiny_service):
     sampling = {"max_tokens": 150, "ignore_eos": True}
-    expected = tiny_pipeline.complete("failover", sampling).token_ids
+    expected = tiny_service.complete("failover", sampling).token_ids
     addresses = {"a": [addr(p) for _, p in replicas], "b": [addr(experts["b"][1])], "c": [addr(experts["c"][1])]}
     server, port = start_coordinator(loop, tiny_dir, addresses, limits=LIMITS)
     try:
-        remote_a = server.servicer.pipeline.engine.experts[0]
+        remote_a = server.servicer.service.experts[0]
         with FusionClient(addr(port), timeout=60) as client:
             stream = client.generate("failover", sampling)
             got = [next(stream).token.token_id]
@@ -372,9 +372,9 @@ def test_replica_lost_mid_stream_keeps_the_output(loop, tiny_dir, experts, repli
         loop.run(server.stop(0))
 
 
-def test_hung_replica_fails_over_after_the_step_deadline(loop, tiny_dir, experts, replicas, tiny_pipeline):
+def test_hung_replica_fails_over_after_the_step_deadline(loop, tiny_dir, experts, replicas, tiny_service):
     sampling = {"max_tokens": 20, "ignore_eos": True}
-    expected = tiny_pipeline.complete("hang", sampling).token_ids
+    expected = tiny_service.complete("hang", sampling).token_ids
     hung, _ = replicas[0]
     release = threading.Event()
     real_step = hung.servicer._step
@@ -396,7 +396,7 @@ def test_hung_replica_fails_over_after_the_step_deadline(loop, tiny_dir, experts
             got = [e.token.token_id for e in client.generate("hang", sampling)]
             assert got == expected
             assert 1.0 <= time.monotonic() - started < 30
-            assert server.servicer.pipeline.engine.experts[0].failovers >= 1
+            assert server.servicer.service.experts[0].failovers >= 1
     finally:
         release.set()
         loop.run(server.stop(0))

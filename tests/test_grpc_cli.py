@@ -24,7 +24,7 @@ class Served:
 
     def __init__(self, *args: str) -> None:
         env = dict(os.environ, FUSION_CACHE_DIR="/nonexistent-cache")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fusion.cli", *args], stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fusion.tools.cli", *args], stderr=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
         self.log: list[str] = []
@@ -56,7 +56,7 @@ class Served:
             self.proc.wait()
 
 
-def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_pipeline):
+def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_service):
     local = tmp_path / "local.yaml"
     local.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
     expert = Served("serve-expert", "--config", str(local), "--expert", "a", "--port", "0", "--host", "127.0.0.1")
@@ -69,24 +69,24 @@ def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_pipeli
         coordinator = Served("serve", "--config", str(remote), "--port", "0", "--host", "127.0.0.1",
                              "--metrics-port", "0")
         server = f"127.0.0.1:{coordinator.port}"
-        expected = tiny_pipeline.complete("hello world", {"max_tokens": 6})
+        expected = tiny_service.complete("hello world", {"max_tokens": 6})
 
         with FusionClient(server, timeout=60) as client:
             got = [e.token.token_id for e in client.generate("hello world", {"max_tokens": 6})]
-        assert_greedy_equivalent(tiny_pipeline, "hello world", got, expected.token_ids)  # other processes
+        assert_greedy_equivalent(tiny_service, "hello world", got, expected.token_ids)  # other processes
 
         out = subprocess.run(
-            [sys.executable, "-m", "fusion.cli", "generate", "hello world", "--config", str(remote),
+            [sys.executable, "-m", "fusion.tools.cli", "generate", "hello world", "--config", str(remote),
              "--server", server, "--max-tokens", "6", "--json"],
             capture_output=True, text=True, timeout=120,
         )
         assert out.returncode == 0, out.stderr
         payload = json.loads(out.stdout)
-        assert_payload_matches(tiny_pipeline, "hello world", payload, expected)
+        assert_payload_matches(tiny_service, "hello world", payload, expected)
         assert [a["expert"] for a in payload["experts"][0]] == ["a", "b", "c"]
 
         out = subprocess.run(
-            [sys.executable, "-m", "fusion.cli", "generate", "hi", "--config", str(remote), "--server", server,
+            [sys.executable, "-m", "fusion.tools.cli", "generate", "hi", "--config", str(remote), "--server", server,
              "--profile", "nope"],
             capture_output=True, text=True, timeout=120,
         )
@@ -103,7 +103,7 @@ def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_pipeli
 def test_serve_expert_unknown_name_fails_cleanly(tiny_dir, tmp_path):
     config = tmp_path / "local.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
-    out = subprocess.run([sys.executable, "-m", "fusion.cli", "serve-expert", "--config", str(config), "--expert",
+    out = subprocess.run([sys.executable, "-m", "fusion.tools.cli", "serve-expert", "--config", str(config), "--expert",
                           "zzz", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "unknown expert 'zzz'" in out.stderr and "Traceback" not in out.stderr

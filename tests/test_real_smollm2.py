@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fusion.config import parse_config
-from fusion.pipeline import FusionPipeline
+from fusion.service import FusionService
 
 
 def test_self_fusion_reproduces_plain_generate(smollm2_dir):
@@ -17,10 +17,10 @@ def test_self_fusion_reproduces_plain_generate(smollm2_dir):
         ],
         "fusion": {"rule": "weighted_logits"},
     })
-    pipeline = FusionPipeline.from_config(config)
+    service = FusionService.from_config(config)
     prompt = "What is the capital of France?"
-    completion = pipeline.complete(prompt, {"max_tokens": 24})
-    pipeline.close()
+    completion = service.complete(prompt, {"max_tokens": 24})
+    service.close()
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()

@@ -10,10 +10,16 @@ import torch
 
 from fusion.config import FusionSpec, SamplingParams, parse_config
 from fusion.engine import GenerationRequest
-from fusion.errors import InvalidArgumentError
-from fusion.pipeline import FusionPipeline
+from fusion.errors import AssetError, InvalidArgumentError
+from fusion.service import FusionRequest, FusionService
 from fusion.router import Route, Router, RouterShape, load_router, logit_features
-from fusion.router_training import RouterTrainSettings, file_samples, router_loss, train_router
+from fusion.tools.router_training import (
+    RouterTrainSettings,
+    file_samples,
+    prepare_router,
+    router_loss,
+    train_router,
+)
 from fusion.rules import context_rows, teacher_forced_context
 from fusion.text import TextSample, end_of_turn_id
 from tests.conftest import tiny_config_dict
@@ -25,10 +31,10 @@ def texts():
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_pipeline, tmp_path_factory):
+def trained(tiny_service, tmp_path_factory):
     path = tmp_path_factory.mktemp("router") / "router.pt"
     losses = []
-    result = train_router(tiny_pipeline, path, texts=texts(),
+    result = train_router(tiny_service, path, texts=texts(),
                           settings=RouterTrainSettings(minutes=5, max_texts=40, steps_per_text=3, lr=1e-2),
                           on_step=lambda step, loss: losses.append(loss))
     return path, losses, result
@@ -41,16 +47,16 @@ def test_training_loss_decreases(trained):
     assert result.steps == 120
 
 
-def test_saved_router_reloads_to_identical_outputs(trained, tiny_pipeline):
+def test_saved_router_reloads_to_identical_outputs(trained, tiny_service):
     path, _, _ = trained
     router, _ = load_router(path)
     again, _ = load_router(path)
-    logits = torch.randn(3, 5, tiny_pipeline.engine.vocab_size)
+    logits = torch.randn(3, 5, tiny_service.engine.vocab_size)
     context = context_rows([[1], [1, 2], [3], [4, 5, 6], [7]])
     a, b = router.fuse(logits, context), again.fuse(logits, context)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.weights, b.weights)
-    rule, weights = tiny_pipeline.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
-    completion = tiny_pipeline.complete("hello world", {"max_tokens": 6, "ignore_eos": True},
+    rule, weights = tiny_service.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
+    completion = tiny_service.complete("hello world", {"max_tokens": 6, "ignore_eos": True},
                                         FusionSpec(rule="route", params={"path": str(path)}))
     assert len(completion.token_ids) == 6
     assert all(sum(a.weight for a in ev.attribution) == pytest.approx(1.0) for ev in completion.events)
@@ -59,18 +65,18 @@ def test_saved_router_reloads_to_identical_outputs(trained, tiny_pipeline):
 def test_router_refused_against_other_experts(trained, tiny_dir):
     path, _, _ = trained
     swapped = parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c")))
-    pipeline = FusionPipeline.from_config(swapped)
+    service = FusionService.from_config(swapped)
     with pytest.raises(Exception, match="trained with other experts"):
-        pipeline.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
-    pipeline.close()
-    two = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
+        service.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
+    service.close()
+    two = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
     with pytest.raises(InvalidArgumentError, match="router has 3 experts"):
         two.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
     two.close()
 
 
-def test_router_always_picking_one_expert_reproduces_it(tiny_pipeline):
-    engine = tiny_pipeline.engine
+def test_router_always_picking_one_expert_reproduces_it(tiny_service):
+    engine = tiny_service.engine
     router = Router(RouterShape(num_experts=3, vocab_size=engine.vocab_size))
     with torch.no_grad():
         for p in router.route.parameters():
@@ -80,7 +86,7 @@ def test_router_always_picking_one_expert_reproduces_it(tiny_pipeline):
     prompt = [5, 17, 42, 99]
     routed = [e.token_id for e in engine.generate(GenerationRequest(
         [prompt] * 3, SamplingParams(max_tokens=12, ignore_eos=True), rule, [1.0, 1.0, 1.0]))]
-    single, w = tiny_pipeline.resolve_spec(FusionSpec(rule="single", params={"expert": "c"}))
+    single, w = tiny_service.resolve_spec(FusionSpec(rule="single", params={"expert": "c"}))
     alone = [e.token_id for e in engine.generate(GenerationRequest(
         [prompt] * 3, SamplingParams(max_tokens=12, ignore_eos=True), single, w))]
     assert routed == alone
@@ -132,10 +138,10 @@ def _random_router(vocab_size: int) -> Router:
     return router.eval()
 
 
-def test_route_scores_what_it_generates(tiny_pipeline):
+def test_route_scores_what_it_generates(tiny_service):
     """The decode path (per-step context rows) and the teacher-forced path (sliding windows) give the
     router the same context: scored log-probs equal those reported while sampling, past the window."""
-    engine = tiny_pipeline.engine
+    engine = tiny_service.engine
     rule = Route(engine.names, router=_random_router(engine.vocab_size))
     prompt = [[5, 17, 42, 99, 7, 8]] * 3
     request = GenerationRequest(prompt, SamplingParams(max_tokens=70, ignore_eos=True, temperature=1.0, seed=11),
@@ -146,8 +152,8 @@ def test_route_scores_what_it_generates(tiny_pipeline):
     assert scored == pytest.approx([e.logprob for e in events], abs=1e-4)
 
 
-def test_complementary_logit_can_be_left_out(tiny_pipeline):
-    engine = tiny_pipeline.engine
+def test_complementary_logit_can_be_left_out(tiny_service):
+    engine = tiny_service.engine
     router = _random_router(engine.vocab_size)
     logits = torch.randn(3, 4, engine.vocab_size)
     context = context_rows([[1, 2], [3], [4, 5], [6]])
@@ -178,35 +184,40 @@ def test_training_data_files(tmp_path):
         next(file_samples([tmp_path / "missing.txt"], seed=0))
 
 
-def test_chat_sample_ids_end_the_turn(tiny_pipeline):
-    prompts, ids = tiny_pipeline.sample_ids(TextSample("the cat", "hello", end_turn=True))
-    tok = tiny_pipeline.tokenizers[0]
-    assert prompts == tiny_pipeline.build_request("hello", {"max_tokens": 1}).prompt_ids
+def test_chat_sample_ids_end_the_turn(tiny_service):
+    prompts, ids = tiny_service.sample_ids(TextSample("the cat", "hello", end_turn=True))
+    tok = tiny_service.tokenizers[0]
+    assert prompts == tiny_service.admit(FusionRequest("hello", {"max_tokens": 1})).prompt_ids
     assert ids == tok("the cat", add_special_tokens=False)["input_ids"] + [end_of_turn_id(tok)]
 
 
 def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
     """`path: auto` names the cached router of exactly these experts: refused (clearly) before it exists,
-    trained once by `prepare_router`, then reused by every pipeline of the same trio."""
+    by a request and by a service configured with it (loading never trains); trained once by the tool's
+    `prepare_router`, then reused by every service of the same trio."""
     cache = tmp_path / "cache"
     config = parse_config(tiny_config_dict(tiny_dir))
-    pipeline = FusionPipeline.from_config(config, cache_dir=cache)
+    service = FusionService.from_config(config, cache_dir=cache)
     auto = FusionSpec(rule="route", params={"path": "auto"})
-    with pytest.raises(InvalidArgumentError, match="no router has been trained for these experts"):
-        pipeline.resolve_spec(auto)
-    path = pipeline.prepare_router(RouterTrainSettings(max_texts=4, steps_per_text=1))
+    with pytest.raises(InvalidArgumentError, match="no router is trained for these experts yet; run `fusion models"):
+        service.resolve_spec(auto)
+    auto_config = parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump()))
+    with pytest.raises(AssetError, match="fusion.params.path: auto: no router is trained .*fusion train-router"):
+        FusionService.from_config(auto_config, cache_dir=cache)
+    assert not (cache / "routers").exists()
+    path = prepare_router(service, RouterTrainSettings(max_texts=4, steps_per_text=1))
     assert path.parent == cache / "routers" and path.is_file()
     stamp = path.stat().st_mtime_ns
-    assert pipeline.prepare_router() == path and path.stat().st_mtime_ns == stamp  # not trained again
-    expected = pipeline.complete("hello world", {"max_tokens": 5}, FusionSpec(rule="route", params={"path": str(path)}))
-    pipeline.close()
+    assert prepare_router(service) == path and path.stat().st_mtime_ns == stamp  # not trained again
+    expected = service.complete("hello world", {"max_tokens": 5}, FusionSpec(rule="route", params={"path": str(path)}))
+    service.close()
 
-    routed = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),
+    routed = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),
                                         cache_dir=cache)
     assert path.stat().st_mtime_ns == stamp
     assert routed.complete("hello world", {"max_tokens": 5}).token_ids == expected.token_ids
     routed.close()
-    swapped = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c"))),
+    swapped = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c"))),
                                          cache_dir=cache)
     assert swapped.auto_router_path() != path  # another trio, another router
     swapped.close()

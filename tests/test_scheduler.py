@@ -14,8 +14,8 @@ from fusion.errors import ResourceExhaustedError
 from fusion.scheduler import Scheduler
 
 
-def make_requests(pipeline, n):
-    rule, weights = pipeline.resolve_spec(None)
+def make_requests(service, n):
+    rule, weights = service.resolve_spec(None)
     prompts = [[5 + i, 17, 42 + i] + [9] * (i % 4) for i in range(n)]
     return lambda: [
         GenerationRequest([p] * 3, SamplingParams(max_tokens=6 + i % 5, ignore_eos=True,
@@ -25,10 +25,10 @@ def make_requests(pipeline, n):
     ]
 
 
-def test_concurrent_requests_match_solo_runs(tiny_pipeline):
-    build = make_requests(tiny_pipeline, 6)
-    solo = [[e.token_id for e in tiny_pipeline.engine.generate(r)] for r in build()]
-    scheduler = Scheduler(tiny_pipeline.engine, max_concurrent=8, max_batch_size=4).start()
+def test_concurrent_requests_match_solo_runs(tiny_service):
+    build = make_requests(tiny_service, 6)
+    solo = [[e.token_id for e in tiny_service.engine.generate(r)] for r in build()]
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=8, max_batch_size=4).start()
     results = [None] * 6
 
     def consume(i, request):
@@ -41,12 +41,12 @@ def test_concurrent_requests_match_solo_runs(tiny_pipeline):
         t.join(60)
     scheduler.stop()
     assert results == solo
-    assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
 
 
-def test_async_stream_and_cancel(tiny_pipeline):
-    scheduler = Scheduler(tiny_pipeline.engine, max_concurrent=4).start()
-    request = make_requests(tiny_pipeline, 1)()[0]
+def test_async_stream_and_cancel(tiny_service):
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=4).start()
+    request = make_requests(tiny_service, 1)()[0]
     request.sampling = SamplingParams(max_tokens=500, ignore_eos=True)
 
     async def run():
@@ -66,12 +66,12 @@ def test_async_stream_and_cancel(tiny_pipeline):
         threading.Event().wait(0.05)
     assert scheduler.active == 0
     scheduler.stop()
-    assert all(len(e.cache) == 0 for e in tiny_pipeline.engine.experts)
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
 
 
-def test_over_the_limit_is_refused(tiny_pipeline):
-    scheduler = Scheduler(tiny_pipeline.engine, max_concurrent=2).start()
-    build = make_requests(tiny_pipeline, 3)
+def test_over_the_limit_is_refused(tiny_service):
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=2).start()
+    build = make_requests(tiny_service, 3)
     reqs = build()
     for r in reqs:
         r.sampling = SamplingParams(max_tokens=200, ignore_eos=True)

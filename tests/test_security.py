@@ -390,13 +390,13 @@ def secure_cluster(loop, tiny_dir, pki, tmp_path_factory):
 
 
 def test_tls_end_to_end(secure_cluster, tiny_dir):
-    from fusion.pipeline import FusionPipeline
+    from fusion.service import FusionService
 
     cluster = secure_cluster
     with FusionClient(f"localhost:{cluster['port']}", timeout=60, api_key=cluster["key"],
                       security=cluster["config"].security) as client:
         events = list(client.generate("hello world", {"max_tokens": 8, "ignore_eos": True}))
-    local = FusionPipeline.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
+    local = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
     try:
         assert [e.token.token_id for e in events] == local.complete(
             "hello world", {"max_tokens": 8, "ignore_eos": True}).token_ids
@@ -488,7 +488,7 @@ def test_expert_secret_without_tls(loop, tiny_config, monkeypatch, tiny_dir):
 def test_keys_cli_and_remote_generate(tmp_path, keyed, monkeypatch):
     from typer.testing import CliRunner
 
-    from fusion.cli import app
+    from fusion.tools.cli import app
     from services.client import stream_remote
 
     path = tmp_path / "keys.yaml"

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from fusion.config import FusionSpec, SamplingParams
+from fusion.config import FusionSpec, SamplingParams, SpecOverrides
 from fusion.errors import (
     ConfigError,
     ExpertOutputError,
@@ -27,7 +27,7 @@ from services.wire import (
     prompt_from_request,
     sampling_overrides,
     sampling_to_proto,
-    spec_from_proto,
+    spec_overrides_from_proto,
     spec_to_proto,
     wire_dtype,
 )
@@ -77,25 +77,22 @@ def test_sampling_to_proto_names_unknown_or_mistyped_fields():
         sampling_to_proto({"top_k": "many"})
 
 
-def test_spec_round_trip_and_defaults():
-    default = FusionSpec(rule="confidence", params={"tau": 0.5}, profile="general")
+def test_spec_overrides_round_trip():
     spec = FusionSpec(rule="logit_arithmetic", params={"alpha": 0.1, "lead": 0}, weights={"a": 1.5, "b": -0.5})
-    assert spec_from_proto(spec_to_proto(spec), default) == spec  # Struct's doubles come back as ints
-    assert spec_from_proto(fusion_pb2.FusionSpec(), default) == default
-    only_weights = spec_from_proto(fusion_pb2.FusionSpec(weights={"a": 1.0}), default)
-    assert only_weights == FusionSpec(rule="confidence", params={"tau": 0.5}, weights={"a": 1.0})
-    other_rule = spec_from_proto(fusion_pb2.FusionSpec(rule="mixture"), default)
-    assert other_rule.params == {} and other_rule.profile == "general"
-    with pytest.raises(InvalidArgumentError, match="spec: .*weights or profile"):
-        spec_from_proto(fusion_pb2.FusionSpec(weights={"a": 1.0}, profile="general"), default)
+    assert spec_overrides_from_proto(spec_to_proto(spec)) == SpecOverrides.of(spec)  # Struct's doubles: ints
+    assert spec_overrides_from_proto(fusion_pb2.FusionSpec()) == SpecOverrides()  # nothing set: all defaults
+    partial = SpecOverrides(params={"hard": True}, profile="general")
+    assert spec_overrides_from_proto(spec_to_proto(partial)) == partial  # unset fields stay unset on the wire
 
 
 def test_prompt_or_messages():
     assert prompt_from_request(generate_request("hi")) == "hi"
     chat = [{"role": "user", "content": "hi"}]
     assert prompt_from_request(generate_request(chat)) == chat
-    with pytest.raises(InvalidArgumentError, match="prompt"):
-        prompt_from_request(fusion_pb2.GenerateRequest())
+    both = generate_request("hi")
+    both.messages.add(role="user", content="hi")
+    with pytest.raises(InvalidArgumentError, match="prompt, messages"):
+        prompt_from_request(both)
 
 
 @pytest.mark.parametrize("error,code", [

@@ -8,8 +8,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from fusion.training import train_expert
-from fusion.training.arithmetic import (
+from fusion.tools.training import train_expert
+from fusion.tools.training.arithmetic import (
     TEMPLATES,
     ArithmeticStream,
     Problem,
@@ -22,8 +22,8 @@ from fusion.training.arithmetic import (
     random_problem,
     training_problem,
 )
-from fusion.training.loop import LoopSettings, sampled_cross_entropy, train_loop
-from fusion.training.model import ModelShape, build_model
+from fusion.tools.training.loop import LoopSettings, sampled_cross_entropy, train_loop
+from fusion.tools.training.model import ModelShape, build_model
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

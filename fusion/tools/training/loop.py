@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fusion.tools.progress import progress_line
+
 logger = logging.getLogger(__name__)
 
 
@@ -143,13 +145,14 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
         now = time.monotonic()
         if now - last_log >= settings.log_every_s or step == settings.steps:
             logger.info(
-                "step %d%s loss %.4f lr %.2e %.0f tok/s elapsed %.0f s",
+                "%s  step %d%s loss %.4f lr %.2e %.0f tok/s",
+                progress_line(max(step / settings.steps if settings.steps else 0.0, (now - started) / budget_s),
+                              now - started),
                 step,
                 f"/{settings.steps}" if settings.steps else "",
                 sum(recent) / len(recent),
                 lr,
                 (tokens - tokens_at_log) / max(now - last_log, 1e-9),
-                now - started,
             )
             last_log, tokens_at_log = now, tokens
     model.eval()

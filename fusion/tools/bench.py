@@ -16,8 +16,7 @@ from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
 from fusion.expert import LocalExpert
-from fusion.pipeline import FusionPipeline
-from fusion.scheduler import Scheduler
+from fusion.service import FusionRequest, FusionService
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +42,8 @@ def machine_description() -> str:
             f"{torch.get_num_threads()} threads, cuda={'yes' if torch.cuda.is_available() else 'no'}")
 
 
-def _prompt_ids(pipeline: FusionPipeline) -> list[list[int]]:
-    return pipeline.build_request(BENCH_PROMPT, {"max_tokens": 1}).prompt_ids
+def _prompt_ids(service: FusionService) -> list[list[int]]:
+    return service.prompt_ids(BENCH_PROMPT)
 
 
 def plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
@@ -71,11 +70,11 @@ def _plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> flo
     return statistics.mean(times[2:]) * 1e3
 
 
-def fused_step_ms(pipeline: FusionPipeline, steps: int) -> tuple[float, float, dict[str, float]]:
+def fused_step_ms(service: FusionService, steps: int) -> tuple[float, float, dict[str, float]]:
     """Mean fused decode step (all experts overlapped + fusion + sampling) and its fusion+sampling part."""
-    engine = pipeline.engine
-    rule, weights = pipeline.resolve_spec(None)
-    request = GenerationRequest(_prompt_ids(pipeline), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
+    engine = service.engine
+    rule, weights = service.resolve_spec(None)
+    request = GenerationRequest(_prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
                                 rule, weights)
     batch = engine.new_batch()
     batch.add(request)
@@ -95,11 +94,11 @@ def fused_step_ms(pipeline: FusionPipeline, steps: int) -> tuple[float, float, d
             {n: statistics.mean(v) * 1e3 for n, v in per_expert.items() if v})
 
 
-def bench_step(pipeline: FusionPipeline, report: BenchReport, steps: int = 24, rounds: int = 3) -> None:
+def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rounds: int = 3) -> None:
     """Fused step / Σ plain forwards, and fusion+sampling / one forward. Rounds interleave the two
     measurements so drift in machine load hits both alike."""
-    experts = [e for e in pipeline.engine.experts if isinstance(e, LocalExpert)]
-    prompts = _prompt_ids(pipeline)
+    experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]
+    prompts = _prompt_ids(service)
     plain_sums, fused, fuse = [], [], []
     per_expert_plain: dict[str, list[float]] = {e.info.name: [] for e in experts}
     for r in range(rounds):
@@ -108,7 +107,7 @@ def bench_step(pipeline: FusionPipeline, report: BenchReport, steps: int = 24, r
         for e, t in zip(experts, times):
             per_expert_plain[e.info.name].append(t)
         plain_sums.append(sum(times))
-        step_ms, fuse_ms, _ = fused_step_ms(pipeline, steps)
+        step_ms, fuse_ms, _ = fused_step_ms(service, steps)
         fused.append(step_ms)
         fuse.append(fuse_ms)
     plain_sum = statistics.median(plain_sums)
@@ -122,25 +121,24 @@ def bench_step(pipeline: FusionPipeline, report: BenchReport, steps: int = 24, r
     report.add("fused_step_over_sum_of_forwards", fused_ms / plain_sum,
                f"fused step / sum of plain forwards: {fused_ms / plain_sum:.3f}  (goal <= 1.05)")
     report.add("fusion_sampling_ms", fuse_ms, f"fusion + sampling: {fuse_ms:.2f} ms at vocabulary "
-               f"{pipeline.engine.vocab_size}")
+               f"{service.engine.vocab_size}")
     report.add("fusion_sampling_over_one_forward", fuse_ms / one_forward,
                f"fusion + sampling / one forward ({experts[0].info.name}): {fuse_ms / one_forward:.4f}  "
                "(goal <= 0.02)")
 
 
-def bench_generate(pipeline: FusionPipeline, report: BenchReport, max_tokens: int = 48) -> None:
+def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48) -> None:
     """Fused single-stream tokens/s against each expert's plain transformers `generate`."""
     from transformers import GenerationConfig
 
-    prompts = _prompt_ids(pipeline)
-    request = pipeline.build_request(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
-    list(pipeline.engine.generate(request))  # warm-up
-    request = pipeline.build_request(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
+    prompts = _prompt_ids(service)
+    request = FusionRequest(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
+    list(service.submit(request))  # warm-up
     start = time.perf_counter()
-    n = sum(1 for _ in pipeline.engine.generate(request))
+    n = sum(1 for _ in service.submit(request))  # the front door: admission, scheduler, text
     fused_tps = n / (time.perf_counter() - start)
     report.add("fused_tokens_per_s", fused_tps, f"fused generation: {fused_tps:.1f} tokens/s")
-    for i, expert in enumerate(pipeline.engine.experts):
+    for i, expert in enumerate(service.engine.experts):
         if not isinstance(expert, LocalExpert):
             continue
         ids = torch.tensor([prompts[i]], device=expert.device)
@@ -159,18 +157,17 @@ def bench_generate(pipeline: FusionPipeline, report: BenchReport, max_tokens: in
                    f"plain generate, {expert.info.name}: {tps:.1f} tokens/s; fused / plain = {fused_tps / tps:.3f}")
 
 
-def _concurrency_round(pipeline: FusionPipeline, level: int, max_tokens: int) -> tuple[float, list[float]]:
-    """`level` sessions through one Scheduler at once: (aggregate tokens/s, inter-token gaps in s)."""
-    scheduler = Scheduler(pipeline.engine, max_concurrent=level, max_batch_size=level).start()
+def _concurrency_round(service: FusionService, level: int, max_tokens: int) -> tuple[float, list[float]]:
+    """`level` sessions through the service at once: (aggregate tokens/s, inter-token gaps in s)."""
     gaps: list[float] = []
     lock = threading.Lock()
     counts = [0] * level
 
     def consume(i: int) -> None:
-        request = pipeline.build_request(f"{BENCH_PROMPT} ({i})", {"max_tokens": max_tokens, "ignore_eos": True})
+        request = FusionRequest(f"{BENCH_PROMPT} ({i})", {"max_tokens": max_tokens, "ignore_eos": True})
         last = None
         local = []
-        for _ in scheduler.submit(request):
+        for _ in service.submit(request):
             now = time.perf_counter()
             if last is not None:
                 local.append(now - last)
@@ -186,11 +183,10 @@ def _concurrency_round(pipeline: FusionPipeline, level: int, max_tokens: int) ->
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
-    scheduler.stop()
     return sum(counts) / elapsed, gaps
 
 
-def bench_concurrency(pipeline: FusionPipeline, report: BenchReport, levels=(1, 4, 8, 16),
+def bench_concurrency(service: FusionService, report: BenchReport, levels=(1, 4, 8, 16),
                       max_tokens: int = 32, rounds: int = 3) -> None:
     """Aggregate tokens/s at N concurrent sessions / 1 session, with p50/p95 inter-token latency.
     Each round runs every level once, so machine drift hits all levels alike; a level's ratio is the
@@ -201,7 +197,7 @@ def bench_concurrency(pipeline: FusionPipeline, report: BenchReport, levels=(1, 
     for r in range(rounds):
         logger.info("concurrency round %d/%d", r + 1, rounds)
         for level in levels:
-            rate, level_gaps = _concurrency_round(pipeline, level, max_tokens)
+            rate, level_gaps = _concurrency_round(service, level, max_tokens)
             tps[level].append(rate)
             gaps[level].extend(level_gaps)
     for level in levels:
@@ -220,12 +216,12 @@ def bench_concurrency(pipeline: FusionPipeline, report: BenchReport, levels=(1, 
         figures["itl_p95_ratio"] = figures["itl_p95_ms"] / base
 
 
-def bench_long_context(pipeline: FusionPipeline, report: BenchReport, sessions: int = 8, context: int = 1024,
+def bench_long_context(service: FusionService, report: BenchReport, sessions: int = 8, context: int = 1024,
                        steps: int = 16) -> None:
     """Batched decode at long context: the expert runtime's step (sessions batched from their own
     in-place caches) / transformers' own batched decode through one DynamicCache, on the same batch
     of the first local expert. The two decode in alternation, so machine drift hits both alike."""
-    expert = next(e for e in pipeline.engine.experts if isinstance(e, LocalExpert))
+    expert = next(e for e in service.engine.experts if isinstance(e, LocalExpert))
     if expert.info.max_positions:
         context = min(context, expert.info.max_positions - steps - 1)
     ours, theirs = run_on_compute_thread(_long_context_steps, expert, sessions, context, steps)
@@ -267,7 +263,7 @@ def _long_context_steps(expert: LocalExpert, sessions: int, context: int, steps:
     return statistics.median(ours[1:]) * 1e3, statistics.median(theirs[1:]) * 1e3
 
 
-def bench_sampling(pipeline: FusionPipeline, report: BenchReport, sessions: int = 8, steps: int = 12,
+def bench_sampling(service: FusionService, report: BenchReport, sessions: int = 8, steps: int = 12,
                    sampling: dict | None = None) -> None:
     """The sampler on real fused distributions: `sample` (on a CPU: top-k/top-p among each row's best
     ids) / the full-sort path, timed in alternation on the same logits, with the share of rows whose
@@ -275,7 +271,7 @@ def bench_sampling(pipeline: FusionPipeline, report: BenchReport, sessions: int 
     from fusion import sampler
 
     sampling = sampling or {"temperature": 0.8, "top_p": 0.9}
-    fused_rows = run_on_compute_thread(_fused_distributions, pipeline, sessions, steps, sampling)
+    fused_rows = run_on_compute_thread(_fused_distributions, service, sessions, steps, sampling)
     params = [SamplingParams(**sampling)] * sessions
     ours, full, fits = [], [], []
     for fused in fused_rows:  # (B, V) each
@@ -296,12 +292,12 @@ def bench_sampling(pipeline: FusionPipeline, report: BenchReport, sessions: int 
     report.add("sampling_over_full_sort", ours_ms / full_ms, f"sampling / full-sort sampling: {ours_ms / full_ms:.3f}")
 
 
-def _fused_distributions(pipeline: FusionPipeline, sessions: int, steps: int, sampling: dict) -> list[torch.Tensor]:
+def _fused_distributions(service: FusionService, sessions: int, steps: int, sampling: dict) -> list[torch.Tensor]:
     """The fused (B, V) logits of `steps` decode steps of `sessions` concurrent requests."""
-    batch = pipeline.engine.new_batch()
+    batch = service.engine.new_batch()
     for i in range(sessions):
-        batch.add(pipeline.build_request(f"{BENCH_PROMPT} ({i})", {**sampling, "max_tokens": steps + 1,
-                                                                    "ignore_eos": True, "seed": i}))
+        batch.add(service.admit(FusionRequest(f"{BENCH_PROMPT} ({i})", {**sampling, "max_tokens": steps + 1,
+                                                                    "ignore_eos": True, "seed": i})))
     captured = []
     while batch.active:
         step = batch.fused_logits()
@@ -311,8 +307,8 @@ def _fused_distributions(pipeline: FusionPipeline, sessions: int, steps: int, sa
     return captured
 
 
-def bench_memory(pipeline: FusionPipeline, report: BenchReport) -> None:
-    for expert in pipeline.engine.experts:
+def bench_memory(service: FusionService, report: BenchReport) -> None:
+    for expert in service.engine.experts:
         if isinstance(expert, LocalExpert):
             size = sum(p.numel() * p.element_size() for p in expert.model.parameters())
             report.add(f"weights_mb.{expert.info.name}", size / 2**20,

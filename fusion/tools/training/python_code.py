@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fusion.training.loop import Batch
+from fusion.tools.training.loop import Batch
 
 HELD_OUT_PERCENT = 5
 SEQ_LEN = 256

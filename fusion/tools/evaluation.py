@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from fusion.config import FusionSpec, SamplingParams
-from fusion.engine import GenerationRequest
-from fusion.pipeline import FusionPipeline
+from fusion.service import FusionRequest, FusionService
 from fusion.text import TextSample
 
 logger = logging.getLogger(__name__)
@@ -47,20 +46,20 @@ def pure_routing(spec: FusionSpec) -> FusionSpec:
     return spec.model_copy(update={"params": {**spec.params, "complementary": False}})
 
 
-def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec]] = ()) -> list[tuple[str, FusionSpec]]:
-    config = pipeline.config
+def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]] = ()) -> list[tuple[str, FusionSpec]]:
+    config = service.config
     weights = {e.name: e.weight for e in config.experts}
-    rows = [(f"{name} alone", FusionSpec(rule="single", params={"expert": name})) for name in pipeline.expert_names]
+    rows = [(f"{name} alone", FusionSpec(rule="single", params={"expert": name})) for name in service.expert_names]
     rows += [
         ("weighted_logits", FusionSpec(rule="weighted_logits", weights=weights)),
         ("mixture", FusionSpec(rule="mixture", weights=weights)),
         ("confidence", FusionSpec(rule="confidence", params={"tau": 0.5}, weights=weights)),
     ]
     configured = config.fusion
-    resolved = pipeline.resolve_spec(configured)
+    resolved = service.resolve_spec(configured)
 
     def same(spec: FusionSpec) -> bool:  # the same rule, parameters and effective weights
-        rule, weights = pipeline.resolve_spec(spec)
+        rule, weights = service.resolve_spec(spec)
         return (spec.rule, spec.params, weights) == (configured.rule, configured.params, resolved[1])
 
     if not any(same(spec) for _, spec in rows):
@@ -73,26 +72,23 @@ def default_rows(pipeline: FusionPipeline, extra: Sequence[tuple[str, FusionSpec
 
 # -- arithmetic ------------------------------------------------------------------------------
 def arithmetic_accuracy(
-    pipeline: FusionPipeline, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
+    service: FusionService, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
     max_tokens: int = 96,
 ) -> tuple[float, float, list[dict]]:
     """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records)."""
-    from fusion.training.arithmetic import extract_answer
+    from fusion.tools.training.arithmetic import extract_answer
 
-    tokenizer = pipeline.tokenizers[0]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     correct, tokens, records = 0, 0, []
     start = time.perf_counter()
     for offset in range(0, len(questions), batch_size):
         chunk = questions[offset:offset + batch_size]
-        requests = [
-            pipeline.build_request(q, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec)
-            for q, _ in chunk
-        ]
-        results = pipeline.engine.generate_many(requests)
-        for (question, answer), request in zip(chunk, requests):
-            ids = [e.token_id for e in results[request.request_id]]
-            tokens += len(ids)
-            text = tokenizer.decode(ids, skip_special_tokens=True)
+        # Submitted together, the chunk decodes as one batch in the service's scheduler.
+        streams = [service.submit(FusionRequest(q, sampling, spec)) for q, _ in chunk]
+        for (question, answer), stream in zip(chunk, streams):
+            events = list(stream)
+            tokens += len(events)
+            text = "".join(e.text for e in events)
             got = extract_answer(text)
             correct += got == answer
             records.append({"question": question, "answer": answer, "got": got, "text": text})
@@ -123,7 +119,7 @@ def general_text() -> str:
 
 
 def python_text() -> str:
-    from fusion.training.python_code import stdlib_files
+    from fusion.tools.training.python_code import stdlib_files
 
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files(held_out=True)[:40])
 
@@ -132,7 +128,7 @@ def arithmetic_answers(n: int, seed: int) -> list[TextSample]:
     """`n` held-out questions, each with its worked answer (ending the turn) after the chat prompt."""
     import random
 
-    from fusion.training.arithmetic import _held_out_pool, answer_text, question_text
+    from fusion.tools.training.arithmetic import _held_out_pool, answer_text, question_text
 
     rng = random.Random(f"bpb:{seed}")
     pool = list(_held_out_pool())
@@ -158,16 +154,16 @@ def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
 
 
 def bits_per_byte(
-    pipeline: FusionPipeline, specs: list[FusionSpec], samples: Sequence[TextSample | str]
+    service: FusionService, specs: list[FusionSpec], samples: Sequence[TextSample | str]
 ) -> list[float]:
     """Bits per UTF-8 byte of the samples' text (an end-of-turn token is scored but adds no bytes) under
     each spec. Each expert runs once per sample; every rule is applied to the same teacher-forced logits."""
-    engine = pipeline.engine
+    engine = service.engine
     nats = [0.0] * len(specs)
     total_bytes = 0
-    resolved = [pipeline.resolve_spec(s) for s in specs]
+    resolved = [service.resolve_spec(s) for s in specs]
     for sample in samples:
-        prompt_ids, ids = pipeline.sample_ids(sample)
+        prompt_ids, ids = service.sample_ids(sample)
         logits = engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
         for i, (rule, weights) in enumerate(resolved):
             nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights, prompt_ids[0]))
@@ -176,7 +172,7 @@ def bits_per_byte(
 
 
 def evaluate(
-    pipeline: FusionPipeline,
+    service: FusionService,
     *,
     rows: list[tuple[str, FusionSpec]] | None = None,
     questions: int = 100,
@@ -185,18 +181,18 @@ def evaluate(
     chunk_tokens: int = 192,
     domains: Sequence[str] = DOMAINS,
 ) -> list[EvalRow]:
-    from fusion.training.arithmetic import make_questions
+    from fusion.tools.training.arithmetic import make_questions
 
-    rows = rows or default_rows(pipeline)
+    rows = rows or default_rows(service)
     results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
     if questions > 0:
         qs = make_questions(questions, seed)
         for result, (name, spec) in zip(results, rows):
             logger.info("arithmetic: %s (%d questions)", name, len(qs))
-            acc, tps, _ = arithmetic_accuracy(pipeline, spec, qs)
+            acc, tps, _ = arithmetic_accuracy(service, spec, qs)
             result.arithmetic_accuracy, result.tokens_per_s = acc, tps
             logger.info("arithmetic: %s: %.1f%% exact, %.1f tokens/s", name, 100 * acc, tps)
-    tokenizer = pipeline.tokenizers[0]
+    tokenizer = service.tokenizers[0]
     sources = {
         "arithmetic": lambda: arithmetic_answers(8 * text_chunks, seed),
         "python": lambda: chunks(python_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
@@ -205,7 +201,7 @@ def evaluate(
     for domain in domains:
         texts = sources[domain]()
         logger.info("bits-per-byte: %s (%d samples)", domain, len(texts))
-        for result, bpb in zip(results, bits_per_byte(pipeline, [spec for _, spec in rows], texts)):
+        for result, bpb in zip(results, bits_per_byte(service, [spec for _, spec in rows], texts)):
             result.bits_per_byte[domain] = bpb
     return results
 

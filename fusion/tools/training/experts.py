@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fusion.training.arithmetic import ArithmeticStream
-from fusion.training.loop import Batch, LoopSettings, train_loop
-from fusion.training.model import ModelShape, build_model, save_expert
-from fusion.training.python_code import CodeStream
+from fusion.tools.training.arithmetic import ArithmeticStream
+from fusion.tools.training.loop import Batch, LoopSettings, train_loop
+from fusion.tools.training.model import ModelShape, build_model, save_expert
+from fusion.tools.training.python_code import CodeStream
 
 logger = logging.getLogger(__name__)
 

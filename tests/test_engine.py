@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from fusion.config import FusionSpec, SamplingParams, parse_config
+from fusion.config import FusionSpec, Limits, SamplingParams, parse_config
 from fusion.engine import FusionEngine, GenerationRequest
 from fusion.errors import ConfigError, ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
-from fusion.expert import LocalExpert, StepRequest
+from fusion.expert import ExpertInfo, LocalExpert, StepRequest
 from fusion.service import FusionRequest, FusionService
 from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
@@ -466,3 +466,84 @@ def test_batched_prefill_matches_one_by_one(tiny_dir):
             histories[s] = histories[s] + [int(row[:300].argmax())]
     assert calls == [4]  # one batched prefill, then batched decoding
     assert batched.cache.cached_tokens == single.cache.cached_tokens
+
+
+# -- the decode step against mock experts (fixed logits) -----------------------------------------
+class TableExpert:
+    """An Expert whose next-token logits are a fixed function of the last id: `bias[(last + shift) % V]`
+    is raised by `height`. It records every step it was asked for, and frees sessions on release."""
+
+    def __init__(self, name: str, shift: int, height: float, vocab: int = 16, eos: int = 0):
+        self.info = ExpertInfo(name=name, model="table", vocab_size=vocab, tokenizer_size=vocab,
+                               tokenizer_fingerprint="table", eos_token_ids=(eos,), dtype="float32", device="cpu",
+                               max_cached_tokens=1 << 20)
+        self.shift, self.height = shift, height
+        self.steps: list[list[tuple[str, list[int]]]] = []
+        self.sessions: set[str] = set()
+
+    def logits_after(self, last: int) -> torch.Tensor:  # (V,)
+        row = torch.linspace(0.0, 1.0, self.info.vocab_size)  # a fixed, non-flat background
+        row[(last + self.shift) % self.info.vocab_size] += self.height
+        return row
+
+    def step(self, requests):
+        self.steps.append([(r.session_id, list(r.token_ids)) for r in requests])
+        self.sessions.update(r.session_id for r in requests)
+        return torch.stack([self.logits_after(r.token_ids[-1]) for r in requests])
+
+    def score(self, session_id, token_ids, num_positions):
+        return torch.stack([self.logits_after(t) for t in token_ids[-num_positions - 1:-1]])
+
+    def release(self, session_ids):
+        self.sessions.difference_update(session_ids)
+
+    def describe(self):
+        return self.info
+
+    @property
+    def active_sessions(self):
+        return len(self.sessions)
+
+    def close(self):
+        pass
+
+
+def test_decode_step_with_mock_experts_equals_a_hand_computation():
+    """Two table experts, weighted logits 0.75/0.25, greedy: each step's token is the argmax of the
+    weighted sum of the two tables, computed here by hand; each expert sees the whole shared history;
+    rows of different prompts decode side by side; EOS and max_tokens end their rows."""
+    a, b = TableExpert("a", shift=1, height=4.0), TableExpert("b", shift=3, height=10.0)
+    engine = FusionEngine([a, b], Limits(max_tokens=8))
+    timings = []
+    engine.step_observers.append(timings.append)
+    rule = make_rule("weighted_logits", {}, engine.names)
+    weights = [0.75, 0.25]
+
+    def expected_tokens(prompt, max_tokens):
+        history, out = list(prompt), []
+        while len(out) < max_tokens:
+            fused = 0.75 * a.logits_after(history[-1]) + 0.25 * b.logits_after(history[-1])
+            out.append(int(fused.argmax()))
+            history.append(out[-1])
+            if out[-1] == 0:  # EOS
+                break
+        return out
+
+    prompts = {"p1": [5], "p2": [9, 2], "p3": [13]}
+    requests = [GenerationRequest([p, p], SamplingParams(max_tokens=6), rule, weights, request_id=rid)
+                for rid, p in prompts.items()]
+    results = engine.generate_many(requests)
+    for rid, prompt in prompts.items():
+        tokens = [ev.token_id for ev in results[rid]]
+        assert tokens == expected_tokens(prompt, 6), rid
+        assert results[rid][-1].finish_reason == ("stop" if tokens[-1] == 0 else "length")
+        assert [att.weight for att in results[rid][0].attribution] == pytest.approx(weights)
+    # a's peak counts 0.75 * 4 = 3 against b's 0.25 * 10 = 2.5: a leads, so p3 runs 14, 15 and wraps to EOS.
+    assert [ev.token_id for ev in results["p3"]] == [14, 15, 0]
+    first_step = {sid: ids for sid, ids in a.steps[0]}
+    assert first_step == {"p1": [5], "p2": [9, 2], "p3": [13]}  # every row in one batched step
+    second_step = dict(a.steps[1])
+    assert second_step["p1"] == [5] + [ev.token_id for ev in results["p1"][:1]]  # the shared history grows
+    assert "p3" not in dict(a.steps[3]) and "p1" in dict(a.steps[3])  # a finished row leaves the batch
+    assert not a.sessions and not b.sessions  # every session released
+    assert len(timings) == len(a.steps) and all(t.step_s >= t.experts_s > 0 for t in timings)

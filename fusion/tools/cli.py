@@ -171,6 +171,7 @@ def generate(
     top_p: Optional[float] = typer.Option(None, "--top-p"),
     top_k: Optional[int] = typer.Option(None, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Reproducible sampling."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="A stop string (repeatable)."),
     rule: Optional[str] = typer.Option(None, "--rule", help="Fusion rule (default: the config's)."),
     params: Optional[str] = typer.Option(None, "--params", help="The rule's parameters, e.g. hard=true; with the "
                                          "config's rule they override its params one by one."),
@@ -186,6 +187,7 @@ def generate(
         k: v
         for k, v in {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+            "stop": stop or None,
         }.items()
         if v is not None
     }

@@ -1,11 +1,11 @@
+"""Configuration: YAML and pydantic errors naming the field, weights, and the one merge rule."""
+
 from __future__ import annotations
 
 import pytest
 
 from fusion.config import FusionSpec, SpecOverrides, layer_spec, load_config, parse_config
 from fusion.errors import ConfigError, InvalidArgumentError
-from fusion.session_cache import SessionCache, common_prefix_length
-from fusion.text import TextStream
 
 
 def test_config_errors_name_field_and_value(tmp_path):
@@ -67,36 +67,3 @@ def test_one_merge_rule_layers_a_request_over_the_config():
                                                     weights={"a": 1.0})
     with pytest.raises(InvalidArgumentError, match="spec: .*weights or profile"):
         layer_spec(default, SpecOverrides(weights={"a": 1.0}, profile="code"))
-
-
-def test_session_cache_lru():
-    cache = SessionCache(max_tokens=10)
-    for name, n in (("a", 4), ("b", 4), ("c", 4)):
-        cache.get(name).token_ids = list(range(n))
-    cache.get("a")  # a becomes most recent
-    assert cache.evict(keep=["c"]) == ["b"]
-    assert cache.sessions() == ["c", "a"]  # least recently used first
-    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
-    entry = cache.get("a")
-    assert cache.reusable_length(entry, [0, 1, 2, 3]) == 3  # the last id is always recomputed
-    assert cache.release("a") and not cache.release("a")
-
-
-class CharTokenizer:
-    """Ids are code points; enough to test the stream's text logic on its own."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def test_text_stream_stop_strings_and_holdback():
-    stream = TextStream(CharTokenizer(), stop=["END"])
-    out = "".join(stream.push(ord(c)) for c in "hello E")
-    assert out == "hello "  # "E" is held back: it may start "END"
-    out += stream.push(ord("N"))
-    assert not stream.stopped
-    out += stream.push(ord("D"))
-    assert stream.stopped and out == "hello "
-    stream = TextStream(CharTokenizer(), stop=["END"])
-    out = "".join(stream.push(ord(c)) for c in "hello EN") + stream.flush()
-    assert out == "hello EN" and not stream.stopped

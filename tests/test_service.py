@@ -1,0 +1,75 @@
+"""`FusionService`, the one front door: layering, admission once, streams (sync and async), describe."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from fusion.config import FusionSpec, SpecOverrides
+from fusion.errors import InvalidArgumentError, NotFoundError
+from fusion.service import FusionRequest
+
+
+def test_admission_layers_the_request_over_the_config(tiny_service):
+    config = tiny_service.config
+    admitted = tiny_service.admit(FusionRequest("hi", {"max_tokens": 3}, SpecOverrides(profile="ab"),
+                                                request_id="client-7"))
+    assert admitted.sampling.max_tokens == 3 and admitted.sampling.temperature == config.sampling.temperature
+    assert admitted.weights == config.weights_for(FusionSpec(profile="ab"))
+    assert admitted.prompt_ids == tiny_service.prompt_ids("hi")
+    assert admitted.request_id.startswith("client-7/") and admitted.request_id != "client-7/"
+    again = tiny_service.admit(FusionRequest("hi", {"max_tokens": 3}, SpecOverrides(profile="ab"),
+                                             request_id="client-7"))
+    assert again.request_id != admitted.request_id  # a caller's id only prefixes the service's own
+    assert again.rule is admitted.rule  # one rule object per distinct rule and params
+
+
+@pytest.mark.parametrize("request_args,error,match", [
+    (("",), InvalidArgumentError, "prompt: give a prompt or messages"),
+    (([{"role": "", "content": "x"}],), InvalidArgumentError, r"messages\[0\].role"),
+    (("hi", {"top_p": 0}), InvalidArgumentError, "top_p"),
+    (("hi", None, SpecOverrides(profile="nope")), NotFoundError, "profile"),
+    (("hi", None, SpecOverrides(weights={"zz": 1.0})), NotFoundError, "unknown expert"),
+    (("hi", None, SpecOverrides(rule="nope")), InvalidArgumentError, "unknown fusion rule"),
+])
+def test_bad_requests_are_refused_at_admission_before_any_work(tiny_service, request_args, error, match):
+    with pytest.raises(error, match=match):
+        tiny_service.submit(FusionRequest(*request_args))
+    assert tiny_service.active == 0
+    assert not any(len(e.cache) for e in tiny_service.engine.experts)
+
+
+def test_async_stream_equals_the_sync_one_and_admits_off_the_loop(tiny_service):
+    request = FusionRequest("hello world", {"max_tokens": 8, "ignore_eos": True})
+    expected = [e.token.token_id for e in tiny_service.submit(request)]
+    admitted_on = []
+    real_admit = tiny_service.admit
+
+    def spy(req):
+        admitted_on.append(threading.current_thread())
+        return real_admit(req)
+
+    async def run():
+        stream = await tiny_service.submit_async(request)
+        return [event async for event in stream], threading.current_thread()
+
+    tiny_service.admit = spy
+    try:
+        events, loop_thread = asyncio.run(run())
+    finally:
+        del tiny_service.admit
+    assert [e.token.token_id for e in events] == expected
+    assert admitted_on and admitted_on[0] is not loop_thread
+    assert events[-1].usage.completion_tokens == 8 and events[-1].finish_reason == "length"
+
+
+def test_describe(tiny_service):
+    description = tiny_service.describe()
+    assert [e.info.name for e in description.experts] == tiny_service.expert_names
+    assert [e.default_weight for e in description.experts] == [e.weight for e in tiny_service.config.experts]
+    assert {"weighted_logits", "mixture", "route"} <= set(description.rules)
+    assert description.rules["route"] == ("path", "hard", "complementary")
+    assert description.default_spec == tiny_service.config.fusion
+    assert description.active_requests == 0

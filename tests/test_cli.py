@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from fusion.config import FusionSpec, SpecOverrides, parse_config
+from fusion.config import FusionSpec, SpecOverrides
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_greedy_equivalent, assert_payload_matches
 

@@ -472,8 +472,11 @@ class KeyMetrics:
 
 @dataclass
 class _Usage:
+    """A key's open streams and its tokens over the last WINDOW_S seconds, in one-second buckets: at
+    most WINDOW_S + 1 entries per key, whether or not the key has a tokens_per_minute limit."""
+
     streams: int = 0
-    tokens: deque = field(default_factory=deque)  # (monotonic time, count)
+    tokens: deque = field(default_factory=deque)  # (monotonic time of the bucket's first token, count)
     window_total: int = 0
 
     def tokens_in_window(self, now: float) -> int:
@@ -482,8 +485,13 @@ class _Usage:
         return self.window_total
 
     def add_tokens(self, now: float, count: int) -> None:
-        self.tokens.append((now, count))
+        if self.tokens and now - self.tokens[-1][0] < 1.0:  # the current one-second bucket
+            start, total = self.tokens[-1]
+            self.tokens[-1] = (start, total + count)
+        else:
+            self.tokens.append((now, count))
         self.window_total += count
+        self.tokens_in_window(now)  # trims what left the window
 
 
 class Refusal(Exception):

@@ -533,3 +533,19 @@ def test_coordinator_without_client_certificate_is_refused_by_experts(secure_clu
     no_cert = config.model_copy(update={"security": config.security.model_copy(update={"tls": tls})})
     with pytest.raises(ExpertUnavailableError, match="UNAVAILABLE"):
         loop.run(create_coordinator_server(no_cert))
+
+
+def test_usage_state_stays_bounded_for_a_key_without_limits():
+    """Usage is kept in one-second buckets over the window, trimmed as tokens arrive: a key that streams
+    for ten minutes holds at most WINDOW_S + 1 buckets, and the window total is exact."""
+    from services.security import WINDOW_S, _Usage
+
+    usage = _Usage()
+    now = 1000.0
+    for _ in range(100_000):  # 100k tokens at ~166 per second for 10 minutes
+        now += 0.006
+        usage.add_tokens(now, 1)
+        assert len(usage.tokens) <= WINDOW_S + 1
+    in_window = usage.tokens_in_window(now)
+    assert abs(in_window - WINDOW_S / 0.006) <= 1.0 / 0.006 + 1  # a minute's tokens, give or take a bucket
+    assert usage.tokens_in_window(now + WINDOW_S + 1) == 0 and not usage.tokens

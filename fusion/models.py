@@ -113,11 +113,11 @@ def builtin_model(name: str) -> BuiltinModel:
         raise AssetError(f"unknown builtin model {name!r}; known: {known}") from None
 
 
-def prepare_command(name: str) -> str:
-    """The command that puts builtin model `name` into the cache."""
+def prepare_hint(name: str) -> str:
+    """How to put builtin model `name` into the cache (the commands, quoted)."""
     if builtin_model(name).kind == "fetched":
-        return "fusion models fetch"
-    return f"fusion train-expert {builtin_model(name).expert_kind} (or `fusion models fetch --all`)"
+        return "run `fusion models fetch` (`fusion models fetch --all` prepares the whole default trio and its router)"
+    return f"run `fusion train-expert {builtin_model(name).expert_kind}` (or `fusion models fetch --all`)"
 
 
 def resolve_model(ref: str, cache_dir: Path) -> str:
@@ -127,5 +127,5 @@ def resolve_model(ref: str, cache_dir: Path) -> str:
     name = ref.removeprefix(BUILTIN_PREFIX)
     target = model_dir(cache_dir, builtin_model(name).name)
     if not target.exists():
-        raise AssetError(f"model {ref} is not in the cache {Path(cache_dir)}; run `{prepare_command(name)}`")
+        raise AssetError(f"model {ref} is not in the cache {Path(cache_dir)}; {prepare_hint(name)}")
     return str(target)

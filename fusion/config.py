@@ -160,6 +160,8 @@ class Limits(_Strict):
     # prefilled in chunks between the running streams' steps instead of stalling them.
     prefill_chunk_tokens: int = Field(default=512, gt=0)
     max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # A caller's request id prefixes the session id in every expert call and in logs.
+    max_request_id_chars: int = Field(default=128, gt=0)
 
 
 class TLSConfig(_Strict):

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -39,6 +40,7 @@ from fusion.text import Message, TextSample, TextStream, encode_plain, encode_pr
 
 logger = logging.getLogger(__name__)
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/-]+")  # no spaces or newlines: it goes into session ids and logs
 AUTO_ROUTER = "auto"  # `route` rule path: the router trained for exactly these experts, in the cache
 PREPARE_HINT = "run `fusion models fetch --all` (the default trio) or `fusion train-router` (your experts)"
 
@@ -311,9 +313,17 @@ class FusionService:
         rule, weights = self.resolve_spec(request.spec)
         generation = GenerationRequest(self.prompt_ids(request.prompt), self.sampling(request.sampling), rule, weights)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
+            self._check_request_id(request.request_id)
             generation.request_id = f"{request.request_id}/{new_request_id()}"
         self.engine.validate(generation)
         return generation
+
+    def _check_request_id(self, request_id: str) -> None:
+        limit = self.config.limits.max_request_id_chars
+        if len(request_id) > limit:
+            raise InvalidArgumentError(f"request_id: {len(request_id)} characters exceed max_request_id_chars={limit}")
+        if not _REQUEST_ID.fullmatch(request_id):
+            raise InvalidArgumentError("request_id: may hold only letters, digits and . _ : @ / -")
 
     # -- generation --------------------------------------------------------------------------------
     def _running_scheduler(self) -> Scheduler:

@@ -33,6 +33,8 @@ def test_admission_layers_the_request_over_the_config(tiny_service):
     (("hi", None, SpecOverrides(profile="nope")), NotFoundError, "profile"),
     (("hi", None, SpecOverrides(weights={"zz": 1.0})), NotFoundError, "unknown expert"),
     (("hi", None, SpecOverrides(rule="nope")), InvalidArgumentError, "unknown fusion rule"),
+    (("hi", None, None, "a\nforged log line"), InvalidArgumentError, "request_id: may hold only"),
+    (("hi", None, None, "x" * 129), InvalidArgumentError, "request_id: 129 characters exceed max_request_id_chars=128"),
 ])
 def test_bad_requests_are_refused_at_admission_before_any_work(tiny_service, request_args, error, match):
     with pytest.raises(error, match=match):

@@ -27,9 +27,10 @@ from ray import serve
 
 from deploy._replica import ServerLoop, advertised_host
 from deploy.registry import expert_version
-from deploy.settings import CoordinatorRuntime, model_resolver
+from deploy.settings import CoordinatorRuntime
 from fusion.config import FusionConfig, parse_config
 from fusion.errors import ExpertUnavailableError
+from fusion.models import model_resolver
 from services.coordinator import create_coordinator_server
 from services.protos import FUSION_SERVICE
 from services.remote_expert import RemoteExpert

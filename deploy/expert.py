@@ -29,9 +29,10 @@ from ray import serve
 
 from deploy._replica import DirectContext, ServerLoop, advertised_host
 from deploy.registry import expert_version
-from deploy.settings import ExpertRuntime, model_resolver
+from deploy.settings import ExpertRuntime
 from fusion.config import ExpertConfig, Limits, SecurityConfig
 from fusion.expert import LocalExpert
+from fusion.models import model_resolver
 from services.expert_server import create_expert_server
 from services.metrics import serve_metrics
 from services.protos import expert_pb2, expert_pb2_grpc

@@ -20,14 +20,12 @@ sessions per replica, and an `autoscaling_config` given here gets that policy un
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fusion.config import FusionConfig, format_validation_error, load_config, parse_config
 from fusion.errors import ConfigError
-from fusion.models import default_cache_dir, resolve_model
 
 LOAD_POLICY = "deploy.autoscaling:fusion_load_policy"
 
@@ -153,16 +151,6 @@ class CoordinatorRuntime(_Strict):
     refresh_s: float = 2.0
     startup_timeout_s: float = 900.0
     grace_s: float = 20.0
-
-
-def model_resolver(cache_dir: str | None) -> Callable[[str], str]:
-    """`builtin:NAME` refs to folders in the model cache (a missing one is an AssetError naming the
-    command that prepares it: replicas never fetch or train); others unchanged."""
-
-    def resolve(ref: str) -> str:
-        return resolve_model(ref, Path(cache_dir) if cache_dir else default_cache_dir())
-
-    return resolve
 
 
 def parse_args(args: dict[str, Any] | DeployArgs | None) -> DeployArgs:

@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,8 +103,6 @@ def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-
-
 def builtin_model(name: str) -> BuiltinModel:
     try:
         return BUILTIN_MODELS[name]
@@ -129,3 +127,9 @@ def resolve_model(ref: str, cache_dir: Path) -> str:
     if not target.exists():
         raise AssetError(f"model {ref} is not in the cache {Path(cache_dir)}; {prepare_hint(name)}")
     return str(target)
+
+
+def model_resolver(cache_dir: str | Path | None = None) -> Callable[[str], str]:
+    """`resolve_model` bound to a cache (default: `default_cache_dir()`), for loaders that take a resolver."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return lambda ref: resolve_model(ref, root)

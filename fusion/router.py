@@ -229,5 +229,3 @@ class Route(FusionRule):
             router = self.router.to(logits.device)
             return router.fuse(logits, context, allowed=weights > 0, hard=self.hard,
                                complementary=self.complementary)
-
-

@@ -2,8 +2,8 @@
 
 A background thread owns a `DecodeBatch`: between steps it admits waiting requests (up to
 `max_batch_size` rows) and drops cancelled ones, then has the process's compute thread
-(`fusion.compute`) step every active row at once. Requests arrive validated (`FusionService.admit`). Each caller gets
-a `RequestHandle` to read its events from, synchronously or with `async for`. Requests beyond
+(`fusion.compute`) step every active row at once. Requests arrive validated (`FusionService.admit`).
+Each caller gets a `RequestHandle` to read its events from, synchronously or with `async for`. Requests beyond
 `max_concurrent` (running + waiting) are refused with `ResourceExhaustedError`, never queued
 without bound.
 """

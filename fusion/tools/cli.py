@@ -15,7 +15,8 @@ import typer
 
 from fusion.config import FusionConfig, FusionSpec, SpecOverrides, load_config
 from fusion.errors import FusionError
-from fusion.models import default_cache_dir, resolve_model
+from fusion.models import default_cache_dir
+from fusion.models import model_resolver as runtime_resolver
 
 DEFAULT_CONFIG = Path(__file__).parent.parent / "configs" / "default.yaml"
 
@@ -84,7 +85,7 @@ def model_resolver(cache: Path, *, prepare: bool) -> Callable[[str], str]:
     """`builtin:` refs to cache folders; with `prepare`, missing ones are fetched or trained first
     (servers never prepare: they refuse to start, naming the command)."""
     if not prepare:
-        return lambda ref: resolve_model(ref, cache)
+        return runtime_resolver(cache)
     from fusion.tools.assets import prepare_model
 
     return lambda ref: prepare_model(ref, cache)
@@ -147,8 +148,8 @@ def load_service(config: FusionConfig, cache: Path, *, router: bool = True):
 
     service = FusionService.from_config(config, resolve_model=model_resolver(cache, prepare=True), cache_dir=cache,
                                         require_router=False)
-    if router and service.uses_auto_router and not service.auto_router_path().is_file():
-        from fusion.tools.router_training import prepare_router
+    if router and service.uses_auto_router:
+        from fusion.tools.router_training import prepare_router  # trains only if the cache lacks it
 
         try:
             prepare_router(service)

@@ -104,14 +104,21 @@ def layer_spec(default: FusionSpec, overrides: SpecOverrides | FusionSpec | None
         raise InvalidArgumentError(f"spec: {format_validation_error(err)}") from None
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it (vLLM's rule): logits / 1e-40 overflow
+
+
 class SamplingParams(_Strict):
-    """Per-request sampling parameters (vLLM semantics; 0 disables top_k, 1.0 disables top_p)."""
+    """Per-request sampling parameters (vLLM semantics; 0 disables top_k, 1.0 disables top_p).
+
+    Every float must be finite in float32, the sampler's dtype; list lengths and ids are bounded by
+    the service's `Limits` and vocabulary at admission (`FusionService.admit`)."""
 
     temperature: float = Field(default=0.0, ge=0.0)  # 0 = greedy
     top_k: int = Field(default=0, ge=0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] = Field(default_factory=dict)
@@ -126,18 +133,24 @@ class SamplingParams(_Strict):
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     @classmethod
     def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"must be finite, got {value}")
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise ValueError(f"must be finite in float32, got {value}")
         return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        return MIN_TEMPERATURE if 0.0 < value < MIN_TEMPERATURE else value
 
     @field_validator("logit_bias")
     @classmethod
-    def _finite_bias(cls, value: dict[int, float]) -> dict[int, float]:
+    def _bounded_bias(cls, value: dict[int, float]) -> dict[int, float]:
+        # OpenAI's range: +-100 already forces or forbids a token; +inf would turn the row into NaN.
         for token_id, bias in value.items():
             if token_id < 0:
                 raise ValueError(f"token id must be >= 0, got {token_id}")
-            if math.isnan(bias):
-                raise ValueError(f"bias for token {token_id} is NaN")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias for token {token_id} must be in [-100, 100], got {bias}")
         return value
 
     @field_validator("banned_token_ids", "stop_token_ids")
@@ -159,9 +172,21 @@ class Limits(_Strict):
     # Prompt tokens (per expert) one decode step computes for joining sessions: a long prompt is
     # prefilled in chunks between the running streams' steps instead of stalling them.
     prefill_chunk_tokens: int = Field(default=512, gt=0)
+    # Between the coordinator and its experts: sized for batched logits (B x V x 2 bytes).
     max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # What a client may send the coordinator in one message; requests are small, so a few MiB.
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     # A caller's request id prefixes the session id in every expert call and in logs.
     max_request_id_chars: int = Field(default=128, gt=0)
+    # Bounds on one request's fields, checked at admission before any tokenizing or decoding.
+    max_prompt_bytes: int = Field(default=256 * 1024, gt=0)  # UTF-8 bytes of the prompt or all messages
+    max_messages: int = Field(default=256, gt=0)
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_chars: int = Field(default=256, gt=0)  # per stop string
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    max_logit_bias: int = Field(default=1024, ge=0)  # entries of logit_bias
+    max_banned_token_ids: int = Field(default=4096, ge=0)
+    max_score_tokens: int = Field(default=2048, gt=0)  # continuation tokens of one Score
 
 
 class TLSConfig(_Strict):
@@ -235,9 +260,24 @@ class FusionConfig(_Strict):
     experts: list[ExpertConfig] = Field(min_length=1)
     fusion: FusionSpec = Field(default_factory=FusionSpec)
     profiles: dict[str, dict[str, float]] = Field(default_factory=dict)
+    # Router checkpoints by name; a `route` request picks one with `params.router` (never a path).
+    # `auto` is reserved: the router trained for exactly these experts, in the model cache.
+    routers: dict[str, str] = Field(default_factory=dict)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     limits: Limits = Field(default_factory=Limits)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+
+    @field_validator("routers")
+    @classmethod
+    def _router_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if name == "auto":
+                raise ValueError("'auto' is reserved for the router trained for these experts")
+            if not name or not all(c.isalnum() or c in "-_." for c in name):
+                raise ValueError(f"router name {name!r}: use letters, digits, '-', '_' and '.'")
+            if not path:
+                raise ValueError(f"router {name!r}: give the checkpoint's path")
+        return value
 
     @model_validator(mode="after")
     def _cross_check(self) -> FusionConfig:
@@ -249,7 +289,10 @@ class FusionConfig(_Strict):
             unknown = sorted(set(weights) - set(names))
             if unknown:
                 raise ValueError(f"profile {profile!r} names unknown experts {unknown}; known: {names}")
-        self.check_spec(self.fusion)
+        try:
+            self.check_spec(self.fusion)
+        except NotFoundError as err:
+            raise ValueError(f"fusion: {err}") from None
         return self
 
     @property
@@ -263,14 +306,18 @@ class FusionConfig(_Strict):
         raise NotFoundError(f"unknown expert {name!r}; known: {self.expert_names}")
 
     def check_spec(self, spec: FusionSpec) -> None:
-        """Raise ValueError if a spec names unknown experts or profiles."""
+        """Raise NotFoundError if a spec names unknown experts, profiles or routers."""
         names = self.expert_names
         if spec.profile is not None and spec.profile not in self.profiles:
-            raise ValueError(f"unknown profile {spec.profile!r}; known: {sorted(self.profiles)}")
+            raise NotFoundError(f"profile: unknown profile {spec.profile!r}; known: {sorted(self.profiles)}")
         if spec.weights is not None:
             unknown = sorted(set(spec.weights) - set(names))
             if unknown:
-                raise ValueError(f"weights name unknown experts {unknown}; known: {names}")
+                raise NotFoundError(f"weights: unknown expert(s) {unknown}; known: {names}")
+        router = spec.params.get("router") if spec.rule == "route" else None
+        if router is not None and router != "auto" and router not in self.routers:
+            raise NotFoundError(f"fusion.params.router: unknown router {router!r}; known: "
+                                f"{['auto', *sorted(self.routers)]}")
 
     def weights_for(self, spec: FusionSpec) -> list[float]:
         """Resolve a spec's weights to one float per expert, in config order."""

@@ -31,12 +31,15 @@ from fusion.config import Limits, SamplingParams
 from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
-from fusion.sampler import SamplingMetadata, sample
+from fusion.sampler import SamplingMetadata, sample, token_bias_row
 from fusion.vocab import VocabAlignment
 
 logger = logging.getLogger(__name__)
 
 _request_counter = itertools.count()
+# Positions one scoring job computes on the compute thread: bounds both the wait it adds to a decode
+# step and its (E, SCORE_CHUNK, V) float32 logits (3 x 128 x 49,152 x 4 B = 75 MB).
+SCORE_CHUNK = 128
 
 
 def new_request_id() -> str:
@@ -50,6 +53,9 @@ class GenerationRequest:
     rule: FusionRule
     weights: list[float]  # one per expert
     request_id: str = field(default_factory=new_request_id)
+    # Built once by `FusionEngine.admit`, read by every step:
+    token_bias: torch.Tensor | None = None  # (V,) additive: banned ids -inf, logit_bias elsewhere
+    stop_ids: frozenset[int] | None = None  # ids that end the request (EOS unless ignore_eos, stop ids)
 
 
 @dataclass
@@ -140,13 +146,44 @@ class FusionEngine:
         self._pool.shutdown(wait=True)
 
     # -- validation ---------------------------------------------------------------------------
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse sampling lists past the limits or ids outside the vocabulary (cheap: before tokenizing)."""
+        limits, vocab = self.limits, self.vocab_size
+        if sampling.max_tokens > limits.max_tokens:
+            raise ResourceExhaustedError(f"max_tokens: {sampling.max_tokens} exceeds the limit {limits.max_tokens}")
+        for name, values, bound in (
+            ("stop", sampling.stop, limits.max_stop_strings),
+            ("stop_token_ids", sampling.stop_token_ids, limits.max_stop_token_ids),
+            ("logit_bias", sampling.logit_bias, limits.max_logit_bias),
+            ("banned_token_ids", sampling.banned_token_ids, limits.max_banned_token_ids),
+        ):
+            if len(values) > bound:
+                raise ResourceExhaustedError(f"{name}: {len(values)} entries exceed max_{name}={bound}"
+                                             if name != "stop" else
+                                             f"stop: {len(values)} strings exceed max_stop_strings={bound}")
+            bad = [t for t in values if isinstance(t, int) and not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgumentError(f"{name}: token ids out of range [0, {vocab}): {sorted(bad)[:5]}")
+        for i, stop in enumerate(sampling.stop):
+            if not stop:
+                raise InvalidArgumentError(f"stop[{i}]: must not be empty")
+            if len(stop) > limits.max_stop_chars:
+                raise ResourceExhaustedError(f"stop[{i}]: {len(stop)} characters exceed "
+                                             f"max_stop_chars={limits.max_stop_chars}")
+
     def validate(self, request: GenerationRequest) -> None:
         """Refuse a request the engine cannot or may not run (InvalidArgument / ResourceExhausted)."""
         if len(request.prompt_ids) != len(self.experts):
             raise InvalidArgumentError(
                 f"prompt_ids: need one prompt per expert ({len(self.experts)}), got {len(request.prompt_ids)}"
             )
-        for name, prompt in zip(self.names, request.prompt_ids):
+        self.check_sampling(request.sampling)
+        try:
+            request.rule.check_weights(request.weights)
+        except ValueError as err:
+            raise InvalidArgumentError(f"weights: {err}") from None
+        max_tokens = request.sampling.max_tokens
+        for index, (name, prompt) in enumerate(zip(self.names, request.prompt_ids)):
             if not prompt:
                 raise InvalidArgumentError(f"prompt: the prompt for expert {name!r} is empty")
             if len(prompt) > self.limits.max_prompt_tokens:
@@ -156,14 +193,25 @@ class FusionEngine:
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidArgumentError(f"prompt_ids: ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if request.sampling.max_tokens > self.limits.max_tokens:
-            raise ResourceExhaustedError(
-                f"max_tokens: {request.sampling.max_tokens} exceeds the limit {self.limits.max_tokens}"
-            )
-        try:
-            request.rule.check_weights(request.weights)
-        except ValueError as err:
-            raise InvalidArgumentError(f"weights: {err}") from None
+            # A request that would outgrow an expert's context must never reach the batch.
+            positions = self.experts[index].info.max_positions
+            if positions and request.rule.uses_expert(index, request.weights) and len(prompt) + max_tokens > positions:
+                raise InvalidArgumentError(
+                    f"max_tokens: the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed expert "
+                    f"{name!r}'s context of {positions} positions"
+                )
+
+    def admit(self, request: GenerationRequest) -> GenerationRequest:
+        """Validate once and build the per-request state every step reads."""
+        self.validate(request)
+        return self.prepare(request)
+
+    def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """Build the per-request state every step reads (bias row, stop ids), once."""
+        request.token_bias = token_bias_row(request.sampling, self.vocab_size, self.device)
+        request.stop_ids = frozenset(request.sampling.stop_token_ids) | (
+            frozenset() if request.sampling.ignore_eos else self.eos_token_ids)
+        return request
 
     # -- generation ---------------------------------------------------------------------------
     def new_batch(self) -> DecodeBatch:
@@ -172,7 +220,7 @@ class FusionEngine:
     def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
         """Stream one request's tokens (validated here: this bypasses the service's admission). Closing
         the generator early releases its sessions."""
-        self.validate(request)
+        self.admit(request)
         batch = self.new_batch()
         batch.add(request)
         try:
@@ -189,7 +237,7 @@ class FusionEngine:
         batch = self.new_batch()
         results: dict[str, list[TokenEvent]] = {}
         for request in requests:
-            self.validate(request)
+            self.admit(request)
             batch.add(request)
             results[request.request_id] = []
         try:
@@ -210,16 +258,56 @@ class FusionEngine:
         rule: FusionRule,
         weights: list[float],
     ) -> list[float]:
-        """Fused log-probability of each continuation id after each expert's prompt (teacher forcing)."""
-        return run_on_compute_thread(self._score, prompt_ids, continuation_ids, rule, weights)
+        """Fused log-probability of each continuation id after each expert's prompt (teacher forcing).
 
-    def _score(self, prompt_ids, continuation_ids, rule, weights) -> list[float]:
+        Runs in chunks of `SCORE_CHUNK` positions, each its own job on the compute thread, so running
+        streams' decode steps interleave with a long score (waiting one chunk at most) and memory holds
+        one chunk's (E, chunk, V) logits; each expert's session cache carries the prefix between chunks."""
         probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
         self.validate(probe)
-        logits = self.continuation_logits(prompt_ids, continuation_ids, uses=[
-            rule.uses_expert(e, weights) for e in range(len(self.experts))
-        ])
-        return self.fused_logprobs(logits, continuation_ids, rule, weights, prompt_ids[0])
+        if not continuation_ids:
+            raise InvalidArgumentError("continuation: must not be empty")
+        bad = [t for t in continuation_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"continuation ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        uses = [rule.uses_expert(e, weights) for e in range(len(self.experts))]
+        for index, prompt in enumerate(prompt_ids):
+            positions = self.experts[index].info.max_positions
+            if uses[index] and positions and len(prompt) + len(continuation_ids) > positions:
+                raise InvalidArgumentError(
+                    f"continuation: the prompt ({len(prompt)} tokens) + continuation ({len(continuation_ids)}) "
+                    f"exceed expert {self.names[index]!r}'s context of {positions} positions")
+        session = f"score-{new_request_id()}"
+        context = teacher_forced_context(prompt_ids[0], continuation_ids, self.device)  # (n, K)
+        logprobs: list[float] = []
+        try:
+            for start in range(0, len(continuation_ids), SCORE_CHUNK):
+                end = min(len(continuation_ids), start + SCORE_CHUNK)
+                logprobs += run_on_compute_thread(self._score_chunk, session, prompt_ids, continuation_ids,
+                                                  start, end, uses, rule, weights, context[start:end])
+        finally:
+            for expert in self.experts:
+                expert.release([session])
+        return logprobs
+
+    def _score_chunk(self, session, prompt_ids, continuation_ids, start, end, uses, rule, weights, context
+                     ) -> list[float]:
+        """Log-probabilities of continuation ids [start, end): each expert scores them after its prompt
+        and the continuation before `start` (cached in `session` by the previous chunk)."""
+        n = end - start
+
+        def run(index: int) -> torch.Tensor:
+            if not uses[index]:
+                return torch.zeros(n, self.vocab_size, device=self.device)
+            history = list(prompt_ids[index]) + list(continuation_ids[:end])
+            return self.experts[index].score(session, history, n)  # (n, V_e)
+
+        logits = self.alignment.stack([t.to(self.device) for t in self._map_experts(run)]).float()  # (E, n, V)
+        self._check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
+        w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
+        log_probs = torch.log_softmax(rule.fuse(logits, w, context).logits.float(), dim=-1)  # (n, V)
+        ids = torch.tensor(continuation_ids[start:end], device=self.device)
+        return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
 
     def continuation_logits(
         self, prompt_ids: list[list[int]], continuation_ids: list[int], uses: Sequence[bool] | None = None
@@ -352,7 +440,9 @@ class DecodeBatch:
         return len(self.rows)
 
     def add(self, request: GenerationRequest) -> None:
-        """Join a request validated by its caller (`FusionEngine.validate`, done once at admission)."""
+        """Join a request admitted by its caller (`FusionEngine.admit`, done once at admission)."""
+        if request.stop_ids is None:  # a caller that validated it itself
+            self.engine.prepare(request)
         experts = range(len(self.engine.experts))
         row = _Row(request, prefilled=[0] * len(experts),
                    uses=[request.rule.uses_expert(e, request.weights) for e in experts])
@@ -487,6 +577,7 @@ class DecodeBatch:
             engine.vocab_size,
             {b: r.generator for b, r in enumerate(rows) if r.generator is not None},
             engine.device,
+            biases=[r.request.token_bias for r in rows],
         )
         counts = seen = None
         if not md.no_penalties:
@@ -514,7 +605,7 @@ class DecodeBatch:
                 row.seen[token] = True
             params = row.request.sampling
             reason = None
-            if (token in engine.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            if token in row.request.stop_ids:
                 reason = "stop"
             elif len(row.generated) >= params.max_tokens:
                 reason = "length"

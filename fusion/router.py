@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -169,7 +170,7 @@ def load_router(path: Path) -> tuple[Router, dict]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         router = Router(RouterShape(**payload["shape"]))  # older layouts fail on the state dict below
         router.load_state_dict(payload["state_dict"])
-    except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as err:
+    except (RuntimeError, KeyError, TypeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise ConfigError(f"router checkpoint {path} is not readable: {err}".splitlines()[0]) from None
     router.eval()
     return router, payload
@@ -198,13 +199,14 @@ class Route(FusionRule):
     to one expert; `complementary: false` leaves the complementary logit out (pure routing)."""
 
     name = "route"
-    param_names = ("path", "hard", "complementary")
+    # What requests set: `router` is a name the service resolves to `path` (only its config names files).
+    param_names = ("router", "hard", "complementary")
 
     def __init__(self, expert_names: Sequence[str], path: str | None = None, hard: bool = False,
                  complementary: bool = True, router: Router | None = None) -> None:
         super().__init__(expert_names)
         if router is None and not path:
-            raise ValueError("rule 'route' needs params.path, a router checkpoint from `fusion train-router`")
+            raise ValueError("rule 'route' needs params.router, a router trained by `fusion train-router`")
         self.path = path
         self.hard = bool(hard)
         self.complementary = bool(complementary)

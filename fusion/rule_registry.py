@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fusion.errors import InvalidArgumentError
+from fusion.errors import ConfigError, InvalidArgumentError
 from fusion.router import Route
 from fusion.rules import BUILTIN_RULES, FusionRule
 
@@ -25,5 +25,7 @@ def make_rule(name: str, params: dict[str, Any], expert_names: Sequence[str]) ->
         raise InvalidArgumentError(f"unknown fusion rule {name!r}; known: {sorted(RULES)}")
     try:
         return factory(expert_names, **params)
+    except ConfigError:  # a router checkpoint that cannot be read: the caller decides what to reveal
+        raise
     except (TypeError, ValueError) as err:
         raise InvalidArgumentError(f"fusion.params: {err}") from None

@@ -53,21 +53,19 @@ class SamplingMetadata:
         vocab_size: int,
         generators: dict[int, torch.Generator],
         device: torch.device | str = "cpu",
+        biases: list[torch.Tensor | None] | None = None,
     ) -> SamplingMetadata:
+        """`biases`: each row's `token_bias_row`, built once per request (built here when not given)."""
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
         temperature = column("temperature", torch.float32)
+        if biases is None:
+            biases = [token_bias_row(p, vocab_size, device) for p in params]
         bias = None
-        if any(p.logit_bias or p.banned_token_ids for p in params):
-            bias = torch.zeros(len(params), vocab_size, device=device)
-            for row, p in enumerate(params):
-                for token_id, value in p.logit_bias.items():
-                    if token_id < vocab_size:
-                        bias[row, token_id] += value
-                banned = [t for t in p.banned_token_ids if t < vocab_size]
-                if banned:
-                    bias[row, banned] = float("-inf")
+        if any(b is not None for b in biases):
+            zeros = torch.zeros(vocab_size, device=device)
+            bias = torch.stack([b if b is not None else zeros for b in biases])  # (B, V)
         return cls(
             temperature=temperature,
             top_k=column("top_k", torch.long),
@@ -106,6 +104,21 @@ class SamplingMetadata:
             no_top_k=bool((columns["top_k"] == 0).all()), no_top_p=bool((columns["top_p"] >= 1.0).all()),
             no_min_p=True,
         )
+
+
+def token_bias_row(params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu"
+                   ) -> torch.Tensor | None:
+    """One request's additive (V,) row: logit_bias added, banned ids -inf; None when it has neither.
+    Ids are checked against the vocabulary at admission."""
+    if not params.logit_bias and not params.banned_token_ids:
+        return None
+    row = torch.zeros(vocab_size, device=device)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        row.index_put_((ids,), torch.tensor(list(params.logit_bias.values()), device=device), accumulate=True)
+    if params.banned_token_ids:
+        row[torch.tensor(params.banned_token_ids, dtype=torch.long, device=device)] = float("-inf")
+    return row
 
 
 @dataclass

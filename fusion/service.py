@@ -10,7 +10,7 @@ service alone
 and scores continuations and describes itself. Admission runs on the caller's thread; async callers
 use `submit_async`/`score_async`, which run it in a worker thread, off their event loop.
 
-Loading never trains: a `route` rule with `path: auto` needs the router trained for these experts
+Loading never trains: a `route` rule with `router: auto` needs the router trained for these experts
 (`fusion models fetch --all` or `fusion train-router`); without it the service refuses to start.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
-from fusion.errors import AssetError, InvalidArgumentError, NotFoundError
+from fusion.errors import AssetError, ConfigError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, ExpertInfo, LocalExpert
 from fusion.models import default_cache_dir
 from fusion.router import expert_fingerprint
@@ -164,7 +164,7 @@ class FusionService:
     def __init__(self, config: FusionConfig, engine: FusionEngine, tokenizers: Sequence[Any],
                  cache_dir: Path | None = None, *, require_router: bool = True) -> None:
         """`engine` runs `config.experts` in order (in-process or remote); `tokenizers` is each one's.
-        With `require_router`, a configured `path: auto` router that is not trained yet is an
+        With `require_router`, a configured `router: auto` router that is not trained yet is an
         AssetError naming the command that prepares it."""
         self.config = config
         self.engine = engine
@@ -176,7 +176,7 @@ class FusionService:
         self._lock = threading.Lock()
         self._closed = False
         if require_router and self.uses_auto_router and not self.auto_router_path().is_file():
-            raise AssetError(f"fusion.params.path: auto: no router is trained for experts {self.expert_names} "
+            raise AssetError(f"fusion.params.router: auto: no router is trained for experts {self.expert_names} "
                              f"yet ({self.auto_router_path()}); {PREPARE_HINT}")
 
     @classmethod
@@ -233,10 +233,10 @@ class FusionService:
     @property
     def uses_auto_router(self) -> bool:
         fusion = self.config.fusion
-        return fusion.rule == "route" and fusion.params.get("path") == AUTO_ROUTER
+        return fusion.rule == "route" and AUTO_ROUTER in (fusion.params.get("router"), fusion.params.get("path"))
 
     def auto_router_path(self) -> Path:
-        """Where `path: auto` finds this trio's router: keyed by the experts' names and behaviour."""
+        """Where `router: auto` finds this trio's router: keyed by the experts' names and behaviour."""
         if self._auto_router is None:
             fingerprints = [expert_fingerprint(e) for e in self.engine.experts]
             key = hashlib.sha256(json.dumps([self.expert_names, fingerprints]).encode()).hexdigest()[:16]
@@ -246,29 +246,57 @@ class FusionService:
     # -- admission ---------------------------------------------------------------------------------
     def _make_rule(self, name: str, params_json: str) -> FusionRule:
         params = json.loads(params_json)
-        if name == "route" and params.get("path") == AUTO_ROUTER:
-            path = self.auto_router_path()
-            if not path.is_file():
-                raise InvalidArgumentError(f"fusion.params.path: no router is trained for these experts yet; "
-                                           f"{PREPARE_HINT}")
-            params["path"] = str(path)
-        rule = make_rule(name, params, self.expert_names)
-        rule.bind(self.engine.experts)
+        if name != "route":
+            rule = make_rule(name, params, self.expert_names)
+            rule.bind(self.engine.experts)
+            return rule
+        router = params.get("router", params.get("path"))
+        params = self._router_params(params)
+        try:
+            rule = make_rule(name, params, self.expert_names)
+            rule.bind(self.engine.experts)
+        except ConfigError as err:  # unreadable, or trained for other experts: the detail stays in the log
+            logger.error("router %r (%s) cannot be used: %s", router, params["path"], err)
+            raise InvalidArgumentError(f"fusion.params.router: router {router!r} cannot be used with these experts "
+                                       "(the server's log says why)") from None
         return rule
+
+    def _router_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`route` params with the router's name resolved to its checkpoint: `auto` (the router trained
+        for these experts) or a name from the config's `routers`. Only the config names files."""
+        params = dict(params)
+        name = params.pop("router", None)
+        path = params.pop("path", None)  # the config's legacy spelling (requests may not send it)
+        if name is None and path is not None:
+            name = AUTO_ROUTER if path == AUTO_ROUTER else None
+        if name == AUTO_ROUTER:
+            checkpoint = self.auto_router_path()
+            if not checkpoint.is_file():
+                raise InvalidArgumentError(f"fusion.params.router: no router is trained for these experts yet; "
+                                           f"{PREPARE_HINT}")
+        elif name is not None:
+            checkpoint = Path(self.config.routers[name])  # known: FusionConfig.check_spec
+        elif path is not None:
+            checkpoint = Path(path)
+        else:
+            raise InvalidArgumentError(f"fusion.params.router: the route rule needs a router; known: {self.router_names}")
+        return {**params, "path": str(checkpoint)}
+
+    @property
+    def router_names(self) -> list[str]:
+        return [AUTO_ROUTER, *sorted(self.config.routers)]
 
     def spec(self, overrides: SpecOverrides | FusionSpec | None = None) -> FusionSpec:
         """The request's fusion spec over the config's default (`layer_spec`)."""
+        if overrides is not None and overrides.params and overrides.params.get("path", AUTO_ROUTER) != AUTO_ROUTER:
+            raise InvalidArgumentError(f"fusion.params.path: requests may not name files on the server; pick a "
+                                       f"router by name with params.router (known: {self.router_names})")
         return layer_spec(self.config.fusion, overrides)
 
     def resolve_spec(self, overrides: SpecOverrides | FusionSpec | None = None) -> tuple[FusionRule, list[float]]:
         """The rule (built once per distinct rule and params) and one weight per expert."""
         spec = self.spec(overrides)
-        if spec.profile is not None and spec.profile not in self.config.profiles:
-            raise NotFoundError(f"profile: unknown profile {spec.profile!r}; known: {sorted(self.config.profiles)}")
-        if spec.weights is not None:
-            unknown = sorted(set(spec.weights) - set(self.expert_names))
-            if unknown:
-                raise NotFoundError(f"weights: unknown expert(s) {unknown}; known: {self.expert_names}")
+        self.config.check_spec(spec)  # unknown profile, expert or router: NotFoundError naming it
         rule = self._rules(spec.rule, json.dumps(spec.params, sort_keys=True))
         weights = self.config.weights_for(spec)
         try:
@@ -302,21 +330,38 @@ class FusionService:
         return prompts, ids[:max_tokens] if max_tokens is not None else ids
 
     def admit(self, request: FusionRequest) -> GenerationRequest:
-        """Layer, format and validate a request once; the engine request it becomes. Blocking (tokenizes,
-        may load a router): async callers use `submit_async`."""
-        if not request.prompt:
+        """Layer, format and validate a request once; the engine request it becomes. Every bound is
+        checked before the work it guards (prompt size before tokenizing). Blocking (tokenizes, may load
+        a router): async callers use `submit_async`."""
+        self._check_prompt(request.prompt)
+        if request.request_id:
+            self._check_request_id(request.request_id)
+        rule, weights = self.resolve_spec(request.spec)
+        sampling = self.sampling(request.sampling)
+        self.engine.check_sampling(sampling)
+        generation = GenerationRequest(self.prompt_ids(request.prompt), sampling, rule, weights)
+        if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
+            generation.request_id = f"{request.request_id}/{new_request_id()}"
+        return self.engine.admit(generation)
+
+    def _check_prompt(self, prompt: str | Sequence[Message]) -> None:
+        limits = self.config.limits
+        if not prompt:
             raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
-        if not isinstance(request.prompt, str):
-            for i, message in enumerate(request.prompt):
+        if isinstance(prompt, str):
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+        else:
+            if len(prompt) > limits.max_messages:
+                raise ResourceExhaustedError(f"messages: {len(prompt)} messages exceed max_messages={limits.max_messages}")
+            size = 0
+            for i, message in enumerate(prompt):
                 if not isinstance(message, Mapping) or not message.get("role"):
                     raise InvalidArgumentError(f"messages[{i}].role: must not be empty")
-        rule, weights = self.resolve_spec(request.spec)
-        generation = GenerationRequest(self.prompt_ids(request.prompt), self.sampling(request.sampling), rule, weights)
-        if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
-            self._check_request_id(request.request_id)
-            generation.request_id = f"{request.request_id}/{new_request_id()}"
-        self.engine.validate(generation)
-        return generation
+                if not isinstance(message.get("content", ""), str):
+                    raise InvalidArgumentError(f"messages[{i}].content: must be text")
+                size += len(message["role"]) + len(message.get("content", "").encode("utf-8", "surrogatepass"))
+        if size > limits.max_prompt_bytes:
+            raise ResourceExhaustedError(f"prompt: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
 
     def _check_request_id(self, request_id: str) -> None:
         limit = self.config.limits.max_request_id_chars
@@ -362,14 +407,22 @@ class FusionService:
     # -- scoring -----------------------------------------------------------------------------------
     def score(self, prompt: str, continuation: str, spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:
         """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template)."""
+        limits = self.config.limits
         if not continuation:
             raise InvalidArgumentError("continuation: must not be empty")
+        for name, text in (("prompt", prompt), ("continuation", continuation)):
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > limits.max_prompt_bytes:
+                raise ResourceExhaustedError(f"{name}: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
         rule, weights = self.resolve_spec(spec)
         prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
         if any(not p for p in prompt_ids):
             # A model without BOS has no context for the first continuation token.
             raise InvalidArgumentError("prompt: must not be empty for a tokenizer without a BOS token")
         continuation_ids = encode_plain(self.tokenizers[0], continuation, add_special_tokens=False)
+        if len(continuation_ids) > limits.max_score_tokens:
+            raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
+                                         f"max_score_tokens={limits.max_score_tokens}")
         logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
         return ScoreResult(continuation_ids, logprobs)
 

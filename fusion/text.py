@@ -94,8 +94,12 @@ class TextStream:
 
     @staticmethod
     def _partial_stop(text: str, stop: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of `stop`."""
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                return n
+        """Length of the longest tail of `text` that is a proper prefix of `stop`. Only tails that start
+        with `stop[0]` are tried, each by one C-level comparison (the naive loop is O(len(stop)^2))."""
+        tail = text[-(len(stop) - 1):] if len(stop) > 1 else ""
+        at = tail.find(stop[0]) if tail else -1
+        while at != -1:
+            if stop.startswith(tail[at:]):
+                return len(tail) - at
+            at = tail.find(stop[0], at + 1)
         return 0

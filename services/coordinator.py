@@ -142,7 +142,7 @@ async def create_coordinator_server(
 ) -> tuple[RunningServer, int]:
     """Build the service (loading in-process experts, connecting to remote ones) and serve it on
     `address`; returns (server, bound port). Call on the serving event loop. `cache_dir` holds the
-    `path: auto` router (default: the model cache's default place)."""
+    `router: auto` router (default: the model cache's default place)."""
     metrics = CoordinatorMetrics()
     service = await asyncio.to_thread(build_service, config, resolve_model, cache_dir)
     service.add_step_observer(metrics.observe_step)

@@ -322,7 +322,7 @@ def test_limits(tiny_dir):
     config = parse_config(tiny_config_dict(tiny_dir, limits={"max_prompt_tokens": 30, "max_tokens": 5}))
     service = FusionService.from_config(config)
     with pytest.raises(ResourceExhaustedError, match="max_prompt_tokens=30"):
-        service.admit(FusionRequest("the quick brown fox jumps over the lazy dog " * 5))
+        service.admit(FusionRequest("the quick brown fox jumps over the lazy dog " * 5, {"max_tokens": 5}))
     with pytest.raises(ResourceExhaustedError, match="max_tokens: 6 exceeds the limit 5"):
         service.admit(FusionRequest("hi", {"max_tokens": 6}))
     service.close()

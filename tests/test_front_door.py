@@ -1,7 +1,7 @@
 """One request spec, every front door: the Python service, the CLI, gRPC and Ray Serve give the same ids.
 
-The config's rule is `route` with `path: auto` (the router trained for the tiny trio, in a cache); the
-request overrides one parameter (`hard: true`, which must keep `path: auto`), picks a weight profile
+The config's rule is `route` with `router: auto` (the router trained for the tiny trio, in a cache); the
+request overrides one parameter (`hard: true`, which must keep `router: auto`), picks a weight profile
 and samples with a seed and a stop string. Every door layers it over the config the same way, so the
 seeded streams agree token for token. Processes other than this one are pinned to this process's
 thread count (OMP_NUM_THREADS): with one row per step and the same threads, the float reductions are
@@ -35,9 +35,9 @@ OVERRIDES = SpecOverrides(params={"hard": True}, profile="ab")
 
 @pytest.fixture(scope="module")
 def routed(tiny_dir, tmp_path_factory):
-    """The tiny trio configured with `rule: route, path: auto`, its router trained into a cache."""
+    """The tiny trio configured with `rule: route, router: auto`, its router trained into a cache."""
     root = tmp_path_factory.mktemp("front-door")
-    data = tiny_config_dict(tiny_dir, fusion={"rule": "route", "params": {"path": "auto"}})
+    data = tiny_config_dict(tiny_dir, fusion={"rule": "route", "params": {"router": "auto"}})
     config = parse_config(data)
     trainer = FusionService.from_config(config, cache_dir=root / "cache", require_router=False)
     prepare_router(trainer, RouterTrainSettings(max_texts=6, steps_per_text=2))
@@ -56,7 +56,7 @@ def same_threads_env() -> dict[str, str]:
 def test_python_service(routed):
     completion = routed.service.complete(PROMPT, SAMPLING, OVERRIDES)
     spec = routed.service.spec(OVERRIDES)
-    assert spec.rule == "route" and spec.params == {"path": "auto", "hard": True} and spec.profile == "ab"
+    assert spec.rule == "route" and spec.params == {"router": "auto", "hard": True} and spec.profile == "ab"
     assert completion.token_ids and completion.usage.completion_tokens == len(completion.token_ids)
     # The stream is what `submit` gives; the overrides changed the output (they are not ignored).
     assert [e.token.token_id for e in routed.service.submit(FusionRequest(PROMPT, SAMPLING, OVERRIDES))] == \

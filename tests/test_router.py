@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from fusion.config import FusionSpec, SamplingParams, parse_config
+from fusion.config import FusionSpec, SamplingParams, SpecOverrides, parse_config
 from fusion.engine import GenerationRequest
-from fusion.errors import AssetError, InvalidArgumentError
+from fusion.errors import AssetError, InvalidArgumentError, NotFoundError
 from fusion.service import FusionRequest, FusionService
 from fusion.router import Route, Router, RouterShape, load_router, logit_features
 from fusion.tools.router_training import (
@@ -47,7 +47,16 @@ def test_training_loss_decreases(trained):
     assert result.steps == 120
 
 
-def test_saved_router_reloads_to_identical_outputs(trained, tiny_service):
+TRAINED = FusionSpec(rule="route", params={"router": "trained"})
+
+
+def routed_service(tiny_dir, path, names=("a", "b", "c")) -> FusionService:
+    """The tiny experts with the router at `path` configured as `trained` (requests name routers)."""
+    return FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=names,
+                                                                   routers={"trained": str(path)})))
+
+
+def test_saved_router_reloads_to_identical_outputs(trained, tiny_service, tiny_dir):
     path, _, _ = trained
     router, _ = load_router(path)
     again, _ = load_router(path)
@@ -55,24 +64,45 @@ def test_saved_router_reloads_to_identical_outputs(trained, tiny_service):
     context = context_rows([[1], [1, 2], [3], [4, 5, 6], [7]])
     a, b = router.fuse(logits, context), again.fuse(logits, context)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.weights, b.weights)
-    rule, weights = tiny_service.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
-    completion = tiny_service.complete("hello world", {"max_tokens": 6, "ignore_eos": True},
-                                        FusionSpec(rule="route", params={"path": str(path)}))
+    service = routed_service(tiny_dir, path)
+    completion = service.complete("hello world", {"max_tokens": 6, "ignore_eos": True}, TRAINED)
+    service.close()
     assert len(completion.token_ids) == 6
     assert all(sum(a.weight for a in ev.attribution) == pytest.approx(1.0) for ev in completion.events)
 
 
 def test_router_refused_against_other_experts(trained, tiny_dir):
     path, _, _ = trained
-    swapped = parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c")))
-    service = FusionService.from_config(swapped)
-    with pytest.raises(Exception, match="trained with other experts"):
-        service.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
+    service = routed_service(tiny_dir, path, names=("b", "a", "c"))
+    with pytest.raises(InvalidArgumentError, match="router 'trained' cannot be used with these experts"):
+        service.resolve_spec(TRAINED)
     service.close()
-    two = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
+    two = routed_service(tiny_dir, path, names=("a", "b"))
     with pytest.raises(InvalidArgumentError, match="router has 3 experts"):
-        two.resolve_spec(FusionSpec(rule="route", params={"path": str(path)}))
+        two.resolve_spec(TRAINED)
     two.close()
+
+
+def test_requests_name_routers_never_files(trained, tiny_dir, tmp_path):
+    """A request may not send a path (a file-existence oracle, and one router spelled many ways); an
+    unknown name is NOT_FOUND listing the configured ones; a broken checkpoint does not leak its path."""
+    path, _, _ = trained
+    service = routed_service(tiny_dir, path)
+    for spelling in (str(path), str(path.parent / "." / path.name), "/etc/passwd"):
+        with pytest.raises(InvalidArgumentError, match="fusion.params.path: requests may not name files"):
+            service.resolve_spec(FusionSpec(rule="route", params={"path": spelling}))
+    with pytest.raises(NotFoundError, match=r"unknown router 'other'; known: \['auto', 'trained'\]"):
+        service.resolve_spec(FusionSpec(rule="route", params={"router": "other"}))
+    assert service.resolve_spec(TRAINED)[0] is service.resolve_spec(SpecOverrides(params={"router": "trained"},
+                                                                                   rule="route"))[0]
+    service.close()
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"not a checkpoint")
+    service = routed_service(tiny_dir, broken)
+    with pytest.raises(InvalidArgumentError) as err:
+        service.resolve_spec(TRAINED)
+    assert "router 'trained' cannot be used" in str(err.value) and str(tmp_path) not in str(err.value)
+    service.close()
 
 
 def test_router_always_picking_one_expert_reproduces_it(tiny_service):
@@ -192,24 +222,24 @@ def test_chat_sample_ids_end_the_turn(tiny_service):
 
 
 def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
-    """`path: auto` names the cached router of exactly these experts: refused (clearly) before it exists,
+    """`router: auto` names the cached router of exactly these experts: refused (clearly) before it exists,
     by a request and by a service configured with it (loading never trains); trained once by the tool's
     `prepare_router`, then reused by every service of the same trio."""
     cache = tmp_path / "cache"
     config = parse_config(tiny_config_dict(tiny_dir))
     service = FusionService.from_config(config, cache_dir=cache)
-    auto = FusionSpec(rule="route", params={"path": "auto"})
+    auto = FusionSpec(rule="route", params={"router": "auto"})
     with pytest.raises(InvalidArgumentError, match="no router is trained for these experts yet; run `fusion models"):
         service.resolve_spec(auto)
     auto_config = parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump()))
-    with pytest.raises(AssetError, match="fusion.params.path: auto: no router is trained .*fusion train-router"):
+    with pytest.raises(AssetError, match="fusion.params.router: auto: no router is trained .*fusion train-router"):
         FusionService.from_config(auto_config, cache_dir=cache)
     assert not (cache / "routers").exists()
     path = prepare_router(service, RouterTrainSettings(max_texts=4, steps_per_text=1))
     assert path.parent == cache / "routers" and path.is_file()
     stamp = path.stat().st_mtime_ns
     assert prepare_router(service) == path and path.stat().st_mtime_ns == stamp  # not trained again
-    expected = service.complete("hello world", {"max_tokens": 5}, FusionSpec(rule="route", params={"path": str(path)}))
+    expected = service.complete("hello world", {"max_tokens": 5}, auto)
     service.close()
 
     routed = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),

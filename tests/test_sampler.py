@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from fusion.config import SamplingParams
 from fusion import sampler
-from fusion.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, sample
+from fusion.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, sample, token_bias_row
 
 V = 64
 
@@ -155,8 +156,46 @@ def test_logit_bias_and_banned_ids():
     out = sample(logits, metadata([SamplingParams(banned_token_ids=[top])]))
     assert out.token_ids[0] != top
     low = int(logits[0].argmin())
-    out = sample(logits, metadata([SamplingParams(logit_bias={low: 1000.0})]))
+    out = sample(logits, metadata([SamplingParams(logit_bias={low: 100.0})]))
     assert out.token_ids[0] == low
+
+
+def test_bias_row_matches_a_hand_built_row():
+    """The per-request row built once at admission: bias added, banned ids -inf, the rest 0."""
+    params = SamplingParams(logit_bias={3: 2.5, 7: -1.0}, banned_token_ids=[5, 9])
+    row = token_bias_row(params, V)
+    expected = torch.zeros(V)
+    expected[3], expected[7], expected[5], expected[9] = 2.5, -1.0, float("-inf"), float("-inf")
+    assert torch.equal(row, expected)
+    assert token_bias_row(SamplingParams(), V) is None
+    logits = logits_batch(2)
+    md = metadata([params, SamplingParams()])
+    torch.testing.assert_close(sample(logits, md).logprobs,
+                               torch.log_softmax(logits + torch.stack([expected, torch.zeros(V)]), -1)
+                               .gather(-1, sample(logits, md).token_ids[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", 1e39), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("presence_penalty", float("inf")), ("repetition_penalty", 0.0),
+])
+def test_non_finite_float32_values_are_refused(field, value):
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bias_outside_openai_range_is_refused():
+    for bias in (float("inf"), 101.0, -1e39):
+        with pytest.raises(ValidationError, match=r"\[-100, 100\]"):
+            SamplingParams(logit_bias={1: bias})
+
+
+def test_tiny_temperatures_are_raised_to_the_floor():
+    """logits / 1e-40 overflow float32; like vLLM, positive temperatures below 0.01 become 0.01."""
+    assert SamplingParams(temperature=1e-40).temperature == 0.01
+    logits = logits_batch(1)
+    out = sample(logits, metadata([SamplingParams(temperature=1e-40, seed=1)], {0: torch.Generator().manual_seed(1)}))
+    assert torch.isfinite(out.logprobs).all()
 
 
 def test_penalties_match_reference():

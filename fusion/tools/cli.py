@@ -143,7 +143,7 @@ def spec_overrides(rule: Optional[str], profile: Optional[str], weights: Optiona
 
 def load_service(config: FusionConfig, cache: Path, *, router: bool = True):
     """The local build of `config`, preparing what is missing first, explicitly and with progress:
-    builtin models (fetched or trained) and, with `router`, the `path: auto` router."""
+    builtin models (fetched or trained) and, with `router`, the `router: auto` router."""
     from fusion.service import FusionService
 
     service = FusionService.from_config(config, resolve_model=model_resolver(cache, prepare=True), cache_dir=cache,
@@ -430,7 +430,7 @@ def train_router_command(
     config_path: Optional[Path] = ConfigOption,
     out: Optional[Path] = typer.Option(
         None, "--out", "-o", help="Where to write the router checkpoint (.pt). Default: the cache entry that "
-        "`rule: route` with `path: auto` reads for these experts."),
+        "`rule: route` with `router: auto` reads for these experts."),
     minutes: float = typer.Option(5.0, "--minutes", help="Training time budget."),
     max_texts: Optional[int] = typer.Option(None, "--max-texts", help="Stop after this many training texts."),
     data: Optional[list[Path]] = typer.Option(

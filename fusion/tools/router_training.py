@@ -232,7 +232,7 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
 
 
 def prepare_router(service: FusionService, settings: RouterTrainSettings | None = None) -> Path:
-    """Train the service's `path: auto` router unless the cache has it (default: the built-in mix,
+    """Train the service's `router: auto` router unless the cache has it (default: the built-in mix,
     450 texts; about 8 minutes for the default trio on 2 CPU cores)."""
     path = service.auto_router_path()
     if not path.is_file():

@@ -28,7 +28,13 @@ import torch
 
 from fusion.compute import run_on_compute_thread
 from fusion.config import Limits, SamplingParams
-from fusion.errors import ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
+from fusion.errors import (
+    ExpertOutputError,
+    ExpertUnavailableError,
+    FusionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
 from fusion.sampler import SamplingMetadata, sample, token_bias_row
@@ -366,34 +372,73 @@ class FusionEngine:
         return torch.log_softmax(fused.float(), dim=-1)
 
     # -- internals ----------------------------------------------------------------------------
-    def _step_experts(self, jobs: list[_StepJob]) -> torch.Tensor:
-        """Step every expert on the sessions that consult it. (E, B, V) logits, zeros where not consulted."""
+    def _step_experts(self, jobs: list[_StepJob]) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Step every expert on the sessions that consult it. (E, B, V) logits (zeros where not consulted
+        or failed) and the rows whose expert call failed, by batch row: a failure fails only its rows."""
         timings = self.last_timings
 
-        def run(index: int) -> torch.Tensor | None:
+        def run(index: int) -> tuple[torch.Tensor | None, dict[int, Exception]]:
             row_idx = [b for b, job in enumerate(jobs) if job.histories[index] is not None]
             if not row_idx:
-                return None
-            requests = [StepRequest(jobs[b].session_id, jobs[b].histories[index]) for b in row_idx]
-            stream = self._streams[index]
+                return None, {}
             start = time.perf_counter()
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                out = self.experts[index].step(requests)  # (b, V_e)
-                if stream is not None:
-                    stream.synchronize()
+            kept, out, errors = self._step_isolating(index, jobs, row_idx)  # out: (len(kept), V_e)
             timings.per_expert_s[self.names[index]] = time.perf_counter() - start
-            if len(row_idx) == len(jobs):
-                return out
+            if out is None:
+                return None, errors
+            if len(kept) == len(jobs):
+                return out, errors
             full = torch.zeros(len(jobs), out.shape[-1], dtype=out.dtype, device=out.device)
-            full[row_idx] = out
-            return full
+            full[kept] = out
+            return full, errors
 
         outputs = self._map_experts(run)
         width = self.vocab_size
+        failed: dict[int, Exception] = {}
+        for _, errors in outputs:
+            for b, err in errors.items():
+                failed.setdefault(b, err)
         filled = [
-            o.to(self.device) if o is not None else torch.zeros(len(jobs), width, device=self.device) for o in outputs
+            o.to(self.device) if o is not None else torch.zeros(len(jobs), width, device=self.device)
+            for o, _ in outputs
         ]
-        return self.alignment.stack(filled).float()
+        return self.alignment.stack(filled).float(), failed
+
+    def _step_isolating(self, index: int, jobs: list[_StepJob], row_idx: list[int]
+                        ) -> tuple[list[int], torch.Tensor | None, dict[int, Exception]]:
+        """One expert's step on `row_idx`; when it fails, the rows are retried in halves so the failure
+        lands only on the rows that cause it (a history past the context, an out-of-memory batch).
+        An expert lost altogether fails its rows without retries. Returns (rows stepped, their logits
+        (len(rows), V_e), the failed rows' errors)."""
+        expert, stream = self.experts[index], self._streams[index]
+        requests = [StepRequest(jobs[b].session_id, jobs[b].histories[index]) for b in row_idx]
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                out = expert.step(requests)  # (b, V_e)
+                if stream is not None:
+                    stream.synchronize()
+            return row_idx, out, {}
+        except ExpertUnavailableError as err:
+            return [], None, {b: err for b in row_idx}
+        except Exception as err:
+            if len(row_idx) == 1:
+                if not isinstance(err, FusionError):
+                    logger.error("expert %r failed the step of session %s", self.names[index], jobs[row_idx[0]].session_id,
+                                 exc_info=err)
+                    err = ExpertOutputError(f"expert {self.names[index]!r} failed this request's step "
+                                            f"({type(err).__name__}); the other requests go on")
+                return [], None, {row_idx[0]: err}
+            logger.warning("expert %r failed a step of %d sessions (%s); retrying them in halves",
+                           self.names[index], len(row_idx), type(err).__name__)
+        half = len(row_idx) // 2
+        kept, outs, errors = [], [], {}
+        for part in (row_idx[:half], row_idx[half:]):
+            part_kept, part_out, part_errors = self._step_isolating(index, jobs, part)
+            kept += part_kept
+            errors.update(part_errors)
+            if part_out is not None:
+                outs.append(part_out)
+        return kept, torch.cat(outs) if outs else None, errors
 
     def _map_experts(self, fn):
         """[fn(0), …, fn(E-1)]: overlapped experts go to the pool first, inline ones run meanwhile here."""
@@ -516,18 +561,29 @@ class DecodeBatch:
         ]
         start = time.perf_counter()
         try:
-            logits = engine._step_experts(jobs)[:, : len(rows)]  # (E, B, V); prompt chunks' logits unused
-        except Exception as err:  # every row shares the failed step
+            logits, failed = engine._step_experts(jobs)
+        except Exception as err:  # a bug, not an expert's failure: every row shares the failed step
+            logger.exception("decode step failed")
             errors = [ErrorEvent(r.request.request_id, err) for r in self.rows]
             self.cancel_all()
             return StepLogits([], None, None, None, errors)
+        logits = logits[:, : len(rows)]  # (E, B, V); prompt chunks' logits unused
         fuse_start = time.perf_counter()
         engine.last_timings.experts_s = fuse_start - start
+        step_errors = [ErrorEvent(jobs[b].session_id, err) for b, err in sorted(failed.items())]
+        if step_errors:  # only the rows whose expert call failed leave; the others go on
+            gone = {ev.request_id for ev in step_errors}
+            for request_id in gone:
+                self.cancel(request_id)
+            chunks = [(r, ends) for r, ends in chunks if r.request.request_id not in gone]
+            keep = [b for b, r in enumerate(rows) if r.request.request_id not in gone]
+            rows = [rows[b] for b in keep]
+            logits = logits[:, keep]
         for row, ends in chunks:
             row.prefilled = ends
         for row in rows:
             row.prefilled = None
-        errors: list[ErrorEvent] = []
+        errors: list[ErrorEvent] = step_errors
         for b, name in engine._check_finite(logits, rows):
             request_id = rows[b].request.request_id
             if not any(ev.request_id == request_id for ev in errors):

@@ -51,7 +51,8 @@ def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, str(err)
     if isinstance(err, FusionError):
         return grpc.StatusCode.INTERNAL, str(err)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+    # Not a domain error: its text may hold paths or tensors; the server logs it, the client gets the type.
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); the server's log has the details"
 
 
 def error_from_status(code: grpc.StatusCode, details: str) -> FusionError:

@@ -11,8 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fusion.config import FusionSpec, Limits, SamplingParams, parse_config
-from fusion.engine import FusionEngine, GenerationRequest
-from fusion.errors import ConfigError, ExpertOutputError, InvalidArgumentError, ResourceExhaustedError
+from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest
+from fusion.errors import (
+    ConfigError,
+    ExpertOutputError,
+    ExpertUnavailableError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 from fusion.expert import ExpertInfo, LocalExpert, StepRequest
 from fusion.service import FusionRequest, FusionService
 from fusion.rule_registry import make_rule
@@ -547,3 +553,88 @@ def test_decode_step_with_mock_experts_equals_a_hand_computation():
     assert "p3" not in dict(a.steps[3]) and "p1" in dict(a.steps[3])  # a finished row leaves the batch
     assert not a.sessions and not b.sessions  # every session released
     assert len(timings) == len(a.steps) and all(t.step_s >= t.experts_s > 0 for t in timings)
+
+
+class FaultyExpert:
+    """Wraps a real expert: any step naming a session that contains `poison` raises `error`, as an
+    out-of-memory forward or a lost replica would."""
+
+    def __init__(self, inner, error):
+        self.inner, self.error, self.info = inner, error, inner.info
+        self.calls = 0
+
+    def step(self, requests):
+        self.calls += 1
+        if any("poison" in r.session_id for r in requests):
+            raise self.error
+        return self.inner.step(requests)
+
+    def score(self, session_id, token_ids, n):
+        return self.inner.score(session_id, token_ids, n)
+
+    def release(self, ids):
+        self.inner.release(ids)
+
+
+def _run_batch(engine, requests):
+    batch = engine.new_batch()
+    for r in requests:
+        batch.add(engine.admit(r))
+    tokens = {r.request_id: [] for r in requests}
+    errors = {}
+    while batch.active:
+        for event in batch.step():
+            if isinstance(event, ErrorEvent):
+                errors[event.request_id] = event.error
+            else:
+                tokens[event.request_id].append(event.token_id)
+    return tokens, errors
+
+
+def test_a_failing_expert_call_fails_only_its_rows(tiny_service):
+    """One request whose expert call fails (here: out of memory) leaves the batch with its own error; the
+    call is retried in halves, so the rows batched with it decode on, token for token as they would
+    alone, and every session is freed."""
+    experts = list(tiny_service.engine.experts)
+    experts[1] = FaultyExpert(experts[1], RuntimeError("CUDA out of memory"))
+    engine = FusionEngine(experts)
+    rule = make_rule("weighted_logits", {}, engine.names)
+
+    def request(prompt, request_id):
+        return GenerationRequest([prompt] * 3, SamplingParams(max_tokens=5, ignore_eos=True), rule, [1, 1, 1],
+                                 request_id=request_id)
+
+    prompts = {"ok-1": [5, 6, 7], "poison-1": [8, 9], "ok-2": [10, 11, 12, 13]}
+    alone = {rid: [e.token_id for e in engine.generate(request(p, rid))] for rid, p in prompts.items() if "ok" in rid}
+    tokens, errors = _run_batch(engine, [request(p, rid) for rid, p in prompts.items()])
+    assert set(errors) == {"poison-1"} and tokens["poison-1"] == []
+    assert isinstance(errors["poison-1"], ExpertOutputError) and "expert 'b'" in str(errors["poison-1"])
+    assert "out of memory" not in str(errors["poison-1"])  # the detail goes to the log, not the client
+    assert {rid: tokens[rid] for rid in alone} == alone
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
+    engine.close()
+
+
+def test_a_lost_expert_fails_only_the_rows_that_consult_it(tiny_service):
+    """An expert with no replica left fails the requests that read it, at once (no retries); a request
+    whose weights leave that expert out decodes on as it would alone."""
+    lost = ExpertUnavailableError("expert 'b': no replica could answer")
+    experts = list(tiny_service.engine.experts)
+    experts[1] = FaultyExpert(experts[1], lost)
+    engine = FusionEngine(experts)
+    rule = make_rule("weighted_logits", {}, engine.names)
+
+    def request(prompt, request_id, weights):
+        return GenerationRequest([prompt] * 3, SamplingParams(max_tokens=5, ignore_eos=True), rule, weights,
+                                 request_id=request_id)
+
+    without_b = request([10, 11, 12], "ok-without-b", [1, 0, 1])
+    alone = [e.token_id for e in engine.generate(request([10, 11, 12], "alone", [1, 0, 1]))]
+    calls = experts[1].calls
+    tokens, errors = _run_batch(engine, [request([5, 6], "poison-with-b", [1, 1, 1]),
+                                         request([7, 8], "other-with-b", [1, 1, 1]), without_b])
+    assert errors == {"poison-with-b": lost, "other-with-b": lost}
+    assert tokens["ok-without-b"] == alone
+    assert experts[1].calls == calls + 1  # one failed call, no retries of a lost expert
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
+    engine.close()

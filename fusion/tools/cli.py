@@ -483,8 +483,11 @@ def evaluate(
     def run() -> None:
         from fusion.tools import evaluation as ev
 
-        service = load_service(read_config(config_path), cache_dir(cache))
-        routed = FusionSpec(rule="route", params={"path": str(router)})
+        config = read_config(config_path)
+        if router:  # requests name routers; the file becomes one of the config's
+            config = config.model_copy(update={"routers": {**config.routers, "eval-router": str(router)}})
+        service = load_service(config, cache_dir(cache))
+        routed = FusionSpec(rule="route", params={"router": "eval-router"})
         extra = [("route", routed), ("route (pure)", ev.pure_routing(routed))] if router else []
         rows = ev.default_rows(service, extra)
         if only:

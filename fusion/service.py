@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import threading
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -117,6 +118,8 @@ class RequestStream:
         self.request = request
         self._handle = handle
         self._text = text
+        # A stream dropped without being read (or read halfway) must not decode on to max_tokens.
+        weakref.finalize(self, handle.cancel)
 
     @property
     def request_id(self) -> str:

@@ -75,3 +75,21 @@ def test_describe(tiny_service):
     assert description.rules["route"] == ("router", "hard", "complementary")
     assert description.default_spec == tiny_service.config.fusion
     assert description.active_requests == 0
+
+
+def test_a_stream_dropped_unread_is_cancelled(tiny_service):
+    """A caller that submits and drops the stream without reading it frees the batch slot and the
+    sessions at once, instead of decoding on to max_tokens."""
+    import gc
+    import time
+
+    stream = tiny_service.submit(FusionRequest("hello", {"max_tokens": 400, "ignore_eos": True}))
+    assert tiny_service.active == 1
+    steps = tiny_service._scheduler.steps
+    del stream
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (tiny_service.active or any(e.active_sessions for e in tiny_service.experts)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tiny_service.active == 0 and all(e.active_sessions == 0 for e in tiny_service.experts)
+    assert tiny_service._scheduler.steps - steps < 100  # stopped, not run to its 400 tokens

@@ -5,8 +5,13 @@
   metadata (an API key, the expert secret) to every call.
 - API keys (Fusion service): `ApiKeyStore` reads `key id → {hash, revoked, limits}` from a YAML file
   (re-read when it changes, so a revocation takes effect without a restart) or from the YAML text
-  of an environment variable. Keys look like `fsk_<id>_<secret>`; only a salted PBKDF2 hash is
-  stored. `ApiKeyInterceptor` checks `authorization: Bearer <key>` or `x-api-key: <key>` on every
+  of an environment variable. Keys look like `fsk_<id>_<secret>` (a 256-bit random secret); only
+  a keyed hash is stored, `hmac-sha256$HEX` under the server's pepper (`hash_key` says why a fast
+  hash is right for random secrets). Files written before keep working: `pbkdf2_sha256$...` and
+  `sha256:HEX` entries still verify. A PBKDF2 hash cannot be rehashed without the key itself, so
+  there is no offline migration: `fusion keys create --id ID --reissue` gives the id a new key in the
+  current format. Writes replace the file atomically (temporary file, then os.replace).
+  `ApiKeyInterceptor` checks `authorization: Bearer <key>` or `x-api-key: <key>` on every
   Fusion method (health and reflection stay open for probes) and enforces each key's limits:
   concurrent streams, tokens per minute (generated tokens over a sliding 60 s window) and
   max tokens per request. Refusals: UNAUTHENTICATED, or RESOURCE_EXHAUSTED naming the limit.
@@ -27,6 +32,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import tempfile
 import threading
 import time
 from collections import deque
@@ -47,7 +53,11 @@ logger = logging.getLogger(__name__)
 API_KEY_HEADER = "x-api-key"
 EXPERT_SECRET_HEADER = "x-fusion-expert-secret"
 KEY_PREFIX = "fsk_"
-PBKDF2_ITERATIONS = 200_000
+HMAC_SCHEME = "hmac-sha256"
+# The pepper when the config names none. Public on purpose: key secrets are 256 bits of randomness,
+# so their hashes cannot be brute-forced with or without a secret pepper (see `hash_key`).
+DEFAULT_PEPPER = b"fusion-api-keys/hmac-sha256/v1"
+LEGACY_PBKDF2_ITERATIONS = 200_000  # what `fusion keys create` wrote before the keyed hash
 WINDOW_S = 60.0
 _ANONYMOUS = "-"  # key id label of callers without a valid key (never their key or a made-up id)
 
@@ -273,21 +283,69 @@ class ApiKey:
     limits: KeyLimits = KeyLimits()
 
 
-def hash_key(key: str, *, iterations: int = PBKDF2_ITERATIONS, salt: bytes | None = None) -> str:
+def key_pepper(security: SecurityConfig | None) -> bytes:
+    """The pepper of API key hashes the config names (`api_keys_pepper_env` or `_file`), else
+    DEFAULT_PEPPER. Servers and `fusion keys create` must use the same one."""
+    if security is None:
+        return DEFAULT_PEPPER
+    if security.api_keys_pepper_env is not None:
+        value = os.environ.get(security.api_keys_pepper_env, "")
+        if not value:
+            raise ConfigError(f"security.api_keys_pepper_env: the environment variable "
+                              f"{security.api_keys_pepper_env!r} is unset or empty")
+        return value.encode("utf-8")
+    if security.api_keys_pepper_file is not None:
+        try:
+            value = Path(security.api_keys_pepper_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"security.api_keys_pepper_file: cannot read {security.api_keys_pepper_file!r}: "
+                              f"{err}") from None
+        if not value:
+            raise ConfigError(f"security.api_keys_pepper_file: {security.api_keys_pepper_file!r} is empty")
+        return value.encode("utf-8")
+    return DEFAULT_PEPPER
+
+
+def hash_key(key: str, *, pepper: bytes = DEFAULT_PEPPER) -> str:
+    """`hmac-sha256$HEX`: HMAC-SHA256 of the whole key under the server's pepper.
+
+    A fast keyed hash is enough, and safer for the server than a slow one: the secrets are 256-bit
+    random values, not passwords, so no dictionary or brute force can find one from its hash (a slow
+    KDF only helps low-entropy secrets), while a slow hash makes every wrong guess cost the server
+    CPU. The pepper is defence in depth: a leaked keys file without it cannot even confirm a stolen
+    candidate key offline. Without a configured pepper, DEFAULT_PEPPER is used, which is still safe
+    for the reason above."""
+    return f"{HMAC_SCHEME}${hmac.digest(pepper, key.encode('utf-8'), 'sha256').hex()}"
+
+
+def pbkdf2_hash_key(key: str, *, iterations: int = LEGACY_PBKDF2_ITERATIONS, salt: bytes | None = None) -> str:
+    """The legacy `pbkdf2_sha256$ITER$SALT$HEX` format (still verified; no longer written)."""
     salt = salt if salt is not None else secrets.token_bytes(16)
-    digest = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8"), salt, iterations)
+    digest = _pbkdf2_hmac("sha256", key.encode("utf-8"), salt, iterations)
     return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
 
 
-def verify_key(key: str, stored: str) -> bool:
-    """Check `key` against a stored hash: `pbkdf2_sha256$ITER$SALT$HEX` or `sha256:HEX`."""
+_pbkdf2_hmac = hashlib.pbkdf2_hmac  # one name for every PBKDF2 run (tests count them)
+
+
+def is_slow_hash(stored: str) -> bool:
+    """Whether verifying against `stored` is slow (a legacy PBKDF2 hash) rather than microseconds."""
+    return stored.startswith("pbkdf2_sha256$")
+
+
+def verify_key(key: str, stored: str, *, pepper: bytes = DEFAULT_PEPPER) -> bool:
+    """Check `key` against a stored hash: `hmac-sha256$HEX` (under `pepper`), or the legacy
+    `pbkdf2_sha256$ITER$SALT$HEX` and `sha256:HEX`."""
     try:
+        data = key.encode("utf-8")
+        if stored.startswith(HMAC_SCHEME + "$"):
+            return hmac.compare_digest(hmac.digest(pepper, data, "sha256").hex(), stored[len(HMAC_SCHEME) + 1:])
         if stored.startswith("sha256:"):
-            return hmac.compare_digest(hashlib.sha256(key.encode("utf-8")).hexdigest(), stored[7:])
+            return hmac.compare_digest(hashlib.sha256(data).hexdigest(), stored[7:])
         scheme, iterations, salt, digest = stored.split("$")
         if scheme != "pbkdf2_sha256":
             return False
-        computed = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8"), bytes.fromhex(salt), int(iterations))
+        computed = _pbkdf2_hmac("sha256", data, bytes.fromhex(salt), int(iterations))
         return hmac.compare_digest(computed.hex(), digest)
     except (ValueError, UnicodeEncodeError):
         return False
@@ -345,28 +403,47 @@ def read_keys_file(path: str | Path) -> dict[str, Any]:
     return data or {}
 
 
-def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, int | None] | None = None) -> str:
+def write_keys_file(path: str | Path, data: Mapping[str, Any]) -> None:
+    """Replace the keys file atomically (a temporary file in the same folder, mode 0600, then
+    os.replace): servers re-read it while it is written and must never see half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            yaml.safe_dump(dict(data), out, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, int | None] | None = None,
+               reissue: bool = False, pepper: bytes = DEFAULT_PEPPER) -> str:
     """Add key `key_id` to the keys file (created if missing, mode 0600); returns the key, which is
-    stored only as a hash. Refuses to replace an existing id."""
+    stored only as its keyed hash. Refuses to replace an existing id unless `reissue`: then the id
+    gets a new secret (the old key stops working; its limits stay unless `limits` sets them)."""
     path = Path(path)
     data = read_keys_file(path)
     parse_keys(data, str(path))
-    if key_id in data:
-        raise ConfigError(f"API keys file {path}: key id {key_id!r} exists (revoke it, or choose another id)")
+    if key_id in data and not reissue:
+        raise ConfigError(f"API keys file {path}: key id {key_id!r} exists (revoke it, choose another id, "
+                          "or reissue it with --reissue)")
+    if reissue and key_id not in data:
+        raise ConfigError(f"API keys file {path}: no key id {key_id!r} to reissue")
     key = new_key(key_id)
-    entry: dict[str, Any] = {"hash": hash_key(key), "revoked": False,
+    entry: dict[str, Any] = {"hash": hash_key(key, pepper=pepper), "revoked": False,
                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    clean = {k: v for k, v in (limits or {}).items() if v is not None}
+    kept = dict(data[key_id].get("limits") or {}) if reissue else {}
+    clean = kept | {k: v for k, v in (limits or {}).items() if v is not None}
     if clean:
         entry["limits"] = clean
     data[key_id] = entry
     parse_keys(data, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        yaml.safe_dump(data, out, sort_keys=True)
-    os.replace(tmp, path)
+    write_keys_file(path, data)
     return key
 
 
@@ -376,19 +453,21 @@ def revoke_key(path: str | Path, key_id: str) -> None:
     if key_id not in data:
         raise ConfigError(f"API keys file {path}: no key id {key_id!r}")
     data[key_id]["revoked"] = True
-    path.write_text(yaml.safe_dump(data, sort_keys=True), encoding="utf-8")
+    write_keys_file(path, data)
 
 
 class ApiKeyStore:
-    """The keys of a file (re-read when its mtime or size changes) or of an environment variable."""
+    """The keys of a file (re-read when it changes: another inode, mtime or size) or of an environment
+    variable, and the pepper of their hashes. Holds nothing per caller: see `KeyGate`."""
 
-    def __init__(self, *, path: str | Path | None = None, env: str | None = None) -> None:
+    def __init__(self, *, path: str | Path | None = None, env: str | None = None,
+                 pepper: bytes = DEFAULT_PEPPER) -> None:
         self.path = Path(path) if path is not None else None
         self.env = env
-        self._stamp: tuple[float, int] | None = None
+        self.pepper = pepper
+        self.generation = 0  # counts the reads of the file: per-key state elsewhere is pruned on a change
+        self._stamp: tuple[int, int, int] | None = None
         self._keys: dict[str, ApiKey] = {}
-        self._verified: dict[str, tuple[str, str]] = {}  # sha256(key) -> (key id, stored hash)
-        self._rejected: dict[str, str] = {}  # sha256(wrong key) -> the stored hash it failed against
         self._lock = threading.Lock()
         if env is not None:
             text = os.environ.get(env)
@@ -406,14 +485,14 @@ class ApiKeyStore:
     def from_config(cls, security: SecurityConfig | None) -> ApiKeyStore | None:
         if security is None or (security.api_keys_file is None and security.api_keys_env is None):
             return None
-        return cls(path=security.api_keys_file, env=security.api_keys_env)
+        return cls(path=security.api_keys_file, env=security.api_keys_env, pepper=key_pepper(security))
 
     def _reload(self) -> None:
         if self.path is None:
             return
         try:
             st = self.path.stat()
-            stamp = (st.st_mtime, st.st_size)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         except OSError:
             stamp = None
         if stamp == self._stamp and self._stamp is not None:
@@ -427,32 +506,28 @@ class ApiKeyStore:
             return
         with self._lock:
             self._keys, self._stamp = keys, stamp
-            self._verified.clear()
-            self._rejected.clear()
+            self.generation += 1
 
-    def authenticate(self, key: str) -> tuple[ApiKey | None, str]:
-        """(the key's record, "") or (None, why it was refused)."""
+    def key_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._keys)
+
+    def lookup(self, key: str) -> ApiKey | None:
+        """The record of the id `key` names (the file re-read if it changed), not yet verified."""
         self._reload()
         key_id = key_id_of(key)
         with self._lock:
-            record = self._keys.get(key_id) if key_id is not None else None
-        if record is None:
+            return self._keys.get(key_id) if key_id is not None else None
+
+    def verify(self, key: str, record: ApiKey) -> bool:
+        return verify_key(key, record.hash, pepper=self.pepper)
+
+    def authenticate(self, key: str) -> tuple[ApiKey | None, str]:
+        """(the key's record, "") or (None, why it was refused), verifying in the calling thread
+        (legacy PBKDF2 hashes too): for tools. Servers go through `KeyGate`, which bounds that work."""
+        record = self.lookup(key)
+        if record is None or not self.verify(key, record):
             return None, "unknown API key"
-        fingerprint = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
-        cached = self._verified.get(fingerprint)
-        if cached != (record.key_id, record.hash):
-            if self._rejected.get(fingerprint) == record.hash:  # the same wrong key again: no new PBKDF2
-                return None, "unknown API key"
-            if not verify_key(key, record.hash):
-                with self._lock:
-                    if len(self._rejected) > 10_000:
-                        self._rejected.clear()
-                    self._rejected[fingerprint] = record.hash
-                return None, "unknown API key"
-            with self._lock:
-                if len(self._verified) > 10_000:
-                    self._verified.clear()
-                self._verified[fingerprint] = (record.key_id, record.hash)
         if record.revoked:
             return None, f"API key {record.key_id!r} is revoked"
         return record, ""

@@ -25,7 +25,7 @@ from services.client import FusionClient
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
-from services.security import ApiKeyStore, create_key, hash_key, revoke_key, verify_key
+from services.security import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
 from tests.conftest import tiny_config_dict
 
 LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400}
@@ -164,6 +164,8 @@ def test_keys_are_stored_hashed_and_checked(tmp_path):
     assert not verify_key("abc", "md5$1$2$3") and not verify_key("abc", "garbage")
     with pytest.raises(ConfigError, match="exists"):
         create_key(path, "team-a")
+    with pytest.raises(ConfigError, match="no key id 'team-b' to reissue"):
+        create_key(path, "team-b", reissue=True)
     with pytest.raises(ConfigError, match="key id"):
         create_key(path, "bad_id")
 
@@ -179,12 +181,90 @@ def test_keys_are_stored_hashed_and_checked(tmp_path):
 
 def test_keys_from_environment(monkeypatch):
     key = "fsk_env-team_secretvalue"
-    monkeypatch.setenv("FUSION_KEYS", yaml.safe_dump({"env-team": {"hash": hash_key(key, iterations=1000)}}))
+    monkeypatch.setenv("FUSION_KEYS", yaml.safe_dump({"env-team": {"hash": hash_key(key)}}))
     store = ApiKeyStore.from_config(SecurityConfig(api_keys_env="FUSION_KEYS"))
     assert store.authenticate(key)[0].key_id == "env-team"
     monkeypatch.delenv("FUSION_KEYS")
     with pytest.raises(ConfigError, match="FUSION_KEYS"):
         ApiKeyStore.from_config(SecurityConfig(api_keys_env="FUSION_KEYS"))
+
+
+def test_new_keys_use_a_keyed_hash(tmp_path, monkeypatch):
+    """`hmac-sha256$HEX` under the server's pepper: microseconds to check, and useless without the pepper."""
+    path = tmp_path / "keys.yaml"
+    key = create_key(path, "team-a")
+    stored = yaml.safe_load(path.read_text())["team-a"]["hash"]
+    assert stored.startswith("hmac-sha256$") and len(stored) == len("hmac-sha256$") + 64
+    assert stored == hash_key(key) and not security.is_slow_hash(stored)
+    assert verify_key(key, stored) and not verify_key(key, stored, pepper=b"another pepper")
+
+    # a configured pepper: keys made with it verify on a server with it, and only there
+    monkeypatch.setenv("FUSION_PEPPER", "pepper-from-a-secret")
+    sec = SecurityConfig(api_keys_file=str(path), api_keys_pepper_env="FUSION_PEPPER")
+    peppered = create_key(path, "team-b", pepper=security.key_pepper(sec))
+    assert ApiKeyStore.from_config(sec).authenticate(peppered)[0].key_id == "team-b"
+    assert ApiKeyStore.from_config(sec).authenticate(key)[0] is None  # made with the default pepper
+    assert ApiKeyStore(path=path).authenticate(peppered)[0] is None
+    pepper_file = tmp_path / "pepper"
+    pepper_file.write_text("pepper-from-a-secret\n")
+    by_file = SecurityConfig(api_keys_file=str(path), api_keys_pepper_file=str(pepper_file))
+    assert ApiKeyStore.from_config(by_file).authenticate(peppered)[0].key_id == "team-b"
+    monkeypatch.delenv("FUSION_PEPPER")
+    with pytest.raises(ConfigError, match="FUSION_PEPPER"):
+        ApiKeyStore.from_config(sec)
+    with pytest.raises(ValueError, match="api_keys_pepper_env or api_keys_pepper_file"):
+        SecurityConfig(api_keys_pepper_env="X", api_keys_pepper_file="y")
+
+    # reissuing an id: a new key in the current format, the old one stops working, limits kept
+    legacy = tmp_path / "legacy.yaml"
+    old_key = "fsk_old_" + "s" * 43
+    security.write_keys_file(legacy, {"old": {"hash": pbkdf2_hash_key(old_key, iterations=1000),
+                                              "limits": {"tokens_per_minute": 7}}})
+    assert ApiKeyStore(path=legacy).authenticate(old_key)[0].key_id == "old"  # legacy hashes still verify
+    new = create_key(legacy, "old", reissue=True)
+    entry = yaml.safe_load(legacy.read_text())["old"]
+    assert entry["hash"].startswith("hmac-sha256$") and entry["limits"] == {"tokens_per_minute": 7}
+    assert ApiKeyStore(path=legacy).authenticate(new)[0].key_id == "old"
+    assert ApiKeyStore(path=legacy).authenticate(old_key)[0] is None
+
+
+def test_revoke_replaces_the_file_atomically(tmp_path, monkeypatch):
+    """Servers re-read the keys file while `fusion keys` writes it: every write goes to a temporary file
+    in the same folder, then os.replace; a reader never sees half a file."""
+    import os
+
+    path = tmp_path / "keys.yaml"
+    ids = [f"team-{i}" for i in range(100)]
+    security.write_keys_file(path, {i: {"hash": "sha256:" + "0" * 64, "revoked": False} for i in ids})
+    replaced = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        assert os.path.dirname(os.fspath(src)) == os.path.dirname(os.fspath(dst))
+        assert set(yaml.safe_load(open(src).read())) == set(ids)  # the new text is whole before it appears
+        replaced.append((os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(security.os, "replace", spy)
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            seen.append(set(yaml.safe_load(path.read_text()) or {}))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for key_id in ids[:20]:
+            revoke_key(path, key_id)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert len(replaced) == 20 and all(dst == str(path) and src != dst for src, dst in replaced)
+    assert seen and all(keys == set(ids) for keys in seen)
+    assert sorted(os.listdir(tmp_path)) == ["keys.yaml"]  # no temporary file left behind
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert sum(entry["revoked"] for entry in yaml.safe_load(path.read_text()).values()) == 20
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -500,6 +580,18 @@ def test_keys_cli_and_remote_generate(tmp_path, keyed, monkeypatch):
     assert ApiKeyStore(path=path).authenticate(key)[0].limits.tokens_per_minute == 50
     again = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-a"])
     assert again.exit_code == 2 and "exists" in again.output
+    reissued = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-a", "--reissue"])
+    assert reissued.exit_code == 0, reissued.output
+    new_key = reissued.stdout.strip().splitlines()[0]
+    assert ApiKeyStore(path=path).authenticate(key)[0] is None
+    assert ApiKeyStore(path=path).authenticate(new_key)[0].limits.tokens_per_minute == 50
+    key = new_key
+    monkeypatch.setenv("FUSION_PEPPER", "cli-pepper")
+    peppered = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-p", "--pepper-env",
+                                   "FUSION_PEPPER"])
+    assert peppered.exit_code == 0, peppered.output
+    store = ApiKeyStore.from_config(SecurityConfig(api_keys_file=str(path), api_keys_pepper_env="FUSION_PEPPER"))
+    assert store.authenticate(peppered.stdout.strip().splitlines()[0])[0].key_id == "team-p"
     assert runner.invoke(app, ["keys", "revoke", "--file", str(path), "--id", "team-a"]).exit_code == 0
     assert ApiKeyStore(path=path).authenticate(key)[0] is None
 

@@ -10,11 +10,16 @@
   hash is right for random secrets). Files written before keep working: `pbkdf2_sha256$...` and
   `sha256:HEX` entries still verify. A PBKDF2 hash cannot be rehashed without the key itself, so
   there is no offline migration: `fusion keys create --id ID --reissue` gives the id a new key in the
-  current format. Writes replace the file atomically (temporary file, then os.replace).
-  `ApiKeyInterceptor` checks `authorization: Bearer <key>` or `x-api-key: <key>` on every
-  Fusion method (health and reflection stay open for probes) and enforces each key's limits:
-  concurrent streams, tokens per minute (generated tokens over a sliding 60 s window) and
-  max tokens per request. Refusals: UNAUTHENTICATED, or RESOURCE_EXHAUSTED naming the limit.
+  current format (until then, legacy entries verify through the bounded path below). Writes
+  replace the file atomically (temporary file, then os.replace).
+- `KeyGate` is the per-key gate with no transport in it: it authenticates a key and enforces the
+  key's limits: concurrent streams, tokens per minute (over a sliding 60 s window) and max tokens
+  per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
+  key id, and legacy PBKDF2 checks also globally, refused before any hashing past the rate and run
+  on their own bounded executor. Its per-key state is bounded by the configured keys.
+  `ApiKeyInterceptor`, its gRPC adapter, reads `authorization: Bearer <key>` or `x-api-key: <key>`
+  on every Fusion method (health and reflection stay open for probes). Refusals: UNAUTHENTICATED,
+  or RESOURCE_EXHAUSTED naming the limit (or too many failed attempts).
 - Expert service: `ExpertSecretInterceptor` accepts only callers sending the shared secret in
   `x-fusion-expert-secret` (compared in constant time); with `tls.require_client_auth` the TLS
   handshake itself refuses callers without a client certificate signed by the CA.
@@ -30,12 +35,14 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import secrets
 import tempfile
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -533,7 +540,17 @@ class ApiKeyStore:
         return record, ""
 
 
-# -- per-key usage and limits --------------------------------------------------------------------
+# -- per-key usage and limits: the transport-neutral gate ----------------------------------------
+# Failed authentication, per key id: a burst of wrong secrets, then one every 1 / rate seconds.
+FAILURE_BURST_PER_KEY = 5
+FAILURES_PER_S_PER_KEY = 0.2
+# Legacy PBKDF2 verifications of wrong keys, over all ids: a burst, then this rate.
+SLOW_VERIFY_BURST = 10
+SLOW_VERIFIES_PER_S = 1.0
+SLOW_VERIFY_WORKERS = 1
+SLOW_VERIFY_CAPACITY = 4  # PBKDF2 verifications running or waiting; past that, refused at once
+
+
 class KeyMetrics:
     """Per-key counters (key id label only, never the key)."""
 
@@ -543,6 +560,9 @@ class KeyMetrics:
         self.tokens = Counter("fusion_key_tokens", "Tokens generated, by API key id", ["key_id"], registry=registry)
         self.refusals = Counter("fusion_key_refusals", "Refused requests, by API key id ('-': no valid key) and reason",
                                 ["key_id", "reason"], registry=registry)
+        self.slow_verifications = Counter("fusion_key_slow_verifications",
+                                          "Legacy PBKDF2 key verifications run (bounded and rate-limited)",
+                                          registry=registry)
 
 
 @dataclass
@@ -569,135 +589,379 @@ class _Usage:
         self.tokens_in_window(now)  # trims what left the window
 
 
+class TokenBucket:
+    """`burst` tokens, refilled at `rate` per second."""
+
+    __slots__ = ("rate", "burst", "tokens", "stamp")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.stamp = rate, burst, float(burst), now
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(float(self.burst), self.tokens + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def available(self, now: float) -> bool:
+        self._refill(now)
+        return self.tokens >= 1.0
+
+    def take(self, now: float) -> bool:
+        if not self.available(now):
+            return False
+        self.tokens -= 1.0
+        return True
+
+    def give_back(self) -> None:
+        self.tokens = min(float(self.burst), self.tokens + 1.0)
+
+    def wait_s(self, now: float) -> float:
+        self._refill(now)
+        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+
+
+class SlowVerifier:
+    """Runs slow (legacy PBKDF2) verifications on its own executor: `workers` threads and at most
+    `capacity` verifications running or waiting, counted until the thread finishes one (a caller that
+    goes away does not free its place early); past that, `run` answers None at once. Never the event
+    loop's shared default executor, so a flood of guesses cannot delay other work that uses it."""
+
+    def __init__(self, workers: int = SLOW_VERIFY_WORKERS, capacity: int = SLOW_VERIFY_CAPACITY) -> None:
+        self.workers, self.capacity = workers, capacity
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    async def run(self, fn: Callable[..., bool], *args: Any) -> bool | None:
+        with self._lock:
+            if self._pending >= self.capacity:
+                return None
+            self._pending += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fusion-key-verify")
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+UNAUTHENTICATED, RESOURCE_EXHAUSTED = "unauthenticated", "resource_exhausted"
+_GRPC_CODES = {UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED, RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED}
+_HTTP_CODES = {UNAUTHENTICATED: 401, RESOURCE_EXHAUSTED: 429}
+
+
 class Refusal(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+    """Why the gate refuses a call: `status` is UNAUTHENTICATED or RESOURCE_EXHAUSTED (as a gRPC code:
+    `grpc_code`; as an HTTP status: `http_status`); `reason` labels the refusal metric."""
+
+    def __init__(self, status: str, message: str, reason: str) -> None:
         super().__init__(message)
-        self.code, self.message, self.reason = code, message, reason
+        self.status, self.message, self.reason = status, message, reason
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _GRPC_CODES[self.status]
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_CODES[self.status]
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every call of `service` by API key and enforces the key's limits."""
+def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
+    """The key in `authorization: Bearer <key>` or `x-api-key: <key>` (header names in lower case)."""
+    auth = headers.get("authorization")
+    if auth is not None:
+        scheme, _, value = auth.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    return headers.get(API_KEY_HEADER) or None
 
-    def __init__(self, store: ApiKeyStore, service: str, registry: CollectorRegistry, *,
-                 default_max_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+
+class KeyStream:
+    """One admitted stream of a key: counts its tokens against the key's window and says when the
+    window is used up. `close` (idempotent) frees its slot."""
+
+    def __init__(self, gate: KeyGate, record: ApiKey, usage: _Usage) -> None:
+        self.gate, self.record, self.usage = gate, record, usage
+        self._open = True
+
+    def admit_token(self) -> Refusal | None:
+        """Before sending a token: None (send it; it is counted), or the refusal that cuts the stream
+        because the key's window is already used up (by this stream or the key's other calls)."""
+        limit = self.record.limits.tokens_per_minute
+        now = self.gate.clock()
+        if limit is not None and self.usage.tokens_in_window(now) >= limit:
+            return self.gate.refuse(self.record, "tokens_per_minute",
+                                    f"limit {limit} reached mid-stream; the stream is cut")
+        self.usage.add_tokens(now, 1)
+        self.gate.metrics.tokens.labels(key_id=self.record.key_id).inc()
+        return None
+
+    def after_token(self, final: bool) -> Refusal | None:
+        """After sending a token: the refusal that cuts the stream now if the window is used up and
+        more would follow (saves computing a token that would not be sent)."""
+        limit = self.record.limits.tokens_per_minute
+        if final or limit is None or self.usage.tokens_in_window(self.gate.clock()) < limit:
+            return None
+        return self.gate.refuse(self.record, "tokens_per_minute", f"limit {limit} reached mid-stream; the stream is cut")
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.gate._stream_closed(self.record.key_id, self.usage)
+
+
+class KeyGate:
+    """The per-key gate of a front end, with no transport in it: `authenticate` a key, `open_stream`
+    or `check_rate` under the key's limits, count tokens. The gRPC `ApiKeyInterceptor` is a thin
+    adapter over it; an HTTP front end would call the same methods and answer `Refusal.http_status`.
+
+    Authentication costs microseconds: keyed hashes are checked inline. Wrong secrets are
+    rate-limited per key id (a token bucket, FAILURE_BURST_PER_KEY then FAILURES_PER_S_PER_KEY);
+    past it a wrong secret gets RESOURCE_EXHAUSTED. A fast hash is still checked then (a microsecond),
+    so someone guessing at a public key id cannot lock out its holder. Legacy PBKDF2 hashes are the
+    costly case: past the per-id or the global rate (SLOW_VERIFY_BURST, SLOW_VERIFIES_PER_S) the
+    attempt is refused before any hashing, and the verifications that do run go to a bounded
+    `SlowVerifier`, never the shared default executor; a legacy key that verified once is
+    recognised by its SHA-256 fingerprint from then on (one entry per key id).
+
+    Every per-key map (usage, failure buckets, verified legacy keys) holds only ids of the store's
+    keys and is pruned when the keys file changes: wrong keys, however many, add no state."""
+
+    def __init__(self, store: ApiKeyStore, registry: CollectorRegistry, *, default_max_tokens: int,
+                 clock: Callable[[], float] = time.monotonic, verifier: SlowVerifier | None = None,
+                 failure_burst: int = FAILURE_BURST_PER_KEY, failures_per_s: float = FAILURES_PER_S_PER_KEY,
+                 slow_burst: int = SLOW_VERIFY_BURST, slow_per_s: float = SLOW_VERIFIES_PER_S) -> None:
         self.store = store
-        self._prefix = f"/{service}/"
         self.metrics = KeyMetrics(registry)
         self.default_max_tokens = default_max_tokens
         self.clock = clock
+        self.verifier = verifier or SlowVerifier()
+        self.failure_burst, self.failures_per_s = failure_burst, failures_per_s
+        self._slow = TokenBucket(slow_per_s, slow_burst, clock())
         self._usage: dict[str, _Usage] = {}
+        self._failures: dict[str, TokenBucket] = {}
+        self._verified: dict[str, tuple[bytes, str]] = {}  # key id -> (sha256 of its key, the hash it matched)
+        self._generation = store.generation
+        self._known = store.key_ids()
 
+    @classmethod
+    def from_config(cls, security: SecurityConfig | None, registry: CollectorRegistry, *,
+                    default_max_tokens: int) -> KeyGate | None:
+        store = ApiKeyStore.from_config(security)
+        if store is None:
+            return None
+        return cls(store, registry, default_max_tokens=default_max_tokens)
+
+    def close(self) -> None:
+        self.verifier.close()
+
+    # -- state, bounded by the store's key ids ----------------------------------------------------
     def usage(self, key_id: str) -> _Usage:
         return self._usage.setdefault(key_id, _Usage())
 
-    def _key_from(self, details: grpc.HandlerCallDetails) -> str | None:
-        md = _metadata(details)
-        auth = md.get("authorization")
-        if auth is not None:
-            scheme, _, value = auth.partition(" ")
-            return value.strip() if scheme.lower() == "bearer" and value.strip() else None
-        return md.get(API_KEY_HEADER) or None
+    def state_sizes(self) -> dict[str, int]:
+        return {"usage": len(self._usage), "failures": len(self._failures), "verified": len(self._verified)}
+
+    def _prune(self) -> None:
+        if self.store.generation == self._generation:
+            return
+        self._generation, self._known = self.store.generation, self.store.key_ids()
+        for table in (self._failures, self._verified):
+            for key_id in [k for k in table if k not in self._known]:
+                del table[key_id]
+        for key_id in [k for k, usage in self._usage.items() if k not in self._known and not usage.streams]:
+            del self._usage[key_id]
+
+    def _stream_closed(self, key_id: str, usage: _Usage) -> None:
+        usage.streams -= 1
+        if not usage.streams and key_id not in self._known and self._usage.get(key_id) is usage:
+            del self._usage[key_id]
+
+    # -- authentication -----------------------------------------------------------------------------
+    def _unauthenticated(self, message: str, reason: str, key_id: str = _ANONYMOUS) -> Refusal:
+        self.metrics.refusals.labels(key_id=key_id, reason=reason).inc()
+        return Refusal(UNAUTHENTICATED, message, reason)
+
+    def _too_many_failures(self, key_id: str, wait_s: float, scope: str) -> Refusal:
+        self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="auth_rate_limited").inc()
+        return Refusal(RESOURCE_EXHAUSTED, f"too many failed attempts {scope} (key id {key_id!r}); retry in "
+                       f"{max(1, math.ceil(wait_s))} s", "auth_rate_limited")
+
+    def _failures_of(self, key_id: str, now: float) -> TokenBucket:
+        bucket = self._failures.get(key_id)
+        if bucket is None:
+            bucket = self._failures[key_id] = TokenBucket(self.failures_per_s, self.failure_burst, now)
+        return bucket
+
+    async def authenticate(self, key: str | None) -> ApiKey:
+        """The record of a valid, unrevoked key; else raises Refusal (UNAUTHENTICATED, or
+        RESOURCE_EXHAUSTED past the rate of failed attempts or when slow verification is busy)."""
+        if key is None:
+            raise self._unauthenticated("an API key is required: send 'authorization: Bearer <key>' or "
+                                        "'x-api-key: <key>'", "no_key")
+        record = self.store.lookup(key)
+        self._prune()
+        if record is None:
+            raise self._unauthenticated("unknown API key", "bad_key")
+        if is_slow_hash(record.hash):
+            valid = await self._verify_slow(key, record)
+        else:
+            valid = self.store.verify(key, record)
+            if not valid:
+                now = self.clock()
+                bucket = self._failures_of(record.key_id, now)
+                if not bucket.take(now):
+                    raise self._too_many_failures(record.key_id, bucket.wait_s(now), "for this key")
+        if not valid:
+            raise self._unauthenticated("unknown API key", "bad_key")
+        if record.revoked:
+            raise self._unauthenticated(f"API key {record.key_id!r} is revoked", "revoked", record.key_id)
+        return record
+
+    async def _verify_slow(self, key: str, record: ApiKey) -> bool:
+        fingerprint = hashlib.sha256(key.encode("utf-8", "replace")).digest()
+        if self._verified.get(record.key_id) == (fingerprint, record.hash):
+            return True
+        now = self.clock()
+        bucket = self._failures_of(record.key_id, now)
+        if not bucket.available(now):
+            raise self._too_many_failures(record.key_id, bucket.wait_s(now), "for this key")
+        if not self._slow.available(now):
+            raise self._too_many_failures(record.key_id, self._slow.wait_s(now), "on legacy-hashed keys")
+        bucket.take(now)  # charged before hashing, so concurrent guesses cannot pass the rate; given back if right
+        self._slow.take(now)
+        valid = await self.verifier.run(self.store.verify, key, record)
+        if valid is None:
+            bucket.give_back()
+            self._slow.give_back()
+            self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="auth_busy").inc()
+            raise Refusal(RESOURCE_EXHAUSTED, "key verification is busy (a legacy-hashed key); retry shortly",
+                          "auth_busy")
+        self.metrics.slow_verifications.inc()
+        if valid:
+            bucket.give_back()
+            self._slow.give_back()
+            if record.key_id in self._known:
+                self._verified[record.key_id] = (fingerprint, record.hash)
+        return valid
+
+    # -- limits ------------------------------------------------------------------------------------
+    def count_request(self, record: ApiKey, method: str) -> None:
+        self.metrics.requests.labels(key_id=record.key_id, method=method).inc()
+
+    def refuse(self, record: ApiKey, limit: str, message: str) -> Refusal:
+        self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
+        return Refusal(RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
+
+    def check_rate(self, record: ApiKey) -> None:
+        """Raises Refusal while the key's tokens_per_minute window is used up."""
+        limit = record.limits.tokens_per_minute
+        if limit is not None:
+            used = self.usage(record.key_id).tokens_in_window(self.clock())
+            if used >= limit:
+                raise self.refuse(record, "tokens_per_minute", f"limit {limit} reached ({used} tokens in the "
+                                  "last 60 s); retry later")
+
+    def open_stream(self, record: ApiKey, requested_max_tokens: int | None) -> KeyStream:
+        """Admit a stream of the key (None: the default max_tokens), or raise Refusal naming the limit."""
+        limits = record.limits
+        requested = self.default_max_tokens if requested_max_tokens is None else requested_max_tokens
+        if limits.max_tokens_per_request is not None and requested > limits.max_tokens_per_request:
+            raise self.refuse(record, "max_tokens_per_request",
+                              f"is {limits.max_tokens_per_request}, the request asks {requested}")
+        self.check_rate(record)
+        usage = self.usage(record.key_id)
+        if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
+            raise self.refuse(record, "max_concurrent_streams",
+                              f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+        usage.streams += 1
+        return KeyStream(self, record, usage)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """The gRPC adapter of a `KeyGate`: every call of `service` (health and reflection stay open)
+    is authenticated and held to the key's limits; refusals become status codes."""
+
+    def __init__(self, gate: KeyGate, service: str) -> None:
+        self.gate = gate
+        self._prefix = f"/{service}/"
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not method.startswith(self._prefix):
             return handler
-        name = method[len(self._prefix):]
-        key = self._key_from(handler_call_details)
-        if key is None:
-            self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="no_key").inc()
-            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
-                             "an API key is required: send 'authorization: Bearer <key>' or 'x-api-key: <key>'")
-        record, why = await asyncio.to_thread(self.store.authenticate, key)
-        if record is None:
-            revoked = why.endswith("revoked")
-            self.metrics.refusals.labels(key_id=_ANONYMOUS if not revoked else key_id_of(key) or _ANONYMOUS,
-                                         reason="revoked" if revoked else "bad_key").inc()
-            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, why)
-        self.metrics.requests.labels(key_id=record.key_id, method=name).inc()
+        try:
+            record = await self.gate.authenticate(api_key_from_headers(_metadata(handler_call_details)))
+        except Refusal as refusal:
+            return _refusing(handler, refusal.grpc_code, refusal.message)
+        self.gate.count_request(record, method[len(self._prefix):])
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._metered_stream(handler.unary_stream, record))
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._checked_unary(handler.unary_unary, record))
         return handler
 
-    def _refuse(self, record: ApiKey, limit: str, message: str) -> Refusal:
-        self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
-        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
-
-    def _check_rate(self, record: ApiKey) -> None:
-        limit = record.limits.tokens_per_minute
-        if limit is not None:
-            used = self.usage(record.key_id).tokens_in_window(self.clock())
-            if used >= limit:
-                raise self._refuse(record, "tokens_per_minute", f"limit {limit} reached ({used} tokens in the "
-                                   "last 60 s); retry later")
-
     def _checked_unary(self, behaviour, record: ApiKey):
         async def unary(request, context):
             try:
-                self._check_rate(record)
+                self.gate.check_rate(record)
             except Refusal as refusal:
-                await context.abort(refusal.code, refusal.message)
+                await context.abort(refusal.grpc_code, refusal.message)
             return await behaviour(request, context)
 
         return unary
 
-    def _requested_max_tokens(self, request) -> int:
+    @staticmethod
+    def _requested_max_tokens(request) -> int | None:
         if not isinstance(request, fusion_pb2.GenerateRequest):
             return 0  # not a message: MalformedRequestInterceptor answers INVALID_ARGUMENT
         sampling = request.sampling
-        if sampling.HasField("max_tokens"):
-            return sampling.max_tokens
-        return self.default_max_tokens
+        return sampling.max_tokens if sampling.HasField("max_tokens") else None
 
     def _metered_stream(self, behaviour, record: ApiKey):
         async def stream(request, context):
-            usage = self.usage(record.key_id)
-            limits = record.limits
             try:
-                requested = self._requested_max_tokens(request)
-                if limits.max_tokens_per_request is not None and requested > limits.max_tokens_per_request:
-                    raise self._refuse(record, "max_tokens_per_request",
-                                       f"is {limits.max_tokens_per_request}, the request asks {requested}")
-                self._check_rate(record)
-                if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
-                    raise self._refuse(record, "max_concurrent_streams",
-                                       f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+                ticket = self.gate.open_stream(record, self._requested_max_tokens(request))
             except Refusal as refusal:
-                await context.abort(refusal.code, refusal.message)
-            usage.streams += 1
-            responses = behaviour(request, context)
+                await context.abort(refusal.grpc_code, refusal.message)
             over = None
             try:
-                async for response in responses:
-                    now = self.clock()
-                    usage.add_tokens(now, 1)
-                    self.metrics.tokens.labels(key_id=record.key_id).inc()
-                    yield response
-                    if limits.tokens_per_minute is not None and not getattr(response, "finish_reason", ""):
-                        used = usage.tokens_in_window(now)
-                        if used >= limits.tokens_per_minute:
-                            over = self._refuse(record, "tokens_per_minute",
-                                                f"limit {limits.tokens_per_minute} reached mid-stream; "
-                                                "the stream is cut")
+                async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
+                    async for response in responses:
+                        over = ticket.admit_token()
+                        if over is not None:
+                            break
+                        yield response
+                        over = ticket.after_token(final=bool(getattr(response, "finish_reason", "")))
+                        if over is not None:
                             break
             finally:
-                usage.streams -= 1
-                await responses.aclose()  # cancels the request when the stream ends early
+                ticket.close()
             if over is not None:
-                await context.abort(over.code, over.message)
+                await context.abort(over.grpc_code, over.message)
 
         return stream
 
 
 def fusion_interceptors(security: SecurityConfig | None, service: str, registry: CollectorRegistry, *,
                         default_max_tokens: int) -> list[grpc.aio.ServerInterceptor]:
-    store = ApiKeyStore.from_config(security)
-    if store is None:
-        return []
-    return [ApiKeyInterceptor(store, service, registry, default_max_tokens=default_max_tokens)]
+    gate = KeyGate.from_config(security, registry, default_max_tokens=default_max_tokens)
+    return [] if gate is None else [ApiKeyInterceptor(gate, service)]
 
 
 # -- malformed requests --------------------------------------------------------------------------

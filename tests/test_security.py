@@ -641,3 +641,179 @@ def test_usage_state_stays_bounded_for_a_key_without_limits():
     in_window = usage.tokens_in_window(now)
     assert abs(in_window - WINDOW_S / 0.006) <= 1.0 / 0.006 + 1  # a minute's tokens, give or take a bucket
     assert usage.tokens_in_window(now + WINDOW_S + 1) == 0 and not usage.tokens
+
+
+# -- failed authentication: bounded work, bounded state ------------------------------------------
+LEGACY_ITERATIONS = security.LEGACY_PBKDF2_ITERATIONS  # what old key files hold: ~50 ms per check
+
+
+@pytest.fixture
+def pbkdf2_runs(monkeypatch):
+    """Counts the PBKDF2 computations of services.security (the real function runs)."""
+    runs = []
+    real = security._pbkdf2_hmac
+
+    def counting(*args):
+        runs.append(args[3])
+        return real(*args)
+
+    monkeypatch.setattr(security, "_pbkdf2_hmac", counting)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def legacy(loop, tiny_dir, tmp_path_factory):
+    """A coordinator whose keys file was written before the keyed hash: a PBKDF2 entry and a sha256:
+    entry, next to a new key."""
+    import hashlib
+
+    path = tmp_path_factory.mktemp("legacy-keys") / "keys.yaml"
+    keys = {"legacy": "fsk_legacy_" + "L" * 43, "old-sha": "fsk_old-sha_" + "S" * 43}
+    security.write_keys_file(path, {
+        "legacy": {"hash": pbkdf2_hash_key(keys["legacy"], iterations=LEGACY_ITERATIONS)},
+        "old-sha": {"hash": "sha256:" + hashlib.sha256(keys["old-sha"].encode()).hexdigest()},
+    })
+    keys["fresh"] = create_key(path, "fresh")
+    config = parse_config(tiny_config_dict(tiny_dir, limits=LIMITS, security={"api_keys_file": str(path)}))
+    server, port = loop.run(create_coordinator_server(config, metrics_port=0, metrics_host="127.0.0.1"))
+    yield server, port, keys
+    loop.run(server.stop(0))
+
+
+def describe_code(stub, key: str) -> grpc.StatusCode:
+    try:
+        stub.Describe(fusion_pb2.DescribeRequest(), metadata=[("x-api-key", key)], timeout=10)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_legacy_hashes_still_authenticate(legacy, pbkdf2_runs):
+    _, port, keys = legacy
+    for key_id in ("legacy", "old-sha", "fresh"):
+        assert generate_code(port, [("x-api-key", keys[key_id])]) == 3, key_id
+    # the legacy key ran PBKDF2 at most once: from then on its fingerprint is recognised
+    assert generate_code(port, [("x-api-key", keys["legacy"])]) == 3
+    assert len(pbkdf2_runs) <= 1
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        assert describe_code(stub, keys["old-sha"][:-1] + "x") == UNAUTH
+
+
+def test_a_burst_of_wrong_secrets_is_refused_without_hashing(legacy, pbkdf2_runs):
+    """200 wrong secrets for a known legacy-hashed id: PBKDF2 runs at most the per-id burst, the rest are
+    refused at once; the key's holder keeps working, and so does the holder of a new key whose id is
+    being guessed at."""
+    import collections
+    import time
+
+    server, port, keys = legacy
+    wrong = [f"fsk_legacy_{i:043d}" for i in range(200)]
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        assert describe_code(stub, keys["legacy"]) == grpc.StatusCode.OK  # its holder, verified before
+        pbkdf2_runs.clear()
+        start = time.perf_counter()
+        codes = [describe_code(stub, key) for key in wrong]
+        elapsed = time.perf_counter() - start
+        refill = int(elapsed * security.FAILURES_PER_S_PER_KEY) + 1
+        assert len(pbkdf2_runs) <= security.FAILURE_BURST_PER_KEY + refill, (len(pbkdf2_runs), elapsed)
+        counts = collections.Counter(codes)
+        assert set(counts) == {UNAUTH, EXHAUSTED} and counts[UNAUTH] == len(pbkdf2_runs)
+        assert codes[-1] == EXHAUSTED
+        assert elapsed < 5.0, elapsed  # ~0.3 s: 200 calls and a handful of 50 ms hashes
+        print(f"200 wrong secrets: {elapsed:.2f} s, {len(pbkdf2_runs)} PBKDF2 runs")
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Describe(fusion_pb2.DescribeRequest(), metadata=[("x-api-key", wrong[0])], timeout=10)
+        assert "too many failed attempts" in caught.value.details() and "retry in" in caught.value.details()
+        assert describe_code(stub, keys["legacy"]) == grpc.StatusCode.OK  # not locked out
+        # a new key's id: wrong secrets are rate-limited too, but its holder is never locked out
+        fresh_wrong = [f"fsk_fresh_{i:043d}" for i in range(50)]
+        fresh_codes = collections.Counter(describe_code(stub, key) for key in fresh_wrong)
+        assert fresh_codes[EXHAUSTED] >= 40 and fresh_codes[UNAUTH] <= security.FAILURE_BURST_PER_KEY + 1
+        assert describe_code(stub, keys["fresh"]) == grpc.StatusCode.OK
+        assert len(pbkdf2_runs) <= security.FAILURE_BURST_PER_KEY + refill  # new-format hashes run no PBKDF2
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'fusion_key_refusals_total{key_id="-",reason="auth_rate_limited"}' in text
+    assert "fusion_key_slow_verifications_total" in text
+
+
+def test_slow_verification_has_its_own_bounded_executor(loop):
+    """At most `capacity` slow verifications run or wait, on the verifier's own thread: past that, refused
+    at once (None) instead of queueing; a caller that goes away keeps its place until the thread is done."""
+    import asyncio
+
+    verifier = security.SlowVerifier(workers=1, capacity=2)
+    release = threading.Event()
+    threads = []
+
+    def slow() -> bool:
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return True
+
+    async def scenario():
+        first = asyncio.ensure_future(verifier.run(slow))
+        second = asyncio.ensure_future(verifier.run(slow))
+        await asyncio.sleep(0.05)
+        full = await asyncio.wait_for(verifier.run(slow), 1)  # answered at once
+        first.cancel()  # its caller goes away mid-hash: the place stays taken until the thread is done
+        await asyncio.sleep(0.05)
+        still_full = await asyncio.wait_for(verifier.run(slow), 1)
+        release.set()
+        return full, still_full, await second
+
+    try:
+        assert loop.run(scenario(), timeout=30) == (None, None, True)
+        assert threads and all(name.startswith("fusion-key-verify") for name in threads)
+        for _ in range(100):
+            if verifier.pending == 0:
+                break
+            threading.Event().wait(0.01)
+        assert verifier.pending == 0
+        assert loop.run(verifier.run(lambda: False), timeout=10) is False
+    finally:
+        release.set()
+        verifier.close()
+
+
+def test_gate_state_stays_bounded_under_wrong_keys(loop, tmp_path, pbkdf2_runs):
+    """Thousands of distinct wrong keys (unknown ids, known ids with wrong secrets) add no per-key state:
+    every map holds only ids of configured keys, and shrinks when a key leaves the file. Legacy hashes
+    over all ids are held to the global rate; new-format hashes need no thread."""
+    from prometheus_client import CollectorRegistry
+
+    path = tmp_path / "keys.yaml"
+    legacy_keys = {f"old-{i}": f"fsk_old-{i}_" + "x" * 43 for i in range(4)}
+    security.write_keys_file(path, {key_id: {"hash": pbkdf2_hash_key(key, iterations=1000)}
+                                    for key_id, key in legacy_keys.items()})
+    fresh = create_key(path, "fresh")
+    registry = CollectorRegistry()
+    gate = security.KeyGate(ApiKeyStore(path=path), registry, default_max_tokens=8, slow_burst=3, slow_per_s=0.001)
+
+    async def attempt(key):
+        try:
+            return (await gate.authenticate(key)).key_id
+        except security.Refusal as refusal:
+            return refusal.status
+
+    try:
+        assert loop.run(attempt(fresh)) == "fresh" and gate.verifier._pool is None  # no thread for a keyed hash
+        pbkdf2_runs.clear()
+        for i in range(3000):
+            key_id = ("fresh", "old-0", "old-1", "old-2", "old-3", f"nobody{i}")[i % 6]
+            loop.run(attempt(f"fsk_{key_id}_{i:043d}"))
+        sizes = gate.state_sizes()
+        assert all(size <= 5 for size in sizes.values()), sizes
+        assert len(pbkdf2_runs) <= 3  # the global rate of legacy verifications, over all four ids
+        labels = {s.labels.get("key_id") for m in registry.collect() for s in m.samples if "key_id" in s.labels}
+        assert labels <= {"-", "fresh"}
+        # a key leaves the file: its state goes with it
+        data = security.read_keys_file(path)
+        for key_id in ("old-0", "old-1", "old-2"):
+            del data[key_id]
+        security.write_keys_file(path, data)
+        assert loop.run(attempt(fresh)) == "fresh"
+        assert all(size <= 2 for size in gate.state_sizes().values()), gate.state_sizes()
+    finally:
+        gate.close()

@@ -154,7 +154,7 @@ async def create_coordinator_server(
             metrics_port=metrics_port, metrics_host=metrics_host,
             credentials=server_credentials(config.security, expert=False),
             interceptors=fusion_interceptors(config.security, FUSION_SERVICE, metrics.registry,
-                                             default_max_tokens=config.sampling.max_tokens),
+                                             default_max_tokens=config.sampling.max_tokens, limits=config.limits),
         )
     except BaseException:
         _close_service(service)

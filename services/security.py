@@ -13,8 +13,9 @@
   current format (until then, legacy entries verify through the bounded path below). Writes
   replace the file atomically (temporary file, then os.replace).
 - `KeyGate` is the per-key gate with no transport in it: it authenticates a key and enforces the
-  key's limits: concurrent streams, tokens per minute (over a sliding 60 s window) and max tokens
-  per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
+  key's limits: concurrent streams, its share of the service's slots (`limits.key_share` of
+  `max_concurrent_sessions`, so one key never takes every slot while another waits), tokens per
+  minute (over a sliding 60 s window) and max tokens per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
   key id, and legacy PBKDF2 checks also globally, refused before any hashing past the rate and run
   on their own bounded executor. Its per-key state is bounded by the configured keys.
   `ApiKeyInterceptor`, its gRPC adapter, reads `authorization: Bearer <key>` or `x-api-key: <key>`
@@ -51,7 +52,7 @@ import grpc
 import yaml
 from prometheus_client import CollectorRegistry, Counter
 
-from fusion.config import SecurityConfig
+from fusion.config import Limits, SecurityConfig
 from fusion.errors import ConfigError
 from services.protos import fusion_pb2
 
@@ -742,12 +743,17 @@ class KeyGate:
     keys and is pruned when the keys file changes: wrong keys, however many, add no state."""
 
     def __init__(self, store: ApiKeyStore, registry: CollectorRegistry, *, default_max_tokens: int,
+                 max_concurrent_sessions: int | None = None, key_share: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, verifier: SlowVerifier | None = None,
                  failure_burst: int = FAILURE_BURST_PER_KEY, failures_per_s: float = FAILURES_PER_S_PER_KEY,
                  slow_burst: int = SLOW_VERIFY_BURST, slow_per_s: float = SLOW_VERIFIES_PER_S) -> None:
         self.store = store
         self.metrics = KeyMetrics(registry)
         self.default_max_tokens = default_max_tokens
+        self.max_concurrent_sessions, self.key_share = max_concurrent_sessions, key_share
+        # limits.key_share: the streams one key may hold of the service's slots (at least one)
+        self.streams_per_key = (None if max_concurrent_sessions is None
+                                else max(1, math.floor(key_share * max_concurrent_sessions + 1e-9)))
         self.clock = clock
         self.verifier = verifier or SlowVerifier()
         self.failure_burst, self.failures_per_s = failure_burst, failures_per_s
@@ -760,11 +766,15 @@ class KeyGate:
 
     @classmethod
     def from_config(cls, security: SecurityConfig | None, registry: CollectorRegistry, *,
-                    default_max_tokens: int) -> KeyGate | None:
+                    default_max_tokens: int, limits: Limits | None = None) -> KeyGate | None:
+        """The gate of the config's keys (None without keys); `limits` gives key_share of
+        max_concurrent_sessions."""
         store = ApiKeyStore.from_config(security)
         if store is None:
             return None
-        return cls(store, registry, default_max_tokens=default_max_tokens)
+        limits = limits or Limits()
+        return cls(store, registry, default_max_tokens=default_max_tokens,
+                   max_concurrent_sessions=limits.max_concurrent_sessions, key_share=limits.key_share)
 
     def close(self) -> None:
         self.verifier.close()
@@ -888,6 +898,11 @@ class KeyGate:
         if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
             raise self.refuse(record, "max_concurrent_streams",
                               f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+        if self.streams_per_key is not None and usage.streams >= self.streams_per_key:
+            raise self.refuse(record, "key_share",
+                              f"{self.key_share:g} of max_concurrent_sessions {self.max_concurrent_sessions} "
+                              f"allows {self.streams_per_key} streams per key and {usage.streams} are open; "
+                              "wait for one to end")
         usage.streams += 1
         return KeyStream(self, record, usage)
 
@@ -959,8 +974,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 def fusion_interceptors(security: SecurityConfig | None, service: str, registry: CollectorRegistry, *,
-                        default_max_tokens: int) -> list[grpc.aio.ServerInterceptor]:
-    gate = KeyGate.from_config(security, registry, default_max_tokens=default_max_tokens)
+                        default_max_tokens: int, limits: Limits | None = None) -> list[grpc.aio.ServerInterceptor]:
+    gate = KeyGate.from_config(security, registry, default_max_tokens=default_max_tokens, limits=limits)
     return [] if gate is None else [ApiKeyInterceptor(gate, service)]
 
 

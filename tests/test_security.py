@@ -817,3 +817,51 @@ def test_gate_state_stays_bounded_under_wrong_keys(loop, tmp_path, pbkdf2_runs):
         assert all(size <= 2 for size in gate.state_sizes().values()), gate.state_sizes()
     finally:
         gate.close()
+
+
+# -- fair share of the service's slots between keys --------------------------------------------------
+def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
+    """max_concurrent_sessions 4, key_share 0.5: key A gets 2 streams, its 3rd is RESOURCE_EXHAUSTED naming
+    key_share, while key B still gets a stream."""
+    path = tmp_path / "keys.yaml"
+    keys = {key_id: create_key(path, key_id) for key_id in ("team-a", "team-b")}
+    limits = LIMITS | {"max_concurrent_sessions": 4, "key_share": 0.5}
+    config = parse_config(tiny_config_dict(tiny_dir, limits=limits, security={"api_keys_file": str(path)}))
+    server, port = loop.run(create_coordinator_server(config))
+    long = fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(max_tokens=300,
+                                                                                         ignore_eos=True))
+    try:
+        with grpc.insecure_channel(addr(port)) as channel:
+            stub = fusion_pb2_grpc.FusionStub(channel)
+            streams = [stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=60) for _ in range(2)]
+            for stream in streams:
+                next(stream)  # both are open
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=30))
+            details = caught.value.details()
+            assert caught.value.code() == EXHAUSTED and "key_share" in details, details
+            assert "0.5 of max_concurrent_sessions 4 allows 2 streams per key" in details
+            assert generate_code(port, [("x-api-key", keys["team-b"])]) == 3  # the other key is served
+            for stream in streams:
+                stream.cancel()
+        for _ in range(50):  # the slots come back once A's streams end
+            code = generate_code(port, [("x-api-key", keys["team-a"])])
+            if code == 3:
+                break
+            threading.Event().wait(0.1)
+        assert code == 3
+    finally:
+        loop.run(server.stop(0))
+
+    from prometheus_client import CollectorRegistry
+
+    def share(sessions: int, fraction: float) -> int:
+        gate = security.KeyGate(ApiKeyStore(path=path), CollectorRegistry(), default_max_tokens=8,
+                                max_concurrent_sessions=sessions, key_share=fraction)
+        return gate.streams_per_key
+
+    assert (share(4, 0.5), share(1, 0.5), share(10, 0.3), share(64, 1.0), share(3, 0.1)) == (2, 1, 3, 64, 1)
+    with pytest.raises(ConfigError, match="key_share"):
+        parse_config(tiny_config_dict(tiny_dir, limits={"key_share": 0}))
+    with pytest.raises(ConfigError, match="key_share"):
+        parse_config(tiny_config_dict(tiny_dir, limits={"key_share": 1.5}))

@@ -74,6 +74,7 @@ class TextEvent:
 class ScoreResult:
     token_ids: list[int]
     logprobs: list[float]
+    prompt_tokens: int = 0  # the prompt's length in the first expert's tokens (0: not known, e.g. remote)
 
     @property
     def total_logprob(self) -> float:
@@ -371,7 +372,7 @@ class FusionService:
             raise InvalidArgumentError("prompt: must not be empty for a tokenizer without a BOS token")
         continuation_ids = encode_plain(self.tokenizers[0], continuation, add_special_tokens=False)
         logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
-        return ScoreResult(continuation_ids, logprobs)
+        return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]))
 
     async def score_async(self, prompt: str, continuation: str,
                           spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:

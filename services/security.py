@@ -15,7 +15,8 @@
 - `KeyGate` is the per-key gate with no transport in it: it authenticates a key and enforces the
   key's limits: concurrent streams, its share of the service's slots (`limits.key_share` of
   `max_concurrent_sessions`, so one key never takes every slot while another waits), tokens per
-  minute (over a sliding 60 s window) and max tokens per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
+  minute (prompt and generated tokens over a sliding 60 s window; servicers report a prompt's
+  tokens with `charge_tokens`) and max tokens per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
   key id, and legacy PBKDF2 checks also globally, refused before any hashing past the rate and run
   on their own bounded executor. Its per-key state is bounded by the configured keys.
   `ApiKeyInterceptor`, its gRPC adapter, reads `authorization: Bearer <key>` or `x-api-key: <key>`
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import ipaddress
@@ -46,7 +48,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grpc
 import yaml
@@ -561,6 +563,8 @@ class KeyMetrics:
         self.tokens = Counter("fusion_key_tokens", "Tokens generated, by API key id", ["key_id"], registry=registry)
         self.refusals = Counter("fusion_key_refusals", "Refused requests, by API key id ('-': no valid key) and reason",
                                 ["key_id", "reason"], registry=registry)
+        self.charged = Counter("fusion_key_prompt_tokens", "Prompt (and scored) tokens charged to "
+                               "tokens_per_minute, by API key id", ["key_id"], registry=registry)
         self.slow_verifications = Counter("fusion_key_slow_verifications",
                                           "Legacy PBKDF2 key verifications run (bounded and rate-limited)",
                                           registry=registry)
@@ -658,6 +662,33 @@ class SlowVerifier:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Charge:
+    """Where `charge_tokens` sends the tokens of the call in progress (closed when the call ends)."""
+
+    __slots__ = ("gate", "record", "open")
+
+    def __init__(self, gate: KeyGate, record: ApiKey) -> None:
+        self.gate, self.record, self.open = gate, record, True
+
+    def __call__(self, count: int) -> None:
+        if self.open and count > 0:
+            self.gate.charge(self.record, count)
+
+
+_CHARGE: contextvars.ContextVar[_Charge | None] = contextvars.ContextVar("fusion_key_charge", default=None)
+
+
+def charge_tokens(count: int) -> None:
+    """Charge `count` tokens that the current call consumed without streaming them (its prompt; a
+    scored prompt and continuation) to its API key's tokens_per_minute window. A no-op without API
+    keys or outside a gated call. The gate marks the call's key around the handler
+    (`KeyGate.charging`, a context variable of the call's task), so a servicer calls this once it
+    knows the count, with no key in its signature."""
+    charge = _CHARGE.get()
+    if charge is not None:
+        charge(count)
 
 
 UNAUTHENTICATED, RESOURCE_EXHAUSTED = "unauthenticated", "resource_exhausted"
@@ -877,6 +908,26 @@ class KeyGate:
         self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
         return Refusal(RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
 
+    def charge(self, record: ApiKey, count: int) -> None:
+        """Count `count` consumed tokens (a prompt, a scored text) in the key's window. A prompt larger
+        than what is left of the window is still served up to here; a stream is then cut before its
+        first token, and the key's next calls wait for the window to slide."""
+        if record.key_id in self._known or record.key_id in self._usage:
+            self.usage(record.key_id).add_tokens(self.clock(), count)
+            self.metrics.charged.labels(key_id=record.key_id).inc(count)
+
+    @contextlib.contextmanager
+    def charging(self, record: ApiKey) -> Iterator[None]:
+        """Within: `charge_tokens` charges `record`'s key (the handler runs in the same task)."""
+        charge = _Charge(self, record)
+        token = _CHARGE.set(charge)
+        try:
+            yield
+        finally:
+            charge.open = False
+            with contextlib.suppress(ValueError):  # a stream closed from another context (a finalizer)
+                _CHARGE.reset(token)
+
     def check_rate(self, record: ApiKey) -> None:
         """Raises Refusal while the key's tokens_per_minute window is used up."""
         limit = record.limits.tokens_per_minute
@@ -937,7 +988,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 self.gate.check_rate(record)
             except Refusal as refusal:
                 await context.abort(refusal.grpc_code, refusal.message)
-            return await behaviour(request, context)
+            with self.gate.charging(record):
+                return await behaviour(request, context)
 
         return unary
 
@@ -956,15 +1008,16 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(refusal.grpc_code, refusal.message)
             over = None
             try:
-                async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
-                    async for response in responses:
-                        over = ticket.admit_token()
-                        if over is not None:
-                            break
-                        yield response
-                        over = ticket.after_token(final=bool(getattr(response, "finish_reason", "")))
-                        if over is not None:
-                            break
+                with self.gate.charging(record):
+                    async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
+                        async for response in responses:
+                            over = ticket.admit_token()
+                            if over is not None:
+                                break
+                            yield response
+                            over = ticket.after_token(final=bool(getattr(response, "finish_reason", "")))
+                            if over is not None:
+                                break
             finally:
                 ticket.close()
             if over is not None:

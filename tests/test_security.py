@@ -284,7 +284,8 @@ def test_bad_keys_file_is_named(tmp_path, entry, message):
 KEY_LIMITS = {
     "one-stream": {"max_concurrent_streams": 1},
     "free": {},
-    "rate": {"tokens_per_minute": 10},
+    "rate": {"tokens_per_minute": 60},
+    "prompt-rate": {"tokens_per_minute": 30},
     "short": {"max_tokens_per_request": 4},
     "gone": {},
 }
@@ -386,21 +387,34 @@ def test_closing_a_stream_frees_its_slot(keyed):
     assert code == 3
 
 
-def test_tokens_per_minute(keyed, monkeypatch):
-    _, port, keys = keyed
-    md = [("x-api-key", keys["rate"])]
-    assert generate_code(port, md, max_tokens=6) == 6
-    # the next stream crosses 10 tokens: it is cut there, naming the limit
+def run_stream(port: int, key: str, prompt: str = "hello", **sampling):
+    """(the responses streamed, the RpcError that ended the stream or None)."""
+    sampling = {"max_tokens": 3, "ignore_eos": True} | sampling
+    got = []
     with grpc.insecure_channel(addr(port)) as channel:
-        stub = fusion_pb2_grpc.FusionStub(channel)
-        call = stub.Generate(fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(
-            max_tokens=8, ignore_eos=True)), metadata=md, timeout=30)
-        got = []
-        with pytest.raises(grpc.RpcError) as caught:
+        call = fusion_pb2_grpc.FusionStub(channel).Generate(fusion_pb2.GenerateRequest(
+            prompt=prompt, sampling=fusion_pb2.SamplingParams(**sampling)), metadata=[("x-api-key", key)], timeout=30)
+        try:
             for response in call:
                 got.append(response)
-        assert caught.value.code() == EXHAUSTED and "tokens_per_minute" in caught.value.details()
-        assert len(got) == 4
+        except grpc.RpcError as err:
+            return got, err
+    return got, None
+
+
+def test_tokens_per_minute(keyed, monkeypatch):
+    """A key's window counts its prompt and generated tokens: a stream crossing the limit is cut there."""
+    _, port, keys = keyed
+    limit = KEY_LIMITS["rate"]["tokens_per_minute"]
+    md = [("x-api-key", keys["rate"])]
+    first, error = run_stream(port, keys["rate"], max_tokens=6)
+    assert error is None and len(first) == 6
+    prompt = first[-1].usage.prompt_tokens  # the chat-templated "hello"
+    assert 0 < prompt and 2 * prompt + 6 < limit
+    # the next stream's prompt is charged, then it is cut where the window reaches the limit
+    got, error = run_stream(port, keys["rate"], max_tokens=40)
+    assert error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
+    assert len(got) == limit - 2 * prompt - 6
     # refused up front while the window is full; other keys are unaffected
     assert generate_code(port, md) == EXHAUSTED
     assert generate_code(port, [("x-api-key", keys["free"])]) == 3
@@ -411,6 +425,34 @@ def test_tokens_per_minute(keyed, monkeypatch):
     monkeypatch.setattr(security, "WINDOW_S", 0.5)
     threading.Event().wait(0.6)
     assert generate_code(port, md) == 3
+
+
+def test_prompt_tokens_count_against_tokens_per_minute(keyed):
+    """Generate charges the prompt's tokens, Score its prompt and continuation: a stream whose prompt
+    uses up the rest of the window is cut before its first token."""
+    server, port, keys = keyed
+    key_id, key = "prompt-rate", keys["prompt-rate"]
+    limit = KEY_LIMITS[key_id]["tokens_per_minute"]
+
+    def charged() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        line = f'fusion_key_prompt_tokens_total{{key_id="{key_id}"}}'
+        return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line))
+
+    got, error = run_stream(port, key, max_tokens=2)
+    assert error is None and len(got) == 2
+    prompt = got[-1].usage.prompt_tokens
+    assert charged() == prompt and prompt + 2 < limit
+    with FusionClient(addr(port), timeout=30, api_key=key) as client:
+        scored = client.score("a b", " c")
+    score_tokens = charged() - prompt
+    assert score_tokens > len(scored.token_ids)  # the prompt's tokens too
+    used = prompt + 2 + score_tokens
+    assert used < limit <= used + prompt  # room for tokens, but not after this prompt
+    got, error = run_stream(port, key, max_tokens=10)
+    assert got == [] and error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
+    assert generate_code(port, [("x-api-key", key)]) == EXHAUSTED  # up front now
+    security.charge_tokens(1_000)  # outside a call: nothing to charge
 
 
 def test_max_tokens_per_request(keyed):

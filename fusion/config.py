@@ -187,6 +187,9 @@ class Limits(_Strict):
     max_logit_bias: int = Field(default=1024, ge=0)  # entries of logit_bias
     max_banned_token_ids: int = Field(default=4096, ge=0)
     max_score_tokens: int = Field(default=2048, gt=0)  # continuation tokens of one Score
+    # With API keys: the fraction of max_concurrent_sessions one key may hold (at least 1 stream),
+    # so one key never takes every slot while another waits.
+    key_share: float = Field(default=0.5, gt=0, le=1)
 
 
 class TLSConfig(_Strict):
@@ -253,6 +256,17 @@ class SecurityConfig(_Strict):
             raise ValueError("give either expert_secret_env or expert_secret_file, not both")
         if self.api_keys_file is not None and self.api_keys_env is not None:
             raise ValueError("give either api_keys_file or api_keys_env, not both")
+        return self
+
+    # The pepper of API key hashes (services.security): an environment variable or a file; neither
+    # means the documented default pepper.
+    api_keys_pepper_env: str | None = None
+    api_keys_pepper_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_pepper_source(self) -> SecurityConfig:
+        if self.api_keys_pepper_env is not None and self.api_keys_pepper_file is not None:
+            raise ValueError("give either api_keys_pepper_env or api_keys_pepper_file, not both")
         return self
 
 

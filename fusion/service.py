@@ -75,6 +75,7 @@ class TextEvent:
 class ScoreResult:
     token_ids: list[int]
     logprobs: list[float]
+    prompt_tokens: int = 0  # the prompt's length in the first expert's tokens (0: not known, e.g. remote)
 
     @property
     def total_logprob(self) -> float:
@@ -427,7 +428,7 @@ class FusionService:
             raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
                                          f"max_score_tokens={limits.max_score_tokens}")
         logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
-        return ScoreResult(continuation_ids, logprobs)
+        return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]))
 
     async def score_async(self, prompt: str, continuation: str,
                           spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:

@@ -25,7 +25,7 @@ from fusion.service import FusionService, TextEvent
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.remote_expert import RemoteExpert
-from services.security import fusion_interceptors, server_credentials
+from services.security import charge_tokens, fusion_interceptors, server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import stream_errors, unary_errors
 from services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto
@@ -101,6 +101,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         received = time.perf_counter()
         stream = await self.service.submit_async(request_from_proto(request))
         self.metrics.prompt_tokens.inc(stream.prompt_tokens)
+        charge_tokens(stream.prompt_tokens)  # to the API key's tokens_per_minute (a no-op without keys)
         last = None
         async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
             async for event in events:
@@ -117,6 +118,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     async def Score(self, request: fusion_pb2.ScoreRequest, context) -> fusion_pb2.ScoreResponse:
         spec = spec_overrides_from_proto(request.spec) if request.HasField("spec") else None
         result = await self.service.score_async(request.prompt, request.continuation, spec)
+        charge_tokens(result.prompt_tokens + len(result.token_ids))
         return fusion_pb2.ScoreResponse(
             token_ids=result.token_ids, logprobs=result.logprobs, total_logprob=result.total_logprob,
         )
@@ -154,7 +156,7 @@ async def create_coordinator_server(
             metrics_port=metrics_port, metrics_host=metrics_host,
             credentials=server_credentials(config.security, expert=False),
             interceptors=fusion_interceptors(config.security, FUSION_SERVICE, metrics.registry,
-                                             default_max_tokens=config.sampling.max_tokens),
+                                             default_max_tokens=config.sampling.max_tokens, limits=config.limits),
         )
     except BaseException:
         _close_service(service)

@@ -5,11 +5,23 @@
   metadata (an API key, the expert secret) to every call.
 - API keys (Fusion service): `ApiKeyStore` reads `key id → {hash, revoked, limits}` from a YAML file
   (re-read when it changes, so a revocation takes effect without a restart) or from the YAML text
-  of an environment variable. Keys look like `fsk_<id>_<secret>`; only a salted PBKDF2 hash is
-  stored. `ApiKeyInterceptor` checks `authorization: Bearer <key>` or `x-api-key: <key>` on every
-  Fusion method (health and reflection stay open for probes) and enforces each key's limits:
-  concurrent streams, tokens per minute (generated tokens over a sliding 60 s window) and
-  max tokens per request. Refusals: UNAUTHENTICATED, or RESOURCE_EXHAUSTED naming the limit.
+  of an environment variable. Keys look like `fsk_<id>_<secret>` (a 256-bit random secret); only
+  a keyed hash is stored, `hmac-sha256$HEX` under the server's pepper (`hash_key` says why a fast
+  hash is right for random secrets). Files written before keep working: `pbkdf2_sha256$...` and
+  `sha256:HEX` entries still verify. A PBKDF2 hash cannot be rehashed without the key itself, so
+  there is no offline migration: `fusion keys create --id ID --reissue` gives the id a new key in the
+  current format (until then, legacy entries verify through the bounded path below). Writes
+  replace the file atomically (temporary file, then os.replace).
+- `KeyGate` is the per-key gate with no transport in it: it authenticates a key and enforces the
+  key's limits: concurrent streams, its share of the service's slots (`limits.key_share` of
+  `max_concurrent_sessions`, so one key never takes every slot while another waits), tokens per
+  minute (prompt and generated tokens over a sliding 60 s window; servicers report a prompt's
+  tokens with `charge_tokens`) and max tokens per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
+  key id, and legacy PBKDF2 checks also globally, refused before any hashing past the rate and run
+  on their own bounded executor. Its per-key state is bounded by the configured keys.
+  `ApiKeyInterceptor`, its gRPC adapter, reads `authorization: Bearer <key>` or `x-api-key: <key>`
+  on every Fusion method (health and reflection stay open for probes). Refusals: UNAUTHENTICATED,
+  or RESOURCE_EXHAUSTED naming the limit (or too many failed attempts).
 - Expert service: `ExpertSecretInterceptor` accepts only callers sending the shared secret in
   `x-fusion-expert-secret` (compared in constant time); with `tls.require_client_auth` the TLS
   handshake itself refuses callers without a client certificate signed by the CA.
@@ -21,24 +33,28 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import secrets
+import tempfile
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grpc
 import yaml
 from prometheus_client import CollectorRegistry, Counter
 
-from fusion.config import SecurityConfig
+from fusion.config import Limits, SecurityConfig
 from fusion.errors import ConfigError
 from services.protos import fusion_pb2
 
@@ -47,7 +63,11 @@ logger = logging.getLogger(__name__)
 API_KEY_HEADER = "x-api-key"
 EXPERT_SECRET_HEADER = "x-fusion-expert-secret"
 KEY_PREFIX = "fsk_"
-PBKDF2_ITERATIONS = 200_000
+HMAC_SCHEME = "hmac-sha256"
+# The pepper when the config names none. Public on purpose: key secrets are 256 bits of randomness,
+# so their hashes cannot be brute-forced with or without a secret pepper (see `hash_key`).
+DEFAULT_PEPPER = b"fusion-api-keys/hmac-sha256/v1"
+LEGACY_PBKDF2_ITERATIONS = 200_000  # what `fusion keys create` wrote before the keyed hash
 WINDOW_S = 60.0
 _ANONYMOUS = "-"  # key id label of callers without a valid key (never their key or a made-up id)
 
@@ -273,21 +293,69 @@ class ApiKey:
     limits: KeyLimits = KeyLimits()
 
 
-def hash_key(key: str, *, iterations: int = PBKDF2_ITERATIONS, salt: bytes | None = None) -> str:
+def key_pepper(security: SecurityConfig | None) -> bytes:
+    """The pepper of API key hashes the config names (`api_keys_pepper_env` or `_file`), else
+    DEFAULT_PEPPER. Servers and `fusion keys create` must use the same one."""
+    if security is None:
+        return DEFAULT_PEPPER
+    if security.api_keys_pepper_env is not None:
+        value = os.environ.get(security.api_keys_pepper_env, "")
+        if not value:
+            raise ConfigError(f"security.api_keys_pepper_env: the environment variable "
+                              f"{security.api_keys_pepper_env!r} is unset or empty")
+        return value.encode("utf-8")
+    if security.api_keys_pepper_file is not None:
+        try:
+            value = Path(security.api_keys_pepper_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"security.api_keys_pepper_file: cannot read {security.api_keys_pepper_file!r}: "
+                              f"{err}") from None
+        if not value:
+            raise ConfigError(f"security.api_keys_pepper_file: {security.api_keys_pepper_file!r} is empty")
+        return value.encode("utf-8")
+    return DEFAULT_PEPPER
+
+
+def hash_key(key: str, *, pepper: bytes = DEFAULT_PEPPER) -> str:
+    """`hmac-sha256$HEX`: HMAC-SHA256 of the whole key under the server's pepper.
+
+    A fast keyed hash is enough, and safer for the server than a slow one: the secrets are 256-bit
+    random values, not passwords, so no dictionary or brute force can find one from its hash (a slow
+    KDF only helps low-entropy secrets), while a slow hash makes every wrong guess cost the server
+    CPU. The pepper is defence in depth: a leaked keys file without it cannot even confirm a stolen
+    candidate key offline. Without a configured pepper, DEFAULT_PEPPER is used, which is still safe
+    for the reason above."""
+    return f"{HMAC_SCHEME}${hmac.digest(pepper, key.encode('utf-8'), 'sha256').hex()}"
+
+
+def pbkdf2_hash_key(key: str, *, iterations: int = LEGACY_PBKDF2_ITERATIONS, salt: bytes | None = None) -> str:
+    """The legacy `pbkdf2_sha256$ITER$SALT$HEX` format (still verified; no longer written)."""
     salt = salt if salt is not None else secrets.token_bytes(16)
-    digest = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8"), salt, iterations)
+    digest = _pbkdf2_hmac("sha256", key.encode("utf-8"), salt, iterations)
     return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
 
 
-def verify_key(key: str, stored: str) -> bool:
-    """Check `key` against a stored hash: `pbkdf2_sha256$ITER$SALT$HEX` or `sha256:HEX`."""
+_pbkdf2_hmac = hashlib.pbkdf2_hmac  # one name for every PBKDF2 run (tests count them)
+
+
+def is_slow_hash(stored: str) -> bool:
+    """Whether verifying against `stored` is slow (a legacy PBKDF2 hash) rather than microseconds."""
+    return stored.startswith("pbkdf2_sha256$")
+
+
+def verify_key(key: str, stored: str, *, pepper: bytes = DEFAULT_PEPPER) -> bool:
+    """Check `key` against a stored hash: `hmac-sha256$HEX` (under `pepper`), or the legacy
+    `pbkdf2_sha256$ITER$SALT$HEX` and `sha256:HEX`."""
     try:
+        data = key.encode("utf-8")
+        if stored.startswith(HMAC_SCHEME + "$"):
+            return hmac.compare_digest(hmac.digest(pepper, data, "sha256").hex(), stored[len(HMAC_SCHEME) + 1:])
         if stored.startswith("sha256:"):
-            return hmac.compare_digest(hashlib.sha256(key.encode("utf-8")).hexdigest(), stored[7:])
+            return hmac.compare_digest(hashlib.sha256(data).hexdigest(), stored[7:])
         scheme, iterations, salt, digest = stored.split("$")
         if scheme != "pbkdf2_sha256":
             return False
-        computed = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8"), bytes.fromhex(salt), int(iterations))
+        computed = _pbkdf2_hmac("sha256", data, bytes.fromhex(salt), int(iterations))
         return hmac.compare_digest(computed.hex(), digest)
     except (ValueError, UnicodeEncodeError):
         return False
@@ -345,28 +413,47 @@ def read_keys_file(path: str | Path) -> dict[str, Any]:
     return data or {}
 
 
-def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, int | None] | None = None) -> str:
+def write_keys_file(path: str | Path, data: Mapping[str, Any]) -> None:
+    """Replace the keys file atomically (a temporary file in the same folder, mode 0600, then
+    os.replace): servers re-read it while it is written and must never see half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            yaml.safe_dump(dict(data), out, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, int | None] | None = None,
+               reissue: bool = False, pepper: bytes = DEFAULT_PEPPER) -> str:
     """Add key `key_id` to the keys file (created if missing, mode 0600); returns the key, which is
-    stored only as a hash. Refuses to replace an existing id."""
+    stored only as its keyed hash. Refuses to replace an existing id unless `reissue`: then the id
+    gets a new secret (the old key stops working; its limits stay unless `limits` sets them)."""
     path = Path(path)
     data = read_keys_file(path)
     parse_keys(data, str(path))
-    if key_id in data:
-        raise ConfigError(f"API keys file {path}: key id {key_id!r} exists (revoke it, or choose another id)")
+    if key_id in data and not reissue:
+        raise ConfigError(f"API keys file {path}: key id {key_id!r} exists (revoke it, choose another id, "
+                          "or reissue it with --reissue)")
+    if reissue and key_id not in data:
+        raise ConfigError(f"API keys file {path}: no key id {key_id!r} to reissue")
     key = new_key(key_id)
-    entry: dict[str, Any] = {"hash": hash_key(key), "revoked": False,
+    entry: dict[str, Any] = {"hash": hash_key(key, pepper=pepper), "revoked": False,
                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    clean = {k: v for k, v in (limits or {}).items() if v is not None}
+    kept = dict(data[key_id].get("limits") or {}) if reissue else {}
+    clean = kept | {k: v for k, v in (limits or {}).items() if v is not None}
     if clean:
         entry["limits"] = clean
     data[key_id] = entry
     parse_keys(data, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        yaml.safe_dump(data, out, sort_keys=True)
-    os.replace(tmp, path)
+    write_keys_file(path, data)
     return key
 
 
@@ -376,19 +463,21 @@ def revoke_key(path: str | Path, key_id: str) -> None:
     if key_id not in data:
         raise ConfigError(f"API keys file {path}: no key id {key_id!r}")
     data[key_id]["revoked"] = True
-    path.write_text(yaml.safe_dump(data, sort_keys=True), encoding="utf-8")
+    write_keys_file(path, data)
 
 
 class ApiKeyStore:
-    """The keys of a file (re-read when its mtime or size changes) or of an environment variable."""
+    """The keys of a file (re-read when it changes: another inode, mtime or size) or of an environment
+    variable, and the pepper of their hashes. Holds nothing per caller: see `KeyGate`."""
 
-    def __init__(self, *, path: str | Path | None = None, env: str | None = None) -> None:
+    def __init__(self, *, path: str | Path | None = None, env: str | None = None,
+                 pepper: bytes = DEFAULT_PEPPER) -> None:
         self.path = Path(path) if path is not None else None
         self.env = env
-        self._stamp: tuple[float, int] | None = None
+        self.pepper = pepper
+        self.generation = 0  # counts the reads of the file: per-key state elsewhere is pruned on a change
+        self._stamp: tuple[int, int, int] | None = None
         self._keys: dict[str, ApiKey] = {}
-        self._verified: dict[str, tuple[str, str]] = {}  # sha256(key) -> (key id, stored hash)
-        self._rejected: dict[str, str] = {}  # sha256(wrong key) -> the stored hash it failed against
         self._lock = threading.Lock()
         if env is not None:
             text = os.environ.get(env)
@@ -406,14 +495,14 @@ class ApiKeyStore:
     def from_config(cls, security: SecurityConfig | None) -> ApiKeyStore | None:
         if security is None or (security.api_keys_file is None and security.api_keys_env is None):
             return None
-        return cls(path=security.api_keys_file, env=security.api_keys_env)
+        return cls(path=security.api_keys_file, env=security.api_keys_env, pepper=key_pepper(security))
 
     def _reload(self) -> None:
         if self.path is None:
             return
         try:
             st = self.path.stat()
-            stamp = (st.st_mtime, st.st_size)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         except OSError:
             stamp = None
         if stamp == self._stamp and self._stamp is not None:
@@ -427,38 +516,44 @@ class ApiKeyStore:
             return
         with self._lock:
             self._keys, self._stamp = keys, stamp
-            self._verified.clear()
-            self._rejected.clear()
+            self.generation += 1
 
-    def authenticate(self, key: str) -> tuple[ApiKey | None, str]:
-        """(the key's record, "") or (None, why it was refused)."""
+    def key_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._keys)
+
+    def lookup(self, key: str) -> ApiKey | None:
+        """The record of the id `key` names (the file re-read if it changed), not yet verified."""
         self._reload()
         key_id = key_id_of(key)
         with self._lock:
-            record = self._keys.get(key_id) if key_id is not None else None
-        if record is None:
+            return self._keys.get(key_id) if key_id is not None else None
+
+    def verify(self, key: str, record: ApiKey) -> bool:
+        return verify_key(key, record.hash, pepper=self.pepper)
+
+    def authenticate(self, key: str) -> tuple[ApiKey | None, str]:
+        """(the key's record, "") or (None, why it was refused), verifying in the calling thread
+        (legacy PBKDF2 hashes too): for tools. Servers go through `KeyGate`, which bounds that work."""
+        record = self.lookup(key)
+        if record is None or not self.verify(key, record):
             return None, "unknown API key"
-        fingerprint = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
-        cached = self._verified.get(fingerprint)
-        if cached != (record.key_id, record.hash):
-            if self._rejected.get(fingerprint) == record.hash:  # the same wrong key again: no new PBKDF2
-                return None, "unknown API key"
-            if not verify_key(key, record.hash):
-                with self._lock:
-                    if len(self._rejected) > 10_000:
-                        self._rejected.clear()
-                    self._rejected[fingerprint] = record.hash
-                return None, "unknown API key"
-            with self._lock:
-                if len(self._verified) > 10_000:
-                    self._verified.clear()
-                self._verified[fingerprint] = (record.key_id, record.hash)
         if record.revoked:
             return None, f"API key {record.key_id!r} is revoked"
         return record, ""
 
 
-# -- per-key usage and limits --------------------------------------------------------------------
+# -- per-key usage and limits: the transport-neutral gate ----------------------------------------
+# Failed authentication, per key id: a burst of wrong secrets, then one every 1 / rate seconds.
+FAILURE_BURST_PER_KEY = 5
+FAILURES_PER_S_PER_KEY = 0.2
+# Legacy PBKDF2 verifications of wrong keys, over all ids: a burst, then this rate.
+SLOW_VERIFY_BURST = 10
+SLOW_VERIFIES_PER_S = 1.0
+SLOW_VERIFY_WORKERS = 1
+SLOW_VERIFY_CAPACITY = 4  # PBKDF2 verifications running or waiting; past that, refused at once
+
+
 class KeyMetrics:
     """Per-key counters (key id label only, never the key)."""
 
@@ -468,6 +563,11 @@ class KeyMetrics:
         self.tokens = Counter("fusion_key_tokens", "Tokens generated, by API key id", ["key_id"], registry=registry)
         self.refusals = Counter("fusion_key_refusals", "Refused requests, by API key id ('-': no valid key) and reason",
                                 ["key_id", "reason"], registry=registry)
+        self.charged = Counter("fusion_key_prompt_tokens", "Prompt (and scored) tokens charged to "
+                               "tokens_per_minute, by API key id", ["key_id"], registry=registry)
+        self.slow_verifications = Counter("fusion_key_slow_verifications",
+                                          "Legacy PBKDF2 key verifications run (bounded and rate-limited)",
+                                          registry=registry)
 
 
 @dataclass
@@ -494,135 +594,442 @@ class _Usage:
         self.tokens_in_window(now)  # trims what left the window
 
 
+class TokenBucket:
+    """`burst` tokens, refilled at `rate` per second."""
+
+    __slots__ = ("rate", "burst", "tokens", "stamp")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.stamp = rate, burst, float(burst), now
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(float(self.burst), self.tokens + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def available(self, now: float) -> bool:
+        self._refill(now)
+        return self.tokens >= 1.0
+
+    def take(self, now: float) -> bool:
+        if not self.available(now):
+            return False
+        self.tokens -= 1.0
+        return True
+
+    def give_back(self) -> None:
+        self.tokens = min(float(self.burst), self.tokens + 1.0)
+
+    def wait_s(self, now: float) -> float:
+        self._refill(now)
+        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+
+
+class SlowVerifier:
+    """Runs slow (legacy PBKDF2) verifications on its own executor: `workers` threads and at most
+    `capacity` verifications running or waiting, counted until the thread finishes one (a caller that
+    goes away does not free its place early); past that, `run` answers None at once. Never the event
+    loop's shared default executor, so a flood of guesses cannot delay other work that uses it."""
+
+    def __init__(self, workers: int = SLOW_VERIFY_WORKERS, capacity: int = SLOW_VERIFY_CAPACITY) -> None:
+        self.workers, self.capacity = workers, capacity
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    async def run(self, fn: Callable[..., bool], *args: Any) -> bool | None:
+        with self._lock:
+            if self._pending >= self.capacity:
+                return None
+            self._pending += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fusion-key-verify")
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Charge:
+    """Where `charge_tokens` sends the tokens of the call in progress (closed when the call ends)."""
+
+    __slots__ = ("gate", "record", "open")
+
+    def __init__(self, gate: KeyGate, record: ApiKey) -> None:
+        self.gate, self.record, self.open = gate, record, True
+
+    def __call__(self, count: int) -> None:
+        if self.open and count > 0:
+            self.gate.charge(self.record, count)
+
+
+_CHARGE: contextvars.ContextVar[_Charge | None] = contextvars.ContextVar("fusion_key_charge", default=None)
+
+
+def charge_tokens(count: int) -> None:
+    """Charge `count` tokens that the current call consumed without streaming them (its prompt; a
+    scored prompt and continuation) to its API key's tokens_per_minute window. A no-op without API
+    keys or outside a gated call. The gate marks the call's key around the handler
+    (`KeyGate.charging`, a context variable of the call's task), so a servicer calls this once it
+    knows the count, with no key in its signature."""
+    charge = _CHARGE.get()
+    if charge is not None:
+        charge(count)
+
+
+UNAUTHENTICATED, RESOURCE_EXHAUSTED = "unauthenticated", "resource_exhausted"
+_GRPC_CODES = {UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED, RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED}
+_HTTP_CODES = {UNAUTHENTICATED: 401, RESOURCE_EXHAUSTED: 429}
+
+
 class Refusal(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+    """Why the gate refuses a call: `status` is UNAUTHENTICATED or RESOURCE_EXHAUSTED (as a gRPC code:
+    `grpc_code`; as an HTTP status: `http_status`); `reason` labels the refusal metric."""
+
+    def __init__(self, status: str, message: str, reason: str) -> None:
         super().__init__(message)
-        self.code, self.message, self.reason = code, message, reason
+        self.status, self.message, self.reason = status, message, reason
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _GRPC_CODES[self.status]
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_CODES[self.status]
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every call of `service` by API key and enforces the key's limits."""
+def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
+    """The key in `authorization: Bearer <key>` or `x-api-key: <key>` (header names in lower case)."""
+    auth = headers.get("authorization")
+    if auth is not None:
+        scheme, _, value = auth.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    return headers.get(API_KEY_HEADER) or None
 
-    def __init__(self, store: ApiKeyStore, service: str, registry: CollectorRegistry, *,
-                 default_max_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+
+class KeyStream:
+    """One admitted stream of a key: counts its tokens against the key's window and says when the
+    window is used up. `close` (idempotent) frees its slot."""
+
+    def __init__(self, gate: KeyGate, record: ApiKey, usage: _Usage) -> None:
+        self.gate, self.record, self.usage = gate, record, usage
+        self._open = True
+
+    def admit_token(self) -> Refusal | None:
+        """Before sending a token: None (send it; it is counted), or the refusal that cuts the stream
+        because the key's window is already used up (by this stream or the key's other calls)."""
+        limit = self.record.limits.tokens_per_minute
+        now = self.gate.clock()
+        if limit is not None and self.usage.tokens_in_window(now) >= limit:
+            return self.gate.refuse(self.record, "tokens_per_minute",
+                                    f"limit {limit} reached mid-stream; the stream is cut")
+        self.usage.add_tokens(now, 1)
+        self.gate.metrics.tokens.labels(key_id=self.record.key_id).inc()
+        return None
+
+    def after_token(self, final: bool) -> Refusal | None:
+        """After sending a token: the refusal that cuts the stream now if the window is used up and
+        more would follow (saves computing a token that would not be sent)."""
+        limit = self.record.limits.tokens_per_minute
+        if final or limit is None or self.usage.tokens_in_window(self.gate.clock()) < limit:
+            return None
+        return self.gate.refuse(self.record, "tokens_per_minute", f"limit {limit} reached mid-stream; the stream is cut")
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.gate._stream_closed(self.record.key_id, self.usage)
+
+
+class KeyGate:
+    """The per-key gate of a front end, with no transport in it: `authenticate` a key, `open_stream`
+    or `check_rate` under the key's limits, count tokens. The gRPC `ApiKeyInterceptor` is a thin
+    adapter over it; an HTTP front end would call the same methods and answer `Refusal.http_status`.
+
+    Authentication costs microseconds: keyed hashes are checked inline. Wrong secrets are
+    rate-limited per key id (a token bucket, FAILURE_BURST_PER_KEY then FAILURES_PER_S_PER_KEY);
+    past it a wrong secret gets RESOURCE_EXHAUSTED. A fast hash is still checked then (a microsecond),
+    so someone guessing at a public key id cannot lock out its holder. Legacy PBKDF2 hashes are the
+    costly case: past the per-id or the global rate (SLOW_VERIFY_BURST, SLOW_VERIFIES_PER_S) the
+    attempt is refused before any hashing, and the verifications that do run go to a bounded
+    `SlowVerifier`, never the shared default executor; a legacy key that verified once is
+    recognised by its SHA-256 fingerprint from then on (one entry per key id).
+
+    Every per-key map (usage, failure buckets, verified legacy keys) holds only ids of the store's
+    keys and is pruned when the keys file changes: wrong keys, however many, add no state."""
+
+    def __init__(self, store: ApiKeyStore, registry: CollectorRegistry, *, default_max_tokens: int,
+                 max_concurrent_sessions: int | None = None, key_share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, verifier: SlowVerifier | None = None,
+                 failure_burst: int = FAILURE_BURST_PER_KEY, failures_per_s: float = FAILURES_PER_S_PER_KEY,
+                 slow_burst: int = SLOW_VERIFY_BURST, slow_per_s: float = SLOW_VERIFIES_PER_S) -> None:
         self.store = store
-        self._prefix = f"/{service}/"
         self.metrics = KeyMetrics(registry)
         self.default_max_tokens = default_max_tokens
+        self.max_concurrent_sessions, self.key_share = max_concurrent_sessions, key_share
+        # limits.key_share: the streams one key may hold of the service's slots (at least one)
+        self.streams_per_key = (None if max_concurrent_sessions is None
+                                else max(1, math.floor(key_share * max_concurrent_sessions + 1e-9)))
         self.clock = clock
+        self.verifier = verifier or SlowVerifier()
+        self.failure_burst, self.failures_per_s = failure_burst, failures_per_s
+        self._slow = TokenBucket(slow_per_s, slow_burst, clock())
         self._usage: dict[str, _Usage] = {}
+        self._failures: dict[str, TokenBucket] = {}
+        self._verified: dict[str, tuple[bytes, str]] = {}  # key id -> (sha256 of its key, the hash it matched)
+        self._generation = store.generation
+        self._known = store.key_ids()
 
+    @classmethod
+    def from_config(cls, security: SecurityConfig | None, registry: CollectorRegistry, *,
+                    default_max_tokens: int, limits: Limits | None = None) -> KeyGate | None:
+        """The gate of the config's keys (None without keys); `limits` gives key_share of
+        max_concurrent_sessions."""
+        store = ApiKeyStore.from_config(security)
+        if store is None:
+            return None
+        limits = limits or Limits()
+        return cls(store, registry, default_max_tokens=default_max_tokens,
+                   max_concurrent_sessions=limits.max_concurrent_sessions, key_share=limits.key_share)
+
+    def close(self) -> None:
+        self.verifier.close()
+
+    # -- state, bounded by the store's key ids ----------------------------------------------------
     def usage(self, key_id: str) -> _Usage:
         return self._usage.setdefault(key_id, _Usage())
 
-    def _key_from(self, details: grpc.HandlerCallDetails) -> str | None:
-        md = _metadata(details)
-        auth = md.get("authorization")
-        if auth is not None:
-            scheme, _, value = auth.partition(" ")
-            return value.strip() if scheme.lower() == "bearer" and value.strip() else None
-        return md.get(API_KEY_HEADER) or None
+    def state_sizes(self) -> dict[str, int]:
+        return {"usage": len(self._usage), "failures": len(self._failures), "verified": len(self._verified)}
+
+    def _prune(self) -> None:
+        if self.store.generation == self._generation:
+            return
+        self._generation, self._known = self.store.generation, self.store.key_ids()
+        for table in (self._failures, self._verified):
+            for key_id in [k for k in table if k not in self._known]:
+                del table[key_id]
+        for key_id in [k for k, usage in self._usage.items() if k not in self._known and not usage.streams]:
+            del self._usage[key_id]
+
+    def _stream_closed(self, key_id: str, usage: _Usage) -> None:
+        usage.streams -= 1
+        if not usage.streams and key_id not in self._known and self._usage.get(key_id) is usage:
+            del self._usage[key_id]
+
+    # -- authentication -----------------------------------------------------------------------------
+    def _unauthenticated(self, message: str, reason: str, key_id: str = _ANONYMOUS) -> Refusal:
+        self.metrics.refusals.labels(key_id=key_id, reason=reason).inc()
+        return Refusal(UNAUTHENTICATED, message, reason)
+
+    def _too_many_failures(self, key_id: str, wait_s: float, scope: str) -> Refusal:
+        self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="auth_rate_limited").inc()
+        return Refusal(RESOURCE_EXHAUSTED, f"too many failed attempts {scope} (key id {key_id!r}); retry in "
+                       f"{max(1, math.ceil(wait_s))} s", "auth_rate_limited")
+
+    def _failures_of(self, key_id: str, now: float) -> TokenBucket:
+        bucket = self._failures.get(key_id)
+        if bucket is None:
+            bucket = self._failures[key_id] = TokenBucket(self.failures_per_s, self.failure_burst, now)
+        return bucket
+
+    async def authenticate(self, key: str | None) -> ApiKey:
+        """The record of a valid, unrevoked key; else raises Refusal (UNAUTHENTICATED, or
+        RESOURCE_EXHAUSTED past the rate of failed attempts or when slow verification is busy)."""
+        if key is None:
+            raise self._unauthenticated("an API key is required: send 'authorization: Bearer <key>' or "
+                                        "'x-api-key: <key>'", "no_key")
+        record = self.store.lookup(key)
+        self._prune()
+        if record is None:
+            raise self._unauthenticated("unknown API key", "bad_key")
+        if is_slow_hash(record.hash):
+            valid = await self._verify_slow(key, record)
+        else:
+            valid = self.store.verify(key, record)
+            if not valid:
+                now = self.clock()
+                bucket = self._failures_of(record.key_id, now)
+                if not bucket.take(now):
+                    raise self._too_many_failures(record.key_id, bucket.wait_s(now), "for this key")
+        if not valid:
+            raise self._unauthenticated("unknown API key", "bad_key")
+        if record.revoked:
+            raise self._unauthenticated(f"API key {record.key_id!r} is revoked", "revoked", record.key_id)
+        return record
+
+    async def _verify_slow(self, key: str, record: ApiKey) -> bool:
+        fingerprint = hashlib.sha256(key.encode("utf-8", "replace")).digest()
+        if self._verified.get(record.key_id) == (fingerprint, record.hash):
+            return True
+        now = self.clock()
+        bucket = self._failures_of(record.key_id, now)
+        if not bucket.available(now):
+            raise self._too_many_failures(record.key_id, bucket.wait_s(now), "for this key")
+        if not self._slow.available(now):
+            raise self._too_many_failures(record.key_id, self._slow.wait_s(now), "on legacy-hashed keys")
+        bucket.take(now)  # charged before hashing, so concurrent guesses cannot pass the rate; given back if right
+        self._slow.take(now)
+        valid = await self.verifier.run(self.store.verify, key, record)
+        if valid is None:
+            bucket.give_back()
+            self._slow.give_back()
+            self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="auth_busy").inc()
+            raise Refusal(RESOURCE_EXHAUSTED, "key verification is busy (a legacy-hashed key); retry shortly",
+                          "auth_busy")
+        self.metrics.slow_verifications.inc()
+        if valid:
+            bucket.give_back()
+            self._slow.give_back()
+            if record.key_id in self._known:
+                self._verified[record.key_id] = (fingerprint, record.hash)
+        return valid
+
+    # -- limits ------------------------------------------------------------------------------------
+    def count_request(self, record: ApiKey, method: str) -> None:
+        self.metrics.requests.labels(key_id=record.key_id, method=method).inc()
+
+    def refuse(self, record: ApiKey, limit: str, message: str) -> Refusal:
+        self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
+        return Refusal(RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
+
+    def charge(self, record: ApiKey, count: int) -> None:
+        """Count `count` consumed tokens (a prompt, a scored text) in the key's window. A prompt larger
+        than what is left of the window is still served up to here; a stream is then cut before its
+        first token, and the key's next calls wait for the window to slide."""
+        if record.key_id in self._known or record.key_id in self._usage:
+            self.usage(record.key_id).add_tokens(self.clock(), count)
+            self.metrics.charged.labels(key_id=record.key_id).inc(count)
+
+    @contextlib.contextmanager
+    def charging(self, record: ApiKey) -> Iterator[None]:
+        """Within: `charge_tokens` charges `record`'s key (the handler runs in the same task)."""
+        charge = _Charge(self, record)
+        token = _CHARGE.set(charge)
+        try:
+            yield
+        finally:
+            charge.open = False
+            with contextlib.suppress(ValueError):  # a stream closed from another context (a finalizer)
+                _CHARGE.reset(token)
+
+    def check_rate(self, record: ApiKey) -> None:
+        """Raises Refusal while the key's tokens_per_minute window is used up."""
+        limit = record.limits.tokens_per_minute
+        if limit is not None:
+            used = self.usage(record.key_id).tokens_in_window(self.clock())
+            if used >= limit:
+                raise self.refuse(record, "tokens_per_minute", f"limit {limit} reached ({used} tokens in the "
+                                  "last 60 s); retry later")
+
+    def open_stream(self, record: ApiKey, requested_max_tokens: int | None) -> KeyStream:
+        """Admit a stream of the key (None: the default max_tokens), or raise Refusal naming the limit."""
+        limits = record.limits
+        requested = self.default_max_tokens if requested_max_tokens is None else requested_max_tokens
+        if limits.max_tokens_per_request is not None and requested > limits.max_tokens_per_request:
+            raise self.refuse(record, "max_tokens_per_request",
+                              f"is {limits.max_tokens_per_request}, the request asks {requested}")
+        self.check_rate(record)
+        usage = self.usage(record.key_id)
+        if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
+            raise self.refuse(record, "max_concurrent_streams",
+                              f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+        if self.streams_per_key is not None and usage.streams >= self.streams_per_key:
+            raise self.refuse(record, "key_share",
+                              f"{self.key_share:g} of max_concurrent_sessions {self.max_concurrent_sessions} "
+                              f"allows {self.streams_per_key} streams per key and {usage.streams} are open; "
+                              "wait for one to end")
+        usage.streams += 1
+        return KeyStream(self, record, usage)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """The gRPC adapter of a `KeyGate`: every call of `service` (health and reflection stay open)
+    is authenticated and held to the key's limits; refusals become status codes."""
+
+    def __init__(self, gate: KeyGate, service: str) -> None:
+        self.gate = gate
+        self._prefix = f"/{service}/"
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not method.startswith(self._prefix):
             return handler
-        name = method[len(self._prefix):]
-        key = self._key_from(handler_call_details)
-        if key is None:
-            self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="no_key").inc()
-            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
-                             "an API key is required: send 'authorization: Bearer <key>' or 'x-api-key: <key>'")
-        record, why = await asyncio.to_thread(self.store.authenticate, key)
-        if record is None:
-            revoked = why.endswith("revoked")
-            self.metrics.refusals.labels(key_id=_ANONYMOUS if not revoked else key_id_of(key) or _ANONYMOUS,
-                                         reason="revoked" if revoked else "bad_key").inc()
-            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, why)
-        self.metrics.requests.labels(key_id=record.key_id, method=name).inc()
+        try:
+            record = await self.gate.authenticate(api_key_from_headers(_metadata(handler_call_details)))
+        except Refusal as refusal:
+            return _refusing(handler, refusal.grpc_code, refusal.message)
+        self.gate.count_request(record, method[len(self._prefix):])
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._metered_stream(handler.unary_stream, record))
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._checked_unary(handler.unary_unary, record))
         return handler
 
-    def _refuse(self, record: ApiKey, limit: str, message: str) -> Refusal:
-        self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
-        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
-
-    def _check_rate(self, record: ApiKey) -> None:
-        limit = record.limits.tokens_per_minute
-        if limit is not None:
-            used = self.usage(record.key_id).tokens_in_window(self.clock())
-            if used >= limit:
-                raise self._refuse(record, "tokens_per_minute", f"limit {limit} reached ({used} tokens in the "
-                                   "last 60 s); retry later")
-
     def _checked_unary(self, behaviour, record: ApiKey):
         async def unary(request, context):
             try:
-                self._check_rate(record)
+                self.gate.check_rate(record)
             except Refusal as refusal:
-                await context.abort(refusal.code, refusal.message)
-            return await behaviour(request, context)
+                await context.abort(refusal.grpc_code, refusal.message)
+            with self.gate.charging(record):
+                return await behaviour(request, context)
 
         return unary
 
-    def _requested_max_tokens(self, request) -> int:
+    @staticmethod
+    def _requested_max_tokens(request) -> int | None:
         if not isinstance(request, fusion_pb2.GenerateRequest):
             return 0  # not a message: MalformedRequestInterceptor answers INVALID_ARGUMENT
         sampling = request.sampling
-        if sampling.HasField("max_tokens"):
-            return sampling.max_tokens
-        return self.default_max_tokens
+        return sampling.max_tokens if sampling.HasField("max_tokens") else None
 
     def _metered_stream(self, behaviour, record: ApiKey):
         async def stream(request, context):
-            usage = self.usage(record.key_id)
-            limits = record.limits
             try:
-                requested = self._requested_max_tokens(request)
-                if limits.max_tokens_per_request is not None and requested > limits.max_tokens_per_request:
-                    raise self._refuse(record, "max_tokens_per_request",
-                                       f"is {limits.max_tokens_per_request}, the request asks {requested}")
-                self._check_rate(record)
-                if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
-                    raise self._refuse(record, "max_concurrent_streams",
-                                       f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+                ticket = self.gate.open_stream(record, self._requested_max_tokens(request))
             except Refusal as refusal:
-                await context.abort(refusal.code, refusal.message)
-            usage.streams += 1
-            responses = behaviour(request, context)
+                await context.abort(refusal.grpc_code, refusal.message)
             over = None
             try:
-                async for response in responses:
-                    now = self.clock()
-                    usage.add_tokens(now, 1)
-                    self.metrics.tokens.labels(key_id=record.key_id).inc()
-                    yield response
-                    if limits.tokens_per_minute is not None and not getattr(response, "finish_reason", ""):
-                        used = usage.tokens_in_window(now)
-                        if used >= limits.tokens_per_minute:
-                            over = self._refuse(record, "tokens_per_minute",
-                                                f"limit {limits.tokens_per_minute} reached mid-stream; "
-                                                "the stream is cut")
-                            break
+                with self.gate.charging(record):
+                    async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
+                        async for response in responses:
+                            over = ticket.admit_token()
+                            if over is not None:
+                                break
+                            yield response
+                            over = ticket.after_token(final=bool(getattr(response, "finish_reason", "")))
+                            if over is not None:
+                                break
             finally:
-                usage.streams -= 1
-                await responses.aclose()  # cancels the request when the stream ends early
+                ticket.close()
             if over is not None:
-                await context.abort(over.code, over.message)
+                await context.abort(over.grpc_code, over.message)
 
         return stream
 
 
 def fusion_interceptors(security: SecurityConfig | None, service: str, registry: CollectorRegistry, *,
-                        default_max_tokens: int) -> list[grpc.aio.ServerInterceptor]:
-    store = ApiKeyStore.from_config(security)
-    if store is None:
-        return []
-    return [ApiKeyInterceptor(store, service, registry, default_max_tokens=default_max_tokens)]
+                        default_max_tokens: int, limits: Limits | None = None) -> list[grpc.aio.ServerInterceptor]:
+    gate = KeyGate.from_config(security, registry, default_max_tokens=default_max_tokens, limits=limits)
+    return [] if gate is None else [ApiKeyInterceptor(gate, service)]
 
 
 # -- malformed requests --------------------------------------------------------------------------

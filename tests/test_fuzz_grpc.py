@@ -407,8 +407,10 @@ def test_fuzz_fusion_service(cluster, call, auth):
     method, payload = call
     metadata = {"key": cluster["fusion_md"], "none": [], "wrong": [("authorization", "Bearer fsk_fuzz_nope")]}[auth]
     code = raw_call(cluster["fusion"], f"/{FUSION_SERVICE}/{method}", payload, metadata, stream=method == "Generate")
-    if auth != "key":
+    if auth == "none":
         assert code == grpc.StatusCode.UNAUTHENTICATED
+    elif auth == "wrong":  # a wrong secret for a known key id: refused; past a burst, as too many failed attempts
+        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

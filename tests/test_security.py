@@ -25,7 +25,7 @@ from services.client import FusionClient
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
-from services.security import ApiKeyStore, create_key, hash_key, revoke_key, verify_key
+from services.security import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
 from tests.conftest import tiny_config_dict
 
 LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400}
@@ -164,6 +164,8 @@ def test_keys_are_stored_hashed_and_checked(tmp_path):
     assert not verify_key("abc", "md5$1$2$3") and not verify_key("abc", "garbage")
     with pytest.raises(ConfigError, match="exists"):
         create_key(path, "team-a")
+    with pytest.raises(ConfigError, match="no key id 'team-b' to reissue"):
+        create_key(path, "team-b", reissue=True)
     with pytest.raises(ConfigError, match="key id"):
         create_key(path, "bad_id")
 
@@ -179,12 +181,90 @@ def test_keys_are_stored_hashed_and_checked(tmp_path):
 
 def test_keys_from_environment(monkeypatch):
     key = "fsk_env-team_secretvalue"
-    monkeypatch.setenv("FUSION_KEYS", yaml.safe_dump({"env-team": {"hash": hash_key(key, iterations=1000)}}))
+    monkeypatch.setenv("FUSION_KEYS", yaml.safe_dump({"env-team": {"hash": hash_key(key)}}))
     store = ApiKeyStore.from_config(SecurityConfig(api_keys_env="FUSION_KEYS"))
     assert store.authenticate(key)[0].key_id == "env-team"
     monkeypatch.delenv("FUSION_KEYS")
     with pytest.raises(ConfigError, match="FUSION_KEYS"):
         ApiKeyStore.from_config(SecurityConfig(api_keys_env="FUSION_KEYS"))
+
+
+def test_new_keys_use_a_keyed_hash(tmp_path, monkeypatch):
+    """`hmac-sha256$HEX` under the server's pepper: microseconds to check, and useless without the pepper."""
+    path = tmp_path / "keys.yaml"
+    key = create_key(path, "team-a")
+    stored = yaml.safe_load(path.read_text())["team-a"]["hash"]
+    assert stored.startswith("hmac-sha256$") and len(stored) == len("hmac-sha256$") + 64
+    assert stored == hash_key(key) and not security.is_slow_hash(stored)
+    assert verify_key(key, stored) and not verify_key(key, stored, pepper=b"another pepper")
+
+    # a configured pepper: keys made with it verify on a server with it, and only there
+    monkeypatch.setenv("FUSION_PEPPER", "pepper-from-a-secret")
+    sec = SecurityConfig(api_keys_file=str(path), api_keys_pepper_env="FUSION_PEPPER")
+    peppered = create_key(path, "team-b", pepper=security.key_pepper(sec))
+    assert ApiKeyStore.from_config(sec).authenticate(peppered)[0].key_id == "team-b"
+    assert ApiKeyStore.from_config(sec).authenticate(key)[0] is None  # made with the default pepper
+    assert ApiKeyStore(path=path).authenticate(peppered)[0] is None
+    pepper_file = tmp_path / "pepper"
+    pepper_file.write_text("pepper-from-a-secret\n")
+    by_file = SecurityConfig(api_keys_file=str(path), api_keys_pepper_file=str(pepper_file))
+    assert ApiKeyStore.from_config(by_file).authenticate(peppered)[0].key_id == "team-b"
+    monkeypatch.delenv("FUSION_PEPPER")
+    with pytest.raises(ConfigError, match="FUSION_PEPPER"):
+        ApiKeyStore.from_config(sec)
+    with pytest.raises(ValueError, match="api_keys_pepper_env or api_keys_pepper_file"):
+        SecurityConfig(api_keys_pepper_env="X", api_keys_pepper_file="y")
+
+    # reissuing an id: a new key in the current format, the old one stops working, limits kept
+    legacy = tmp_path / "legacy.yaml"
+    old_key = "fsk_old_" + "s" * 43
+    security.write_keys_file(legacy, {"old": {"hash": pbkdf2_hash_key(old_key, iterations=1000),
+                                              "limits": {"tokens_per_minute": 7}}})
+    assert ApiKeyStore(path=legacy).authenticate(old_key)[0].key_id == "old"  # legacy hashes still verify
+    new = create_key(legacy, "old", reissue=True)
+    entry = yaml.safe_load(legacy.read_text())["old"]
+    assert entry["hash"].startswith("hmac-sha256$") and entry["limits"] == {"tokens_per_minute": 7}
+    assert ApiKeyStore(path=legacy).authenticate(new)[0].key_id == "old"
+    assert ApiKeyStore(path=legacy).authenticate(old_key)[0] is None
+
+
+def test_revoke_replaces_the_file_atomically(tmp_path, monkeypatch):
+    """Servers re-read the keys file while `fusion keys` writes it: every write goes to a temporary file
+    in the same folder, then os.replace; a reader never sees half a file."""
+    import os
+
+    path = tmp_path / "keys.yaml"
+    ids = [f"team-{i}" for i in range(100)]
+    security.write_keys_file(path, {i: {"hash": "sha256:" + "0" * 64, "revoked": False} for i in ids})
+    replaced = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        assert os.path.dirname(os.fspath(src)) == os.path.dirname(os.fspath(dst))
+        assert set(yaml.safe_load(open(src).read())) == set(ids)  # the new text is whole before it appears
+        replaced.append((os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(security.os, "replace", spy)
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            seen.append(set(yaml.safe_load(path.read_text()) or {}))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for key_id in ids[:20]:
+            revoke_key(path, key_id)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert len(replaced) == 20 and all(dst == str(path) and src != dst for src, dst in replaced)
+    assert seen and all(keys == set(ids) for keys in seen)
+    assert sorted(os.listdir(tmp_path)) == ["keys.yaml"]  # no temporary file left behind
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert sum(entry["revoked"] for entry in yaml.safe_load(path.read_text()).values()) == 20
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -204,7 +284,8 @@ def test_bad_keys_file_is_named(tmp_path, entry, message):
 KEY_LIMITS = {
     "one-stream": {"max_concurrent_streams": 1},
     "free": {},
-    "rate": {"tokens_per_minute": 10},
+    "rate": {"tokens_per_minute": 60},
+    "prompt-rate": {"tokens_per_minute": 30},
     "short": {"max_tokens_per_request": 4},
     "gone": {},
 }
@@ -306,21 +387,34 @@ def test_closing_a_stream_frees_its_slot(keyed):
     assert code == 3
 
 
-def test_tokens_per_minute(keyed, monkeypatch):
-    _, port, keys = keyed
-    md = [("x-api-key", keys["rate"])]
-    assert generate_code(port, md, max_tokens=6) == 6
-    # the next stream crosses 10 tokens: it is cut there, naming the limit
+def run_stream(port: int, key: str, prompt: str = "hello", **sampling):
+    """(the responses streamed, the RpcError that ended the stream or None)."""
+    sampling = {"max_tokens": 3, "ignore_eos": True} | sampling
+    got = []
     with grpc.insecure_channel(addr(port)) as channel:
-        stub = fusion_pb2_grpc.FusionStub(channel)
-        call = stub.Generate(fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(
-            max_tokens=8, ignore_eos=True)), metadata=md, timeout=30)
-        got = []
-        with pytest.raises(grpc.RpcError) as caught:
+        call = fusion_pb2_grpc.FusionStub(channel).Generate(fusion_pb2.GenerateRequest(
+            prompt=prompt, sampling=fusion_pb2.SamplingParams(**sampling)), metadata=[("x-api-key", key)], timeout=30)
+        try:
             for response in call:
                 got.append(response)
-        assert caught.value.code() == EXHAUSTED and "tokens_per_minute" in caught.value.details()
-        assert len(got) == 4
+        except grpc.RpcError as err:
+            return got, err
+    return got, None
+
+
+def test_tokens_per_minute(keyed, monkeypatch):
+    """A key's window counts its prompt and generated tokens: a stream crossing the limit is cut there."""
+    _, port, keys = keyed
+    limit = KEY_LIMITS["rate"]["tokens_per_minute"]
+    md = [("x-api-key", keys["rate"])]
+    first, error = run_stream(port, keys["rate"], max_tokens=6)
+    assert error is None and len(first) == 6
+    prompt = first[-1].usage.prompt_tokens  # the chat-templated "hello"
+    assert 0 < prompt and 2 * prompt + 6 < limit
+    # the next stream's prompt is charged, then it is cut where the window reaches the limit
+    got, error = run_stream(port, keys["rate"], max_tokens=40)
+    assert error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
+    assert len(got) == limit - 2 * prompt - 6
     # refused up front while the window is full; other keys are unaffected
     assert generate_code(port, md) == EXHAUSTED
     assert generate_code(port, [("x-api-key", keys["free"])]) == 3
@@ -331,6 +425,34 @@ def test_tokens_per_minute(keyed, monkeypatch):
     monkeypatch.setattr(security, "WINDOW_S", 0.5)
     threading.Event().wait(0.6)
     assert generate_code(port, md) == 3
+
+
+def test_prompt_tokens_count_against_tokens_per_minute(keyed):
+    """Generate charges the prompt's tokens, Score its prompt and continuation: a stream whose prompt
+    uses up the rest of the window is cut before its first token."""
+    server, port, keys = keyed
+    key_id, key = "prompt-rate", keys["prompt-rate"]
+    limit = KEY_LIMITS[key_id]["tokens_per_minute"]
+
+    def charged() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        line = f'fusion_key_prompt_tokens_total{{key_id="{key_id}"}}'
+        return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line))
+
+    got, error = run_stream(port, key, max_tokens=2)
+    assert error is None and len(got) == 2
+    prompt = got[-1].usage.prompt_tokens
+    assert charged() == prompt and prompt + 2 < limit
+    with FusionClient(addr(port), timeout=30, api_key=key) as client:
+        scored = client.score("a b", " c")
+    score_tokens = charged() - prompt
+    assert score_tokens > len(scored.token_ids)  # the prompt's tokens too
+    used = prompt + 2 + score_tokens
+    assert used < limit <= used + prompt  # room for tokens, but not after this prompt
+    got, error = run_stream(port, key, max_tokens=10)
+    assert got == [] and error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
+    assert generate_code(port, [("x-api-key", key)]) == EXHAUSTED  # up front now
+    security.charge_tokens(1_000)  # outside a call: nothing to charge
 
 
 def test_max_tokens_per_request(keyed):
@@ -500,6 +622,18 @@ def test_keys_cli_and_remote_generate(tmp_path, keyed, monkeypatch):
     assert ApiKeyStore(path=path).authenticate(key)[0].limits.tokens_per_minute == 50
     again = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-a"])
     assert again.exit_code == 2 and "exists" in again.output
+    reissued = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-a", "--reissue"])
+    assert reissued.exit_code == 0, reissued.output
+    new_key = reissued.stdout.strip().splitlines()[0]
+    assert ApiKeyStore(path=path).authenticate(key)[0] is None
+    assert ApiKeyStore(path=path).authenticate(new_key)[0].limits.tokens_per_minute == 50
+    key = new_key
+    monkeypatch.setenv("FUSION_PEPPER", "cli-pepper")
+    peppered = runner.invoke(app, ["keys", "create", "--file", str(path), "--id", "team-p", "--pepper-env",
+                                   "FUSION_PEPPER"])
+    assert peppered.exit_code == 0, peppered.output
+    store = ApiKeyStore.from_config(SecurityConfig(api_keys_file=str(path), api_keys_pepper_env="FUSION_PEPPER"))
+    assert store.authenticate(peppered.stdout.strip().splitlines()[0])[0].key_id == "team-p"
     assert runner.invoke(app, ["keys", "revoke", "--file", str(path), "--id", "team-a"]).exit_code == 0
     assert ApiKeyStore(path=path).authenticate(key)[0] is None
 
@@ -549,3 +683,227 @@ def test_usage_state_stays_bounded_for_a_key_without_limits():
     in_window = usage.tokens_in_window(now)
     assert abs(in_window - WINDOW_S / 0.006) <= 1.0 / 0.006 + 1  # a minute's tokens, give or take a bucket
     assert usage.tokens_in_window(now + WINDOW_S + 1) == 0 and not usage.tokens
+
+
+# -- failed authentication: bounded work, bounded state ------------------------------------------
+LEGACY_ITERATIONS = security.LEGACY_PBKDF2_ITERATIONS  # what old key files hold: ~50 ms per check
+
+
+@pytest.fixture
+def pbkdf2_runs(monkeypatch):
+    """Counts the PBKDF2 computations of services.security (the real function runs)."""
+    runs = []
+    real = security._pbkdf2_hmac
+
+    def counting(*args):
+        runs.append(args[3])
+        return real(*args)
+
+    monkeypatch.setattr(security, "_pbkdf2_hmac", counting)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def legacy(loop, tiny_dir, tmp_path_factory):
+    """A coordinator whose keys file was written before the keyed hash: a PBKDF2 entry and a sha256:
+    entry, next to a new key."""
+    import hashlib
+
+    path = tmp_path_factory.mktemp("legacy-keys") / "keys.yaml"
+    keys = {"legacy": "fsk_legacy_" + "L" * 43, "old-sha": "fsk_old-sha_" + "S" * 43}
+    security.write_keys_file(path, {
+        "legacy": {"hash": pbkdf2_hash_key(keys["legacy"], iterations=LEGACY_ITERATIONS)},
+        "old-sha": {"hash": "sha256:" + hashlib.sha256(keys["old-sha"].encode()).hexdigest()},
+    })
+    keys["fresh"] = create_key(path, "fresh")
+    config = parse_config(tiny_config_dict(tiny_dir, limits=LIMITS, security={"api_keys_file": str(path)}))
+    server, port = loop.run(create_coordinator_server(config, metrics_port=0, metrics_host="127.0.0.1"))
+    yield server, port, keys
+    loop.run(server.stop(0))
+
+
+def describe_code(stub, key: str) -> grpc.StatusCode:
+    try:
+        stub.Describe(fusion_pb2.DescribeRequest(), metadata=[("x-api-key", key)], timeout=10)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_legacy_hashes_still_authenticate(legacy, pbkdf2_runs):
+    _, port, keys = legacy
+    for key_id in ("legacy", "old-sha", "fresh"):
+        assert generate_code(port, [("x-api-key", keys[key_id])]) == 3, key_id
+    # the legacy key ran PBKDF2 at most once: from then on its fingerprint is recognised
+    assert generate_code(port, [("x-api-key", keys["legacy"])]) == 3
+    assert len(pbkdf2_runs) <= 1
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        assert describe_code(stub, keys["old-sha"][:-1] + "x") == UNAUTH
+
+
+def test_a_burst_of_wrong_secrets_is_refused_without_hashing(legacy, pbkdf2_runs):
+    """200 wrong secrets for a known legacy-hashed id: PBKDF2 runs at most the per-id burst, the rest are
+    refused at once; the key's holder keeps working, and so does the holder of a new key whose id is
+    being guessed at."""
+    import collections
+    import time
+
+    server, port, keys = legacy
+    wrong = [f"fsk_legacy_{i:043d}" for i in range(200)]
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        assert describe_code(stub, keys["legacy"]) == grpc.StatusCode.OK  # its holder, verified before
+        pbkdf2_runs.clear()
+        start = time.perf_counter()
+        codes = [describe_code(stub, key) for key in wrong]
+        elapsed = time.perf_counter() - start
+        refill = int(elapsed * security.FAILURES_PER_S_PER_KEY) + 1
+        assert len(pbkdf2_runs) <= security.FAILURE_BURST_PER_KEY + refill, (len(pbkdf2_runs), elapsed)
+        counts = collections.Counter(codes)
+        assert set(counts) == {UNAUTH, EXHAUSTED} and counts[UNAUTH] == len(pbkdf2_runs)
+        assert codes[-1] == EXHAUSTED
+        assert elapsed < 5.0, elapsed  # ~0.3 s: 200 calls and a handful of 50 ms hashes
+        print(f"200 wrong secrets: {elapsed:.2f} s, {len(pbkdf2_runs)} PBKDF2 runs")
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Describe(fusion_pb2.DescribeRequest(), metadata=[("x-api-key", wrong[0])], timeout=10)
+        assert "too many failed attempts" in caught.value.details() and "retry in" in caught.value.details()
+        assert describe_code(stub, keys["legacy"]) == grpc.StatusCode.OK  # not locked out
+        # a new key's id: wrong secrets are rate-limited too, but its holder is never locked out
+        fresh_wrong = [f"fsk_fresh_{i:043d}" for i in range(50)]
+        fresh_codes = collections.Counter(describe_code(stub, key) for key in fresh_wrong)
+        assert fresh_codes[EXHAUSTED] >= 40 and fresh_codes[UNAUTH] <= security.FAILURE_BURST_PER_KEY + 1
+        assert describe_code(stub, keys["fresh"]) == grpc.StatusCode.OK
+        assert len(pbkdf2_runs) <= security.FAILURE_BURST_PER_KEY + refill  # new-format hashes run no PBKDF2
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'fusion_key_refusals_total{key_id="-",reason="auth_rate_limited"}' in text
+    assert "fusion_key_slow_verifications_total" in text
+
+
+def test_slow_verification_has_its_own_bounded_executor(loop):
+    """At most `capacity` slow verifications run or wait, on the verifier's own thread: past that, refused
+    at once (None) instead of queueing; a caller that goes away keeps its place until the thread is done."""
+    import asyncio
+
+    verifier = security.SlowVerifier(workers=1, capacity=2)
+    release = threading.Event()
+    threads = []
+
+    def slow() -> bool:
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return True
+
+    async def scenario():
+        first = asyncio.ensure_future(verifier.run(slow))
+        second = asyncio.ensure_future(verifier.run(slow))
+        await asyncio.sleep(0.05)
+        full = await asyncio.wait_for(verifier.run(slow), 1)  # answered at once
+        first.cancel()  # its caller goes away mid-hash: the place stays taken until the thread is done
+        await asyncio.sleep(0.05)
+        still_full = await asyncio.wait_for(verifier.run(slow), 1)
+        release.set()
+        return full, still_full, await second
+
+    try:
+        assert loop.run(scenario(), timeout=30) == (None, None, True)
+        assert threads and all(name.startswith("fusion-key-verify") for name in threads)
+        for _ in range(100):
+            if verifier.pending == 0:
+                break
+            threading.Event().wait(0.01)
+        assert verifier.pending == 0
+        assert loop.run(verifier.run(lambda: False), timeout=10) is False
+    finally:
+        release.set()
+        verifier.close()
+
+
+def test_gate_state_stays_bounded_under_wrong_keys(loop, tmp_path, pbkdf2_runs):
+    """Thousands of distinct wrong keys (unknown ids, known ids with wrong secrets) add no per-key state:
+    every map holds only ids of configured keys, and shrinks when a key leaves the file. Legacy hashes
+    over all ids are held to the global rate; new-format hashes need no thread."""
+    from prometheus_client import CollectorRegistry
+
+    path = tmp_path / "keys.yaml"
+    legacy_keys = {f"old-{i}": f"fsk_old-{i}_" + "x" * 43 for i in range(4)}
+    security.write_keys_file(path, {key_id: {"hash": pbkdf2_hash_key(key, iterations=1000)}
+                                    for key_id, key in legacy_keys.items()})
+    fresh = create_key(path, "fresh")
+    registry = CollectorRegistry()
+    gate = security.KeyGate(ApiKeyStore(path=path), registry, default_max_tokens=8, slow_burst=3, slow_per_s=0.001)
+
+    async def attempt(key):
+        try:
+            return (await gate.authenticate(key)).key_id
+        except security.Refusal as refusal:
+            return refusal.status
+
+    try:
+        assert loop.run(attempt(fresh)) == "fresh" and gate.verifier._pool is None  # no thread for a keyed hash
+        pbkdf2_runs.clear()
+        for i in range(3000):
+            key_id = ("fresh", "old-0", "old-1", "old-2", "old-3", f"nobody{i}")[i % 6]
+            loop.run(attempt(f"fsk_{key_id}_{i:043d}"))
+        sizes = gate.state_sizes()
+        assert all(size <= 5 for size in sizes.values()), sizes
+        assert len(pbkdf2_runs) <= 3  # the global rate of legacy verifications, over all four ids
+        labels = {s.labels.get("key_id") for m in registry.collect() for s in m.samples if "key_id" in s.labels}
+        assert labels <= {"-", "fresh"}
+        # a key leaves the file: its state goes with it
+        data = security.read_keys_file(path)
+        for key_id in ("old-0", "old-1", "old-2"):
+            del data[key_id]
+        security.write_keys_file(path, data)
+        assert loop.run(attempt(fresh)) == "fresh"
+        assert all(size <= 2 for size in gate.state_sizes().values()), gate.state_sizes()
+    finally:
+        gate.close()
+
+
+# -- fair share of the service's slots between keys --------------------------------------------------
+def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
+    """max_concurrent_sessions 4, key_share 0.5: key A gets 2 streams, its 3rd is RESOURCE_EXHAUSTED naming
+    key_share, while key B still gets a stream."""
+    path = tmp_path / "keys.yaml"
+    keys = {key_id: create_key(path, key_id) for key_id in ("team-a", "team-b")}
+    limits = LIMITS | {"max_concurrent_sessions": 4, "key_share": 0.5}
+    config = parse_config(tiny_config_dict(tiny_dir, limits=limits, security={"api_keys_file": str(path)}))
+    server, port = loop.run(create_coordinator_server(config))
+    long = fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(max_tokens=300,
+                                                                                         ignore_eos=True))
+    try:
+        with grpc.insecure_channel(addr(port)) as channel:
+            stub = fusion_pb2_grpc.FusionStub(channel)
+            streams = [stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=60) for _ in range(2)]
+            for stream in streams:
+                next(stream)  # both are open
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=30))
+            details = caught.value.details()
+            assert caught.value.code() == EXHAUSTED and "key_share" in details, details
+            assert "0.5 of max_concurrent_sessions 4 allows 2 streams per key" in details
+            assert generate_code(port, [("x-api-key", keys["team-b"])]) == 3  # the other key is served
+            for stream in streams:
+                stream.cancel()
+        for _ in range(50):  # the slots come back once A's streams end
+            code = generate_code(port, [("x-api-key", keys["team-a"])])
+            if code == 3:
+                break
+            threading.Event().wait(0.1)
+        assert code == 3
+    finally:
+        loop.run(server.stop(0))
+
+    from prometheus_client import CollectorRegistry
+
+    def share(sessions: int, fraction: float) -> int:
+        gate = security.KeyGate(ApiKeyStore(path=path), CollectorRegistry(), default_max_tokens=8,
+                                max_concurrent_sessions=sessions, key_share=fraction)
+        return gate.streams_per_key
+
+    assert (share(4, 0.5), share(1, 0.5), share(10, 0.3), share(64, 1.0), share(3, 0.1)) == (2, 1, 3, 64, 1)
+    with pytest.raises(ConfigError, match="key_share"):
+        parse_config(tiny_config_dict(tiny_dir, limits={"key_share": 0}))
+    with pytest.raises(ConfigError, match="key_share"):
+        parse_config(tiny_config_dict(tiny_dir, limits={"key_share": 1.5}))

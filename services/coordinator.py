@@ -47,7 +47,7 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str]) -> 
                 continue
             tokenizer = load_tokenizer(expert_config, path)
             remote = RemoteExpert(expert_config, max_message_bytes=config.limits.max_message_bytes,
-                                  security=config.security)
+                                  security=config.security, max_sessions_per_call=config.limits.max_sessions_per_step)
             experts.append(remote)
             if tokenizer_fingerprint(tokenizer) != remote.info.tokenizer_fingerprint:
                 raise ConfigError(f"experts.{expert_config.name}: the tokenizer at {path!r} differs from the one "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import sys
 import time
@@ -58,27 +59,37 @@ class _Dropped(FusionError):
 
 
 class ReleasedSessions:
-    """The most recently released session ids, at most `capacity` (the oldest are forgotten first)."""
+    """The most recently released session ids, at most `capacity` (the oldest are forgotten first).
+    Ids longer than `_KEPT_CHARS` are kept as a 16-byte digest, so the memory stays bounded."""
+
+    _KEPT_CHARS = 128
 
     def __init__(self, capacity: int = RELEASED_MEMORY) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str | bytes, None] = OrderedDict()
+
+    @classmethod
+    def _key(cls, session_id: str) -> str | bytes:
+        if len(session_id) <= cls._KEPT_CHARS:
+            return session_id
+        return hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def __contains__(self, session_id: str) -> bool:
-        return session_id in self._ids
+        return self._key(session_id) in self._ids
 
     def add(self, session_ids: Iterable[str]) -> None:
         for session_id in session_ids:
-            self._ids[session_id] = None
-            self._ids.move_to_end(session_id)
+            key = self._key(session_id)
+            self._ids[key] = None
+            self._ids.move_to_end(key)
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
     def first_of(self, session_ids: Iterable[str]) -> str | None:
-        return next((s for s in session_ids if s in self._ids), None)
+        return next((s for s in session_ids if s in self), None)
 
 
 def _deadline(context: Any) -> float | None:

@@ -140,6 +140,7 @@ class RemoteExpert:
         self._stepped: dict[str, tuple[int, int]] = {}  # session -> (replica, history length) of its last step
         self.failovers = 0  # sessions moved to another replica
         self.failed_calls = 0  # calls that failed over (timed out, cancelled, unreachable)
+        self._message_limit = max_message_bytes  # of a Score answer: this channel's and the replicas' (Info)
         self.replica_info = self._fetch_info()
         if self.replica_info.name != config.name:
             logger.warning("expert %r: its replicas serve an expert named %r", config.name, self.replica_info.name)
@@ -278,7 +279,6 @@ class RemoteExpert:
     # -- replicas ------------------------------------------------------------------------------
     def _fetch_info(self) -> ExpertInfo:
         failures = []
-        self._message_limit = self.max_message_bytes
         for replica in self._replicas:
             try:
                 message = replica.stub.Info(expert_pb2.InfoRequest(), timeout=self.timeout_s)

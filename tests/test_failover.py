@@ -448,3 +448,15 @@ def test_a_remote_score_too_large_for_one_message_comes_in_chunks(start, tiny_co
         assert torch.allclose(remote.score("short", token_ids, 2), reference.score("short", token_ids, 2), atol=1e-4)
     finally:
         remote.close()
+
+
+def test_released_sessions_are_remembered_within_a_bound():
+    from services.expert_server import ReleasedSessions
+
+    released = ReleasedSessions(capacity=3)
+    long_id = "x" * 10_000
+    released.add(["a", "b", long_id])
+    assert "a" in released and long_id in released and "x" * 9_999 not in released
+    released.add(["c", "d"])  # the oldest are forgotten first
+    assert len(released) == 3 and "a" not in released and "b" not in released
+    assert released.first_of(["zz", "d", "c"]) == "d"

@@ -61,3 +61,12 @@ class DirectContext:
 
     def code(self) -> grpc.StatusCode | None:
         return self._code
+
+    def time_remaining(self) -> float | None:  # a Serve handle's call carries no gRPC deadline
+        return None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False

@@ -5,9 +5,11 @@ starts the Expert gRPC service on a free port, registers the address with the re
 re-registers every `heartbeat_s`. The coordinator talks to it over that gRPC channel (logits as raw
 bytes, continuous batching across sessions), not through Serve's request path.
 
-- `check_health`: one tiny step of a throwaway session through the replica's own gRPC server, so a
-  wedged model or server fails it and Serve replaces the replica. The probe dials as the coordinator
-  does (TLS, client certificate, expert secret), so it also fails when those are broken.
+- `check_health`: `grpc.health.v1` and `Info` through the replica's own gRPC server, dialled as the
+  coordinator dials (TLS, client certificate, expert secret), so a wedged server or broken
+  credentials fail it and Serve replaces the replica; and the model's worker thread must not have
+  been on one job for more than `_WEDGED_AFTER_S` (a forward that never returns). Both answer on the
+  server's event loop, never behind the worker: a long Score does not fail the check.
 - `record_autoscaling_stats`: the sessions cached here (what `deploy.autoscaling` scales on).
 - `Step`: the same batched step for a caller holding a Serve handle, or Serve's gRPC ingress.
 - `__del__` (Serve's graceful shutdown): unregister, report NOT_SERVING, let in-flight steps finish
@@ -35,13 +37,19 @@ from fusion.expert import LocalExpert
 from fusion.models import model_resolver
 from services.expert_server import create_expert_server
 from services.metrics import serve_metrics
-from services.protos import expert_pb2, expert_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.security import expert_channel_metadata, open_channel
 from services.serving import channel_options
 
 logger = logging.getLogger(__name__)
 
-_HEALTH_TIMEOUT_S = 20.0
+_HEALTH_TIMEOUT_S = 10.0
+# One job of the worker thread (a batched forward, a score chunk) running longer than this is taken for
+# a wedged model: the slowest legitimate one, a prefill chunk or a score chunk of a few thousand ids on
+# a CPU, takes well under a minute.
+_WEDGED_AFTER_S = 300.0
 
 
 def expert_deployment_name(expert: str) -> str:
@@ -63,7 +71,6 @@ class ExpertReplica:
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         model_path = model_resolver(settings.cache_dir)(expert_config.model)
         local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
-        self._probe_token = (local.info.eos_token_ids or (0,))[0]
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_expert_server(
             local, limits_config, f"{settings.host}:0", security=self._security))
@@ -114,19 +121,22 @@ class ExpertReplica:
         await self._loop.call(self._probe())
 
     async def _probe(self) -> None:
-        """On the server loop: step and release one throwaway session over gRPC."""
+        """On the server loop: health and Info over gRPC, then the worker thread's progress."""
         if self._channel is None:
             self._channel = open_channel(self.address, self._security, channel_options(self._message_bytes),
                                          to_expert=True, metadata=expert_channel_metadata(self._security), aio=True)
-        stub = expert_pb2_grpc.ExpertStub(self._channel)
-        session = f"health-check:{self.replica_id}"
-        step = expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session,
-                                                                       token_ids=[self._probe_token])])
-        response = await stub.Step(step, timeout=_HEALTH_TIMEOUT_S)
-        if not response.logits.shape or response.logits.shape[0] != 1:
-            raise RuntimeError(f"expert {self.name!r}: health step returned logits of shape "
-                               f"{list(response.logits.shape)}")
-        await stub.Release(expert_pb2.ReleaseRequest(session_ids=[session]), timeout=_HEALTH_TIMEOUT_S)
+        health = health_pb2_grpc.HealthStub(self._channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=EXPERT_SERVICE), timeout=_HEALTH_TIMEOUT_S)
+        if answer.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"expert {self.name!r}: health reports "
+                               f"{health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)}")
+        info = await expert_pb2_grpc.ExpertStub(self._channel).Info(expert_pb2.InfoRequest(), timeout=_HEALTH_TIMEOUT_S)
+        if info.name != self.name:
+            raise RuntimeError(f"expert {self.name!r}: the replica's server reports expert {info.name!r}")
+        busy = self._running.servicer.worker_busy_s()
+        if busy > _WEDGED_AFTER_S:
+            raise RuntimeError(f"expert {self.name!r}: the model has been on one job for {busy:.0f} s "
+                               f"(more than {_WEDGED_AFTER_S:.0f} s): wedged")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         from deploy.autoscaling import LOAD_METRIC

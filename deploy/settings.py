@@ -16,6 +16,11 @@ requests on a coordinator; see `deploy.autoscaling`), because the decode traffic
 services' own gRPC channels, which Serve does not see. `target_ongoing_requests` is therefore read as
 sessions per replica, and an `autoscaling_config` given here gets that policy unless it names one
 (one given in a `deployments:` section must name it: `deploy.autoscaling:fusion_load_policy`).
+
+`min_replicas: 0` is refused for the experts and the coordinator: a deployment scaled to zero
+reports no load, so that policy never asks for a replica again, and the coordinator would have no
+replica to call (nor the clients a coordinator). Keep `min_replicas` at 1 or more in a serve YAML's
+`deployments:` section too.
 """
 
 from __future__ import annotations
@@ -107,6 +112,19 @@ class DeployArgs(_Strict):
     def _registry_outlives_heartbeats(self) -> DeployArgs:
         if self.registry_ttl_s <= self.heartbeat_s:
             raise ValueError(f"registry_ttl_s ({self.registry_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+        return self
+
+    @model_validator(mode="after")
+    def _never_scale_to_zero(self) -> DeployArgs:
+        where = [("expert", self.expert), ("coordinator", self.coordinator)]
+        where += [(f"experts.{name}", options) for name, options in self.experts.items()]
+        for field, options in where:
+            min_replicas = (options.autoscaling_config or {}).get("min_replicas", 1)
+            if not isinstance(min_replicas, int) or min_replicas < 1:
+                raise ValueError(
+                    f"{field}.autoscaling_config.min_replicas must be at least 1, got {min_replicas!r}: a deployment "
+                    "scaled to zero reports no load, so it is never scaled up again and the coordinator has no "
+                    "replica to call")
         return self
 
     def fusion_config(self) -> FusionConfig:

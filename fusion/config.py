@@ -36,7 +36,11 @@ class ExpertConfig(_Strict):
     weight: float = 1.0
     # Remote replicas ("host:port"); empty means the expert runs in-process.
     addresses: list[str] = Field(default_factory=list)
-    step_timeout_s: float = Field(default=60.0, gt=0)  # deadline of one remote step; then fail over
+    # Deadline of one remote decode step (every session adds one id); then its sessions fail over.
+    # 10 s: the slowest decode step of the default 135M-360M models on a 2-core CPU is well under a
+    # second; the rest covers a step queued on the replica behind one prefill chunk
+    # (limits.prefill_chunk_tokens) of another stream. Prompt work gets prefill_timeout_s.
+    step_timeout_s: float = Field(default=10.0, gt=0)
     # KV budget for this expert's sessions, in cached ids; each session's buffers also reserve spare
     # columns for appends (fusion.kv_cache: up to 128 + 50%), which the budget does not count.
     max_cached_tokens: int = Field(default=65536, gt=0)
@@ -48,6 +52,14 @@ class ExpertConfig(_Strict):
         if not math.isfinite(value):
             raise ValueError(f"weight must be finite, got {value}")
         return value
+
+    # Deadline of a remote call carrying prompt work (a session new on the replica, or more than a
+    # few new ids) and of Score calls: a long prompt's forward may take far longer than a decode step.
+    prefill_timeout_s: float = Field(default=60.0, gt=0)
+    # A replica is marked down after this many consecutive failed calls, or at once when it is
+    # unreachable or fails the health check made after a timed-out call.
+    failures_before_down: int = Field(default=3, ge=1)
+    health_check_timeout_s: float = Field(default=2.0, gt=0)  # deadline of that health check
 
 
 class FusionSpec(_Strict):
@@ -190,6 +202,13 @@ class Limits(_Strict):
     # With API keys: the fraction of max_concurrent_sessions one key may hold (at least 1 stream),
     # so one key never takes every slot while another waits.
     key_share: float = Field(default=0.5, gt=0, le=1)
+    # Expert servers: Step and Score calls in flight at once (the gRPC server refuses beyond a few
+    # more, for health, Info and Release), sessions waiting in the step queue, and sessions in one
+    # Step call (a coordinator splits its calls to fit). Beyond them: RESOURCE_EXHAUSTED naming it.
+    # A coordinator takes its streams plus max_concurrent_rpcs other calls.
+    max_concurrent_rpcs: int = Field(default=128, gt=0)
+    max_queued_steps: int = Field(default=1024, gt=0)
+    max_sessions_per_step: int = Field(default=256, gt=0)
 
 
 class TLSConfig(_Strict):

@@ -28,6 +28,10 @@ class ExpertUnavailableError(FusionError):
     """No replica of an expert could answer."""
 
 
+class SessionReleasedError(FusionError):
+    """A step or score named a session its caller had already released (the request is over)."""
+
+
 class AssetError(FusionError):
     """A model asset could not be fetched, verified, converted or found."""
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import pickle
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -134,7 +135,7 @@ def expert_fingerprint(expert: Any) -> str:
     vocabulary. Works the same for local and remote experts."""
     info = expert.info
     probe = [(k * 7919 + 13) % min(info.tokenizer_size, info.vocab_size) for k in range(1, 13)]
-    session = f"fingerprint-{id(expert)}"
+    session = f"fingerprint-{uuid.uuid4().hex}"  # never reused: a replica refuses a released session
     try:
         logits = expert.score(session, probe, 6)  # (6, V)
     finally:

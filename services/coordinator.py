@@ -47,7 +47,7 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str]) -> 
                 continue
             tokenizer = load_tokenizer(expert_config, path)
             remote = RemoteExpert(expert_config, max_message_bytes=config.limits.max_message_bytes,
-                                  security=config.security)
+                                  security=config.security, max_sessions_per_call=config.limits.max_sessions_per_step)
             experts.append(remote)
             if tokenizer_fingerprint(tokenizer) != remote.info.tokenizer_fingerprint:
                 raise ConfigError(f"experts.{expert_config.name}: the tokenizer at {path!r} differs from the one "
@@ -152,7 +152,10 @@ async def create_coordinator_server(
     try:
         running = await start_server(
             servicer, fusion_pb2_grpc.add_FusionServicer_to_server, FUSION_SERVICE, metrics,
-            address=address, max_message_bytes=config.limits.max_message_bytes,
+            # Clients send requests, not logits: their messages are capped at max_request_bytes.
+            address=address, max_message_bytes=config.limits.max_request_bytes,
+            # Streams (at most max_concurrent_sessions) plus calls being admitted, refused or described.
+            maximum_concurrent_rpcs=config.limits.max_concurrent_sessions + config.limits.max_concurrent_rpcs,
             metrics_port=metrics_port, metrics_host=metrics_host,
             credentials=server_credentials(config.security, expert=False),
             interceptors=fusion_interceptors(config.security, FUSION_SERVICE, metrics.registry,

@@ -5,20 +5,33 @@ Step calls that arrive while a forward pass runs are queued and stepped together
 work runs on one worker thread: the event loop never blocks, and the expert's session cache is
 touched from one thread only. Logits go back as raw bytes in the model's own dtype unless the
 caller asks for another.
+
+Isolation: a queued step whose caller's deadline passed (or that was cancelled) is dropped before
+its forward; a released session is remembered (the last `RELEASED_MEMORY` ids) and a later Step or
+Score naming it is refused with FAILED_PRECONDITION instead of re-prefilling it; Step and Score
+calls in flight (`limits.max_concurrent_rpcs`), sessions waiting in the step queue
+(`limits.max_queued_steps`) and sessions per Step call (`limits.max_sessions_per_step`) are capped,
+beyond them RESOURCE_EXHAUSTED names the limit. Info and health answer on the event loop, never
+behind the worker thread, so a long Score cannot starve them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import sys
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+
+import grpc
 
 from fusion.config import FusionConfig, Limits, SecurityConfig
-from fusion.errors import InvalidArgumentError
+from fusion.errors import FusionError, InvalidArgumentError, ResourceExhaustedError, SessionReleasedError
 from fusion.expert import LocalExpert, StepRequest
 from services.metrics import ExpertMetrics
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
@@ -32,11 +45,77 @@ logger = logging.getLogger(__name__)
 __all__ = ["ExpertServicer", "create_expert_server", "run_expert_server"]
 
 
+# Released session ids remembered per replica (about 100 bytes each): far more than the sessions a
+# coordinator finishes while a stale call for one of them can still be queued or retried.
+RELEASED_MEMORY = 65_536
+
+# Calls the gRPC server admits beyond limits.max_concurrent_rpcs (which caps Step and Score only), so
+# that health checks, Info and Release still get through while the work calls are at their cap.
+CONTROL_HEADROOM = 32
+
+
+class _Dropped(FusionError):
+    """A queued step or score whose caller's deadline passed, or that its caller cancelled, first."""
+
+
+class ReleasedSessions:
+    """The most recently released session ids, at most `capacity` (the oldest are forgotten first).
+    Ids longer than `_KEPT_CHARS` are kept as a 16-byte digest, so the memory stays bounded."""
+
+    _KEPT_CHARS = 128
+
+    def __init__(self, capacity: int = RELEASED_MEMORY) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str | bytes, None] = OrderedDict()
+
+    @classmethod
+    def _key(cls, session_id: str) -> str | bytes:
+        if len(session_id) <= cls._KEPT_CHARS:
+            return session_id
+        return hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, session_id: str) -> bool:
+        return self._key(session_id) in self._ids
+
+    def add(self, session_ids: Iterable[str]) -> None:
+        for session_id in session_ids:
+            key = self._key(session_id)
+            self._ids[key] = None
+            self._ids.move_to_end(key)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def first_of(self, session_ids: Iterable[str]) -> str | None:
+        return next((s for s in session_ids if s in self), None)
+
+
+def _deadline(context: Any) -> float | None:
+    """The caller's deadline on this machine's monotonic clock (None: the call has none)."""
+    time_remaining = getattr(context, "time_remaining", None)
+    remaining = time_remaining() if time_remaining is not None else None
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _gone(context: Any) -> bool:
+    """The call was cancelled or is over (on the event loop only)."""
+    return any(bool(getattr(context, name, lambda: False)()) for name in ("cancelled", "done"))
+
+
 @dataclass
 class _Pending:
     steps: list[StepRequest]
     dtype: str
     future: asyncio.Future
+    context: Any = None
+    deadline: float | None = None  # monotonic
+
+    @property
+    def expired(self) -> bool:
+        """Not worth computing: the caller went away or its deadline passed (safe on the worker)."""
+        return self.future.done() or (self.deadline is not None and time.monotonic() >= self.deadline)
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServicer):
@@ -47,6 +126,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"expert-{expert.info.name}")
         self._queue: list[_Pending] = []
         self._drainer: asyncio.Task | None = None
+        self.released = ReleasedSessions()
+        self._in_flight = 0  # Step and Score calls being served
+        self._busy_since: float | None = None  # when the worker's current job started (None: idle)
         metrics.track_sessions(lambda: len(expert.cache))
         metrics.track_cache(expert.cache_stats)
 
@@ -54,39 +136,102 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         self._executor.shutdown(wait=True)
 
     async def _on_worker(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
+
+    def _timed(self, fn: Callable, *args):
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._busy_since = None
+
+    def worker_busy_s(self) -> float:
+        """How long the worker thread has been on its current job (0 when idle): a forward that never
+        returns shows here, while Info and health keep answering."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @contextlib.contextmanager
+    def _admitted(self):
+        """On the event loop: count a Step or Score call in flight, or refuse it past the cap."""
+        limit = self.limits.max_concurrent_rpcs
+        if self._in_flight >= limit:
+            raise ResourceExhaustedError(f"limits.max_concurrent_rpcs={limit}: expert {self.expert.info.name!r} "
+                                         f"has {self._in_flight} Step/Score calls in flight; try later")
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+
+    def _refuse_released(self, session_ids: Iterable[str]) -> None:
+        released = self.released.first_of(session_ids)
+        if released is not None:
+            raise SessionReleasedError(f"session {released!r} was released on expert {self.expert.info.name!r}; "
+                                       "its request is over and it is not computed again")
 
     # -- the service ----------------------------------------------------------------------------
     @unary_errors
     async def Step(self, request: expert_pb2.StepRequest, context) -> expert_pb2.StepResponse:
         if not request.sessions:
             raise InvalidArgumentError("sessions: must not be empty")
+        limit = self.limits.max_sessions_per_step
+        if len(request.sessions) > limit:
+            raise ResourceExhaustedError(f"limits.max_sessions_per_step={limit}: a Step call of "
+                                         f"{len(request.sessions)} sessions; split it")
         dtype = wire_dtype(request.dtype, self.expert.info.dtype)
         steps = []
         for i, session in enumerate(request.sessions):
             if not session.session_id:
                 raise InvalidArgumentError(f"sessions[{i}].session_id: must not be empty")
             steps.append(StepRequest(session.session_id, list(session.token_ids)))
-        pending = _Pending(steps, dtype, asyncio.get_running_loop().create_future())
-        self._queue.append(pending)
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.create_task(self._drain())
-        return expert_pb2.StepResponse(logits=await pending.future)
+        self._refuse_released(s.session_id for s in steps)
+        queued = sum(len(p.steps) for p in self._queue if not p.future.done())
+        limit = self.limits.max_queued_steps
+        if self._queue and queued + len(steps) > limit:
+            raise ResourceExhaustedError(f"limits.max_queued_steps={limit}: expert {self.expert.info.name!r} has "
+                                         f"{queued} sessions waiting to step; try later")
+        with self._admitted():
+            pending = _Pending(steps, dtype, asyncio.get_running_loop().create_future(), context, _deadline(context))
+            self._queue.append(pending)
+            if self._drainer is None or self._drainer.done():
+                self._drainer = asyncio.create_task(self._drain())
+            try:
+                logits = await pending.future
+            except _Dropped as err:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+            return expert_pb2.StepResponse(logits=logits)
 
     @unary_errors
     async def Score(self, request: expert_pb2.ExpertScoreRequest, context) -> expert_pb2.ExpertScoreResponse:
         if not request.session_id:
             raise InvalidArgumentError("session_id: must not be empty")
         dtype = wire_dtype(request.dtype, self.expert.info.dtype)
+        self._refuse_released([request.session_id])
+        deadline = _deadline(context)
 
         def score() -> expert_pb2.Tensor:
+            if deadline is not None and time.monotonic() >= deadline:  # waited past it behind other work
+                self.metrics.dropped.inc()
+                raise _Dropped(f"session {request.session_id!r}: the caller's deadline passed before the score")
             logits = self.expert.score(request.session_id, list(request.token_ids), request.num_positions)
             return encode_tensor(logits, dtype)
 
-        return expert_pb2.ExpertScoreResponse(logits=await self._on_worker(score))
+        with self._admitted():
+            # A released session is refused above; a Release arriving later runs after this score on the
+            # one worker thread (jobs run in the order they were submitted), so nothing is recreated.
+            try:
+                logits = await self._on_worker(score)
+            except _Dropped as err:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+            return expert_pb2.ExpertScoreResponse(logits=logits)
 
     @unary_errors
     async def Release(self, request: expert_pb2.ReleaseRequest, context) -> expert_pb2.ReleaseResponse:
+        # Remembered at once, on the event loop: a step queued for one of these sessions is refused from
+        # now on, and one already handed to the worker runs before this release does.
+        self.released.add(request.session_ids)
+
         def release() -> int:
             present = sum(session_id in self.expert.cache for session_id in set(request.session_ids))
             self.expert.release(list(request.session_ids))
@@ -101,11 +246,18 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
     # -- batching -------------------------------------------------------------------------------
     def _take_batch(self) -> list[_Pending]:
         """Queued calls, oldest first, up to max_batch_size sessions (at least one call). A call naming
-        a session already in the batch (a caller's retry) waits for the next forward."""
+        a session already in the batch (a caller's retry) waits for the next forward. Calls whose
+        caller went away or whose deadline passed are dropped; calls naming a session released since
+        they arrived are refused."""
         batch, sessions, later = [], set(), []
         while self._queue:
             pending = self._queue.pop(0)
-            if pending.future.done():  # the caller went away while queued
+            if pending.expired or _gone(pending.context):
+                self._drop(pending)
+                continue
+            refusal = self._refusal(pending)
+            if refusal is not None:
+                _settle(pending.future, error=refusal)
                 continue
             ids = {s.session_id for s in pending.steps}
             if batch and (len(sessions) + len(ids) > self.limits.max_batch_size or ids & sessions):
@@ -115,6 +267,19 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
             sessions |= ids
         self._queue[:0] = later
         return batch
+
+    def _refusal(self, pending: _Pending) -> SessionReleasedError | None:
+        try:
+            self._refuse_released(s.session_id for s in pending.steps)
+        except SessionReleasedError as err:
+            return err
+        return None
+
+    def _drop(self, pending: _Pending) -> None:
+        self.metrics.dropped.inc(len(pending.steps))
+        _settle(pending.future, error=_Dropped(
+            f"sessions {[s.session_id for s in pending.steps]}: the caller's deadline passed, or it went away, "
+            "before the step"))
 
     async def _drain(self) -> None:
         while self._queue:
@@ -129,28 +294,42 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
                     continue
                 # One bad call fails the shared forward: step each alone so the error reaches its caller.
                 for pending in batch:
+                    refusal = self._refusal(pending)  # released while the others were stepped
+                    if refusal is not None:
+                        _settle(pending.future, error=refusal)
+                        continue
                     try:
-                        _settle(pending.future, (await self._on_worker(self._step, [pending]))[0])
+                        self._settle_step(pending, (await self._on_worker(self._step, [pending]))[0])
                     except Exception as single:
                         _settle(pending.future, error=single)
                 continue
             for pending, result in zip(batch, results):
-                _settle(pending.future, result)
+                self._settle_step(pending, result)
 
-    def _step(self, batch: Sequence[_Pending]) -> list[expert_pb2.Tensor]:
-        """On the worker thread: one forward for every session of the batch, split back per call."""
-        steps = [s for pending in batch for s in pending.steps]
+    def _settle_step(self, pending: _Pending, result: expert_pb2.Tensor | None) -> None:
+        if result is None:  # dropped on the worker
+            self._drop(pending)
+        else:
+            _settle(pending.future, result)
+
+    def _step(self, batch: Sequence[_Pending]) -> list[expert_pb2.Tensor | None]:
+        """On the worker thread: one forward for every session of the batch still wanted, split back per
+        call (None for a call dropped because its caller's deadline passed while it waited)."""
+        live = [pending for pending in batch if not pending.expired]
+        if not live:
+            return [None] * len(batch)
+        steps = [s for pending in live for s in pending.steps]
         start = time.perf_counter()
         logits = self.expert.step(steps)  # (B, V)
         self.metrics.expert_step.labels(expert=self.expert.info.name).observe(time.perf_counter() - start)
         self.metrics.batch_size.observe(len(steps))
-        out, row = [], 0
-        for pending in batch:
+        tensors, row = {}, 0
+        for pending in live:
             tensor = encode_tensor(logits[row: row + len(pending.steps)], pending.dtype)
             self.metrics.wire_bytes.inc(len(tensor.data))
-            out.append(tensor)
+            tensors[id(pending)] = tensor
             row += len(pending.steps)
-        return out
+        return [tensors.get(id(pending)) for pending in batch]
 
 
 def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
@@ -181,6 +360,7 @@ async def create_expert_server(
         metrics_port=metrics_port, metrics_host=metrics_host,
         credentials=server_credentials(security, expert=True) if security is not None else None,
         interceptors=expert_interceptors(security, EXPERT_SERVICE),
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs + CONTROL_HEADROOM,
     )
     running.on_stop(servicer.close)
     return running, running.port

@@ -56,6 +56,10 @@ class ExpertMetrics(ServerMetrics):
         self.wire_bytes = Counter(
             "fusion_expert_response_bytes", "Logits bytes sent to callers", registry=self.registry,
         )
+        self.dropped = Counter(
+            "fusion_expert_dropped_sessions", "Queued session steps not computed: their caller's deadline "
+            "passed or it went away first", registry=self.registry,
+        )
 
     def track_cache(self, stats: Callable[[], dict[str, int]]) -> None:
         self.registry.register(ExpertCacheCollector(stats))

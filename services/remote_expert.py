@@ -2,10 +2,33 @@
 
 Every step carries each session's whole token history, so any replica can answer it. A session
 sticks to one replica (its KV cache lives there); new sessions go to the live replica holding the
-fewest. When a replica fails a step (unreachable, shutting down, or past the step deadline) it is
-marked down for `retry_after_s`, its sessions move to another replica and the step is resent there:
-the new replica re-prefills the history and the request completes with unchanged output. With no
-replica left the step raises `ExpertUnavailableError` naming the expert.
+fewest. When a call to a replica fails (unreachable, shutting down, or past its deadline) the
+sessions of that call, and only those, move to another replica and the call is resent there: the
+new replica re-prefills the histories and the requests complete with unchanged output. Sessions of
+other calls stay where they are unless the replica is marked down, which takes one of:
+
+- UNAVAILABLE (connection refused or reset, or dropped by keepalive): the replica is gone;
+- `failures_before_down` consecutive failed calls;
+- a failed health check (`grpc.health.v1`, `health_check_timeout_s`), made after each timed-out or
+  cancelled call: a replica that answers it is slow (one call's bad luck), not dead.
+
+A down replica takes no sessions for `retry_after_s`; its sessions move on their next step. With no
+replica left a call raises `ExpertUnavailableError` naming the expert.
+
+Deadlines: a Step call carrying only decode work (each of its sessions was stepped on that replica
+before and adds at most `DECODE_IDS` ids since) gets `step_timeout_s`; a call with a session new to
+the replica or more ids (prompt work) gets `prefill_timeout_s`, as do Score calls. Channels send
+keepalive pings (`services.serving.KEEPALIVE_TIME_MS`), so a peer that vanished is noticed within
+seconds even between calls.
+
+Score answers are split so each fits the message limit: positions go in chunks of at most
+`score_rows_per_call()` logits rows, each call sending the history up to its chunk's end, and the
+replica keeps the session's cache between chunks (only the new ids are computed).
+
+A replica refuses a Step or Score naming a session already released there (FAILED_PRECONDITION):
+this happens only after this coordinator released it, so that request is over; the call raises
+`SessionReleasedError` and no replica is blamed. RESOURCE_EXHAUSTED (a replica's limits) is raised as
+`ResourceExhaustedError` naming the limit, also without blaming the replica.
 """
 
 from __future__ import annotations
@@ -19,15 +42,16 @@ from typing import Any, Callable, Sequence
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fusion.config import ExpertConfig, SecurityConfig
 from fusion.errors import ConfigError, ExpertOutputError, ExpertUnavailableError
 from fusion.expert import ExpertInfo, StepRequest
-from services.protos import expert_pb2, expert_pb2_grpc
+from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.security import expert_channel_metadata, open_channel
-from services.serving import channel_options
+from services.serving import channel_options, keepalive_channel_options
 from services.status import error_from_rpc
-from services.wire import decode_tensor, info_from_proto
+from services.wire import WIRE_DTYPES, decode_tensor, info_from_proto, wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +62,15 @@ FAILOVER_CODES = frozenset({
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.ABORTED,
 })
+# Of those, the ones that say the replica is gone: it is marked down at once.
+DOWN_AT_ONCE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+# A Step call is decode work when each of its sessions was stepped on that replica before and adds at
+# most this many ids since (one per decode step; a few more cost a decode step next to nothing).
+DECODE_IDS = 8
+
+# Bytes of a Score answer beyond its logits (message framing, dtype, shape: under 100), with room to spare.
+MESSAGE_MARGIN_BYTES = 4096
 
 # Reconnect quickly to a replica that comes back (gRPC's default backoff grows to two minutes).
 _RECONNECT = [
@@ -56,10 +89,15 @@ class _Replica:
     last_error: str = ""
     sessions: set[str] = field(default_factory=set)  # sessions pinned here
     retired: bool = False  # no longer listed (see set_addresses): takes no sessions
+    failures: int = 0  # consecutive failed calls
 
     @property
     def down(self) -> bool:
         return time.monotonic() < self.down_until
+
+    @property
+    def health(self) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(self.channel)
 
 
 class RemoteExpert:
@@ -74,14 +112,20 @@ class RemoteExpert:
         retry_after_s: float = 5.0,
         wire_dtype: str = "",
         security: SecurityConfig | None = None,
+        max_sessions_per_call: int | None = None,
     ) -> None:
         if not config.addresses:
             raise ConfigError(f"experts.{config.name}.addresses: a remote expert needs at least one address")
         self.name = config.name
-        self.timeout_s = timeout_s or config.step_timeout_s
+        self.timeout_s = timeout_s or config.step_timeout_s  # decode steps (and Release, Info)
+        self.prefill_timeout_s = max(config.prefill_timeout_s, self.timeout_s)  # prompt work, Score
+        self.failures_before_down = config.failures_before_down
+        self.health_check_timeout_s = config.health_check_timeout_s
         self.retry_after_s = retry_after_s
         self.wire_dtype = wire_dtype
-        options = channel_options(max_message_bytes) + _RECONNECT
+        self.max_message_bytes = max_message_bytes
+        self.max_sessions_per_call = max_sessions_per_call  # a Step call's sessions (limits.max_sessions_per_step)
+        options = channel_options(max_message_bytes) + keepalive_channel_options() + _RECONNECT
         self._channel_options = options
         self._security = security  # TLS / client certificate / the expert secret on every channel
         self._metadata = expert_channel_metadata(security)
@@ -93,7 +137,10 @@ class RemoteExpert:
         self._pinned: dict[str, int] = {}  # session -> replica index
         self._touched: dict[str, set[int]] = {}  # session -> replicas that may cache it
         self._releasing: set[grpc.Future] = set()  # release calls in flight
-        self.failovers = 0
+        self._stepped: dict[str, tuple[int, int]] = {}  # session -> (replica, history length) of its last step
+        self.failovers = 0  # sessions moved to another replica
+        self.failed_calls = 0  # calls that failed over (timed out, cancelled, unreachable)
+        self._message_limit = max_message_bytes  # of a Score answer: this channel's and the replicas' (Info)
         self.replica_info = self._fetch_info()
         if self.replica_info.name != config.name:
             logger.warning("expert %r: its replicas serve an expert named %r", config.name, self.replica_info.name)
@@ -146,48 +193,82 @@ class RemoteExpert:
         if not requests:
             return torch.empty(0, self.info.vocab_size)
 
-        def send(replica: _Replica, rows: list[int]) -> grpc.Future:
+        def send(index: int, rows: list[int]) -> grpc.Future:
             message = expert_pb2.StepRequest(dtype=self.wire_dtype, sessions=[
                 expert_pb2.SessionStep(session_id=requests[i].session_id, token_ids=requests[i].token_ids)
                 for i in rows
             ])
-            return replica.stub.Step.future(message, timeout=self.timeout_s)
+            timeout = self._step_timeout(index, [requests[i] for i in rows])
+            return self._replicas[index].stub.Step.future(message, timeout=timeout)
 
         out: list[torch.Tensor | None] = [None] * len(requests)
-        for rows, response, address in self._fan_out([r.session_id for r in requests], send):
-            logits = self._logits(response.logits, len(rows), address)  # (b, V)
-            for k, i in enumerate(rows):
-                out[i] = logits[k]
+        for rows, response, index in self._fan_out([r.session_id for r in requests], send,
+                                                   self.max_sessions_per_call):
+            logits = self._logits(response.logits, len(rows), self._replicas[index].address)  # (b, V)
+            with self._lock:
+                for k, i in enumerate(rows):
+                    out[i] = logits[k]
+                    if self._pinned.get(requests[i].session_id) == index:  # not released meanwhile
+                        self._stepped[requests[i].session_id] = (index, len(requests[i].token_ids))
         return torch.stack(out)
 
     def score(self, session_id: str, token_ids: Sequence[int], num_positions: int) -> torch.Tensor:
-        """Logits predicting each of the last `num_positions` ids: (n, V) float32."""
+        """Logits predicting each of the last `num_positions` ids: (n, V) float32. Asked in chunks of
+        positions whose logits fit a message; each chunk sends the history up to its end, and the
+        replica computes only the ids its cache of the session lacks."""
+        token_ids = list(token_ids)
+        total = len(token_ids)
+        if not 0 < num_positions < total:  # the replica names the problem
+            return self._score_call(session_id, token_ids, num_positions)
+        per_call = self.score_rows_per_call()
+        parts = [self._score_call(session_id, token_ids[:end], end - start)
+                 for start in range(total - num_positions, total, per_call)
+                 for end in [min(start + per_call, total)]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def score_rows_per_call(self) -> int:
+        """Logits rows of one Score answer: as many as fit the message limit (of this channel and of
+        the replicas), at least one."""
+        dtype = WIRE_DTYPES[wire_dtype(self.wire_dtype, self.replica_info.dtype)]
+        row_bytes = self.info.vocab_size * torch.empty((), dtype=dtype).element_size()
+        return max(1, (self._message_limit - MESSAGE_MARGIN_BYTES) // row_bytes)
+
+    def _score_call(self, session_id: str, token_ids: list[int], num_positions: int) -> torch.Tensor:
         message = expert_pb2.ExpertScoreRequest(
-            session_id=session_id, token_ids=list(token_ids), num_positions=num_positions, dtype=self.wire_dtype,
+            session_id=session_id, token_ids=token_ids, num_positions=num_positions, dtype=self.wire_dtype,
         )
-        [(_, response, address)] = self._fan_out(
-            [session_id], lambda replica, rows: replica.stub.Score.future(message, timeout=self.timeout_s)
+        [(_, response, index)] = self._fan_out(
+            [session_id],
+            lambda index, rows: self._replicas[index].stub.Score.future(message, timeout=self.prefill_timeout_s),
         )
-        return self._logits(response.logits, num_positions, address)
+        return self._logits(response.logits, num_positions, self._replicas[index].address)
 
     def release(self, session_ids: Sequence[str]) -> None:
         """Free the sessions on every replica that may cache them. Does not wait for the replicas (the
         engine may call this under its scheduler's lock); a failed release is logged, and the replica's
         LRU drops the sessions anyway."""
         by_replica: dict[int, list[str]] = {}
-        with self._lock:
-            for session_id in session_ids:
-                pinned = self._pinned.pop(session_id, None)
-                if pinned is not None:
-                    self._replicas[pinned].sessions.discard(session_id)
-                for index in self._touched.pop(session_id, ()):
-                    by_replica.setdefault(index, []).append(session_id)
+        for session_id, touched in self._forget(session_ids).items():
+            for index in touched:
+                by_replica.setdefault(index, []).append(session_id)
         for index, ids in by_replica.items():
             replica = self._replicas[index]
             call = replica.stub.Release.future(expert_pb2.ReleaseRequest(session_ids=ids), timeout=self.timeout_s)
             with self._lock:
                 self._releasing.add(call)
             call.add_done_callback(lambda done, address=replica.address: self._released(done, address))
+
+    def _forget(self, session_ids: Sequence[str]) -> dict[str, set[int]]:
+        """Unpin the sessions; returns the replicas that may cache each."""
+        touched = {}
+        with self._lock:
+            for session_id in session_ids:
+                pinned = self._pinned.pop(session_id, None)
+                if pinned is not None:
+                    self._replicas[pinned].sessions.discard(session_id)
+                self._stepped.pop(session_id, None)
+                touched[session_id] = self._touched.pop(session_id, set())
+        return touched
 
     def _released(self, call: grpc.Future, address: str) -> None:
         with self._lock:
@@ -200,10 +281,23 @@ class RemoteExpert:
         failures = []
         for replica in self._replicas:
             try:
-                return info_from_proto(replica.stub.Info(expert_pb2.InfoRequest(), timeout=self.timeout_s))
+                message = replica.stub.Info(expert_pb2.InfoRequest(), timeout=self.timeout_s)
             except grpc.RpcError as err:
                 failures.append(f"{replica.address}: {err.code().name} {err.details()}")
+                continue
+            if message.limits.max_message_bytes > 0:  # the replica's own send limit
+                self._message_limit = min(self.max_message_bytes, message.limits.max_message_bytes)
+            return info_from_proto(message)
         raise ExpertUnavailableError(f"expert {self.name!r}: no replica answered Info ({'; '.join(failures)})")
+
+    def _step_timeout(self, index: int, requests: Sequence[StepRequest]) -> float:
+        """The decode deadline when every session continues its last step on this replica by at most
+        DECODE_IDS ids; else (a session new here, a prompt chunk) the prefill deadline."""
+        for request in requests:
+            last = self._stepped.get(request.session_id)
+            if last is None or last[0] != index or not 0 < len(request.token_ids) - last[1] <= DECODE_IDS:
+                return self.prefill_timeout_s
+        return self.timeout_s
 
     def _choose(self, session_id: str, failed: set[int]) -> int:
         """Under the lock: the session's replica, or a new one for it (live first, then fewest sessions)."""
@@ -224,18 +318,53 @@ class RemoteExpert:
         self._touched.setdefault(session_id, set()).add(chosen)
         return chosen
 
-    def _mark_down(self, index: int, err: grpc.RpcError) -> None:
+    def _call_failed(self, index: int, err: grpc.RpcError, sessions: int) -> None:
+        """A call to replica `index` failed with a failover code: its sessions move (the caller resends
+        them elsewhere); mark the replica down if it is gone, failed too often, or fails a health check."""
         replica = self._replicas[index]
-        replica.last_error = f"{err.code().name} {err.details() or ''}".strip()
-        replica.down_until = time.monotonic() + self.retry_after_s
-        logger.warning("expert %r: replica %s is down (%s); failing over", self.name, replica.address,
-                       replica.last_error)
+        code = err.code()
+        with self._lock:
+            self.failed_calls += 1
+            replica.failures += 1
+            failures = replica.failures
+            replica.last_error = f"{code.name} {err.details() or ''}".strip()
+        if code in DOWN_AT_ONCE_CODES:
+            why = "unreachable"
+        elif failures >= self.failures_before_down:
+            why = f"{failures} failed calls in a row"
+        elif not self._answers_health_check(replica):
+            why = "no answer to a health check"
+        else:
+            logger.warning("expert %r: a call to replica %s failed (%s); its %d session(s) move, the replica "
+                           "stays up (%d of %d failures before it is marked down)", self.name, replica.address,
+                           replica.last_error, sessions, failures, self.failures_before_down)
+            return
+        with self._lock:
+            replica.down_until = time.monotonic() + self.retry_after_s
+            replica.failures = 0
+        logger.warning("expert %r: replica %s is down (%s: %s); its sessions move", self.name, replica.address,
+                       why, replica.last_error)
+
+    def _call_succeeded(self, index: int) -> None:
+        replica = self._replicas[index]
+        if replica.failures:
+            with self._lock:
+                replica.failures = 0
+
+    def _answers_health_check(self, replica: _Replica) -> bool:
+        try:
+            answer = replica.health.Check(health_pb2.HealthCheckRequest(service=EXPERT_SERVICE),
+                                          timeout=self.health_check_timeout_s)
+        except grpc.RpcError:
+            return False
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     def _fan_out(
-        self, session_ids: Sequence[str], send: Callable[[_Replica, list[int]], grpc.Future]
-    ) -> list[tuple[list[int], Any, str]]:
-        """Send each replica its sessions' rows at once; resend what a failed replica had to another.
-        Returns (rows, response, address) per answering call."""
+        self, session_ids: Sequence[str], send: Callable[[int, list[int]], grpc.Future],
+        max_rows: int | None = None,
+    ) -> list[tuple[list[int], Any, int]]:
+        """Send each replica its sessions' rows at once (in calls of at most `max_rows`); resend what a
+        failed call had to another replica. Returns (rows, response, replica index) per answering call."""
         failed: set[int] = set()  # replicas that failed during this call: never retried in it
         todo = list(range(len(session_ids)))
         done = []
@@ -244,18 +373,25 @@ class RemoteExpert:
             with self._lock:
                 for row in todo:
                     groups.setdefault(self._choose(session_ids[row], failed), []).append(row)
-            calls = {index: send(self._replicas[index], rows) for index, rows in groups.items()}
+            size = max_rows or len(session_ids)
+            calls = [(index, rows[k: k + size], send(index, rows[k: k + size]))
+                     for index, rows in groups.items() for k in range(0, len(rows), size)]
             todo = []
-            for index, rows in groups.items():
+            for index, rows, call in calls:
                 replica = self._replicas[index]
                 try:
-                    done.append((rows, calls[index].result(), replica.address))
+                    response = call.result()
                 except grpc.RpcError as err:
                     if err.code() not in FAILOVER_CODES:
+                        if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # released before: nothing to pin
+                            self._forget([session_ids[row] for row in rows])
                         raise error_from_rpc(err, f"expert {self.name!r} ({replica.address})") from None
-                    self._mark_down(index, err)
+                    self._call_failed(index, err, len(rows))
                     failed.add(index)
                     todo.extend(rows)
+                    continue
+                self._call_succeeded(index)
+                done.append((rows, response, index))
         return done
 
     def _logits(self, message: expert_pb2.Tensor, rows: int, address: str) -> torch.Tensor:

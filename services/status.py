@@ -22,6 +22,7 @@ from fusion.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    SessionReleasedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ExpertUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (ExpertOutputError, grpc.StatusCode.INTERNAL),
+    (SessionReleasedError, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
@@ -42,6 +44,7 @@ ERROR_BY_STATUS: dict[grpc.StatusCode, type[FusionError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: ExpertUnavailableError,
+    grpc.StatusCode.FAILED_PRECONDITION: SessionReleasedError,
 }
 
 

@@ -115,3 +115,28 @@ def test_step_state_is_built_once_at_admission(tiny_service):
     assert admitted.stop_ids == frozenset({9})
     plain = tiny_service.admit(FusionRequest("hi"))
     assert plain.token_bias is None and plain.stop_ids == tiny_service.engine.eos_token_ids
+
+
+def test_client_messages_are_capped_apart_from_expert_logits(tiny_dir):
+    """A client may send the coordinator at most max_request_bytes (requests are small), whatever
+    max_message_bytes allows between the coordinator and its experts; the server serves on."""
+    import grpc
+
+    from services.background import BackgroundLoop
+    from services.client import FusionClient
+    from services.coordinator import create_coordinator_server
+    from services.protos import fusion_pb2, fusion_pb2_grpc
+
+    config = parse_config(tiny_config_dict(tiny_dir, limits={"max_request_bytes": 64 * 1024},
+                                           sampling={"max_tokens": 3}))
+    with BackgroundLoop() as loop:
+        server, port = loop.run(create_coordinator_server(config))
+        with grpc.insecure_channel(f"127.0.0.1:{port}",
+                                   options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]) as channel:
+            stub = fusion_pb2_grpc.FusionStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(fusion_pb2.GenerateRequest(prompt="x" * (1024 * 1024)), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with FusionClient(f"127.0.0.1:{port}", timeout=30) as client:
+            assert len(list(client.generate("hello"))) == 3
+        loop.run(server.stop(0))

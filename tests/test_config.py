@@ -67,3 +67,19 @@ def test_one_merge_rule_layers_a_request_over_the_config():
                                                     weights={"a": 1.0})
     with pytest.raises(InvalidArgumentError, match="spec: .*weights or profile"):
         layer_spec(default, SpecOverrides(weights={"a": 1.0}, profile="code"))
+
+
+def test_remote_deadlines_failover_and_expert_limits():
+    config = parse_config({"experts": [{"name": "a", "model": "m"}]})
+    expert = config.expert("a")
+    assert (expert.step_timeout_s, expert.prefill_timeout_s) == (10.0, 60.0)  # decode short, prompt work long
+    assert expert.failures_before_down == 3 and expert.health_check_timeout_s == 2.0
+    limits = config.limits
+    assert limits.max_sessions_per_step >= limits.max_concurrent_sessions  # a coordinator's whole batch fits
+    assert limits.max_queued_steps >= limits.max_sessions_per_step and limits.max_concurrent_rpcs > 0
+    for field, value in [("prefill_timeout_s", 0), ("failures_before_down", 0), ("health_check_timeout_s", -1)]:
+        with pytest.raises(ConfigError, match=rf"experts\.0\.{field}"):
+            parse_config({"experts": [{"name": "a", "model": "m", field: value}]})
+    for field in ("max_concurrent_rpcs", "max_queued_steps", "max_sessions_per_step"):
+        with pytest.raises(ConfigError, match=rf"limits\.{field}"):
+            parse_config({"experts": [{"name": "a", "model": "m"}], "limits": {field: 0}})

@@ -135,6 +135,20 @@ def test_deploy_args_name_the_bad_field(tiny_dir):
         parse_args({"config": data, "port": 70000})
 
 
+@pytest.mark.parametrize("field", ["expert", "experts.a", "coordinator"])
+def test_deploy_args_refuse_scaling_to_zero(tiny_dir, field):
+    scaling = {"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}
+    args = {"config": tiny_config_dict(tiny_dir)}
+    if field == "experts.a":
+        args["experts"] = {"a": scaling}
+    else:
+        args[field] = scaling
+    with pytest.raises(ConfigError, match=f"{field}.autoscaling_config.min_replicas must be at least 1, got 0"):
+        parse_args(args)
+    scaling["autoscaling_config"]["min_replicas"] = 1
+    parse_args(args)
+
+
 def test_load_policy_asks_for_load_over_target():
     def ctx(reports, target=4.0, current=2):
         return SimpleNamespace(aggregated_metrics={LOAD_METRIC: reports} if reports is not None else None,

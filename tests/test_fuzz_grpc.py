@@ -17,6 +17,7 @@ import collections
 import math
 import re
 import struct
+import time
 
 import grpc
 import pytest
@@ -140,6 +141,7 @@ RESPONSES = {
 
 def well_formed_answers(state) -> tuple:
     fusion, expert = state["fusion"], state["expert"]
+    session = f"baseline-check-{time.monotonic_ns()}"  # a released session is never stepped again
     request = fusion_pb2.GenerateRequest(prompt="hello world", sampling=fusion_pb2.SamplingParams(
         max_tokens=4, ignore_eos=True, logprobs=2))
     tokens = [(r.token_id, round(r.logprob, 4)) for r in fusion.unary_stream(
@@ -153,10 +155,10 @@ def well_formed_answers(state) -> tuple:
         timeout=DEADLINE_S)
     step = expert.unary_unary(f"/{EXPERT_SERVICE}/Step", request_serializer=expert_pb2.StepRequest.SerializeToString,
                               response_deserializer=expert_pb2.StepResponse.FromString)(
-        expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id="baseline-check", token_ids=[5, 6, 7])],
+        expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session, token_ids=[5, 6, 7])],
                                dtype="float32"), metadata=state["expert_md"], timeout=DEADLINE_S)
     expert.unary_unary(f"/{EXPERT_SERVICE}/Release", request_serializer=expert_pb2.ReleaseRequest.SerializeToString)(
-        expert_pb2.ReleaseRequest(session_ids=["baseline-check"]), metadata=state["expert_md"], timeout=DEADLINE_S)
+        expert_pb2.ReleaseRequest(session_ids=[session]), metadata=state["expert_md"], timeout=DEADLINE_S)
     info = expert.unary_unary(f"/{EXPERT_SERVICE}/Info", response_deserializer=expert_pb2.ExpertInfo.FromString)(
         b"", metadata=state["expert_md"], timeout=DEADLINE_S)
     info.active_sessions = 0

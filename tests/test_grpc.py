@@ -388,7 +388,7 @@ def test_hung_replica_fails_over_after_the_step_deadline(loop, tiny_dir, experts
     data = tiny_config_dict(tiny_dir, limits=LIMITS)
     for expert in data["experts"]:
         expert["addresses"] = data_addresses[expert["name"]]
-        expert["step_timeout_s"] = 1.0
+        expert["step_timeout_s"] = expert["prefill_timeout_s"] = 1.0
     server, port = loop.run(create_coordinator_server(parse_config(data)))
     try:
         with FusionClient(addr(port), timeout=60) as client:

@@ -121,7 +121,7 @@ def test_gpu_group_matches_the_experts(service, serve_config, settings):
     # Enough GPU pods for every expert's min and max replicas (one GPU each).
     scaling = [autoscaling(serve_config, settings, f"expert-{e.name}", settings.expert_options(e.name))
                for e in config.experts]
-    assert all(s is not None for s in scaling)
+    assert all(s is not None and s["min_replicas"] >= 1 for s in scaling)  # never scaled to zero
     assert gpu["minReplicas"] >= sum(math.ceil(s["min_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
     assert gpu["maxReplicas"] >= sum(math.ceil(s["max_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
     assert gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]

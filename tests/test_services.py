@@ -16,6 +16,7 @@ from fusion.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    SessionReleasedError,
 )
 from services import protos
 from services.protos import expert_pb2, fusion_pb2
@@ -103,6 +104,7 @@ def test_prompt_or_messages():
     (ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ExpertUnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
     (ExpertOutputError("x"), grpc.StatusCode.INTERNAL),
+    (SessionReleasedError("x"), grpc.StatusCode.FAILED_PRECONDITION),
     (RuntimeError("x"), grpc.StatusCode.INTERNAL),
 ])
 def test_status_codes(error, code):
@@ -112,6 +114,7 @@ def test_status_codes(error, code):
 def test_status_back_to_domain_errors():
     assert isinstance(error_from_status(grpc.StatusCode.NOT_FOUND, "m"), NotFoundError)
     assert isinstance(error_from_status(grpc.StatusCode.UNAVAILABLE, "m"), ExpertUnavailableError)
+    assert isinstance(error_from_status(grpc.StatusCode.FAILED_PRECONDITION, "m"), SessionReleasedError)
     other = error_from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "too slow")
     assert type(other) is FusionError and str(other) == "DEADLINE_EXCEEDED: too slow"
 
@@ -122,3 +125,13 @@ def test_generated_code_is_current():
     protos.ensure_generated()  # a no-op when current
     assert {"Generate", "Score", "Describe"} <= set(
         fusion_pb2.DESCRIPTOR.services_by_name["Fusion"].methods_by_name)
+
+
+def test_keepalive_pings_are_ones_the_servers_accept():
+    from services.serving import keepalive_channel_options, keepalive_server_options
+
+    channel, server = dict(keepalive_channel_options()), dict(keepalive_server_options())
+    assert channel["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1
+    # A server answers pings more frequent than its minimum with GOAWAY (too_many_pings).
+    assert channel["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    assert channel["grpc.keepalive_time_ms"] + channel["grpc.keepalive_timeout_ms"] <= 30_000  # seconds, not minutes

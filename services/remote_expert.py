@@ -72,6 +72,10 @@ DECODE_IDS = 8
 # Bytes of a Score answer beyond its logits (message framing, dtype, shape: under 100), with room to spare.
 MESSAGE_MARGIN_BYTES = 4096
 
+# A release that fails is sent again this many times in all, after retry_after_s, 2x, 4x ... (a
+# replica that stalled and came back frees the sessions moved away from it).
+RELEASE_ATTEMPTS = 5
+
 # Reconnect quickly to a replica that comes back (gRPC's default backoff grows to two minutes).
 _RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -137,6 +141,7 @@ class RemoteExpert:
         self._pinned: dict[str, int] = {}  # session -> replica index
         self._touched: dict[str, set[int]] = {}  # session -> replicas that may cache it
         self._releasing: set[grpc.Future] = set()  # release calls in flight
+        self._closed = False
         self._stepped: dict[str, tuple[int, int]] = {}  # session -> (replica, history length) of its last step
         self.failovers = 0  # sessions moved to another replica
         self.failed_calls = 0  # calls that failed over (timed out, cancelled, unreachable)
@@ -177,6 +182,7 @@ class RemoteExpert:
                     logger.info("expert %r: replica %s retired", self.name, replica.address)
 
     def close(self) -> None:
+        self._closed = True
         for replica in self._replicas:
             replica.channel.close()
 
@@ -252,11 +258,16 @@ class RemoteExpert:
             for index in touched:
                 by_replica.setdefault(index, []).append(session_id)
         for index, ids in by_replica.items():
-            replica = self._replicas[index]
-            call = replica.stub.Release.future(expert_pb2.ReleaseRequest(session_ids=ids), timeout=self.timeout_s)
-            with self._lock:
-                self._releasing.add(call)
-            call.add_done_callback(lambda done, address=replica.address: self._released(done, address))
+            self._send_release(index, ids, attempt=0)
+
+    def _send_release(self, index: int, ids: list[str], attempt: int) -> None:
+        if self._closed:
+            return
+        replica = self._replicas[index]
+        call = replica.stub.Release.future(expert_pb2.ReleaseRequest(session_ids=ids), timeout=self.timeout_s)
+        with self._lock:
+            self._releasing.add(call)
+        call.add_done_callback(lambda done: self._released(done, index, ids, attempt))
 
     def _forget(self, session_ids: Sequence[str]) -> dict[str, set[int]]:
         """Unpin the sessions; returns the replicas that may cache each."""
@@ -270,11 +281,24 @@ class RemoteExpert:
                 touched[session_id] = self._touched.pop(session_id, set())
         return touched
 
-    def _released(self, call: grpc.Future, address: str) -> None:
+    def _released(self, call: grpc.Future, index: int, ids: list[str], attempt: int) -> None:
+        """A failed release (the replica was unreachable or stalled) is sent again after a backoff, a
+        few times, so a replica that comes back does not keep the sessions until its LRU drops them."""
         with self._lock:
             self._releasing.discard(call)
-        if call.exception() is not None:
-            logger.warning("expert %r: release on %s failed: %s", self.name, address, call.code().name)
+        if call.exception() is None:
+            return
+        address = self._replicas[index].address
+        if attempt + 1 >= RELEASE_ATTEMPTS or self._closed:
+            logger.warning("expert %r: release of %d session(s) on %s failed %d times (%s); its LRU will drop them",
+                           self.name, len(ids), address, attempt + 1, call.code().name)
+            return
+        delay = self.retry_after_s * 2 ** attempt
+        logger.info("expert %r: release on %s failed (%s); retrying in %.0f s", self.name, address,
+                    call.code().name, delay)
+        timer = threading.Timer(delay, self._send_release, args=(index, ids, attempt + 1))
+        timer.daemon = True
+        timer.start()
 
     # -- replicas ------------------------------------------------------------------------------
     def _fetch_info(self) -> ExpertInfo:

@@ -460,3 +460,20 @@ def test_released_sessions_are_remembered_within_a_bound():
     released.add(["c", "d"])  # the oldest are forgotten first
     assert len(released) == 3 and "a" not in released and "b" not in released
     assert released.first_of(["zz", "d", "c"]) == "d"
+
+
+def test_a_release_that_timed_out_is_sent_again(start, tiny_config):
+    """A replica that stalls while its sessions are released (its worker held past the deadline) frees
+    them once it answers again: the release is retried with backoff, not left to its LRU."""
+    server, port = start()
+    config = tiny_config.expert("a").model_copy(update={"addresses": [addr(port)], "step_timeout_s": 0.5})
+    remote = RemoteExpert(config, retry_after_s=0.2)
+    remote.step([StepRequest("stalled-release", HISTORY)])
+    assert "stalled-release" in server.servicer.expert.cache
+    busy = Busy(server)
+    remote.release(["stalled-release"])
+    time.sleep(1.0)  # the first release has timed out behind the held worker
+    assert "stalled-release" in server.servicer.expert.cache
+    busy.go()
+    assert wait_until(lambda: "stalled-release" not in server.servicer.expert.cache, timeout=15)
+    remote.close()

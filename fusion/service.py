@@ -358,7 +358,8 @@ class FusionService:
         rule, weights = self.resolve_spec(request.spec)
         sampling = self.sampling(request.sampling)
         self.engine.check_sampling(sampling)
-        generation = GenerationRequest(self.prompt_ids(request.prompt, plain=request.plain), sampling, rule, weights)
+        prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
+        generation = GenerationRequest(prompt_ids, sampling, rule, weights)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
             generation.request_id = f"{request.request_id}/{new_request_id()}"
         return self.engine.admit(generation)

@@ -112,6 +112,10 @@ class CoordinatorMetrics(ServerMetrics):
             "fusion_prompt_tokens", "Prompt tokens of admitted requests (the first expert's)",
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            "fusion_http_requests", "HTTP API requests answered, by path and status (a stream: when it starts)",
+            ["path", "status"], registry=self.registry,
+        )
 
     def observe_step(self, timings: StepTimings) -> None:
         """The service's step observer: one decode step's timings."""

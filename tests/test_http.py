@@ -9,6 +9,7 @@ sessions on every expert.
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.error
 import urllib.request
@@ -499,3 +500,33 @@ def test_fusion_serve_http_port(tiny_dir, tmp_path, tiny_service):
     finally:
         served.kill()
 
+
+def test_ray_serve_deployment_serves_http(tiny_dir, tiny_service):
+    pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app, coordinator_http_address
+    from tests.reference import assert_greedy_equivalent
+    from tests.test_deploy import descendants, wait_until_gone
+
+    args = {"config": tiny_config_dict(tiny_dir), "port": 0, "http_port": 0, "grace_s": 2.0,
+            "expert": {"num_cpus": 0}, "coordinator": {"num_cpus": 0}}
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(args), name="http", route_prefix=None)
+        address = coordinator_http_address("http")
+        with openai.OpenAI(api_key="none", base_url=f"http://{address}/v1", max_retries=0, timeout=60) as client:
+            reply = client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=8,
+                                                   extra_body={"fusion": {"attribution": True}})
+        health = serve.get_deployment_handle("coordinator", "http").check_health.remote()
+        assert health.result(timeout_s=60) is None  # probes /health too
+    finally:
+        started = descendants(os.getpid())
+        serve.shutdown()
+        ray.shutdown()
+    wait_until_gone(started)
+    expected = tiny_service.complete(CHAT, {"max_tokens": 8}).token_ids
+    assert_greedy_equivalent(tiny_service, CHAT, token_ids(reply.choices[0]), expected)  # replicas: 1 thread each

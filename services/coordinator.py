@@ -108,16 +108,10 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         stream = await self.service.submit_async(request_from_proto(request))
         self.metrics.prompt_tokens.inc(stream.prompt_tokens)
         charge_tokens(stream.prompt_tokens)  # to the API key's tokens_per_minute (a no-op without keys)
-        last = None
+        timer = self.metrics.stream(received)
         async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
             async for event in events:
-                now = time.perf_counter()
-                if last is None:
-                    self.metrics.time_to_first_token.observe(now - received)
-                else:
-                    self.metrics.inter_token_latency.observe(now - last)
-                last = now
-                self.metrics.tokens.inc()
+                timer.token()
                 yield event_to_proto(event)
 
     @unary_errors

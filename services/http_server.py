@@ -236,16 +236,10 @@ class HttpApi:
 
     async def _metered(self, generation: _Generation, received: float) -> AsyncIterator[tuple[int, TextEvent]]:
         """The events, timed into the metrics and counted against the key's window (a Refusal cuts)."""
-        last: dict[int, float] = {}
+        timers = [self.metrics.stream(received) for _ in generation.streams]
         async with contextlib.aclosing(generation.events()) as events:
             async for choice, event in events:
-                now = time.perf_counter()
-                if choice in last:
-                    self.metrics.inter_token_latency.observe(now - last[choice])
-                else:
-                    self.metrics.time_to_first_token.observe(now - received)
-                last[choice] = now
-                self.metrics.tokens.inc()
+                timers[choice].token()
                 ticket = generation.tickets[choice] if generation.tickets else None
                 if ticket is not None and (over := ticket.admit_token()) is not None:
                     raise over

@@ -2,7 +2,7 @@
 
     registry ◄── register / heartbeat ── expert-<name> × replicas   (Expert gRPC server each)
         ▲                                        ▲
-        └──── addresses, every refresh_s ─── coordinator ── Fusion gRPC ◄── clients
+        └──── addresses, every refresh_s ─── coordinator ── Fusion gRPC, OpenAI HTTP ◄── clients
 
 `build_app(args)` is what a serve YAML's `import_path: deploy.app:build_app` calls with its `args:`
 (see `deploy.settings.DeployArgs`), and what Python code calls before `serve.run`. `run_local`
@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "fusion"
 
-__all__ = ["APP_NAME", "build_app", "run_local", "coordinator_address", "expert_deployment_name",
+__all__ = ["APP_NAME", "build_app", "run_local", "coordinator_address", "coordinator_http_address",
+           "expert_deployment_name",
            "COORDINATOR_DEPLOYMENT"]
 
 
@@ -63,6 +64,12 @@ def coordinator_address(app_name: str = APP_NAME, timeout_s: float = 60.0) -> st
     return handle.grpc_address.remote().result(timeout_s=timeout_s)
 
 
+def coordinator_http_address(app_name: str = APP_NAME, timeout_s: float = 60.0) -> str | None:
+    """host:port of a coordinator replica's OpenAI-compatible HTTP API (None: no `http_port`)."""
+    handle = serve.get_deployment_handle(COORDINATOR_DEPLOYMENT, app_name)
+    return handle.http_address.remote().result(timeout_s=timeout_s)
+
+
 def run_local(
     args: dict[str, Any] | DeployArgs,
     *,
@@ -89,9 +96,10 @@ def run_local(
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         if own_cluster:
-            serve.start(proxy_location="Disabled")  # clients use the coordinator's own gRPC port
+            serve.start(proxy_location="Disabled")  # clients use the coordinator's own gRPC and HTTP ports
         serve.run(app, name=app_name, route_prefix=None)
-        on_ready(coordinator_address(app_name))
+        http = coordinator_http_address(app_name)
+        on_ready(coordinator_address(app_name) + (f", HTTP API on {http}" if http else ""))
         stop.wait()
     finally:
         for sig, handler in previous.items():

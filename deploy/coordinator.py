@@ -1,4 +1,6 @@
-"""The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients.
+"""The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients and,
+with `http_port`, the OpenAI-compatible HTTP API on its own port (uvicorn in the replica, not Serve's
+HTTP proxy: README, "The HTTP API on Ray Serve").
 
 At start it waits until every expert has a registered replica of the version its config names
 (same model, dtype, device; see `deploy.registry`), then builds the service with one
@@ -9,7 +11,8 @@ sessions, sessions stay pinned to their replica (its KV cache), and a step that 
 (killed, draining, past the deadline) is resent to another one, which re-prefills the history.
 
 - `check_health`: the server's own gRPC health service must report SERVING, dialled with the config's
-  TLS settings (health needs no API key, as for Kubernetes probes).
+  TLS settings (health needs no API key, as for Kubernetes probes); with `http_port`, the HTTP API's
+  `/health` must answer 200 too.
 - `record_autoscaling_stats`: requests in flight (what `deploy.autoscaling` scales on).
 - `__del__` (Serve's graceful shutdown): NOT_SERVING, streams in flight get `grace_s` to finish.
 """
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +67,15 @@ class CoordinatorReplica:
         addresses = await self._wait_for_experts(fusion_config.expert_names, settings.startup_timeout_s)
         self._security = fusion_config.security  # the health probe dials as clients do (TLS)
         self._loop = ServerLoop()
+        http = f"{settings.host}:{settings.http_port}" if settings.http_port is not None else None
         self._running, port = await self._loop.call(create_coordinator_server(
             with_addresses(fusion_config, addresses), model_resolver(settings.cache_dir),
             f"{settings.host}:{settings.port}", settings.metrics_port, settings.host,
-            Path(settings.cache_dir) if settings.cache_dir else None,
+            Path(settings.cache_dir) if settings.cache_dir else None, http,
         ))
         self.address = f"{advertised_host(settings.host)}:{port}"
+        http_port = self._running.http_port
+        self.http = f"{advertised_host(settings.host)}:{http_port}" if http_port is not None else None
         self.service = self._running.servicer.service
         self.remote_experts = {e.name: e for e in self.service.experts if isinstance(e, RemoteExpert)}
         self._channel = None
@@ -102,6 +110,10 @@ class CoordinatorReplica:
     def grpc_address(self) -> str:
         return self.address
 
+    def http_address(self) -> str | None:
+        """host:port of the OpenAI-compatible HTTP API (None: `http_port` not set)."""
+        return self.http
+
     def replica_addresses(self) -> dict[str, list[str]]:
         """The replicas each expert's sessions are spread over now."""
         return {name: remote.addresses for name, remote in self.remote_experts.items()}
@@ -122,6 +134,18 @@ class CoordinatorReplica:
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             raise RuntimeError(f"the Fusion service reports {status}")
+        if self.http is not None:
+            await asyncio.to_thread(self._probe_http)
+
+    def _probe_http(self) -> None:
+        """GET /health of the HTTP API, as the Kubernetes readiness probe does (raises unless 200)."""
+        context = None
+        if not self._security.plaintext and self._security.tls is not None:  # unverified, like kubelet's probe
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        scheme = "http" if context is None else "https"
+        with urllib.request.urlopen(f"{scheme}://{self.http}/health", timeout=10.0, context=context) as reply:
+            reply.read()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         from deploy.autoscaling import LOAD_METRIC

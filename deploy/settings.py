@@ -98,6 +98,7 @@ class DeployArgs(_Strict):
     host: str = "0.0.0.0"  # interface the replicas' gRPC servers bind
     port: int = Field(default=50051, ge=0, le=65535)  # the coordinator's Fusion port; 0 picks a free one
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # coordinator /metrics
+    http_port: int | None = Field(default=None, ge=0, le=65535)  # the coordinator's OpenAI-compatible HTTP API
     expert_metrics_port: int | None = Field(default=None, ge=0, le=65535)  # each expert replica's /metrics
     refresh_s: float = Field(default=2.0, gt=0)  # how often the coordinator re-reads the replica set
     heartbeat_s: float = Field(default=2.0, gt=0)  # how often an expert replica re-registers
@@ -148,7 +149,7 @@ class DeployArgs(_Strict):
 
     def coordinator_runtime(self) -> CoordinatorRuntime:
         return CoordinatorRuntime(cache_dir=self.cache_dir, host=self.host, port=self.port,
-                                  metrics_port=self.metrics_port, refresh_s=self.refresh_s,
+                                  metrics_port=self.metrics_port, http_port=self.http_port, refresh_s=self.refresh_s,
                                   startup_timeout_s=self.startup_timeout_s, grace_s=self.grace_s)
 
 
@@ -166,6 +167,7 @@ class CoordinatorRuntime(_Strict):
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int | None = None
+    http_port: int | None = None
     refresh_s: float = 2.0
     startup_timeout_s: float = 900.0
     grace_s: float = 20.0

@@ -24,6 +24,11 @@ class ResourceExhaustedError(FusionError):
     """A configured limit (prompt length, max_tokens, concurrent sessions) was exceeded."""
 
 
+class ServiceBusyError(ResourceExhaustedError):
+    """The service has no free slot (max_concurrent_sessions) or is shutting down: the same request may
+    succeed later (HTTP answers 429 here, and 400 for a request past a size limit)."""
+
+
 class ExpertUnavailableError(FusionError):
     """No replica of an expert could answer."""
 

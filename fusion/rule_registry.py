@@ -22,7 +22,7 @@ def make_rule(name: str, params: dict[str, Any], expert_names: Sequence[str]) ->
         raise InvalidArgumentError("experts: at least one expert is required")
     factory = RULES.get(name)
     if factory is None:
-        raise InvalidArgumentError(f"unknown fusion rule {name!r}; known: {sorted(RULES)}")
+        raise InvalidArgumentError(f"rule: unknown fusion rule {name!r}; known: {sorted(RULES)}")
     try:
         return factory(expert_names, **params)
     except ConfigError:  # a router checkpoint that cannot be read: the caller decides what to reveal

@@ -4,7 +4,7 @@ A background thread owns a `DecodeBatch`: between steps it admits waiting reques
 `max_batch_size` rows) and drops cancelled ones, then has the process's compute thread
 (`fusion.compute`) step every active row at once. Requests arrive validated (`FusionService.admit`).
 Each caller gets a `RequestHandle` to read its events from, synchronously or with `async for`. Requests beyond
-`max_concurrent` (running + waiting) are refused with `ResourceExhaustedError`, never queued
+`max_concurrent` (running + waiting) are refused with `ServiceBusyError`, never queued
 without bound.
 """
 
@@ -18,7 +18,7 @@ from collections import deque
 from typing import AsyncIterator, Iterator
 
 from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
-from fusion.errors import ResourceExhaustedError
+from fusion.errors import ServiceBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ class Scheduler:
         handle = RequestHandle(self, request)
         with self._cond:
             if self._stopped:
-                raise ResourceExhaustedError("the server is shutting down")
+                raise ServiceBusyError("the server is shutting down")
             if len(self._running) + len(self._waiting) >= self.max_concurrent:
-                raise ResourceExhaustedError(
+                raise ServiceBusyError(
                     f"too many concurrent sessions: the limit max_concurrent_sessions={self.max_concurrent} is reached"
                 )
             self._waiting.append(handle)
@@ -194,7 +194,7 @@ class Scheduler:
         # Shutting down: end every stream.
         with self._cond:
             for handle in list(self._running.values()) + list(self._waiting):
-                handle._put(ErrorEvent(handle.request_id, ResourceExhaustedError("the server is shutting down")))
+                handle._put(ErrorEvent(handle.request_id, ServiceBusyError("the server is shutting down")))
                 handle._put(_DONE)
             self._batch.cancel_all()
             self._running.clear()

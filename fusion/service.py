@@ -55,6 +55,7 @@ class FusionRequest:
     sampling: Mapping[str, Any] | SamplingParams | None = None  # fields over the config's sampling
     spec: SpecOverrides | FusionSpec | None = None  # rule, params, weights, profile over the config's
     request_id: str | None = None  # the caller's id; it prefixes the service's own (unique) id
+    plain: bool = False  # a text prompt continued as is: no chat template or system prompt (OpenAI's completions)
 
 
 @dataclass
@@ -176,6 +177,7 @@ class FusionService:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._auto_router: Path | None = None
         self._rules = lru_cache(maxsize=64)(self._make_rule)
+        self._token_texts = lru_cache(maxsize=1 << 16)(self._decode_token)
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -315,9 +317,22 @@ class FusionService:
             return overrides
         return parse_sampling(dict(overrides or {}), base=self.config.sampling)
 
-    def prompt_ids(self, prompt: str | Sequence[Message]) -> list[list[int]]:
-        """The prompt as each expert expects it (its own chat template and system prompt)."""
+    def prompt_ids(self, prompt: str | Sequence[Message], *, plain: bool = False) -> list[list[int]]:
+        """The prompt as each expert expects it (its own chat template and system prompt); `plain`: the
+        text as is, after each tokenizer's BOS."""
+        if plain:
+            if not isinstance(prompt, str):
+                raise InvalidArgumentError("messages: a plain prompt is text, not chat messages")
+            return [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
         return [encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)]
+
+    def token_text(self, token_id: int) -> str:
+        """One id's text on its own, special tokens included (the first expert's tokenizer: the experts
+        share one); what OpenAI-style logprobs show per token. Cached."""
+        return self._token_texts(token_id)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizers[0].decode([token_id])
 
     def sample_ids(self, sample: TextSample | str, max_tokens: int | None = None
                    ) -> tuple[list[list[int]], list[int]]:
@@ -343,7 +358,8 @@ class FusionService:
         rule, weights = self.resolve_spec(request.spec)
         sampling = self.sampling(request.sampling)
         self.engine.check_sampling(sampling)
-        generation = GenerationRequest(self.prompt_ids(request.prompt), sampling, rule, weights)
+        prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
+        generation = GenerationRequest(prompt_ids, sampling, rule, weights)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
             generation.request_id = f"{request.request_id}/{new_request_id()}"
         return self.engine.admit(generation)

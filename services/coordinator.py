@@ -6,6 +6,9 @@ model path (text lives at the edge). Every request goes through the service: it 
 over the config's defaults, admits it off the event loop, streams text events from its continuous
 batching, and frees the request's sessions on every expert when the client's stream ends, is
 cancelled or expires. The service's step observer feeds the Prometheus metrics.
+
+With an HTTP address the same process also serves the OpenAI-compatible HTTP API
+(`services.http_server`) over the same service, metrics and API key gate; both servers stop together.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from grpc_health.v1 import health_pb2
+
 from fusion.config import FusionConfig
 from fusion.errors import ConfigError
 from fusion.expert import Expert, LocalExpert, load_tokenizer, tokenizer_fingerprint
 from fusion.service import FusionService, TextEvent
+from services.http_server import HttpApi, start_http_server
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.remote_expert import RemoteExpert
-from services.security import charge_tokens, fusion_interceptors, server_credentials
+from services.security import KeyGate, charge_tokens, fusion_interceptors, server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import stream_errors, unary_errors
 from services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto
@@ -102,16 +108,10 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         stream = await self.service.submit_async(request_from_proto(request))
         self.metrics.prompt_tokens.inc(stream.prompt_tokens)
         charge_tokens(stream.prompt_tokens)  # to the API key's tokens_per_minute (a no-op without keys)
-        last = None
+        timer = self.metrics.stream(received)
         async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
             async for event in events:
-                now = time.perf_counter()
-                if last is None:
-                    self.metrics.time_to_first_token.observe(now - received)
-                else:
-                    self.metrics.inter_token_latency.observe(now - last)
-                last = now
-                self.metrics.tokens.inc()
+                timer.token()
                 yield event_to_proto(event)
 
     @unary_errors
@@ -141,15 +141,19 @@ async def create_coordinator_server(
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
     cache_dir: Path | None = None,
+    http_address: str | None = None,
 ) -> tuple[RunningServer, int]:
     """Build the service (loading in-process experts, connecting to remote ones) and serve it on
     `address`; returns (server, bound port). Call on the serving event loop. `cache_dir` holds the
-    `router: auto` router (default: the model cache's default place)."""
+    `router: auto` router (default: the model cache's default place). With `http_address` the
+    OpenAI-compatible HTTP API is served there too (`server.http_port`: its bound port)."""
     metrics = CoordinatorMetrics()
     service = await asyncio.to_thread(build_service, config, resolve_model, cache_dir)
     service.add_step_observer(metrics.observe_step)
     servicer = FusionServicer(service, metrics)
-    try:
+    try:  # one gate for both servers: a key's streams, tokens and refusals count across them
+        gate = KeyGate.from_config(config.security, metrics.registry, default_max_tokens=config.sampling.max_tokens,
+                                   limits=config.limits)
         running = await start_server(
             servicer, fusion_pb2_grpc.add_FusionServicer_to_server, FUSION_SERVICE, metrics,
             # Clients send requests, not logits: their messages are capped at max_request_bytes.
@@ -158,14 +162,33 @@ async def create_coordinator_server(
             maximum_concurrent_rpcs=config.limits.max_concurrent_sessions + config.limits.max_concurrent_rpcs,
             metrics_port=metrics_port, metrics_host=metrics_host,
             credentials=server_credentials(config.security, expert=False),
-            interceptors=fusion_interceptors(config.security, FUSION_SERVICE, metrics.registry,
-                                             default_max_tokens=config.sampling.max_tokens, limits=config.limits),
+            interceptors=fusion_interceptors(gate, FUSION_SERVICE),
         )
     except BaseException:
         _close_service(service)
         raise
     running.on_stop(lambda: _close_service(service))
+    if gate is not None:
+        running.on_stop(gate.close)
+    if http_address is not None:
+        try:
+            await _serve_http(running, service, metrics, gate, config, http_address)
+        except BaseException:
+            await running.stop(0)
+            raise
     return running, running.port
+
+
+async def _serve_http(running: RunningServer, service: FusionService, metrics: CoordinatorMetrics,
+                      gate: KeyGate | None, config: FusionConfig, address: str) -> None:
+    async def serving() -> bool:  # /health answers for the whole coordinator: its gRPC health too
+        reply = await running.health.Check(health_pb2.HealthCheckRequest(service=FUSION_SERVICE), None)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    api = HttpApi(service, metrics, gate, serving=serving)
+    http = await start_http_server(api.app(), address, config.security)
+    running.http_port = http.port
+    running.on_shutdown(http.stop)
 
 
 def run_coordinator(
@@ -177,13 +200,17 @@ def run_coordinator(
     metrics_port: int | None = None,
     grace: float = 30.0,
     cache_dir: Path | None = None,
+    http_port: int | None = None,
 ) -> None:
-    """Serve the Fusion service until SIGTERM/SIGINT (the `fusion serve` command)."""
+    """Serve the Fusion service until SIGTERM/SIGINT (the `fusion serve` command); with `http_port`,
+    the OpenAI-compatible HTTP API too, from the same process and service."""
 
     async def main() -> None:
+        http_address = f"{host}:{http_port}" if http_port is not None else None
         running, bound = await create_coordinator_server(config, resolve_model, f"{host}:{port}", metrics_port,
-                                                         host, cache_dir)
-        print(f"fusion coordinator serving on {host}:{bound}", file=sys.stderr, flush=True)
+                                                         host, cache_dir, http_address)
+        http = f", HTTP API on {host}:{running.http_port}" if running.http_port is not None else ""
+        print(f"fusion coordinator serving on {host}:{bound}{http}", file=sys.stderr, flush=True)
         await serve_until_signalled(running, grace)
 
     asyncio.run(main())

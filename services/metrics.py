@@ -7,6 +7,7 @@ Names follow Prometheus conventions: a `fusion_` prefix, base units (`_seconds`)
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import grpc
@@ -116,6 +117,14 @@ class CoordinatorMetrics(ServerMetrics):
             "fusion_prompt_tokens", "Prompt tokens of admitted requests (the first expert's)",
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            "fusion_http_requests", "HTTP API requests answered, by path and status (a stream: when it starts)",
+            ["path", "status"], registry=self.registry,
+        )
+
+    def stream(self, received: float) -> StreamTimer:
+        """The timer of one token stream of a request received at `received` (time.perf_counter)."""
+        return StreamTimer(self, received)
 
     def observe_step(self, timings: StepTimings) -> None:
         """The service's step observer: one decode step's timings."""
@@ -124,6 +133,25 @@ class CoordinatorMetrics(ServerMetrics):
             self.expert_step.labels(expert=name).observe(seconds)
         if timings.fuse_sample_s:
             self.fusion_overhead.observe(timings.fuse_sample_s)
+
+
+class StreamTimer:
+    """One stream's tokens into the metrics: the first one's time from the request, each next one's
+    from the one before, and the count."""
+
+    __slots__ = ("metrics", "received", "last")
+
+    def __init__(self, metrics: CoordinatorMetrics, received: float) -> None:
+        self.metrics, self.received, self.last = metrics, received, None
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.time_to_first_token.observe(now - self.received)
+        else:
+            self.metrics.inter_token_latency.observe(now - self.last)
+        self.last = now
+        self.metrics.tokens.inc()
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):

@@ -21,7 +21,8 @@
   on their own bounded executor. Its per-key state is bounded by the configured keys.
   `ApiKeyInterceptor`, its gRPC adapter, reads `authorization: Bearer <key>` or `x-api-key: <key>`
   on every Fusion method (health and reflection stay open for probes). Refusals: UNAUTHENTICATED,
-  or RESOURCE_EXHAUSTED naming the limit (or too many failed attempts).
+  or RESOURCE_EXHAUSTED naming the limit (or too many failed attempts). The HTTP API
+  (`services.http_server`) calls the same gate and answers `Refusal.http_status` (401, 429).
 - Expert service: `ExpertSecretInterceptor` accepts only callers sending the shared secret in
   `x-fusion-expert-secret` (compared in constant time); with `tls.require_client_auth` the TLS
   handshake itself refuses callers without a client certificate signed by the CA.
@@ -1026,9 +1027,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return stream
 
 
-def fusion_interceptors(security: SecurityConfig | None, service: str, registry: CollectorRegistry, *,
-                        default_max_tokens: int, limits: Limits | None = None) -> list[grpc.aio.ServerInterceptor]:
-    gate = KeyGate.from_config(security, registry, default_max_tokens=default_max_tokens, limits=limits)
+def fusion_interceptors(gate: KeyGate | None, service: str) -> list[grpc.aio.ServerInterceptor]:
+    """The Fusion service's interceptors: its key gate's adapter (none without API keys). The HTTP API
+    of the same coordinator holds the same gate, so a key's limits count both."""
     return [] if gate is None else [ApiKeyInterceptor(gate, service)]
 
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -68,19 +68,25 @@ class RunningServer:
     servicer: Any
     metrics: ServerMetrics
     metrics_port: int | None = None
+    http_port: int | None = None  # the coordinator's HTTP API, when it serves one
     _closers: list[Callable[[], Any]] = field(default_factory=list)
+    _stoppers: list[Callable[[float | None], Awaitable[None]]] = field(default_factory=list)
     _stopped: bool = False
 
     def on_stop(self, closer: Callable[[], Any]) -> None:
         """Run `closer` (sync, in a worker thread) after the gRPC server has stopped."""
         self._closers.append(closer)
 
+    def on_shutdown(self, stopper: Callable[[float | None], Awaitable[None]]) -> None:
+        """Await `stopper(grace)` beside the gRPC server's graceful stop (another server of the same service)."""
+        self._stoppers.append(stopper)
+
     async def stop(self, grace: float | None = None) -> None:
         if self._stopped:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
+        await asyncio.gather(self.grpc_server.stop(grace), *(stopper(grace) for stopper in self._stoppers))
         for closer in reversed(self._closers):
             try:
                 await asyncio.to_thread(closer)

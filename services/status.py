@@ -1,4 +1,5 @@
-"""Domain errors ↔ gRPC status codes, in one table used by every server and client.
+"""Domain errors ↔ gRPC status codes, in one table used by every server and client (and the same
+errors as HTTP statuses, for the OpenAI-compatible API).
 
 Servers wrap their handlers with `unary_errors` / `stream_errors`: a domain error becomes its status
 code with the error's message (which names the bad field); anything else becomes INTERNAL and is
@@ -22,6 +23,7 @@ from fusion.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    ServiceBusyError,
     SessionReleasedError,
 )
 
@@ -48,6 +50,21 @@ ERROR_BY_STATUS: dict[grpc.StatusCode, type[FusionError]] = {
 }
 
 
+# The HTTP API's statuses. A request past a size limit (prompt, max_tokens, stop strings) is a bad
+# request there, as OpenAI answers a prompt over the context; only a busy service is 429 (clients
+# retry 429 and 503, which is pointless for a request that is too large).
+HTTP_STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
+    (NotFoundError, 404),
+    (InvalidArgumentError, 400),
+    (ConfigError, 400),
+    (ServiceBusyError, 429),
+    (ResourceExhaustedError, 400),
+    (ExpertUnavailableError, 503),
+    (ExpertOutputError, 500),
+    (ValueError, 400),
+)
+
+
 def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
     for cls, code in STATUS_BY_ERROR:
         if isinstance(err, cls):
@@ -56,6 +73,14 @@ def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INTERNAL, str(err)
     # Not a domain error: its text may hold paths or tensors; the server logs it, the client gets the type.
     return grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); the server's log has the details"
+
+
+def http_status_for(err: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) of an error; the message as `status_for` gives it."""
+    for cls, status in HTTP_STATUS_BY_ERROR:
+        if isinstance(err, cls):
+            return status, str(err)
+    return 500, status_for(err)[1]
 
 
 def error_from_status(code: grpc.StatusCode, details: str) -> FusionError:

@@ -12,7 +12,6 @@ import yaml
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
 
 from deploy.settings import parse_args
-from services.protos import FUSION_SERVICE
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "k8s" / "rayservice.yaml"
@@ -73,6 +72,7 @@ def test_kinds_and_api_versions(docs):
         ("ray.io/v1", "RayService"),
         ("v1", "Service"),
         ("v1", "Service"),
+        ("v1", "Service"),
         ("monitoring.coreos.com/v1", "PodMonitor"),
         ("policy/v1", "PodDisruptionBudget"),
     ])
@@ -131,9 +131,13 @@ def test_gpu_group_matches_the_experts(service, serve_config, settings):
 def test_coordinator_group_port_probe_and_resource(service, serve_config, settings):
     coordinator = group(service, "coordinator")
     c = container(coordinator)
-    assert ports(c) == {"grpc-fusion": settings.port, "fusion-metrics": settings.metrics_port}
-    probe = c["readinessProbe"]["grpc"]
-    assert probe == {"port": settings.port, "service": FUSION_SERVICE}
+    assert ports(c) == {"grpc-fusion": settings.port, "http-fusion": settings.http_port,
+                        "fusion-metrics": settings.metrics_port}
+    # One probe for both APIs: the HTTP /health answers 200 only while the gRPC health of the Fusion
+    # service reports SERVING (services.coordinator).
+    probe = c["readinessProbe"]["httpGet"]
+    assert probe == {"path": "/health", "port": "http-fusion"}
+    assert "grpc" not in c["readinessProbe"]
     # The custom resource that pins one coordinator replica to each pod of this group.
     offered = yaml.safe_load(yaml.safe_load(coordinator["rayStartParams"]["resources"]))
     assert settings.coordinator.resources == offered == {"fusion_coordinator": 1}
@@ -171,6 +175,10 @@ def test_services_reach_ready_coordinators(docs, service, settings):
         [port] = svc["spec"]["ports"]
         assert port["port"] == settings.port and port["targetPort"] == "grpc-fusion"
     assert one(docs, "Service", "logit-fusion-grpc-headless")["spec"]["clusterIP"] == "None"
+    http = one(docs, "Service", "logit-fusion-http")
+    assert http["spec"]["selector"].items() <= labels.items()
+    [port] = http["spec"]["ports"]
+    assert port["port"] == settings.http_port and port["targetPort"] == "http-fusion"
     budget = one(docs, "PodDisruptionBudget")
     assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
@@ -186,3 +194,17 @@ def test_pod_monitor_scrapes_named_ports_that_exist(docs, service):
     for g in groups:
         assert "fusion-metrics" in ports(container(g))
     assert scraped - {"fusion-metrics"} == {"metrics"}  # Ray's own, added by KubeRay
+
+
+VALIDATOR = ROOT.parent / "shared" / "k8s" / "validate_rayservice.py"  # beside the checkout, where there is one
+
+
+@pytest.mark.skipif(not VALIDATOR.is_file(), reason="no KubeRay CRD validator beside this checkout")
+def test_rayservice_validates_against_kuberay_crd():
+    import subprocess
+    import sys
+
+    pytest.importorskip("jsonschema")
+    out = subprocess.run([sys.executable, str(VALIDATOR), str(VALIDATOR.parent / "ray.io_rayservices.yaml"),
+                          str(MANIFEST)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -16,11 +16,12 @@ from fusion.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    ServiceBusyError,
     SessionReleasedError,
 )
 from services import protos
 from services.protos import expert_pb2, fusion_pb2
-from services.status import error_from_status, status_for
+from services.status import error_from_status, http_status_for, status_for
 from services.wire import (
     decode_tensor,
     encode_tensor,
@@ -109,6 +110,21 @@ def test_prompt_or_messages():
 ])
 def test_status_codes(error, code):
     assert status_for(error)[0] == code
+
+
+@pytest.mark.parametrize("error,status", [
+    (NotFoundError("x"), 404),
+    (InvalidArgumentError("x"), 400),
+    (ResourceExhaustedError("x"), 400),  # a request past a size limit: retrying it cannot help
+    (ServiceBusyError("x"), 429),  # no free slot: it may succeed later
+    (ExpertUnavailableError("x"), 503),
+    (ExpertOutputError("x"), 500),
+    (RuntimeError("secret path"), 500),
+])
+def test_http_statuses(error, status):
+    code, message = http_status_for(error)
+    assert code == status
+    assert "secret path" not in message
 
 
 def test_status_back_to_domain_errors():

@@ -287,16 +287,19 @@ def serve(
     port: int = typer.Option(50051, "--port", help="gRPC port of the Fusion service."),
     host: str = typer.Option("0.0.0.0", "--host"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
+    http_port: Optional[int] = typer.Option(None, "--http-port", help="Serve the OpenAI-compatible HTTP API "
+                                            "here too (same process and service)."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
-    """Serve the Fusion gRPC service (experts with addresses in the config are remote)."""
+    """Serve the Fusion gRPC service (experts with addresses in the config are remote) and, with
+    --http-port, the OpenAI-compatible HTTP API."""
 
     def run() -> None:
         from services.coordinator import run_coordinator
 
         config = read_config(config_path)
         run_coordinator(config, model_resolver(cache_dir(cache), prepare=False), port=port, host=host,
-                        metrics_port=metrics_port, cache_dir=cache_dir(cache))
+                        metrics_port=metrics_port, cache_dir=cache_dir(cache), http_port=http_port)
 
     run_guarded(run)
 
@@ -327,6 +330,8 @@ def deploy(
     config_path: Optional[Path] = ConfigOption,
     port: int = typer.Option(50051, "--port", help="gRPC port of the Fusion service (0 picks a free one)."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Coordinator /metrics port."),
+    http_port: Optional[int] = typer.Option(None, "--http-port", help="The coordinator's OpenAI-compatible "
+                                            "HTTP API port."),
     address: Optional[str] = typer.Option(None, "--address", help="Deploy on the Ray cluster at ADDRESS "
                                           "(sharing this machine's model paths) instead of a new local one."),
     num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray cluster (default: all)."),
@@ -347,7 +352,7 @@ def deploy(
         experts = [e.model_copy(update={"model": resolve(e.model)}) for e in config.experts]
         args = {
             "config": config.model_copy(update={"experts": experts}).model_dump(),
-            "port": port, "metrics_port": metrics_port, "cache_dir": str(cache_dir(cache)),
+            "port": port, "metrics_port": metrics_port, "http_port": http_port, "cache_dir": str(cache_dir(cache)),
             "expert": {"num_cpus": cpus_per_replica}, "coordinator": {"num_cpus": cpus_per_replica},
         }
         run_local(args, address=address, num_cpus=num_cpus,

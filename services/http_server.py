@@ -1,0 +1,438 @@
+"""The OpenAI-compatible HTTP API over a `FusionService`: pure conversion, as the gRPC servicer is.
+
+    GET  /v1/models             the fused model and each weight profile
+    POST /v1/chat/completions   chat messages -> choices (server-sent events with `stream: true`)
+    POST /v1/completions        text prompts -> choices
+    GET  /health                200 while the coordinator serves (its gRPC health too), else 503
+
+A request is authenticated by the coordinator's `KeyGate` (the same keys, limits and counters as
+gRPC: `Authorization: Bearer <key>` or `x-api-key`), read (at most `limits.max_request_bytes`),
+planned (`services.openai_wire`: one service request per choice), admitted by the service and
+metered token by token against the key's limits. A stream's response starts with its first token,
+so an error before it (a field the service refuses, no free slot, a lost expert) is an HTTP status
+with OpenAI's error body; one after it is an `error` event before `[DONE]`. A client that
+disconnects cancels every stream of its request, which frees their sessions on every expert.
+
+`start_http_server` serves the app with uvicorn on the running event loop, beside the gRPC server:
+one process, one service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.exceptions import HTTPException
+
+from fusion.config import SecurityConfig
+from fusion.errors import FusionError
+from fusion.service import FusionService, RequestStream, TextEvent, Usage
+from services.metrics import CoordinatorMetrics
+from services.openai_wire import (
+    ApiError,
+    Kind,
+    Plan,
+    attribution,
+    chat_logprob,
+    client_field,
+    completion_logprobs,
+    model_ids,
+    plan_request,
+    usage,
+)
+from services.security import ApiKey, KeyGate, KeyStream, Refusal, api_key_from_headers, warn_if_plaintext
+from services.status import http_status_for
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "fusion"  # the fused model's id; each profile is `fusion:<profile>`
+_DONE = format_sse_event(data_str="[DONE]")
+_ERROR_CODES = {404: "not_found", 429: "server_busy", 500: "internal_error", 503: "expert_unavailable"}
+_OBJECTS = {"chat": ("chatcmpl", "chat.completion", "chat.completion.chunk"),
+            "completions": ("cmpl", "text_completion", "text_completion")}
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return format_sse_event(data_str=json.dumps(payload, separators=(",", ":")))
+
+
+class _Generation:
+    """The service streams of one HTTP request (one per choice), its key's tickets and the watch for
+    the client going away. `close` (idempotent) cancels the streams and frees the tickets."""
+
+    def __init__(self, streams: list[RequestStream], tickets: list[KeyStream]) -> None:
+        self.streams, self.tickets = streams, tickets
+        self._watch: asyncio.Task | None = None
+        self._pumps: list[asyncio.Task] = []  # end with their streams (cancelled streams end too)
+        self.closed = False
+
+    def watch(self, request: Request) -> None:
+        """Close when the client disconnects (the body has been read: what arrives now is the end)."""
+        async def until_disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.close()
+
+        self._watch = asyncio.create_task(until_disconnected())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams:
+            stream.cancel()
+        for ticket in self.tickets:
+            ticket.close()
+        if self._watch is not None and self._watch is not asyncio.current_task():
+            self._watch.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, TextEvent]]:
+        """(choice, event) of every stream as they come; a stream's error is raised."""
+        if len(self.streams) == 1:
+            async with contextlib.aclosing(self.streams[0].__aiter__()) as events:
+                async for event in events:
+                    yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: int, stream: RequestStream) -> None:
+            try:
+                async with contextlib.aclosing(stream.__aiter__()) as events:
+                    async for event in events:
+                        queue.put_nowait((choice, event))
+                queue.put_nowait((choice, None))
+            except Exception as err:  # handed to the reader, which raises it
+                queue.put_nowait((choice, err))
+
+        self._pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        left = len(self.streams)
+        while left:
+            choice, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield choice, item
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    started: bool = False  # a stream sent its first chunk
+    offset: int = 0  # completions' text_offset of the next token
+
+
+class HttpApi:
+    """The routes over one service; `gate` is the coordinator's KeyGate (None: no API keys)."""
+
+    def __init__(self, service: FusionService, metrics: CoordinatorMetrics, gate: KeyGate | None = None, *,
+                 model_name: str = MODEL_NAME, serving: Callable[[], Awaitable[bool]] | None = None) -> None:
+        self.service, self.metrics, self.gate = service, metrics, gate
+        self.model_name = model_name
+        self.serving = serving
+        self.created = int(time.time())
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="logit-fusion", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_exception_handler(HTTPException, self._http_exception)  # unknown paths, wrong methods
+        return app
+
+    # -- routes -------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        serving = self.serving is None or await self.serving()
+        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            await self._authenticate(request, "Models")
+        except Exception as err:
+            return self._error_response(request, err, {})
+        profiles = self.service.config.profiles
+        data = []
+        for model in model_ids(self.model_name, profiles):
+            profile = model.partition(":")[2] or None
+            weights = profiles[profile] if profile else {e.name: e.weight for e in self.service.config.experts}
+            data.append({"id": model, "object": "model", "created": self.created, "owned_by": "logit-fusion",
+                         "fusion": {"profile": profile, "weights": weights}})
+        return self._respond(request, JSONResponse({"object": "list", "data": data}))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    # -- one generation request ---------------------------------------------------------------------
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        received = time.perf_counter()
+        plan: Plan | None = None
+        generation: _Generation | None = None
+        try:
+            record = await self._authenticate(request, "ChatCompletions" if kind == "chat" else "Completions")
+            body = await self._read_json(request)
+            limits = self.service.config.limits
+            plan = plan_request(kind, body, served=self.model_name, profiles=self.service.config.profiles,
+                                max_choices=limits.max_concurrent_sessions)
+            generation = await self._open(plan, record)
+            generation.watch(request)
+            if not plan.stream:
+                answer = await self._collect(generation, plan, received)
+                generation.close()
+                return self._respond(request, JSONResponse(answer))
+            chunks = self._chunks(generation, plan, received)
+            try:
+                first = await anext(chunks)  # the response starts with the first token (or fails before it)
+            except BaseException:
+                await chunks.aclose()
+                raise
+            response = EventSourceResponse(self._stream_body(first, chunks, generation, plan),
+                                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return self._respond(request, response)
+        except Exception as err:
+            if generation is not None:
+                generation.close()
+            return self._error_response(request, err, plan.renames if plan is not None else {})
+        except BaseException:  # cancelled (a shutdown past its grace): the streams end here too
+            if generation is not None:
+                generation.close()
+            raise
+
+    async def _open(self, plan: Plan, record: ApiKey | None) -> _Generation:
+        """Admit one stream per choice (the key's limits first); all or none."""
+        tickets: list[KeyStream] = []
+        streams: list[RequestStream] = []
+        try:
+            if record is not None:
+                for _ in plan.requests:
+                    tickets.append(self.gate.open_stream(record, plan.max_tokens))
+            for fusion_request in plan.requests:
+                stream = await self.service.submit_async(fusion_request)
+                streams.append(stream)
+                self.metrics.prompt_tokens.inc(stream.prompt_tokens)
+                if record is not None:  # to the key's tokens_per_minute, as gRPC charges a stream's prompt
+                    self.gate.charge(record, stream.prompt_tokens)
+        except BaseException:
+            _Generation(streams, tickets).close()
+            raise
+        return _Generation(streams, tickets)
+
+    async def _metered(self, generation: _Generation, received: float) -> AsyncIterator[tuple[int, TextEvent]]:
+        """The events, timed into the metrics and counted against the key's window (a Refusal cuts)."""
+        timers = [self.metrics.stream(received) for _ in generation.streams]
+        async with contextlib.aclosing(generation.events()) as events:
+            async for choice, event in events:
+                timers[choice].token()
+                ticket = generation.tickets[choice] if generation.tickets else None
+                if ticket is not None and (over := ticket.admit_token()) is not None:
+                    raise over
+                yield choice, event
+                if ticket is not None and (over := ticket.after_token(event.finish_reason is not None)) is not None:
+                    raise over
+
+    def _text_of(self, token_id: int) -> str:
+        return self.service.token_text(token_id)
+
+    def _head(self, generation: _Generation, plan: Plan, stream: bool) -> dict[str, Any]:
+        prefix, obj, chunk_obj = _OBJECTS[plan.kind]
+        return {"id": f"{prefix}-{generation.streams[0].request_id}", "object": chunk_obj if stream else obj,
+                "created": int(time.time()), "model": plan.model}
+
+    def _usage(self, generation: _Generation, plan: Plan, choices: list[_Choice]) -> dict[str, int]:
+        """Each prompt counted once (as OpenAI counts `n`), every choice's tokens."""
+        prompts = {p: s.prompt_tokens for p, s in zip(plan.prompt_index, generation.streams)}
+        return usage(sum(prompts.values()), sum(c.usage.completion_tokens for c in choices if c.usage is not None))
+
+    async def _collect(self, generation: _Generation, plan: Plan, received: float) -> dict[str, Any]:
+        choices = [_Choice() for _ in plan.requests]
+        async with contextlib.aclosing(self._metered(generation, received)) as events:
+            async for i, event in events:
+                choice = choices[i]
+                choice.text.append(event.text)
+                choice.tokens.append(event.token)
+                choice.finish_reason = event.finish_reason
+                choice.usage = event.usage or choice.usage
+        out = []
+        for i, choice in enumerate(choices):
+            text = "".join(choice.text)
+            if plan.kind == "chat":
+                logprobs = ({"content": [chat_logprob(t, self._text_of) for t in choice.tokens]}
+                            if plan.logprobs else None)
+                entry = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": choice.finish_reason}
+            else:
+                logprobs = completion_logprobs(choice.tokens, self._text_of, 0) if plan.logprobs else None
+                entry = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            if plan.attribution:
+                entry["fusion"] = {"tokens": [attribution(t) for t in choice.tokens]}
+            out.append(entry)
+        return {**self._head(generation, plan, stream=False), "choices": out,
+                "usage": self._usage(generation, plan, choices)}
+
+    def _chunk_choice(self, plan: Plan, i: int, event: TextEvent, choice: _Choice) -> dict[str, Any] | None:
+        """A stream chunk's choice for one token (None: nothing to send yet)."""
+        token = event.token
+        if choice.started and not event.text and event.finish_reason is None and not (
+                plan.logprobs or plan.attribution):
+            return None
+        if plan.kind == "chat":
+            delta = {"content": event.text} if choice.started else {"role": "assistant", "content": event.text}
+            logprobs = {"content": [chat_logprob(token, self._text_of)]} if plan.logprobs else None
+            entry = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": event.finish_reason}
+        else:
+            logprobs = completion_logprobs([token], self._text_of, choice.offset) if plan.logprobs else None
+            if logprobs is not None:
+                choice.offset += len(logprobs["tokens"][0])
+            entry = {"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+        if plan.attribution:
+            entry["fusion"] = {"tokens": [attribution(token)]}
+        choice.started = True
+        return entry
+
+    async def _chunks(self, generation: _Generation, plan: Plan, received: float) -> AsyncIterator[bytes]:
+        """The stream's events: one chunk per token (and choice), the usage chunk if asked, [DONE]."""
+        head = self._head(generation, plan, stream=True)
+        choices = [_Choice() for _ in plan.requests]
+        async with contextlib.aclosing(self._metered(generation, received)) as events:
+            async for i, event in events:
+                choice = choices[i]
+                choice.usage = event.usage or choice.usage
+                entry = self._chunk_choice(plan, i, event, choice)
+                if entry is None:
+                    continue
+                chunk = {**head, "choices": [entry]}
+                if plan.include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+        if plan.include_usage:
+            yield _sse({**head, "choices": [], "usage": self._usage(generation, plan, choices)})
+        yield _DONE
+
+    async def _stream_body(self, first: bytes, chunks: AsyncIterator[bytes], generation: _Generation,
+                           plan: Plan) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except Exception as err:  # after the response started: an error event, then the end
+            yield _sse(self._api_error(err, plan.renames).body())
+            yield _DONE
+        finally:
+            await chunks.aclose()
+            generation.close()
+
+    # -- the edges: keys, bodies, errors --------------------------------------------------------------
+    async def _authenticate(self, request: Request, method: str) -> ApiKey | None:
+        if self.gate is None:
+            return None
+        record = await self.gate.authenticate(api_key_from_headers(request.headers))  # Refusal: 401 / 429
+        self.gate.count_request(record, method)
+        return record
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.service.config.limits.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = ApiError(413, f"the request body exceeds max_request_bytes={limit}", None, "request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        try:
+            return json.loads(body)
+        except ValueError as err:
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+
+    def _api_error(self, err: Exception, renames: dict[str, str]) -> ApiError:
+        if isinstance(err, ApiError):
+            return err
+        if isinstance(err, Refusal):
+            return ApiError(err.http_status, err.message, None, err.reason)
+        status, message = http_status_for(err)
+        if status == 500 and not isinstance(err, FusionError):
+            logger.error("HTTP request failed", exc_info=err)
+        param, message = client_field(message, renames) if status < 500 else (None, message)
+        return ApiError(status, message, param, _ERROR_CODES.get(status))
+
+    def _error_response(self, request: Request, err: Exception, renames: dict[str, str]) -> Response:
+        error = self._api_error(err, renames)
+        return self._respond(request, JSONResponse(error.body(), status_code=error.status))
+
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return self._respond(request, JSONResponse(error.body(), status_code=exc.status_code))
+
+    def _respond(self, request: Request, response: Response) -> Response:
+        self.metrics.http_requests.labels(path=request.url.path, status=str(response.status_code)).inc()
+        return response
+
+
+# -- the server ------------------------------------------------------------------------------------------
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """The host process's own handler stops every server (`services.serving.serve_until_signalled`)."""
+        yield
+
+
+@dataclass
+class HttpServer:
+    server: uvicorn.Server
+    task: asyncio.Task
+    port: int
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting; requests in flight (streams too) may finish for `grace` seconds."""
+        # uvicorn's wait with timeout 0 times out before it looks, and logs an error even when idle
+        self.server.config.timeout_graceful_shutdown = None if grace is None else max(grace, 0.05)
+        self.server.should_exit = True
+        await self.task
+
+
+def _bind(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, int(port)), family=family)
+    except (OSError, ValueError) as err:
+        raise FusionError(f"cannot listen on {address}: {getattr(err, 'strerror', None) or err}") from None
+
+
+async def start_http_server(app: FastAPI, address: str, security: SecurityConfig | None = None) -> HttpServer:
+    """Serve `app` on `address` ("host:0" picks a free port) on the running event loop; over TLS when
+    the config's security section has a `tls` section (the gRPC server's certificate), else plaintext."""
+    sock = _bind(address)
+    tls = security.tls if security is not None and not security.plaintext else None
+    if tls is None:
+        warn_if_plaintext(address, "the HTTP API")
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                            ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None)
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()
+            raise FusionError(f"the HTTP API did not start on {address}")
+        await asyncio.sleep(0.01)
+    return HttpServer(server, task, sock.getsockname()[1])

@@ -12,7 +12,8 @@ other calls stay where they are unless the replica is marked down, which takes o
 - a failed health check (`grpc.health.v1`, `health_check_timeout_s`), made after each timed-out or
   cancelled call: a replica that answers it is slow (one call's bad luck), not dead.
 
-A down replica takes no sessions for `retry_after_s`; its sessions move on their next step. With no
+A down replica takes no sessions until its health check answers SERVING again (probed every
+`retry_after_s`); its sessions move on their next step. With no
 replica left a call raises `ExpertUnavailableError` naming the expert.
 
 Deadlines: a Step call carrying only decode work (each of its sessions was stepped on that replica
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -94,6 +96,7 @@ class _Replica:
     sessions: set[str] = field(default_factory=set)  # sessions pinned here
     retired: bool = False  # no longer listed (see set_addresses): takes no sessions
     failures: int = 0  # consecutive failed calls
+    probing: bool = False  # a thread is waiting for it to pass a health check (it is down meanwhile)
 
     @property
     def down(self) -> bool:
@@ -142,6 +145,8 @@ class RemoteExpert:
         self._touched: dict[str, set[int]] = {}  # session -> replicas that may cache it
         self._releasing: set[grpc.Future] = set()  # release calls in flight
         self._closed = False
+        self._closing = threading.Event()
+        self._channels_lock = threading.Lock()  # held by close() and by health probes of down replicas
         self._stepped: dict[str, tuple[int, int]] = {}  # session -> (replica, history length) of its last step
         self.failovers = 0  # sessions moved to another replica
         self.failed_calls = 0  # calls that failed over (timed out, cancelled, unreachable)
@@ -182,9 +187,11 @@ class RemoteExpert:
                     logger.info("expert %r: replica %s retired", self.name, replica.address)
 
     def close(self) -> None:
-        self._closed = True
-        for replica in self._replicas:
-            replica.channel.close()
+        self._closing.set()
+        with self._channels_lock:
+            self._closed = True
+            for replica in self._replicas:
+                replica.channel.close()
 
     def describe(self) -> ExpertInfo:
         return dataclasses.replace(self.info, device=self.replica_info.device)
@@ -261,10 +268,11 @@ class RemoteExpert:
             self._send_release(index, ids, attempt=0)
 
     def _send_release(self, index: int, ids: list[str], attempt: int) -> None:
-        if self._closed:
-            return
         replica = self._replicas[index]
-        call = replica.stub.Release.future(expert_pb2.ReleaseRequest(session_ids=ids), timeout=self.timeout_s)
+        with self._channels_lock:  # a retry from a timer must not race close()
+            if self._closed:
+                return
+            call = replica.stub.Release.future(expert_pb2.ReleaseRequest(session_ids=ids), timeout=self.timeout_s)
         with self._lock:
             self._releasing.add(call)
         call.add_done_callback(lambda done: self._released(done, index, ids, attempt))
@@ -364,10 +372,32 @@ class RemoteExpert:
                            replica.last_error, sessions, failures, self.failures_before_down)
             return
         with self._lock:
-            replica.down_until = time.monotonic() + self.retry_after_s
+            replica.down_until = math.inf  # until a health check passes (_probe_until_healthy)
             replica.failures = 0
+            probe = not replica.probing
+            replica.probing = True
         logger.warning("expert %r: replica %s is down (%s: %s); its sessions move", self.name, replica.address,
                        why, replica.last_error)
+        if probe:
+            threading.Thread(target=self._probe_until_healthy, args=(replica,), daemon=True,
+                             name=f"probe-{self.name}-{replica.address}").start()
+
+    def _probe_until_healthy(self, replica: _Replica) -> None:
+        """A down replica takes sessions again only once its health check answers SERVING (probed every
+        `retry_after_s`): a stalled replica that merely outlived a timer would otherwise get the next
+        new sessions (it holds the fewest) and stall their prefill for its whole deadline."""
+        try:
+            while not self._closing.wait(self.retry_after_s) and not replica.retired:
+                with self._channels_lock:  # close() must not shut the channel under the probe
+                    if self._closed or not self._answers_health_check(replica):
+                        continue
+                with self._lock:
+                    replica.down_until = 0.0
+                logger.info("expert %r: replica %s answers its health check again", self.name, replica.address)
+                return
+        finally:
+            with self._lock:
+                replica.probing = False
 
     def _call_succeeded(self, index: int) -> None:
         replica = self._replicas[index]

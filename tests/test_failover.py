@@ -477,3 +477,22 @@ def test_a_release_that_timed_out_is_sent_again(start, tiny_config):
     busy.go()
     assert wait_until(lambda: "stalled-release" not in server.servicer.expert.cache, timeout=15)
     remote.close()
+
+
+def test_a_down_replica_takes_no_sessions_until_its_health_check_passes(loop, start, tiny_config):
+    """Marked down, a replica stays down until it answers its health check again: a dead (or stalled)
+    replica that merely outlived a timer would get the next new sessions (it holds the fewest) and
+    make each of them fail over, or stall its prefill for a whole deadline."""
+    (gone, gone_port), (alive, alive_port) = start(), start()
+    remote = RemoteExpert(tiny_config.expert("a").model_copy(update={"addresses": [addr(gone_port),
+                                                                                   addr(alive_port)]}),
+                          retry_after_s=0.2)
+    loop.run(gone.stop(0))
+    remote.step([StepRequest("first", HISTORY)])  # pinned to the first replica, which is gone: marked down
+    assert remote._replicas[0].down and remote.failovers == 1
+    time.sleep(0.8)  # several probe periods
+    for i in range(3):
+        remote.step([StepRequest(f"later-{i}", HISTORY)])
+    assert remote.failovers == 1 and remote._replicas[0].down  # the new sessions went to the live one
+    assert all(f"later-{i}" in alive.servicer.expert.cache for i in range(3))
+    remote.close()

@@ -186,7 +186,7 @@ def test_tokens_colours_and_details_match_the_api(coordinator, browser):
         assert float(row.get_attribute("data-weight")) == expected[name]["weight"]
         # the page ran four requests in one batch, the API one: float32 sums may differ in the last bits
         assert float(row.get_attribute("data-prob")) == pytest.approx(expected[name]["prob"], rel=1e-4, abs=1e-7)
-        assert row.find_element("css selector", "td.weight").text == f"{expected[name]['weight']:.3f}"
+        assert row.find_element("css selector", "td.col-weight").text == f"{expected[name]['weight']:.3f}"
     logprob = fused["logprobs"]["content"][index]
     assert float(by_css(browser, "#details .fused")[0].get_attribute("data-logprob")) == pytest.approx(
         logprob["logprob"], abs=1e-4)

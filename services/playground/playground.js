@@ -376,8 +376,8 @@ function showDetails(pane, index, span, pin = false) {
     swatch.style.background = state.colours[a.expert];
     const row = el("tr", {"data-expert": a.expert, "data-weight": String(a.weight), "data-prob": String(a.prob)},
       el("td", {}, swatch, ` ${a.expert}${a.expert === t.expert ? " ★" : ""}`),
-      el("td", {class: "weight", text: fmt(a.weight)}),
-      el("td", {class: "prob", text: fmt(a.prob)}),
+      el("td", {class: "col-weight", text: fmt(a.weight)}),
+      el("td", {class: "col-prob", text: fmt(a.prob)}),
       el("td", {text: a.prob == null ? "—" : fmt(a.weight * a.prob)}));
     return row;
   });
@@ -398,11 +398,19 @@ function showDetails(pane, index, span, pin = false) {
   }
   box.replaceChildren(...children);
   box.hidden = false;
-  const r = span.getBoundingClientRect();
-  const left = Math.min(r.left, window.innerWidth - box.offsetWidth - 8);
-  const below = r.bottom + 6 + box.offsetHeight < window.innerHeight;
+  // Beside the token's pane (its text and charts stay in view), else below or above the token.
+  const r = span.getBoundingClientRect(), p = pane.node.getBoundingClientRect();
+  const width = box.offsetWidth, height = box.offsetHeight;
+  let left, top;
+  if (p.right + 8 + width <= window.innerWidth || p.left - 8 - width >= 0) {
+    left = p.right + 8 + width <= window.innerWidth ? p.right + 8 : p.left - 8 - width;
+    top = Math.min(r.top - 8, window.innerHeight - height - 4);
+  } else {
+    left = Math.min(r.left, window.innerWidth - width - 8);
+    top = r.bottom + 6 + height < window.innerHeight ? r.bottom + 6 : r.top - height - 6;
+  }
   box.style.left = `${Math.max(4, left)}px`;
-  box.style.top = `${below ? r.bottom + 6 : Math.max(4, r.top - box.offsetHeight - 6)}px`;
+  box.style.top = `${Math.max(4, top)}px`;
 }
 
 function hideDetails() {

@@ -204,6 +204,32 @@ def test_tokens_colours_and_details_match_the_api(coordinator, browser):
         assert {t["expert"] for t in tokens} == {name} and len(tokens) == len(alone["fusion"]["tokens"])
 
 
+def test_weights_over_the_sequence(coordinator, browser):
+    """A rule whose weights change per step (confidence here, the router's with `route`) gets a line
+    per expert of its weights over the sequence, the weights the API reports for each token."""
+    _, url = coordinator
+    open_page(browser, url + "/")
+    browser.execute_script("const r = document.getElementById('rule'); r.value = 'confidence';"
+                           "r.dispatchEvent(new Event('change'));")
+    wait_for(browser, lambda d: by_css(d, "#param-tau"))
+    set_value(browser, "param-tau", "0.5")
+    for field, value in {"prompt": PROMPT, "max_tokens": "8", "compare": False}.items():
+        set_value(browser, field, value)
+    by_css(browser, "#run")[0].click()
+    wait_for(browser, lambda d: panes_state(d) == {"fused": "done"} and by_css(d, "svg.weights-chart polyline"),
+             message="no weights chart")
+    body = {"model": "fusion", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "fusion": {"rule": "confidence", "params": {"tau": 0.5},
+                                                                      "attribution": True}}
+    tokens = api_answer(url, body)["fusion"]["tokens"]
+    for line in by_css(browser, "svg.weights-chart polyline"):
+        expert = line.get_attribute("data-expert")
+        heights = [1 - float(p.split(",")[1]) for p in line.get_attribute("points").split()]
+        weights = [next(a["weight"] for a in t["attribution"] if a["expert"] == expert) for t in tokens]
+        assert heights == pytest.approx(weights, abs=1e-4), expert
+    assert {line.get_attribute("data-expert") for line in by_css(browser, "svg.weights-chart polyline")} == set("abc")
+
+
 def test_stop_and_leaving_cancel_the_requests(coordinator, browser, experts):  # noqa: F811
     server, url = coordinator
     for leave in (False, True):

@@ -4,6 +4,8 @@
     POST /v1/chat/completions   chat messages -> choices (server-sent events with `stream: true`)
     POST /v1/completions        text prompts -> choices
     GET  /health                200 while the coordinator serves (its gRPC health too), else 503
+    GET  /v1/fusion/describe    the service's description (gRPC's Describe as JSON): experts, rules, ...
+    GET  / and /playground      the web playground (`services/playground/`: static files, no key needed)
 
 A request is authenticated by the coordinator's `KeyGate` (the same keys, limits and counters as
 gRPC: `Authorization: Bearer <key>` or `x-api-key`), read (at most `limits.max_request_bytes`),
@@ -26,11 +28,12 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
@@ -60,6 +63,41 @@ _DONE = format_sse_event(data_str="[DONE]")
 _ERROR_CODES = {404: "not_found", 429: "server_busy", 500: "internal_error", 503: "expert_unavailable"}
 _OBJECTS = {"chat": ("chatcmpl", "chat.completion", "chat.completion.chunk"),
             "completions": ("cmpl", "text_completion", "text_completion")}
+
+
+PLAYGROUND_DIR = Path(__file__).parent / "playground"
+# The playground's files: what the page loads, with its content type; nothing else is served from there.
+_PLAYGROUND_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
+                     "playground.css": "text/css; charset=utf-8"}
+# The page loads only its own files and talks only to this server.
+_PLAYGROUND_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache",
+}
+
+
+def describe_json(service: FusionService, model_name: str = MODEL_NAME) -> dict[str, Any]:
+    """`GET /v1/fusion/describe`: `FusionService.describe()` (gRPC's Describe) as JSON."""
+    description = service.describe()
+    experts = []
+    for expert in description.experts:
+        info = expert.info
+        experts.append({"name": info.name, "model": info.model, "default_weight": expert.default_weight,
+                        "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device,
+                        "addresses": list(expert.addresses), "active_sessions": expert.active_sessions})
+    return {
+        "object": "fusion.description",
+        "model": model_name,
+        "models": model_ids(model_name, description.profiles),
+        "experts": experts,
+        "rules": {name: list(params) for name, params in description.rules.items()},
+        "profiles": description.profiles,
+        "default_spec": description.default_spec.model_dump(mode="json"),
+        "default_sampling": description.default_sampling.model_dump(mode="json"),
+        "limits": description.limits.model_dump(mode="json"),
+        "active_requests": description.active_requests,
+    }
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -152,6 +190,11 @@ class HttpApi:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/fusion/describe", self.describe, methods=["GET"])
+        app.add_api_route("/", self.playground, methods=["GET"])
+        app.add_api_route("/playground", self.playground, methods=["GET"])
+        app.add_api_route("/playground/", self.playground, methods=["GET"])
+        app.add_api_route("/playground/{name}", self.playground_file, methods=["GET"])
         app.add_exception_handler(HTTPException, self._http_exception)  # unknown paths, wrong methods
         return app
 
@@ -173,6 +216,22 @@ class HttpApi:
             data.append({"id": model, "object": "model", "created": self.created, "owned_by": "logit-fusion",
                          "fusion": {"profile": profile, "weights": weights}})
         return self._respond(request, JSONResponse({"object": "list", "data": data}))
+
+    async def describe(self, request: Request) -> Response:
+        try:
+            await self._authenticate(request, "Describe")
+        except Exception as err:
+            return self._error_response(request, err, {})
+        return self._respond(request, JSONResponse(describe_json(self.service, self.model_name)))
+
+    async def playground(self, request: Request) -> Response:
+        return await self.playground_file(request, "index.html")
+
+    async def playground_file(self, request: Request, name: str) -> Response:
+        if name not in _PLAYGROUND_FILES:
+            return await self._http_exception(request, HTTPException(404, "Not Found"))
+        response = FileResponse(PLAYGROUND_DIR / name, media_type=_PLAYGROUND_FILES[name], headers=_PLAYGROUND_HEADERS)
+        return self._respond(request, response)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")

@@ -266,13 +266,16 @@ def score(
     as_json: bool = typer.Option(False, "--json"),
     cache: Optional[Path] = CacheOption,
 ) -> None:
-    """Fused log-probability of CONTINUATION after PROMPT under the configured rule."""
+    """Fused log-probability of CONTINUATION after PROMPT under the configured rule (lm-evaluation-harness's
+    convention: the prompt's trailing whitespace moves to the continuation; prompt + continuation are
+    encoded together and the tokens after the prompt's own encoding are scored; "text" is what they cover)."""
 
     def run() -> None:
         config = read_config(config_path)
         service = load_service(config, cache_dir(cache))
         result = service.score(prompt, continuation, spec_overrides(rule, profile, weights, params))
-        payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob}
+        payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob,
+                   "text": result.text}
         if as_json:
             typer.echo(json.dumps(payload))
         else:

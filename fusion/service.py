@@ -442,9 +442,7 @@ class FusionService:
             if size > limits.max_prompt_bytes:
                 raise ResourceExhaustedError(f"{name}: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
         rule, weights = self.resolve_spec(spec)
-        pairs = [encode_pair(tok, prompt, continuation) for tok in self.tokenizers]
-        prompt_ids = [context for context, _, _ in pairs]
-        _, continuation_ids, scored = pairs[0]  # the experts share one vocabulary: the first one's ids
+        prompt_ids, continuation_ids, scored = self.pair_ids(prompt, continuation)
         if not continuation_ids:
             raise InvalidArgumentError("continuation: encodes to no tokens after the prompt")
         if len(continuation_ids) > limits.max_score_tokens:
@@ -452,6 +450,14 @@ class FusionService:
                                          f"max_score_tokens={limits.max_score_tokens}")
         logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
         return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
+
+    def pair_ids(self, prompt: str, continuation: str) -> tuple[list[list[int]], list[int], str]:
+        """(one prompt per expert, continuation ids, scored text) of a plain prompt and continuation by
+        lm-evaluation-harness's rule (`fusion.text.encode_pair`); the continuation ids are the first
+        expert's (the experts share one vocabulary)."""
+        pairs = [encode_pair(tok, prompt, continuation) for tok in self.tokenizers]
+        _, continuation_ids, scored = pairs[0]
+        return [context for context, _, _ in pairs], continuation_ids, scored
 
     async def score_async(self, prompt: str, continuation: str,
                           spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:

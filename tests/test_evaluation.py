@@ -44,7 +44,47 @@ def test_table_and_rows(tiny_service):
     names = [n for n, _ in rows]
     assert names[:3] == ["a alone", "b alone", "c alone"] and "confidence" in names
     table = ev.format_table([ev.EvalRow("x", {}, 0.5, {"general": 1.234}, 10.0)])
-    assert "| x | 50.0% | 1.234 | 10.0 |" in table
+    assert "| x | 50.0% | – | 1.234 | 10.0 |" in table
+
+
+def test_function_tasks_are_correct_and_unseen():
+    from fusion.tools.code_tasks import TASKS, run_checks
+    from fusion.tools.training.python_code import stdlib_files
+
+    assert len(TASKS) >= 10 and len({t.name for t in TASKS}) == len(TASKS)
+    for task in TASKS:
+        run_checks(task)
+        assert task.prompt.endswith('"""\n') and task.body.startswith("    ")
+    # Neither a body nor a task's signature line is in the code specialist's training files.
+    pieces = [t.body for t in TASKS] + [t.prompt.splitlines()[0] for t in TASKS]
+    for path in stdlib_files(held_out=False):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert not any(p in text for p in pieces), path
+
+
+def test_evaluate_reports_in_and_out_of_template_side_by_side(tiny_service):
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"})), ("mixture", FusionSpec(rule="mixture"))]
+    results = ev.evaluate(tiny_service, rows=rows, questions=8, text_chunks=1, domains=["functions"])
+    for r in results:
+        assert r.arithmetic_accuracy is not None and r.arithmetic_out is not None
+        assert set(r.arithmetic_by_kind) == {"in", "out"}
+        assert set(r.arithmetic_by_kind["in"]) == {"+", "-", "*", "**"} == set(r.arithmetic_by_kind["out"])
+        assert r.bits_per_byte["functions"] > 0
+    table = ev.format_table(results)
+    header = table.splitlines()[0]
+    assert "arith in-template | arith out-of-template" in header
+    assert "2x2 digits in / out" in header and "bpb functions" in header
+    assert len(table.splitlines()) == 2 + len(rows)
+
+
+def test_function_bits_per_byte_is_the_score_convention(tiny_service):
+    """The functions column is `FusionService.score` summed over the tasks, per byte it covers."""
+    spec = FusionSpec(rule="mixture")
+    pairs = ev.function_tasks()[:3]
+    got = ev.bits_per_byte(tiny_service, [spec], pairs)[0]
+    scored = [tiny_service.score(p, c, spec) for p, c in pairs]
+    expected = -sum(r.total_logprob for r in scored) / math.log(2) / sum(len(r.text.encode()) for r in scored)
+    assert got == pytest.approx(expected, rel=1e-4)
 
 
 CODE_CORPUS = [

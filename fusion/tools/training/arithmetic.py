@@ -268,7 +268,7 @@ KINDS = ("+", "-", "*", "**")
 
 
 def held_out_problems(n: int, seed: int) -> list[Problem]:
-    """`n` distinct held-out problems, kinds drawn evenly; deterministic in `seed`."""
+    """`n` distinct held-out problems, the kinds in turn (as even as `n` allows); deterministic in `seed`."""
     pool = _held_out_pool()
     by_kind = {k: [p for p in pool if p.kind == k] for k in KINDS}
     if n < 0 or n > len(pool):
@@ -276,16 +276,17 @@ def held_out_problems(n: int, seed: int) -> list[Problem]:
     rng = random.Random(f"held-out:{seed}")
     order = {k: rng.sample(ps, len(ps)) for k, ps in by_kind.items()}
     picked: list[Problem] = []
-    while len(picked) < n:
+    while len(picked) < n:  # round by round, each kind once per round (in a shuffled order)
         live = [k for k in KINDS if order[k]]
-        picked.append(order[rng.choice(live)].pop())
+        for kind in rng.sample(live, len(live))[: n - len(picked)]:
+            picked.append(order[kind].pop())
     return picked
 
 
 def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str, int]]:
     """`n` distinct held-out (question, answer) pairs; deterministic in `seed`.
 
-    Kinds (+, -, * by one digit, two digits by two digits) are drawn evenly. Every problem comes
+    Kinds (+, -, * by one digit, two digits by two digits) take turns. Every problem comes
     from the held-out split, which training never draws, so these are disjoint from the training
     stream for any seed. `phrasing`: "train" words them in training templates and styles
     (in-template), "held_out" in templates and styles no training sees (out-of-template); the same

@@ -37,7 +37,8 @@ from fusion.router import expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
-from fusion.text import Message, TextSample, TextStream, encode_plain, encode_prompt, end_of_turn_id
+from fusion.text import (Message, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
+                         end_of_turn_id)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class ScoreResult:
     token_ids: list[int]
     logprobs: list[float]
     prompt_tokens: int = 0  # the prompt's length in the first expert's tokens (0: not known, e.g. remote)
+    text: str = ""  # the text the log-probabilities cover: the continuation after any whitespace the
+    # prompt ended with (moved over by the lm-evaluation-harness rule; "" when not known, e.g. remote)
 
     @property
     def total_logprob(self) -> float:
@@ -339,8 +342,8 @@ class FusionService:
         """(one prompt per expert, continuation ids) for a text sample; see `TextSample`."""
         if isinstance(sample, str):
             sample = TextSample(sample)
-        if sample.prompt is None:
-            prompts = [encode_plain(tok, "\n", add_special_tokens=True) for tok in self.tokenizers]
+        if sample.prompt is None:  # a text on its own (lm-evaluation-harness's rolling log-likelihood)
+            prompts = [document_context(tok) for tok in self.tokenizers]
         else:
             prompts = self.prompt_ids(sample.prompt)
         ids = encode_plain(self.tokenizers[0], sample.text, add_special_tokens=False)
@@ -426,7 +429,11 @@ class FusionService:
 
     # -- scoring -----------------------------------------------------------------------------------
     def score(self, prompt: str, continuation: str, spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:
-        """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template)."""
+        """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template).
+
+        The lm-evaluation-harness convention (`fusion.text.encode_pair`): the prompt's trailing
+        whitespace moves to the continuation, prompt + continuation are encoded together and the
+        tokens after the prompt's own encoding are scored; `ScoreResult.text` is the scored text."""
         limits = self.config.limits
         if not continuation:
             raise InvalidArgumentError("continuation: must not be empty")
@@ -435,16 +442,22 @@ class FusionService:
             if size > limits.max_prompt_bytes:
                 raise ResourceExhaustedError(f"{name}: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
         rule, weights = self.resolve_spec(spec)
-        prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
-        if any(not p for p in prompt_ids):
-            # A model without BOS has no context for the first continuation token.
-            raise InvalidArgumentError("prompt: must not be empty for a tokenizer without a BOS token")
-        continuation_ids = encode_plain(self.tokenizers[0], continuation, add_special_tokens=False)
+        prompt_ids, continuation_ids, scored = self.pair_ids(prompt, continuation)
+        if not continuation_ids:
+            raise InvalidArgumentError("continuation: encodes to no tokens after the prompt")
         if len(continuation_ids) > limits.max_score_tokens:
             raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
                                          f"max_score_tokens={limits.max_score_tokens}")
         logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
-        return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]))
+        return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
+
+    def pair_ids(self, prompt: str, continuation: str) -> tuple[list[list[int]], list[int], str]:
+        """(one prompt per expert, continuation ids, scored text) of a plain prompt and continuation by
+        lm-evaluation-harness's rule (`fusion.text.encode_pair`); the continuation ids are the first
+        expert's (the experts share one vocabulary)."""
+        pairs = [encode_pair(tok, prompt, continuation) for tok in self.tokenizers]
+        _, continuation_ids, scored = pairs[0]
+        return [context for context, _, _ in pairs], continuation_ids, scored
 
     async def score_async(self, prompt: str, continuation: str,
                           spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:

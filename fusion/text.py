@@ -29,7 +29,8 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
 
 @dataclass(frozen=True)
 class TextSample:
-    """A text to score or learn from: plain (after a one-token context, "\\n"), or the answer to a chat
+    """A text to score or learn from: plain (encoded on its own after `document_context`: the BOS, or
+    the eos where the tokenizer adds no BOS), or the answer to a chat
     prompt that each expert formats with its own template, optionally closed by the end-of-turn token."""
 
     text: str
@@ -49,6 +50,49 @@ def end_of_turn_id(tokenizer) -> int:
 
 def encode_plain(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before any text when adding special tokens (its BOS), or []."""
+    with_special = encode_plain(tokenizer, "x", add_special_tokens=True)
+    plain = encode_plain(tokenizer, "x", add_special_tokens=False)
+    cut = len(with_special) - len(plain)
+    if cut > 0 and with_special[cut:] == plain:
+        return with_special[:cut]
+    return []
+
+
+def document_context(tokenizer) -> list[int]:
+    """The context of a text scored on its own: the BOS when the tokenizer adds one, else the
+    end-of-text token (lm-evaluation-harness: `[eot_token_id]`, the tokenizer's eos)."""
+    prefix = special_prefix(tokenizer)
+    if prefix:
+        return prefix
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has neither a BOS nor an eos token to start a text")
+    return [tokenizer.eos_token_id]
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int], str]:
+    """(context ids, continuation ids, scored text) by lm-evaluation-harness's rule (`_encode_pair`).
+
+    Trailing whitespace of the context moves to the start of the continuation; then the whole text
+    is encoded at once and the continuation is the whole encoding after the context's own encoding
+    (`whole[len(context_enc):]`), so a boundary that BPE merges ("\n" + "    return") is scored under
+    the tokenization the model saw in training, not two separately encoded halves. The context keeps
+    the tokenizer's BOS (when it adds one); an empty context becomes `document_context`. The scored
+    text is the continuation with the moved whitespace: the bytes the log-probabilities cover.
+    """
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    if not context:
+        return document_context(tokenizer), encode_plain(tokenizer, continuation, add_special_tokens=False), continuation
+    prefix = special_prefix(tokenizer)
+    context_ids = encode_plain(tokenizer, context, add_special_tokens=False)
+    whole = encode_plain(tokenizer, context + continuation, add_special_tokens=False)
+    return prefix + context_ids, whole[len(context_ids):], continuation
 
 
 @dataclass

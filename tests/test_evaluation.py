@@ -19,9 +19,9 @@ def test_bits_per_byte_matches_plain_forward(tiny_dir, tiny_service):
     tok = tiny_service.tokenizers[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
     nats = 0.0
-    for text in texts:
-        ids = tok("\n")["input_ids"] + tok(text, add_special_tokens=False)["input_ids"]
-        context = len(tok("\n")["input_ids"])
+    for text in texts:  # lm-evaluation-harness's rolling convention: [eot] + the text encoded on its own
+        ids = [tok.eos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+        context = 1
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :, : tiny_service.engine.vocab_size], -1)
         nats -= sum(lp[i - 1, ids[i]].item() for i in range(context, len(ids)))
@@ -44,4 +44,121 @@ def test_table_and_rows(tiny_service):
     names = [n for n, _ in rows]
     assert names[:3] == ["a alone", "b alone", "c alone"] and "confidence" in names
     table = ev.format_table([ev.EvalRow("x", {}, 0.5, {"general": 1.234}, 10.0)])
-    assert "| x | 50.0% | 1.234 | 10.0 |" in table
+    assert "| x | 50.0% | – | 1.234 | 10.0 |" in table
+
+
+def test_function_tasks_are_correct_and_unseen():
+    from fusion.tools.code_tasks import TASKS, run_checks
+    from fusion.tools.training.python_code import stdlib_files
+
+    assert len(TASKS) >= 10 and len({t.name for t in TASKS}) == len(TASKS)
+    for task in TASKS:
+        run_checks(task)
+        assert task.prompt.endswith('"""\n') and task.body.startswith("    ")
+    # Neither a body nor a task's signature line is in the code specialist's training files.
+    pieces = [t.body for t in TASKS] + [t.prompt.splitlines()[0] for t in TASKS]
+    for path in stdlib_files(held_out=False):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert not any(p in text for p in pieces), path
+
+
+def test_evaluate_reports_in_and_out_of_template_side_by_side(tiny_service):
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"})), ("mixture", FusionSpec(rule="mixture"))]
+    results = ev.evaluate(tiny_service, rows=rows, questions=8, text_chunks=1, domains=["functions"])
+    for r in results:
+        assert r.arithmetic_accuracy is not None and r.arithmetic_out is not None
+        assert set(r.arithmetic_by_kind) == {"in", "out"}
+        assert set(r.arithmetic_by_kind["in"]) == {"+", "-", "*", "**"} == set(r.arithmetic_by_kind["out"])
+        assert r.bits_per_byte["functions"] > 0
+    table = ev.format_table(results)
+    header = table.splitlines()[0]
+    assert "arith in-template | arith out-of-template" in header
+    assert "2x2 digits in / out" in header and "bpb functions" in header
+    assert len(table.splitlines()) == 2 + len(rows)
+
+
+def test_function_bits_per_byte_is_the_score_convention(tiny_service):
+    """The functions column is `FusionService.score` summed over the tasks, per byte it covers."""
+    spec = FusionSpec(rule="mixture")
+    pairs = ev.function_tasks()[:3]
+    got = ev.bits_per_byte(tiny_service, [spec], pairs)[0]
+    scored = [tiny_service.score(p, c, spec) for p, c in pairs]
+    expected = -sum(r.total_logprob for r in scored) / math.log(2) / sum(len(r.text.encode()) for r in scored)
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+CODE_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def twice(x):\n    y = x * 2\n    return y\n",
+    "for i in range(3):\n    if i:\n        print(i)\n",
+] * 6
+
+
+@pytest.fixture(scope="module")
+def code_service(tmp_path_factory):
+    """One tiny expert whose BPE merges a newline with the indentation after it ("\n   ")."""
+    from fusion.config import parse_config
+    from fusion.service import FusionService
+    from tests.tiny_models import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp("code")
+    tok = make_tokenizer(root / "tok", vocab_size=320, corpus=CODE_CORPUS)
+    make_model(root / "m", tok, seed=5)
+    config = parse_config({"experts": [{"name": "m", "model": str(root / "m"), "dtype": "float32"}]})
+    service = FusionService.from_config(config)
+    yield root / "m", service
+    service.close()
+
+
+def lm_eval_logprob(model, tok, context: str, continuation: str, vocab: int) -> tuple[list[int], float]:
+    """lm-evaluation-harness's loglikelihood, written out plainly: `_encode_pair`, then one forward."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces > 0:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
+    context_enc = tok(context, add_special_tokens=False)["input_ids"]
+    continuation_enc = whole[len(context_enc):]
+    ids = context_enc + continuation_enc
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :, :vocab].float(), -1)
+    return continuation_enc, sum(lp[i - 1, ids[i]].item() for i in range(len(context_enc), len(ids)))
+
+
+@pytest.mark.parametrize("prompt, continuation", [
+    ("def add(a, b):\n", "    return a + b\n"),  # the boundary BPE merges: "\n" + indentation
+    ("def twice(x):\n    y = x * 2", "\n    return y\n"),
+    ("for i in range(3):", " print(i)"),
+])
+def test_score_follows_lm_eval_convention(code_service, prompt, continuation):
+    model_dir, service = code_service
+    tok = service.tokenizers[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, expected = lm_eval_logprob(model, tok, prompt, continuation, service.engine.vocab_size)
+    result = service.score(prompt, continuation, FusionSpec(rule="single", params={"expert": "m"}))
+    assert result.token_ids == ids
+    assert result.total_logprob == pytest.approx(expected, abs=1e-4)
+    moved = prompt[len(prompt.rstrip()):]
+    assert result.text == moved + continuation
+
+
+def test_score_boundary_is_not_two_encodings(code_service):
+    """The case the convention exists for: encoded apart, "\n" and "    return" are not the ids the
+    tokenizer gives the whole text."""
+    _, service = code_service
+    tok = service.tokenizers[0]
+    prompt, continuation = "def add(a, b):\n", "    return a + b\n"
+    apart = tok(prompt)["input_ids"] + tok(continuation, add_special_tokens=False)["input_ids"]
+    whole = tok(prompt + continuation)["input_ids"]
+    assert apart != whole
+    result = service.score(prompt, continuation)
+    assert result.prompt_tokens + len(result.token_ids) == len(whole)
+    assert tok(prompt.rstrip())["input_ids"] + result.token_ids == whole
+
+
+def test_score_whitespace_prompt_starts_a_document(code_service):
+    _, service = code_service
+    tok = service.tokenizers[0]
+    result = service.score("\n", "def add(a, b):")
+    assert result.text == "\ndef add(a, b):" and result.prompt_tokens == 1
+    assert result.token_ids == tok("\ndef add(a, b):", add_special_tokens=False)["input_ids"]

@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -10,6 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from fusion.tools.training import train_expert
 from fusion.tools.training.arithmetic import (
+    FRAMES,
+    HELD_OUT_EXPRESSIONS,
+    HELD_OUT_FRAMES,
+    HELD_OUT_STYLES,
+    HELD_OUT_TEMPLATES,
+    LONG_MIN,
+    STYLES,
     TEMPLATES,
     ArithmeticStream,
     Problem,
@@ -50,7 +58,8 @@ def tokenizer_dir(tmp_path_factory):
     digits = pre_tokenizers.Digits(individual_digits=True)
     pre = pre_tokenizers.Sequence([digits, pre_tokenizers.Whitespace()])
     rng = random.Random(0)
-    corpus = [t.format(a=1, b=2) for ts in TEMPLATES.values() for t in ts]
+    corpus = [t.format(a=1, b=2) for ts in (*TEMPLATES.values(), *HELD_OUT_TEMPLATES.values()) for t in ts]
+    corpus += list(STYLES + HELD_OUT_STYLES)
     corpus += [answer_text(random_problem(rng)) for _ in range(300)]
     corpus += ["You are a helpful AI assistant system user assistant", "def return import self"]
     words = sorted({w for text in corpus for w, _ in pre.pre_tokenize_str(text)})
@@ -123,6 +132,119 @@ def test_held_out_split_is_about_a_tenth_and_covers_all_operators():
 )
 def test_answer_format(problem, answer):
     assert answer_text(problem) == answer
+
+
+# --- phrasing split and worked answers ------------------------------------------------------
+
+
+def piece_pattern(piece: str) -> re.Pattern:
+    """A held-out phrasing piece as a regex: its own words literally, numbers and slots as wildcards."""
+    parts = re.split(r"(\{[abeq]\})", piece)
+    body = "".join({"{a}": r"-?\d+", "{b}": r"-?\d+", "{e}": ".+", "{q}": ".+"}.get(p, re.escape(p)) for p in parts)
+    return re.compile(body, re.IGNORECASE | re.DOTALL)
+
+
+HELD_OUT_PIECES = [*HELD_OUT_FRAMES, *HELD_OUT_STYLES, *(e for es in HELD_OUT_EXPRESSIONS.values() for e in es)]
+
+
+def test_held_out_phrasings_are_disjoint_from_training_ones():
+    training = [t.format(a=12, b=34) for ts in TEMPLATES.values() for t in ts]
+    training += [s.replace("{q}", "What is 1 + 2?") for s in STYLES]
+    for piece in HELD_OUT_PIECES:
+        pattern = piece_pattern(piece)
+        assert not any(pattern.search(t) for t in training), piece
+    assert not set(FRAMES) & set(HELD_OUT_FRAMES) and not set(STYLES) & set(HELD_OUT_STYLES)
+
+
+def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_dir):
+    from fusion.tools.router_training import default_training_samples
+
+    stream = ArithmeticStream(AutoTokenizer.from_pretrained(tokenizer_dir), seed=0)
+    questions = [stream.question()[1] for _ in range(4000)]
+    samples = default_training_samples(0)
+    questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
+    patterns = [piece_pattern(p) for p in HELD_OUT_PIECES]
+    for q in questions:
+        assert not any(p.search(q) for p in patterns), q
+    assert len(set(questions)) > 1000  # many phrasings, not a handful
+    # The patterns do find held-out phrasings: every piece shows up in the out-of-template questions.
+    held = [q for seed in range(3) for q, _ in make_questions(400, seed, phrasing="held_out")]
+    for piece, pattern in zip(HELD_OUT_PIECES, patterns):
+        assert any(pattern.search(q) for q in held), piece
+
+
+def test_in_and_out_of_template_questions_ask_the_same_problems():
+    inside, outside = make_questions(40, 5), make_questions(40, 5, phrasing="held_out")
+    assert [a for _, a in inside] == [a for _, a in outside]
+    assert all(qi != qo for (qi, _), (qo, _) in zip(inside, outside))
+
+
+def _column_result(block: str) -> int:
+    """The number a column working spells: each column's digit, units first, the last column whole."""
+    lasts = [int(step.split("=")[-1].split(",")[0]) for step in block.split("; ")]
+    return sum((v % 10) * 10**i for i, v in enumerate(lasts[:-1])) + lasts[-1] * 10 ** (len(lasts) - 1)
+
+
+def check_working(p: Problem, text: str) -> None:
+    """Recompute every step of a worked answer."""
+    head, tail = f"{p.canonical}: ", f". So the answer is {p.value}."
+    assert text.startswith(head) and text.endswith(tail), text
+    body = text[len(head):-len(tail)]
+    assert "answer" not in body
+    for chain in re.findall(r"[\d+\-*]+(?:=[\d+\-*]+)+", body):  # every equation holds
+        values = [eval(side) for side in chain.split("=")]  # digits and + - * only
+        assert len(set(values)) == 1, (chain, text)
+    for total, carry in re.findall(r"=(\d+), carry (\d+)", body):
+        assert int(carry) == int(total) // 10, text
+    for top, borrow in re.findall(r"(\d+)-\d+(?:-\d+)?=\d+, borrow (\d+)", body):
+        assert int(borrow) == (int(top) >= 10), text
+    if p.op in "+-":
+        x, y = (p.a, p.b) if p.op == "+" or p.a >= p.b else (p.b, p.a)
+        if p.op == "-" and p.a < p.b:
+            assert body.startswith(f"swap, {x}-{y}; ")
+            body = body[len(f"swap, {x}-{y}; "):]
+        assert _column_result(body) == (x + y if p.op == "+" else x - y), text
+        return
+    if p.kind == "*":
+        assert _column_result(body) == p.value, text
+        return
+    parts = body.split("; then ")
+    digits = [int(d) for d in reversed(str(p.b))]
+    partials = []
+    for i, (part, m) in enumerate(zip(parts, digits)):
+        found = re.fullmatch(rf"{p.a}\*{m}: (.+), so (\d+)(?:, shifted (\d+))?", part)
+        assert found, part
+        block, partial, shifted = found.groups()
+        assert _column_result(block) == int(partial) == p.a * m
+        assert int(shifted or partial) == p.a * m * 10**i and (shifted is None) == (i == 0)
+        partials.append(int(shifted or partial))
+    total = partials[0]
+    for part, partial in zip(parts[len(digits):], partials[1:]):
+        found = re.fullmatch(rf"{total}\+{partial}: (.+)", part)
+        assert found and _column_result(found.group(1)) == total + partial, part
+        total += partial
+    assert len(parts) == 2 * len(digits) - 1 and total == p.value
+
+
+def test_every_worked_answer_is_arithmetically_right():
+    problems = [Problem(op, a, b) for op in "+-" for a in range(100) for b in range(100)]
+    problems += [Problem("*", a, m) for a in range(100) for m in range(10)]
+    problems += [Problem("*", m, a) for a in range(100) for m in range(10)]
+    problems += [Problem("*", a, b) for a in range(LONG_MIN, 100) for b in range(LONG_MIN, 100)]
+    for p in problems:
+        check_working(p, answer_text(p))
+
+
+def test_long_multiplication_and_borrowing_are_drawn():
+    rng = random.Random(1)
+    draws = [random_problem(rng) for _ in range(4000)]
+    assert sum(p.kind == "**" for p in draws) > 800
+    assert sum(p.op == "-" and "borrow 1" in answer_text(p) for p in draws) > 300
+    assert {p.kind for p, in [(q,) for q in draws]} == {"+", "-", "*", "**"}
+    assert answer_text(Problem("*", 47, 38)) == (
+        "47*38: 47*8: 7*8=56, carry 5; 4*8+5=32+5=37, so 376; then 47*3: 7*3=21, carry 2; 4*3+2=12+2=14, "
+        "so 141, shifted 1410; then 376+1410: 6+0=6, carry 0; 7+1+0=8, carry 0; 3+4+0=7, carry 0; 0+1+0=1. "
+        "So the answer is 1786.")
 
 
 def test_every_working_ends_in_the_right_value():

@@ -266,13 +266,16 @@ def score(
     as_json: bool = typer.Option(False, "--json"),
     cache: Optional[Path] = CacheOption,
 ) -> None:
-    """Fused log-probability of CONTINUATION after PROMPT under the configured rule."""
+    """Fused log-probability of CONTINUATION after PROMPT under the configured rule (lm-evaluation-harness's
+    convention: the prompt's trailing whitespace moves to the continuation; prompt + continuation are
+    encoded together and the tokens after the prompt's own encoding are scored; "text" is what they cover)."""
 
     def run() -> None:
         config = read_config(config_path)
         service = load_service(config, cache_dir(cache))
         result = service.score(prompt, continuation, spec_overrides(rule, profile, weights, params))
-        payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob}
+        payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob,
+                   "text": result.text}
         if as_json:
             typer.echo(json.dumps(payload))
         else:
@@ -473,9 +476,10 @@ def train_router_command(
 @app.command("eval")
 def evaluate(
     config_path: Optional[Path] = ConfigOption,
-    questions: int = typer.Option(100, "--questions", help="Held-out arithmetic questions (0 = skip)."),
+    questions: int = typer.Option(100, "--questions", help="Held-out arithmetic problems, each asked in-template "
+                                  "and out-of-template (0 = skip)."),
     seed: int = typer.Option(0, "--seed", help="Which held-out questions."),
-    domains: str = typer.Option("arithmetic,python,general", "--domains", help="Bits-per-byte domains."),
+    domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
@@ -483,7 +487,8 @@ def evaluate(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
-    """Each expert alone and each fusion rule: arithmetic exact match, bits-per-byte, tokens/s."""
+    """Each expert alone and each fusion rule: arithmetic exact match in- and out-of-template, bits-per-byte,
+    tokens/s."""
 
     def run() -> None:
         from fusion.tools import evaluation as ev

@@ -1,13 +1,18 @@
 """Quality evaluation: does the fused trio beat each of its members?
 
 Rows: every expert alone (`single` rule) and each fusion rule. Columns: exact-match accuracy on
-held-out arithmetic questions (problems training never draws), bits-per-byte on held-out text of
-each domain, and tokens/s while answering the arithmetic questions (batched).
+held-out arithmetic problems (problems training never draws) asked twice, in training phrasings
+(in-template) and in phrasings no training has seen (out-of-template: held-out expressions, frames
+and instruction styles), overall and by kind (+, -, * by one digit, two digits by two digits);
+bits-per-byte on held-out text of each domain; and tokens/s while answering (batched).
 
 Domains for bits-per-byte, all available offline on any Python install:
   arithmetic  worked answers to held-out questions, each scored after its chat prompt (as generated)
   python      held-out standard-library source files (the code specialist never trained on them)
+  functions   unseen function-completion tasks (`fusion.tools.code_tasks`): each reference body
+              scored after its signature and docstring (lm-evaluation-harness's convention)
   general     English documentation prose: IDLE's help page and Python's licence history
+Plain texts are scored on their own after the BOS (or the eos), as lm-eval's rolling log-likelihood.
 Experts' teacher-forced logits are computed once per text chunk and every rule is applied to them.
 """
 
@@ -29,16 +34,20 @@ from fusion.text import TextSample
 
 logger = logging.getLogger(__name__)
 
-DOMAINS = ("arithmetic", "python", "general")
+DOMAINS = ("arithmetic", "python", "functions", "general")
+KIND_LABELS = {"+": "+", "-": "-", "*": "x 1 digit", "**": "2x2 digits"}
+Sample = TextSample | str | tuple[str, str]  # a chat answer, a plain text, or a plain (prompt, continuation)
 
 
 @dataclass
 class EvalRow:
     name: str
     spec: dict
-    arithmetic_accuracy: float | None = None
+    arithmetic_accuracy: float | None = None  # in-template
     bits_per_byte: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float | None = None
+    arithmetic_out: float | None = None  # out-of-template: the same problems in unseen phrasings
+    arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {"in"|"out": {kind: acc}}
 
 
 def pure_routing(spec: FusionSpec) -> FusionSpec:
@@ -73,7 +82,7 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
 # -- arithmetic ------------------------------------------------------------------------------
 def arithmetic_accuracy(
     service: FusionService, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
-    max_tokens: int = 96,
+    max_tokens: int = 192,  # a worked long multiplication is up to ~160 SmolLM2 tokens
 ) -> tuple[float, float, list[dict]]:
     """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records)."""
     from fusion.tools.training.arithmetic import extract_answer
@@ -153,21 +162,32 @@ def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
     return windows[::step][:count]
 
 
-def bits_per_byte(
-    service: FusionService, specs: list[FusionSpec], samples: Sequence[TextSample | str]
-) -> list[float]:
+def function_tasks() -> list[tuple[str, str]]:
+    """(signature and docstring, reference body) of every unseen function-completion task."""
+    from fusion.tools.code_tasks import TASKS
+
+    return [(task.prompt, task.body) for task in TASKS]
+
+
+def bits_per_byte(service: FusionService, specs: list[FusionSpec], samples: Sequence[Sample]) -> list[float]:
     """Bits per UTF-8 byte of the samples' text (an end-of-turn token is scored but adds no bytes) under
-    each spec. Each expert runs once per sample; every rule is applied to the same teacher-forced logits."""
+    each spec. A (prompt, continuation) pair is scored as `FusionService.score` does (lm-evaluation-
+    harness's convention), over the bytes its log-probabilities cover. Each expert runs once per
+    sample; every rule is applied to the same teacher-forced logits."""
     engine = service.engine
     nats = [0.0] * len(specs)
     total_bytes = 0
     resolved = [service.resolve_spec(s) for s in specs]
     for sample in samples:
-        prompt_ids, ids = service.sample_ids(sample)
+        if isinstance(sample, tuple):
+            prompt_ids, ids, text = service.pair_ids(*sample)
+        else:
+            prompt_ids, ids = service.sample_ids(sample)
+            text = sample.text if isinstance(sample, TextSample) else sample
         logits = engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
         for i, (rule, weights) in enumerate(resolved):
             nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights, prompt_ids[0]))
-        total_bytes += len((sample.text if isinstance(sample, TextSample) else sample).encode("utf-8"))
+        total_bytes += len(text.encode("utf-8"))
     return [n / math.log(2) / total_bytes for n in nats]
 
 
@@ -181,21 +201,28 @@ def evaluate(
     chunk_tokens: int = 192,
     domains: Sequence[str] = DOMAINS,
 ) -> list[EvalRow]:
-    from fusion.tools.training.arithmetic import make_questions
+    from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
     results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
     if questions > 0:
-        qs = make_questions(questions, seed)
+        kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
+        sets = {"in": make_questions(questions, seed), "out": make_questions(questions, seed, phrasing="held_out")}
         for result, (name, spec) in zip(results, rows):
-            logger.info("arithmetic: %s (%d questions)", name, len(qs))
-            acc, tps, _ = arithmetic_accuracy(service, spec, qs)
-            result.arithmetic_accuracy, result.tokens_per_s = acc, tps
-            logger.info("arithmetic: %s: %.1f%% exact, %.1f tokens/s", name, 100 * acc, tps)
+            for split, qs in sets.items():
+                logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
+                acc, tps, records = arithmetic_accuracy(service, spec, qs)
+                result.arithmetic_by_kind[split] = by_kind(records, kinds)
+                if split == "in":
+                    result.arithmetic_accuracy, result.tokens_per_s = acc, tps
+                else:
+                    result.arithmetic_out = acc
+                logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
     tokenizer = service.tokenizers[0]
     sources = {
         "arithmetic": lambda: arithmetic_answers(8 * text_chunks, seed),
         "python": lambda: chunks(python_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
+        "functions": function_tasks,
         "general": lambda: chunks(general_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
     }
     for domain in domains:
@@ -206,15 +233,33 @@ def evaluate(
     return results
 
 
+def by_kind(records: list[dict], kinds: Sequence[str]) -> dict[str, float]:
+    """Exact-match accuracy per problem kind of `records` (in the order of `kinds`)."""
+    hits: dict[str, list[bool]] = {}
+    for record, kind in zip(records, kinds):
+        hits.setdefault(kind, []).append(record["got"] == record["answer"])
+    return {kind: sum(v) / len(v) for kind, v in sorted(hits.items(), key=lambda kv: list(KIND_LABELS).index(kv[0]))}
+
+
+def _pct(value: float | None) -> str:
+    return f"{100 * value:.1f}%" if value is not None else "–"
+
+
 def format_table(results: list[EvalRow]) -> str:
+    """Markdown: in- and out-of-template accuracy side by side, then per kind "in / out", then bits
+    per byte per domain and tokens/s."""
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
-    header = ["row", "arith exact"] + [f"bpb {d}" for d in domains] + ["tokens/s"]
+    kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
+    header = ["row", "arith in-template", "arith out-of-template"] + [f"{KIND_LABELS[k]} in / out" for k in kinds]
+    header += [f"bpb {d}" for d in domains] + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
-        acc = f"{100 * r.arithmetic_accuracy:.1f}%" if r.arithmetic_accuracy is not None else "–"
+        split = r.arithmetic_by_kind
+        per_kind = [f"{_pct(split.get('in', {}).get(k))} / {_pct(split.get('out', {}).get(k))}" for k in kinds]
         bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
         tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
-        lines.append("| " + " | ".join([r.name, acc, *bpbs, tps]) + " |")
+        lines.append("| " + " | ".join([r.name, _pct(r.arithmetic_accuracy), _pct(r.arithmetic_out), *per_kind,
+                                        *bpbs, tps]) + " |")
     return "\n".join(lines)
 
 
@@ -231,11 +276,15 @@ def plot(results: list[EvalRow], path: Path) -> None:
 
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     panels = (["arithmetic exact match"] if any(r.arithmetic_accuracy is not None for r in results) else [])
+    panels += (["arithmetic out-of-template"] if any(r.arithmetic_out is not None for r in results) else [])
     panels += [f"bits/byte: {d}" for d in domains]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
     names = [r.name for r in results]
     for ax, panel in zip(axes[0], panels):
-        if panel.startswith("arithmetic"):
+        if panel == "arithmetic out-of-template":
+            values = [100 * (r.arithmetic_out or 0) for r in results]
+            ax.set_ylabel("% exact (higher is better)")
+        elif panel.startswith("arithmetic"):
             values = [100 * (r.arithmetic_accuracy or 0) for r in results]
             ax.set_ylabel("% exact (higher is better)")
         else:

@@ -9,7 +9,7 @@ For each training text the experts' teacher-forced logits are computed once thro
          + comp_l2 · Σ_v complementary logit² (mean over positions) keeps the complementary logit small off-domain
 
 "Best expert" is the one giving the reference token the highest probability, as FusionRoute does.
-A training sample is a text, either plain (after a one-token context, as `fusion eval` scores text) or
+A training sample is a text, either plain (on its own after the BOS or eos, as `fusion eval` scores text) or
 the answer to a chat prompt formatted by each expert's own template (as `fusion generate` runs).
 The default mix draws from each domain's training split; evaluation texts are held out.
 """
@@ -100,7 +100,7 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
 
     def arithmetic() -> TextSample:
         p = training_problem(rng)
-        return TextSample(answer_text(p), prompt=question_text(p, rng), end_turn=True)
+        return TextSample(answer_text(p), prompt=question_text(p, rng, "train"), end_turn=True)
 
     def window(text: str) -> str:
         start = rng.randrange(max(1, len(text) - 1500))

@@ -12,12 +12,19 @@ few earlier tokens: two digits and a carry), then states the result in ordinary 
 
 SmolLM2's tokenizer splits numbers into single digits, so each digit is one token.
 
-Ranges: + and - on 0..99 (negative differences allowed), * with one operand 0..9 and the other
-0..99 (covers tables like 7 x 8 and 12 x 9).
+    47 * 38 -> "47*38: 47*8: 7*8=56, carry 5; 4*8+5=32+5=37, so 376; then 47*3: 7*3=21, carry 2;
+               4*3+2=12+2=14, so 141, shifted 1410; then 376+1410: 6+0=6, carry 0; 7+1+0=8, carry 0;
+               3+4+0=7, carry 0; 0+1+0=1. So the answer is 1786."
 
-Held-out split: each problem (op, a, b) belongs to training or to the held-out set by a hash of
-its canonical form. Training never draws a held-out problem and `make_questions` draws only
-held-out ones, so evaluation questions are unseen whatever the seeds (phrasings are shared).
+Ranges: + and - on 0..99 (negative differences allowed; borrows worked by column), * with one
+operand 0..9 and the other 0..99 (covers tables like 7 x 8 and 12 x 9), and long multiplication of
+two two-digit numbers. Every answer ends with "So the answer is N." and the turn terminator.
+
+Held-out split, two ways: each problem (op, a, b) belongs to training or to the held-out set by a
+hash of its canonical form (training never draws a held-out problem; `make_questions` draws only
+held-out ones); and the phrasings' parts (expressions, frames, instruction styles) are split into
+training and held-out lists, so evaluation asks the held-out problems both in training phrasings
+(in-template) and in phrasings no training has seen (out-of-template).
 """
 
 from __future__ import annotations
@@ -34,53 +41,60 @@ from fusion.tools.training.loop import Batch
 from fusion.text import end_of_turn_id
 
 MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND
-MAX_MULTIPLIER = 9  # *: one operand in 0..MAX_MULTIPLIER, the other in 0..MAX_OPERAND
+MAX_MULTIPLIER = 9  # * by one digit: one operand in 0..MAX_MULTIPLIER, the other in 0..MAX_OPERAND
+LONG_MIN = 10  # long multiplication: both operands in LONG_MIN..MAX_OPERAND
 HELD_OUT_PERCENT = 10
 
-TEMPLATES: dict[str, tuple[str, ...]] = {
-    "+": (
-        "What is {a} + {b}?",
-        "What is {a}+{b}?",
-        "{a} + {b} = ?",
-        "{a} + {b}",
-        "Compute {a} + {b}.",
-        "Calculate {a} + {b}.",
-        "What is {a} plus {b}?",
-        "{a} plus {b}?",
-        "What is the sum of {a} and {b}?",
-        "Add {a} and {b}.",
-        "What's {a} + {b}?",
-        "How much is {a} plus {b}?",
-    ),
-    "-": (
-        "What is {a} - {b}?",
-        "What is {a}-{b}?",
-        "{a} - {b} = ?",
-        "{a} - {b}",
-        "Compute {a} - {b}.",
-        "Calculate {a} - {b}.",
-        "What is {a} minus {b}?",
-        "{a} minus {b}?",
-        "Subtract {b} from {a}.",
-        "What's {a} - {b}?",
-        "How much is {a} minus {b}?",
-    ),
-    "*": (
-        "What is {a} x {b}?",
-        "What is {a} * {b}?",
-        "What is {a}*{b}?",
-        "{a} * {b} = ?",
-        "{a} x {b}",
-        "Compute {a} * {b}.",
-        "Calculate {a} × {b}.",
-        "What is {a} times {b}?",
-        "{a} times {b}?",
-        "What is the product of {a} and {b}?",
-        "Multiply {a} by {b}.",
-        "What's {a} x {b}?",
-        "How much is {a} times {b}?",
-    ),
+# Phrasings are composed of three parts, each split into a training and a held-out list: the
+# expression (how the operation is worded), the frame around it (the question's verb and
+# punctuation) and the instruction style (what the user wraps the question in). Training (of the
+# specialist and of the router) composes training parts only; `make_questions(..., phrasing="held_out")`
+# composes held-out parts only, so an out-of-template question shares no wording beyond the numbers
+# and common words with anything trained on. Whole imperative templates ("Add {a} and {b}.") count as
+# training expressions framed by themselves.
+EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} + {b}", "{a}+{b}", "{a} plus {b}", "the sum of {a} and {b}"),
+    "-": ("{a} - {b}", "{a}-{b}", "{a} minus {b}", "the difference {a} - {b}", "{a} take away {b}"),
+    "*": ("{a} x {b}", "{a} * {b}", "{a}*{b}", "{a} × {b}", "{a} times {b}", "the product of {a} and {b}"),
 }
+HELD_OUT_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} and {b} added together", "the total of {a} and {b}"),
+    "-": ("{b} subtracted from {a}", "{a} less {b}"),
+    "*": ("{a} multiplied by {b}", "{a} lots of {b}"),
+}
+IMPERATIVES: dict[str, tuple[str, ...]] = {
+    "+": ("Add {a} and {b}.",),
+    "-": ("Subtract {b} from {a}.",),
+    "*": ("Multiply {a} by {b}.",),
+}
+FRAMES = (
+    "What is {e}?", "What's {e}?", "{e} = ?", "{e}", "{e}?", "Compute {e}.", "Calculate {e}.", "Work out {e}.",
+    "Find {e}.", "Evaluate {e}.", "How much is {e}?", "Tell me {e}.", "Can you compute {e}?",
+    "Please calculate {e}.", "What do you get for {e}?", "Solve {e}.",
+)
+HELD_OUT_FRAMES = (
+    "Would you mind working out {e}?", "I wonder what {e} comes to.", "{e} equals what?",
+    "Give me the result of {e}.", "Determine {e}, please.",
+)
+STYLES = (
+    "{q}", "{q}", "{q}", "{q}", "Please answer: {q}", "Question: {q}", "Solve this: {q}", "{q} Show your working.",
+    "Math question. {q}", "Help me with this one: {q}", "Q: {q}", "Arithmetic: {q}",
+)
+HELD_OUT_STYLES = (
+    "My kid asked me this and I forgot how: {q}", "{q} Explain step by step.", "Homework check -> {q}",
+    "Hi! Quick one for you. {q} Thanks.",
+)
+
+
+def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
+               imperatives: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    return {op: tuple(f.replace("{e}", e) for f in frames for e in expressions[op]) + imperatives.get(op, ())
+            for op in expressions}
+
+
+TEMPLATES = _templates(FRAMES, EXPRESSIONS, IMPERATIVES)  # training: frames x expressions + imperatives
+HELD_OUT_TEMPLATES = _templates(HELD_OUT_FRAMES, HELD_OUT_EXPRESSIONS, {})  # held-out frames x expressions
+PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES)}
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,13 @@ class Problem:
     @property
     def canonical(self) -> str:
         return f"{self.a}{self.op}{self.b}"
+
+    @property
+    def kind(self) -> str:
+        """"+", "-", "*" (by one digit) or "**" (long: two digits by two digits)."""
+        if self.op == "*" and min(self.a, self.b) >= LONG_MIN:
+            return "**"
+        return self.op
 
 
 def is_held_out(p: Problem) -> bool:
@@ -159,12 +180,34 @@ def _mul_working(top: int, m: int) -> str:
     return "; ".join(steps)
 
 
+def _long_mul_working(a: int, b: int) -> str:
+    """Long multiplication: `a` by each digit of `b` from the units up (each partial product worked
+    by column and shifted), then the partial products added by column."""
+    parts, partials = [], []
+    for i, digit in enumerate(reversed(str(b))):
+        m = int(digit)
+        partial = a * m
+        part = f"{a}*{m}: {_mul_working(a, m)}, so {partial}"
+        if i:
+            partial *= 10**i
+            part += f", shifted {partial}"
+        parts.append(part)
+        partials.append(partial)
+    total = partials[0]
+    for partial in partials[1:]:
+        parts.append(f"{total}+{partial}: {_add_working(total, partial)}")
+        total += partial
+    return "; then ".join(parts)
+
+
 def answer_text(p: Problem) -> str:
     """The full answer: restatement, column working, then "So the answer is N."."""
     if p.op == "+":
         work = _add_working(p.a, p.b)
     elif p.op == "-":
         work = _sub_working(p.a, p.b) if p.a >= p.b else f"swap, {p.b}-{p.a}; " + _sub_working(p.b, p.a)
+    elif p.kind == "**":
+        work = _long_mul_working(p.a, p.b)
     elif p.op == "*":
         top, m = (p.b, p.a) if p.a <= MAX_MULTIPLIER < p.b else (p.a, p.b)
         work = _mul_working(top, m)
@@ -173,8 +216,15 @@ def answer_text(p: Problem) -> str:
     return f"{p.canonical}: {work}. So the answer is {p.value}."
 
 
-def question_text(p: Problem, rng: random.Random) -> str:
-    return rng.choice(TEMPLATES[p.op]).format(a=p.a, b=p.b)
+def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> str:
+    """A question for `p` in a random template and instruction style of the `phrasing` split ("train":
+    the only one any training draws from; "held_out": unseen templates and styles)."""
+    templates, styles = PHRASINGS[phrasing]
+    question = rng.choice(templates[p.op]).format(a=p.a, b=p.b)
+    text = rng.choice(styles).replace("{q}", question)
+    if rng.random() < 0.15:  # casual lower case
+        text = text[0].lower() + text[1:]
+    return text
 
 
 def _random_operand(rng: random.Random, max_value: int) -> int:
@@ -182,9 +232,14 @@ def _random_operand(rng: random.Random, max_value: int) -> int:
     return rng.randint(0, 9) if rng.random() < 0.25 else rng.randint(0, max_value)
 
 
+KIND_SHARES = {"+": 0.22, "-": 0.26, "*": 0.2, "**": 0.32}  # long multiplication has the most to learn
+
+
 def random_problem(rng: random.Random) -> Problem:
     """Any problem in range, training or held-out."""
-    op = rng.choice("+-*")
+    op = rng.choices(list(KIND_SHARES), list(KIND_SHARES.values()))[0]
+    if op == "**":
+        return Problem("*", rng.randint(LONG_MIN, MAX_OPERAND), rng.randint(LONG_MIN, MAX_OPERAND))
     if op == "*":
         big, small = _random_operand(rng, MAX_OPERAND), rng.randint(0, MAX_MULTIPLIER)
         a, b = (big, small) if rng.random() < 0.5 else (small, big)
@@ -205,26 +260,41 @@ def _held_out_pool() -> tuple[Problem, ...]:
     pool = [Problem(op, a, b) for op in "+-" for a in operands for b in operands]
     pool += [Problem("*", a, m) for a in operands for m in multipliers]
     pool += [Problem("*", m, a) for a in operands if a > MAX_MULTIPLIER for m in multipliers]
+    pool += [Problem("*", a, b) for a in range(LONG_MIN, MAX_OPERAND + 1) for b in range(LONG_MIN, MAX_OPERAND + 1)]
     return tuple(p for p in pool if is_held_out(p))
 
 
-def make_questions(n: int, seed: int) -> list[tuple[str, int]]:
-    """`n` distinct held-out (question, answer) pairs; deterministic in `seed`.
+KINDS = ("+", "-", "*", "**")
 
-    Operators are drawn evenly. Every problem comes from the held-out split, which training never
-    draws, so these are disjoint from the training stream for any seed.
-    """
+
+def held_out_problems(n: int, seed: int) -> list[Problem]:
+    """`n` distinct held-out problems, the kinds in turn (as even as `n` allows); deterministic in `seed`."""
     pool = _held_out_pool()
-    by_op = {op: [p for p in pool if p.op == op] for op in "+-*"}
+    by_kind = {k: [p for p in pool if p.kind == k] for k in KINDS}
     if n < 0 or n > len(pool):
         raise ValueError(f"n={n} must be between 0 and {len(pool)} (held-out problems)")
     rng = random.Random(f"held-out:{seed}")
-    order = {op: rng.sample(ps, len(ps)) for op, ps in by_op.items()}
+    order = {k: rng.sample(ps, len(ps)) for k, ps in by_kind.items()}
     picked: list[Problem] = []
-    while len(picked) < n:
-        live = [op for op in "+-*" if order[op]]
-        picked.append(order[rng.choice(live)].pop())
-    return [(question_text(p, rng), p.value) for p in picked]
+    while len(picked) < n:  # round by round, each kind once per round (in a shuffled order)
+        live = [k for k in KINDS if order[k]]
+        for kind in rng.sample(live, len(live))[: n - len(picked)]:
+            picked.append(order[kind].pop())
+    return picked
+
+
+def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str, int]]:
+    """`n` distinct held-out (question, answer) pairs; deterministic in `seed`.
+
+    Kinds (+, -, * by one digit, two digits by two digits) take turns. Every problem comes
+    from the held-out split, which training never draws, so these are disjoint from the training
+    stream for any seed. `phrasing`: "train" words them in training templates and styles
+    (in-template), "held_out" in templates and styles no training sees (out-of-template); the same
+    `seed` gives the same problems in both.
+    """
+    problems = held_out_problems(n, seed)
+    rng = random.Random(f"phrasing:{phrasing}:{seed}")
+    return [(question_text(p, rng, phrasing), p.value) for p in problems]
 
 
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*", re.IGNORECASE)
@@ -278,10 +348,15 @@ class ArithmeticStream:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def question(self) -> tuple[Problem, str]:
+        """The next training problem and its question (training phrasings only)."""
+        p = training_problem(self.rng)
+        return p, question_text(p, self.rng, "train")
+
     def example(self) -> tuple[list[int], list[int]]:
         """(prompt ids after the shared prefix, answer ids ending with the turn terminator)."""
-        p = training_problem(self.rng)
-        prompt = self._encode(chat_prompt(self.tokenizer, question_text(p, self.rng)))
+        p, question = self.question()
+        prompt = self._encode(chat_prompt(self.tokenizer, question))
         if prompt[: len(self.prefix)] != self.prefix:
             raise ValueError(f"chat prompt for {p.canonical!r} does not start with the shared prefix")
         return prompt[len(self.prefix) :], self._encode(answer_text(p)) + [self.end_id]

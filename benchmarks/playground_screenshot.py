@@ -1,9 +1,11 @@
-"""docs/playground.png: the web playground in headless chromium, over the test suite's tiny random
-experts (a, b, c; tests/tiny_models.py) and a router trained on them for a few seconds, so the text is
-noise: what the picture shows is the page (colours, attribution on hover, the side-by-side panes,
-the charts), not an answer.
+"""docs/playground.png: the web playground in headless chromium.
 
-    python benchmarks/playground_screenshot.py [--out docs/playground.png]
+With `--default-trio CACHE`: the default config (SmolLM2 + the arithmetic and code specialists, the
+`router: auto` router) from a model cache that `fusion models fetch --all --cache-dir CACHE` prepared.
+Without it: the test suite's tiny random experts (a, b, c; tests/tiny_models.py) and a router trained
+on them for a few seconds, so the text is noise and the picture shows only the page.
+
+    python benchmarks/playground_screenshot.py [--default-trio CACHE] [--out docs/playground.png]
 
 Needs Debian's chromium and chromium-driver, and selenium (the `dev` extra).
 """
@@ -22,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "playground.png"))
+    parser.add_argument("--default-trio", type=Path, help="A model cache holding the default trio and its router.")
+    parser.add_argument("--prompt", default="What is 12 + 35? Answer briefly.")
     args = parser.parse_args()
 
     from selenium import webdriver
@@ -38,17 +42,27 @@ def main() -> None:
     from tests.conftest import tiny_config_dict
     from tests.tiny_models import CORPUS, make_model, make_tokenizer
 
-    root = Path(tempfile.mkdtemp(prefix="playground-"))
-    tok = make_tokenizer(root / "tok")
-    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
-        make_model(root / name, tok, seed=seed)
-    service = FusionService.from_config(parse_config(tiny_config_dict(root)))
-    router = root / "router.pt"
-    train_router(service, router, texts=itertools.cycle(CORPUS),
-                 settings=RouterTrainSettings(minutes=1, max_texts=20, steps_per_text=3, lr=1e-2))
-    service.close()
-    config = parse_config(tiny_config_dict(root, routers={"tiny": str(router)},
-                                           fusion={"rule": "route", "params": {"router": "tiny"}}))
+    from fusion.config import load_config
+    from fusion.models import model_resolver
+    from fusion.tools.cli import DEFAULT_CONFIG
+
+    if args.default_trio is not None:
+        config, resolve, cache = load_config(DEFAULT_CONFIG), model_resolver(args.default_trio), args.default_trio
+        settings = {"temperature": "0", "max_tokens": "64", "seed": "7", "ignore_eos": False}
+    else:
+        root = Path(tempfile.mkdtemp(prefix="playground-"))
+        tok = make_tokenizer(root / "tok")
+        for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+            make_model(root / name, tok, seed=seed)
+        service = FusionService.from_config(parse_config(tiny_config_dict(root)))
+        router = root / "router.pt"
+        train_router(service, router, texts=itertools.cycle(CORPUS),
+                     settings=RouterTrainSettings(minutes=1, max_texts=20, steps_per_text=3, lr=1e-2))
+        service.close()
+        config = parse_config(tiny_config_dict(root, routers={"tiny": str(router)},
+                                               fusion={"rule": "route", "params": {"router": "tiny"}}))
+        resolve, cache = (lambda ref: ref), None
+        settings = {"temperature": "0.7", "max_tokens": "48", "seed": "7", "ignore_eos": True}
 
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
@@ -56,14 +70,13 @@ def main() -> None:
                 "--hide-scrollbars"):
         options.add_argument(arg)
     with BackgroundLoop() as loop:
-        server, _ = loop.run(create_coordinator_server(config, http_address="127.0.0.1:0"))
+        server, _ = loop.run(create_coordinator_server(config, resolve, cache_dir=cache, http_address="127.0.0.1:0"))
         driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
         try:
             wait = WebDriverWait(driver, 120, poll_frequency=0.05)
             driver.get(f"http://127.0.0.1:{server.http_port}/playground")
             wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#weights input"))
-            for field, value in {"prompt": "What is 12 + 35? Answer briefly.", "max_tokens": "48", "seed": "7",
-                                 "temperature": "0.7", "ignore_eos": True}.items():
+            for field, value in {"prompt": args.prompt, **settings}.items():
                 driver.execute_script("const e = document.getElementById(arguments[0]);"
                                       "if (e.type === 'checkbox') e.checked = arguments[1]; else e.value = arguments[1];",
                                       field, value)
@@ -71,7 +84,8 @@ def main() -> None:
             wait.until(lambda d: {p.get_attribute("data-state") for p in d.find_elements(By.CSS_SELECTOR, ".pane")}
                        == {"done"})
             driver.execute_script("window.scrollTo(0, 0)")
-            token = driver.find_element(By.CSS_SELECTOR, ".pane[data-pane='fused'] .tok[data-index='9']")
+            tokens = driver.find_elements(By.CSS_SELECTOR, ".pane[data-pane='fused'] .tok")
+            token = tokens[min(9, len(tokens) - 1)]
             ActionChains(driver).move_to_element(token).perform()
             wait.until(lambda d: not d.find_element(By.ID, "details").get_attribute("hidden"))
             driver.save_screenshot(args.out)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fusion.config import parse_config
+from services.background import BackgroundLoop
 from tests.tiny_models import make_model, make_tokenizer
 
 torch.set_num_threads(2)
@@ -65,3 +66,10 @@ def smollm2_dir(tmp_path_factory):
     cache = os.environ.get("FUSION_TEST_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("fusion-cache")
     return fetch_smollm2(root)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """A background asyncio loop serving a module's gRPC/HTTP servers."""
+    with BackgroundLoop() as background:
+        yield background

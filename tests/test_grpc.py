@@ -21,7 +21,6 @@ import pytest
 from fusion.config import FusionSpec, parse_config
 from fusion.errors import ExpertUnavailableError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import LocalExpert
-from services.background import BackgroundLoop
 from services.client import FusionClient
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
@@ -55,12 +54,6 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    with BackgroundLoop() as background:
-        yield background
 
 
 @pytest.fixture(scope="module")

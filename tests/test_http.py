@@ -21,32 +21,16 @@ openai = pytest.importorskip("openai", reason="the HTTP tests use the official c
 from fusion.config import SpecOverrides, parse_config  # noqa: E402
 from fusion.expert import LocalExpert  # noqa: E402
 from fusion.service import FusionRequest  # noqa: E402
-from services.background import BackgroundLoop  # noqa: E402
 from services.client import FusionClient  # noqa: E402
 from services.coordinator import create_coordinator_server  # noqa: E402
 from services.expert_server import create_expert_server  # noqa: E402
 from services.security import create_key  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
-from tests.test_grpc import addr, expert_sessions, wait_until  # noqa: E402
+from tests.test_grpc import addr, expert_sessions, experts, wait_until  # noqa: E402,F401 (experts: a fixture)
 
 LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400, "max_request_bytes": 64 * 1024}
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 12 + 35 ?"}]
 LONG = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}  # a stream that runs until it is stopped
-
-
-@pytest.fixture(scope="module")
-def loop():
-    with BackgroundLoop() as background:
-        yield background
-
-
-@pytest.fixture(scope="module")
-def experts(loop, tiny_config):
-    servers = {e.name: loop.run(create_expert_server(LocalExpert.load(e), tiny_config.limits))
-               for e in tiny_config.experts}
-    yield servers
-    for server, _ in servers.values():
-        loop.run(server.stop(0))
 
 
 def start(loop, tiny_dir, addresses, **extra):

@@ -19,7 +19,7 @@ import pytest
 from services.http_server import PLAYGROUND_DIR
 from services.security import create_key
 from tests.test_grpc import addr, expert_sessions, wait_until
-from tests.test_http import experts, loop, no_sessions_left, post, start  # noqa: F401 (fixtures)
+from tests.test_http import experts, no_sessions_left, post, start  # noqa: F401 (a fixture)
 
 CHROMIUM = os.environ.get("FUSION_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("FUSION_CHROMEDRIVER", "/usr/bin/chromedriver")

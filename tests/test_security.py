@@ -20,7 +20,6 @@ from fusion.config import SecurityConfig, parse_config
 from fusion.errors import ConfigError, ExpertUnavailableError
 from fusion.expert import LocalExpert
 from services import security
-from services.background import BackgroundLoop
 from services.client import FusionClient
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
@@ -34,12 +33,6 @@ UNAUTH, EXHAUSTED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EX
 
 def addr(port: int) -> str:
     return f"127.0.0.1:{port}"
-
-
-@pytest.fixture(scope="module")
-def loop():
-    with BackgroundLoop() as background:
-        yield background
 
 
 # -- certificates ----------------------------------------------------------------------------------

@@ -196,24 +196,29 @@ def api_key_metadata(api_key: str | None) -> list[tuple[str, str]]:
 
 
 # -- the expert secret ---------------------------------------------------------------------------
-def expert_secret(security: SecurityConfig) -> str | None:
-    """The shared coordinator↔expert secret the config names (None: none configured)."""
-    if security.expert_secret_env is not None:
-        value = os.environ.get(security.expert_secret_env, "")
+def configured_secret(security: SecurityConfig, field: str) -> str | None:
+    """The secret that `security.<field>_env` (an environment variable) or `security.<field>_file`
+    names, stripped; None when neither is set. Unset, empty or unreadable: ConfigError naming the field."""
+    env, file = getattr(security, f"{field}_env"), getattr(security, f"{field}_file")
+    if env is not None:
+        value = os.environ.get(env, "")
         if not value:
-            raise ConfigError(f"security.expert_secret_env: the environment variable "
-                              f"{security.expert_secret_env!r} is unset or empty")
+            raise ConfigError(f"security.{field}_env: the environment variable {env!r} is unset or empty")
         return value
-    if security.expert_secret_file is not None:
+    if file is not None:
         try:
-            value = Path(security.expert_secret_file).read_text(encoding="utf-8").strip()
+            value = Path(file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"security.expert_secret_file: cannot read {security.expert_secret_file!r}: "
-                              f"{err}") from None
+            raise ConfigError(f"security.{field}_file: cannot read {file!r}: {err}") from None
         if not value:
-            raise ConfigError(f"security.expert_secret_file: {security.expert_secret_file!r} is empty")
+            raise ConfigError(f"security.{field}_file: {file!r} is empty")
         return value
     return None
+
+
+def expert_secret(security: SecurityConfig) -> str | None:
+    """The shared coordinator↔expert secret the config names (None: none configured)."""
+    return configured_secret(security, "expert_secret")
 
 
 def expert_channel_metadata(security: SecurityConfig | None) -> list[tuple[str, str]]:
@@ -299,22 +304,8 @@ def key_pepper(security: SecurityConfig | None) -> bytes:
     DEFAULT_PEPPER. Servers and `fusion keys create` must use the same one."""
     if security is None:
         return DEFAULT_PEPPER
-    if security.api_keys_pepper_env is not None:
-        value = os.environ.get(security.api_keys_pepper_env, "")
-        if not value:
-            raise ConfigError(f"security.api_keys_pepper_env: the environment variable "
-                              f"{security.api_keys_pepper_env!r} is unset or empty")
-        return value.encode("utf-8")
-    if security.api_keys_pepper_file is not None:
-        try:
-            value = Path(security.api_keys_pepper_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"security.api_keys_pepper_file: cannot read {security.api_keys_pepper_file!r}: "
-                              f"{err}") from None
-        if not value:
-            raise ConfigError(f"security.api_keys_pepper_file: {security.api_keys_pepper_file!r} is empty")
-        return value.encode("utf-8")
-    return DEFAULT_PEPPER
+    value = configured_secret(security, "api_keys_pepper")
+    return value.encode("utf-8") if value is not None else DEFAULT_PEPPER
 
 
 def hash_key(key: str, *, pepper: bytes = DEFAULT_PEPPER) -> str:

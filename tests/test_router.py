@@ -47,6 +47,19 @@ def test_training_loss_decreases(trained):
     assert result.steps == 120
 
 
+def test_router_reads_context_through_the_first_experts_embeddings(trained, tiny_service):
+    """Every row of the trained router's table is expert a's input embedding through one projection,
+    so ids absent from training are embedded like their neighbours in a's space, not at random."""
+    path, _, _ = trained
+    router, payload = load_router(path)
+    assert '"borrowed_embeddings": true' in payload["metadata"]
+    vocab = tiny_service.engine.vocab_size
+    base = tiny_service.engine.experts[0].model.get_input_embeddings().weight.detach().float()[:vocab]  # [V, H]
+    mine = router.embed.weight.detach()  # [V, D]
+    proj = torch.linalg.lstsq(base, mine).solution
+    assert torch.allclose(base @ proj, mine, atol=1e-3 * float(mine.abs().max()))
+
+
 TRAINED = FusionSpec(rule="route", params={"router": "trained"})
 
 

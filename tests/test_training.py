@@ -31,7 +31,7 @@ from fusion.tools.training.arithmetic import (
     training_problem,
 )
 from fusion.tools.training.loop import LoopSettings, sampled_cross_entropy, train_loop
-from fusion.tools.training.model import ModelShape, build_model
+from fusion.tools.training.model import BorrowedEmbedding, ModelShape, base_input_embeddings, build_model
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -159,14 +159,15 @@ def test_held_out_phrasings_are_disjoint_from_training_ones():
 def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_dir):
     from fusion.tools.router_training import default_training_samples
 
-    stream = ArithmeticStream(AutoTokenizer.from_pretrained(tokenizer_dir), seed=0)
-    questions = [stream.question()[1] for _ in range(4000)]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    questions = [stream.question()[1] for stream in (ArithmeticStream(tok, 0), ArithmeticStream(tok, 0, wide=True))
+                 for _ in range(3000)]
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
     patterns = [piece_pattern(p) for p in HELD_OUT_PIECES]
     for q in questions:
         assert not any(p.search(q) for p in patterns), q
-    assert len(set(questions)) > 1000  # many phrasings, not a handful
+    assert len(set(questions)) > 4000  # many phrasings, not a handful
     # The patterns do find held-out phrasings: every piece shows up in the out-of-template questions.
     held = [q for seed in range(3) for q, _ in make_questions(400, seed, phrasing="held_out")]
     for piece, pattern in zip(HELD_OUT_PIECES, patterns):
@@ -320,14 +321,52 @@ def test_sampled_softmax_estimates_the_full_softmax():
     assert abs(sampled.mean() - full) < 0.05 * full  # the log-correction keeps the normaliser honest
 
 
-def test_train_expert_saves_a_loadable_expert(tokenizer_dir, tmp_path):
-    out = train_expert("arithmetic", tmp_path / "arith", base_dir=tokenizer_dir, steps=2, seed=0, shape=TINY)
+@pytest.fixture(scope="module")
+def base_dir(tokenizer_dir, tmp_path_factory):
+    """A base model (the generalist whose embeddings the arithmetic specialist borrows) on the tokenizer."""
+    out = tmp_path_factory.mktemp("base")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    build_model(tok, ModelShape(hidden=24, layers=1, heads=2, intermediate=48, max_positions=512), seed=3).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_borrowed_embedding_bakes_into_a_plain_table():
+    torch.manual_seed(0)
+    table = torch.randn(50, 12)
+    borrowed = BorrowedEmbedding(table, 6)
+    ids = torch.tensor([[0, 7, 49], [3, 3, 21]])
+    baked = borrowed.baked()
+    assert torch.allclose(baked(ids), borrowed(ids), atol=1e-6)
+    assert torch.allclose(baked.weight, table @ borrowed.proj.weight.T, atol=1e-6)  # one projection for all
+    assert abs(float(baked.weight.detach().std()) - 0.02) < 0.01
+    assert [n for n, _ in borrowed.named_parameters()] == ["proj.weight"]  # the table itself stays frozen
+
+
+def test_fitted_projection_reproduces_the_trained_table_on_drawn_ids():
+    torch.manual_seed(0)
+    table, trained = torch.randn(400, 24), torch.randn(400, 16)
+    rows = torch.tensor([0, 5, 9, 17, 100, 250, 399])  # fewer than the table's width: exact
+    borrowed = BorrowedEmbedding.fitted(table, trained, rows)
+    assert torch.allclose(borrowed(rows), trained[rows], atol=1e-4)
+    other = torch.tensor([1, 2, 300])  # ids training never drew go through the same projection
+    assert torch.allclose(borrowed(other), table[other] @ borrowed.proj.weight.T)
+
+
+def test_train_expert_saves_a_loadable_expert(base_dir, tmp_path):
+    out = train_expert("arithmetic", tmp_path / "arith", base_dir=base_dir, steps=2, seed=0, shape=TINY,
+                       reading_steps=2)
     meta = json.loads((out / "fusion_expert.json").read_text())
     assert meta["kind"] == "arithmetic" and meta["steps"] == 2 and meta["seed"] == 0
-    assert {"final_loss", "initial_loss", "train_seconds", "shape"} <= set(meta)
+    assert {"final_loss", "initial_loss", "train_seconds", "shape"} <= set(meta) and meta["reading"]["steps"] == 2
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    assert model.config.vocab_size == len(tok) and model.config.tie_word_embeddings
+    assert model.config.vocab_size == len(tok) and not model.config.tie_word_embeddings
+    # Every row of its input table is the base model's row through one projection (seen in training or not).
+    base = base_input_embeddings(base_dir, len(tok))  # [V, 24]
+    mine = model.get_input_embeddings().weight.float()  # [V, 32]
+    proj = torch.linalg.lstsq(base, mine).solution  # [24, 32]
+    assert torch.allclose(base @ proj, mine, atol=2e-2 * float(mine.abs().max()))
     assert tok.chat_template == CHAT_TEMPLATE
     assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert not list(tmp_path.glob(".arith*"))  # no staging leftovers
@@ -342,6 +381,12 @@ def test_training_is_deterministic(tokenizer_dir):
         train_loop(model, ArithmeticStream(tok, seed=7), settings, seed=7)
         weights.append(model.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_borrowing_needs_a_base_model(tokenizer_dir, tmp_path):
+    with pytest.raises(ValueError, match="no safetensors file holds input embeddings"):
+        train_expert("arithmetic", tmp_path / "arith", base_dir=tokenizer_dir, steps=1, seed=0, shape=TINY,
+                     reading_steps=1)
 
 
 def test_python_expert_trains_on_stdlib(tokenizer_dir, tmp_path):

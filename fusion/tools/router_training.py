@@ -32,6 +32,7 @@ from fusion.router import Router, RouterShape, expert_fingerprint, save_router
 from fusion.rules import teacher_forced_context
 from fusion.text import TextSample
 from fusion.tools.progress import progress_line
+from fusion.tools.training.model import BorrowedEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ class RouterTrainSettings:
     comp_l2: float = 1e-3
     seq_tokens: int = 192
     seed: int = 0
+    # Read the context through the first in-process expert's input embeddings (frozen, projected to the
+    # router's width) instead of learning a table: tokens the router never saw in training then land
+    # near the ones it did, so unseen wording of a familiar task is routed like the familiar one.
+    borrow_embeddings: bool = True
 
 
 @dataclass
@@ -56,6 +61,20 @@ class RouterTrainResult:
     first_loss: float
     last_loss: float
     seconds: float
+
+
+def borrowed_table(engine, vocab_size: int) -> torch.Tensor | None:
+    """The first in-process expert's input embeddings [vocab_size, H] (float32), or None (remote experts,
+    or a table narrower than the fused vocabulary)."""
+    for expert in engine.experts:
+        model = getattr(expert, "model", None)
+        if model is None or not hasattr(model, "get_input_embeddings"):
+            continue
+        table = model.get_input_embeddings().weight.detach()
+        if table.shape[0] >= vocab_size:
+            logger.info("router: reading context through %s's input embeddings", expert.info.name)
+            return table[:vocab_size].float()
+    return None
 
 
 def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
@@ -91,7 +110,7 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
     and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
-    from fusion.tools.training.arithmetic import answer_text, question_text, training_problem
+    from fusion.tools.training.arithmetic import answer_text, training_problem, training_question
     from fusion.tools.training.python_code import stdlib_files
 
     rng = random.Random(f"router:{seed}")
@@ -100,7 +119,7 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
 
     def arithmetic() -> TextSample:
         p = training_problem(rng)
-        return TextSample(answer_text(p), prompt=question_text(p, rng, "train"), end_turn=True)
+        return TextSample(answer_text(p), prompt=training_question(p, rng), end_turn=True)
 
     def window(text: str) -> str:
         start = rng.randrange(max(1, len(text) - 1500))
@@ -184,6 +203,9 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     torch.manual_seed(settings.seed)
     shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size)
     router = Router(shape)
+    table = borrowed_table(engine, shape.vocab_size) if settings.borrow_embeddings else None
+    if table is not None:
+        router.embed = BorrowedEmbedding(table, shape.embed_dim, std=1.0)  # nn.Embedding's scale
     optimiser = torch.optim.AdamW(router.parameters(), lr=settings.lr, weight_decay=0.0)
     texts = texts or default_training_samples(settings.seed)
     start = time.perf_counter()
@@ -220,11 +242,13 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
             logger.info("router: %s  %d texts, %d steps, loss %.3f (ema %.3f)", progress_line(done, elapsed),
                         n_texts, steps, last_loss, ema)
     router.eval()
+    if table is not None:
+        router.embed = router.embed.baked()
     fingerprints = [expert_fingerprint(e) for e in engine.experts]
     seconds = time.perf_counter() - start
     save_router(router, out, engine.names, fingerprints, {
         "texts": n_texts, "steps": steps, "first_loss": first_loss, "last_loss": last_loss, "seconds": seconds,
-        "seed": settings.seed,
+        "seed": settings.seed, "borrowed_embeddings": table is not None,
     })
     logger.info("router saved to %s (%d texts, %d steps, loss %.3f → %.3f)", out, n_texts, steps, first_loss,
                 last_loss)

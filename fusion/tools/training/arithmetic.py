@@ -96,6 +96,47 @@ TEMPLATES = _templates(FRAMES, EXPRESSIONS, IMPERATIVES)  # training: frames x e
 HELD_OUT_TEMPLATES = _templates(HELD_OUT_FRAMES, HELD_OUT_EXPRESSIONS, {})  # held-out frames x expressions
 PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES)}
 
+# Training draws from wider lists than the in-template evaluation asks in: more wordings of each
+# operation, polite and indirect frames, instructions about the answer's form, and openers and
+# closers around the question, so that the specialist learns to read the numbers and the operation
+# out of words it was not built around. None of these is a held-out piece (a test checks), and the
+# held-out operation words (added together, total, subtracted from, less, multiplied by, lots of)
+# never appear: a specialist that reads embeddings borrowed from the generalist has to get them from
+# their neighbours ("multiply", "subtract", "groups of").
+EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} increased by {b}", "{a} more than {b}", "{a} and {b} combined", "{a}, plus {b}",
+          "{a} + {b} (addition)", "the result of adding {a} and {b}"),
+    "-": ("{a} decreased by {b}", "{a} reduced by {b}", "the result of subtracting {b} from {a}",
+          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed"),
+    "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
+          "{a}, times {b}", "{a} multiply {b}"),
+}
+EXTRA_IMPERATIVES: dict[str, tuple[str, ...]] = {
+    "+": ("Add {b} to {a}.", "Sum {a} and {b}.", "Find the sum of {a} and {b}."),
+    "-": ("Take {b} away from {a}.", "Work out {a} take away {b}.", "Subtract {b} from {a}, please."),
+    "*": ("Multiply {a} and {b}.", "Find the product of {a} and {b}.", "Work out {a} times {b}, please."),
+}
+EXTRA_FRAMES = (
+    "Could you tell me {e}?", "Can you work out {e} for me?", "I need {e}.", "What does {e} come to?",
+    "Do you know {e}?", "What would {e} be?", "Quick question: what is {e}?", "{e}, what is it?",
+    "Please tell me the value of {e}.", "So what is {e}?", "And {e}?", "Figure out {e}.",
+    "What is the answer to {e}?", "Result of {e}?", "I'd like to know {e}.", "Give the value of {e}.",
+)
+EXTRA_STYLES = (
+    "{q} Answer with just the number.", "{q} Reply with the result only.", "{q} Keep it short.",
+    "{q} Show the steps.", "{q} Be careful with the carries.", "{q} No need to explain.",
+    "Here is a problem. {q}", "I'm stuck on this: {q}", "Can you help me? {q}", "Exercise: {q}",
+    "Practice problem: {q}", "For my worksheet: {q}", "Check this for me: {q}", "Mental maths: {q}",
+)
+OPENERS = ("Hello.", "Hey there!", "Good morning.", "Hi there,", "Sorry to bother you.", "OK,", "Next one.",
+           "One more.", "I'm checking my homework.", "This is for a quiz.", "We are counting apples at the market.",
+           "My teacher gave us this.", "Hello, assistant.", "Let's try another.")
+CLOSERS = ("Thank you!", "Cheers.", "Much appreciated.", "Thank you so much.", "Please be quick.",
+           "I need it for class.", "Double-check it.", "Just the final number, please.", "Take your time.")
+TRAINING_TEMPLATES = {op: TEMPLATES[op] + _templates(FRAMES + EXTRA_FRAMES, EXTRA_EXPRESSIONS, EXTRA_IMPERATIVES)[op]
+                      + _templates(EXTRA_FRAMES, EXPRESSIONS, {})[op] for op in TEMPLATES}
+TRAINING_STYLES = STYLES + EXTRA_STYLES
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -227,6 +268,20 @@ def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> st
     return text
 
 
+def training_question(p: Problem, rng: random.Random) -> str:
+    """A question for `p` as training sees it: any training template and style (the in-template ones
+    and the wider lists), sometimes with an opener or a closer around it."""
+    question = rng.choice(TRAINING_TEMPLATES[p.op]).format(a=p.a, b=p.b)
+    text = rng.choice(TRAINING_STYLES).replace("{q}", question)
+    if rng.random() < 0.25:
+        text = f"{rng.choice(OPENERS)} {text}"
+    if rng.random() < 0.2:
+        text = f"{text} {rng.choice(CLOSERS)}"
+    if rng.random() < 0.15:  # casual lower case
+        text = text[0].lower() + text[1:]
+    return text
+
+
 def _random_operand(rng: random.Random, max_value: int) -> int:
     # One-digit operands are only a tenth of 0..99; draw them more often so short forms are learned.
     return rng.randint(0, 9) if rng.random() < 0.25 else rng.randint(0, max_value)
@@ -327,6 +382,11 @@ def chat_prompt(tokenizer, question: str) -> str:
     )
 
 
+def wide_stream(tokenizer, seed: int) -> "ArithmeticStream":
+    """The stream in the wider training phrasings (the reading stage of the recipe)."""
+    return ArithmeticStream(tokenizer, seed, wide=True)
+
+
 class ArithmeticStream:
     """Endless batches of (chat prompt + working answer + <|im_end|>), loss on the answer only.
 
@@ -334,9 +394,10 @@ class ArithmeticStream:
     batch's shared prefix instead of being recomputed per row.
     """
 
-    def __init__(self, tokenizer, seed: int):
+    def __init__(self, tokenizer, seed: int, wide: bool = False):
         self.tokenizer = tokenizer
-        self.rng = random.Random(f"train:{seed}")
+        self.wide = wide  # the wider training phrasings (`training_question`), else the in-template ones
+        self.rng = random.Random(f"train-wide:{seed}" if wide else f"train:{seed}")
         self.end_id = end_of_turn_id(tokenizer)
         one = self._encode(chat_prompt(tokenizer, "1 + 1"))
         two = self._encode(chat_prompt(tokenizer, "What is 2 x 3?"))
@@ -351,7 +412,7 @@ class ArithmeticStream:
     def question(self) -> tuple[Problem, str]:
         """The next training problem and its question (training phrasings only)."""
         p = training_problem(self.rng)
-        return p, question_text(p, self.rng, "train")
+        return p, training_question(p, self.rng) if self.wide else question_text(p, self.rng, "train")
 
     def example(self) -> tuple[list[int], list[int]]:
         """(prompt ids after the shared prefix, answer ids ending with the turn terminator)."""

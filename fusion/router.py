@@ -76,10 +76,54 @@ def logit_features(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.cat(feats, dim=-1)  # (B, 3E + E²)
 
 
+class FamiliarityGate:
+    """Fail-safe: how far a step's router inputs lie from those seen in training, and a pull towards
+    the generalist that grows with it.
+
+    d² = |(x - mean) @ whiten|² / F (a Mahalanobis distance; `whiten` is a Cholesky factor of the
+    shrunk inverse covariance of training inputs), and the pull g = clamp(d² / limit - 1, 0, 1), where
+    `limit` is the 99th percentile of d² on training positions held out from the fit: no pull on what
+    training saw, all of it at twice that distance. The router's weights become (1 - g) w + g e_gen
+    and its complementary logit (1 - g) c."""
+
+    QUANTILE = 0.99
+
+    def __init__(self, mean: torch.Tensor, whiten: torch.Tensor, limit: float, generalist: int = 0) -> None:
+        # Not a submodule: checkpoints carry it beside the router's state dict, and older ones lack it.
+        self.mean = mean  # (F,)
+        self.whiten = whiten  # (F, F)
+        self.limit = float(limit)
+        self.generalist = int(generalist)
+
+    @classmethod
+    def fit(cls, inputs: torch.Tensor, held: torch.Tensor, generalist: int = 0, shrink: float = 1e-2) -> "FamiliarityGate":
+        """inputs (N, F) to fit the mean and covariance, held (M, F) to set the limit."""
+        inputs = inputs.double()
+        mean = inputs.mean(0)
+        cov = torch.cov((inputs - mean).T)  # (F, F)
+        cov = cov + shrink * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
+        whiten = torch.linalg.cholesky(torch.linalg.inv(cov))
+        gate = cls(mean.float(), whiten.float(), 1.0, generalist)
+        gate.limit = float(torch.quantile(gate.distance(held.float()), cls.QUANTILE))
+        return gate
+
+    def distance(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, F) → squared distance per row (B,)."""
+        return ((x - self.mean.to(x.device)) @ self.whiten.to(x.device)).pow(2).mean(-1)
+
+    def pull(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, F) → g (B,) in [0, 1]."""
+        return (self.distance(x) / self.limit - 1.0).clamp(0.0, 1.0)
+
+    def state(self) -> dict:
+        return {"mean": self.mean, "whiten": self.whiten, "limit": self.limit, "generalist": self.generalist}
+
+
 class Router(nn.Module):
     def __init__(self, shape: RouterShape) -> None:
         super().__init__()
         self.shape = shape
+        self.gate: FamiliarityGate | None = None  # set by training (`FamiliarityGate.fit`) or a checkpoint
         self.embed = nn.Embedding(shape.vocab_size, shape.embed_dim)
         self.body = nn.Sequential(
             nn.LayerNorm(shape.num_inputs),
@@ -103,13 +147,16 @@ class Router(nn.Module):
             parts.append(emb[:, -w:].sum(1) / count)
         return torch.cat(parts, dim=-1)
 
+    def inputs(self, log_probs: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The body's input: logit features and context embeddings, (B, num_inputs)."""
+        return torch.cat([logit_features(log_probs), self.context_features(context)], dim=-1)
+
     def forward(
         self, log_probs: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """log_probs (E, B, V), context (B, K) recent ids, allowed (E, B) bool → route logits (B, E),
         weights (E, B), complementary logit (B, V) or None."""
-        feats = logit_features(log_probs)
-        h = self.body(torch.cat([feats, self.context_features(context)], dim=-1))  # (B, hidden)
+        h = self.body(self.inputs(log_probs, context))  # (B, hidden)
         route_logits = self.route(h)  # (B, E)
         if allowed is not None:
             route_logits = route_logits.masked_fill(~allowed.T, float("-inf"))
@@ -118,9 +165,17 @@ class Router(nn.Module):
         return route_logits, weights, comp
 
     def fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None,
-             hard: bool = False, complementary: bool = True) -> FusedLogits:
+             hard: bool = False, complementary: bool = True, fail_safe: bool = False) -> FusedLogits:
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, B, V)
         _, weights, comp = self(log_probs, context, allowed)
+        if fail_safe and self.gate is not None:
+            pull = self.gate.pull(self.inputs(log_probs, context))  # (B,)
+            if allowed is not None:  # never pull towards a generalist the request left out
+                pull = pull * allowed[self.gate.generalist].to(pull.dtype)
+            toward = torch.zeros_like(weights)
+            toward[self.gate.generalist] = 1.0
+            weights = (1 - pull) * weights + pull * toward  # (E, B)
+            comp = comp * (1 - pull)[:, None] if comp is not None else None
         if hard:  # pick one expert per row
             weights = torch.nn.functional.one_hot(weights.argmax(0), weights.shape[0]).T.to(weights.dtype)
         fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
@@ -156,6 +211,7 @@ def save_router(router: Router, path: Path, expert_names: Sequence[str], fingerp
         "experts": list(expert_names),
         "fingerprints": list(fingerprints),
         "metadata": json.dumps(metadata or {}),
+        "gate": router.gate.state() if router.gate is not None else None,
     }
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(payload, tmp)
@@ -171,6 +227,8 @@ def load_router(path: Path) -> tuple[Router, dict]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         router = Router(RouterShape(**payload["shape"]))  # older layouts fail on the state dict below
         router.load_state_dict(payload["state_dict"])
+        if payload.get("gate") is not None:
+            router.gate = FamiliarityGate(**payload["gate"])
     except (RuntimeError, KeyError, TypeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise ConfigError(f"router checkpoint {path} is not readable: {err}".splitlines()[0]) from None
     router.eval()
@@ -194,23 +252,29 @@ def check_experts(payload: dict, experts: Sequence[Any], path: Path | str) -> No
             )
 
 
+FAIL_SAFE = True  # the default of `route`'s `fail_safe` (FamiliarityGate), chosen on out-of-template figures
+
+
 class Route(FusionRule):
     """`route`: a learned router picks/weights experts per step and adds a complementary logit.
     Request weights act as a mask: experts with weight 0 are never routed to. `hard` routes each token
-    to one expert; `complementary: false` leaves the complementary logit out (pure routing)."""
+    to one expert; `complementary: false` leaves the complementary logit out (pure routing); `fail_safe`
+    pulls steps unlike any in training towards the generalist (the router's FamiliarityGate, when its
+    checkpoint has one)."""
 
     name = "route"
     # What requests set: `router` is a name the service resolves to `path` (only its config names files).
-    param_names = ("router", "hard", "complementary")
+    param_names = ("router", "hard", "complementary", "fail_safe")
 
     def __init__(self, expert_names: Sequence[str], path: str | None = None, hard: bool = False,
-                 complementary: bool = True, router: Router | None = None) -> None:
+                 complementary: bool = True, router: Router | None = None, fail_safe: bool = FAIL_SAFE) -> None:
         super().__init__(expert_names)
         if router is None and not path:
             raise ValueError("rule 'route' needs params.router, a router trained by `fusion train-router`")
         self.path = path
         self.hard = bool(hard)
         self.complementary = bool(complementary)
+        self.fail_safe = bool(fail_safe)
         self.router = router
         self._payload = None
         if router is None:
@@ -231,4 +295,4 @@ class Route(FusionRule):
         with torch.no_grad():
             router = self.router.to(logits.device)
             return router.fuse(logits, context, allowed=weights > 0, hard=self.hard,
-                               complementary=self.complementary)
+                               complementary=self.complementary, fail_safe=self.fail_safe)

@@ -12,7 +12,7 @@ from fusion.config import FusionSpec, SamplingParams, SpecOverrides, parse_confi
 from fusion.engine import GenerationRequest
 from fusion.errors import AssetError, InvalidArgumentError, NotFoundError
 from fusion.service import FusionRequest, FusionService
-from fusion.router import Route, Router, RouterShape, load_router, logit_features
+from fusion.router import FamiliarityGate, Route, Router, RouterShape, load_router, logit_features
 from fusion.tools.router_training import (
     RouterTrainSettings,
     file_samples,
@@ -45,6 +45,15 @@ def test_training_loss_decreases(trained):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first * 0.9, (first, last)
     assert result.steps == 120
+
+
+def test_trained_router_has_a_fitted_gate_that_survives_a_reload(trained):
+    path, _, _ = trained
+    router, _ = load_router(path)
+    assert router.gate is not None and router.gate.limit > 0 and router.gate.generalist == 0
+    again, _ = load_router(path)
+    x = torch.randn(4, router.shape.num_inputs)
+    assert torch.equal(router.gate.pull(x), again.gate.pull(x))
 
 
 def test_router_reads_context_through_the_first_experts_embeddings(trained, tiny_service):
@@ -151,6 +160,42 @@ def test_features_and_loss_reference():
     _, w, _ = router(lp, context)
     fused = torch.log((w[..., None] * p).sum(0))
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(fused, targets))
+
+
+def test_familiarity_gate_is_a_mahalanobis_distance():
+    torch.manual_seed(0)
+    mix = torch.randn(6, 6)
+    fit, held = torch.randn(4000, 6) @ mix + 3.0, torch.randn(2000, 6) @ mix + 3.0
+    gate = FamiliarityGate.fit(fit, held, generalist=1)
+    # Reference: the shrunk covariance's inverse, by hand.
+    centred = fit.double() - fit.double().mean(0)
+    cov = centred.T @ centred / (len(fit) - 1)
+    cov = cov + 1e-2 * cov.diagonal().mean() * torch.eye(6, dtype=cov.dtype)
+    x = torch.randn(5, 6) * 4
+    d = x.double() - fit.double().mean(0)
+    expected = ((d @ torch.linalg.inv(cov)) * d).sum(-1) / 6
+    torch.testing.assert_close(gate.distance(x).double(), expected, rtol=1e-3, atol=1e-4)
+    # About 1% of familiar inputs are pulled at all; inputs far outside are pulled all the way.
+    fresh = torch.randn(4000, 6) @ mix + 3.0
+    assert 0.002 < float((gate.pull(fresh) > 0).float().mean()) < 0.03
+    assert torch.equal(gate.pull(fresh * 0 + 1e3), torch.ones(4000))
+
+
+def test_fail_safe_pulls_unfamiliar_steps_to_the_generalist():
+    router = _random_router(10)
+    logits, context = torch.randn(3, 2, 10), context_rows([[1, 2], [3]])
+    inputs = router.inputs(torch.log_softmax(logits, -1), context).detach()
+    # A gate that finds row 0 familiar (it is the mean) and row 1 far outside.
+    router.gate = FamiliarityGate(inputs[0], torch.eye(inputs.shape[1]), limit=1e-3, generalist=2)
+    with torch.no_grad():
+        plain = router.fuse(logits, context)
+        safe = router.fuse(logits, context, fail_safe=True)
+        left_out = router.fuse(logits, context, allowed=torch.tensor([[True] * 2, [True] * 2, [False] * 2]),
+                               fail_safe=True)
+    torch.testing.assert_close(safe.logits[0], plain.logits[0])  # familiar: unchanged
+    torch.testing.assert_close(safe.weights[:, 1], torch.tensor([0.0, 0.0, 1.0]))
+    torch.testing.assert_close(safe.logits[1], torch.log_softmax(logits[2, 1], -1))  # the generalist alone, no c
+    assert left_out.weights[2].abs().max() == 0  # never pulled to an expert the request left out
 
 
 def test_context_rows_and_teacher_forced_context_agree():

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from fusion.config import FusionSpec, SamplingParams
+from fusion.router import FAIL_SAFE
 from fusion.service import FusionRequest, FusionService
 from fusion.text import TextSample
 
@@ -50,9 +51,14 @@ class EvalRow:
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {"in"|"out": {kind: acc}}
 
 
+def route_variant(spec: FusionSpec, **params) -> FusionSpec:
+    """A `route` spec with some of its router's switches changed."""
+    return spec.model_copy(update={"params": {**spec.params, **params}})
+
+
 def pure_routing(spec: FusionSpec) -> FusionSpec:
     """A `route` spec's router without its complementary logit: pure routing."""
-    return spec.model_copy(update={"params": {**spec.params, "complementary": False}})
+    return route_variant(spec, complementary=False)
 
 
 def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]] = ()) -> list[tuple[str, FusionSpec]]:
@@ -73,8 +79,14 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
 
     if not any(same(spec) for _, spec in rows):
         rows.append((f"{configured.rule} (config)", configured))
-    if configured.rule == "route":
+    if configured.rule == "route":  # each switch flipped on its own: which helps out of template?
+        params = configured.params
         rows.append(("route (config, pure)", pure_routing(configured)))
+        hard = bool(params.get("hard", False))
+        rows.append((f"route (config, {'soft' if hard else 'hard'})", route_variant(configured, hard=not hard)))
+        safe = bool(params.get("fail_safe", FAIL_SAFE))
+        rows.append((f"route (config, fail-safe {'off' if safe else 'on'})",
+                     route_variant(configured, fail_safe=not safe)))
     rows += list(extra)
     return rows
 

@@ -28,7 +28,7 @@ import torch
 
 from fusion.compute import run_on_compute_thread
 from fusion.service import FusionService
-from fusion.router import Router, RouterShape, expert_fingerprint, save_router
+from fusion.router import FamiliarityGate, Router, RouterShape, expert_fingerprint, save_router
 from fusion.rules import teacher_forced_context
 from fusion.text import TextSample
 from fusion.tools.progress import progress_line
@@ -51,6 +51,8 @@ class RouterTrainSettings:
     # router's width) instead of learning a table: tokens the router never saw in training then land
     # near the ones it did, so unseen wording of a familiar task is routed like the familiar one.
     borrow_embeddings: bool = True
+    gate_texts: int = 48  # texts whose router inputs fit the FamiliarityGate (half fit, half set its limit)
+    generalist: int = 0  # the expert the gate pulls unfamiliar steps towards (the config's first)
 
 
 @dataclass
@@ -244,6 +246,8 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     router.eval()
     if table is not None:
         router.embed = router.embed.baked()
+    if settings.gate_texts >= 2:
+        router.gate = fit_gate(service, router, texts, settings)
     fingerprints = [expert_fingerprint(e) for e in engine.experts]
     seconds = time.perf_counter() - start
     save_router(router, out, engine.names, fingerprints, {
@@ -253,6 +257,26 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     logger.info("router saved to %s (%d texts, %d steps, loss %.3f → %.3f)", out, n_texts, steps, first_loss,
                 last_loss)
     return RouterTrainResult(Path(out), n_texts, steps, first_loss, last_loss, seconds)
+
+
+def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample | str],
+             settings: RouterTrainSettings) -> FamiliarityGate:
+    """Fit the trained router's FamiliarityGate on the inputs it sees over `settings.gate_texts` more
+    training texts: even texts fit the mean and covariance, odd ones set the limit."""
+    engine = service.engine
+    parts: list[list[torch.Tensor]] = [[], []]
+    while sum(map(len, parts)) < settings.gate_texts:
+        prompts, continuation = service.sample_ids(next(texts), settings.seq_tokens)
+        if len(continuation) < 4:
+            continue
+        with torch.no_grad():
+            logits = engine.continuation_logits(prompts, continuation)  # (E, n, V)
+            context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
+            inputs = router.inputs(torch.log_softmax(logits.float(), dim=-1), context)  # (n, F)
+        parts[sum(map(len, parts)) % 2].append(inputs)
+    gate = FamiliarityGate.fit(torch.cat(parts[0]), torch.cat(parts[1]), settings.generalist)
+    logger.info("router: familiarity gate fitted on %d positions (limit %.2f)", len(torch.cat(parts[0])), gate.limit)
+    return gate
 
 
 def prepare_router(service: FusionService, settings: RouterTrainSettings | None = None) -> Path:

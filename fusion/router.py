@@ -156,7 +156,12 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """log_probs (E, B, V), context (B, K) recent ids, allowed (E, B) bool → route logits (B, E),
         weights (E, B), complementary logit (B, V) or None."""
-        h = self.body(self.inputs(log_probs, context))  # (B, hidden)
+        return self.head(self.inputs(log_probs, context), allowed)
+
+    def head(self, inputs: torch.Tensor, allowed: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`forward` from the body's inputs (B, num_inputs)."""
+        h = self.body(inputs)  # (B, hidden)
         route_logits = self.route(h)  # (B, E)
         if allowed is not None:
             route_logits = route_logits.masked_fill(~allowed.T, float("-inf"))
@@ -167,9 +172,10 @@ class Router(nn.Module):
     def fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None,
              hard: bool = False, complementary: bool = True, fail_safe: bool = False) -> FusedLogits:
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, B, V)
-        _, weights, comp = self(log_probs, context, allowed)
+        inputs = self.inputs(log_probs, context)  # (B, F), computed once for the head and the gate
+        _, weights, comp = self.head(inputs, allowed)
         if fail_safe and self.gate is not None:
-            pull = self.gate.pull(self.inputs(log_probs, context))  # (B,)
+            pull = self.gate.pull(inputs)  # (B,)
             if allowed is not None:  # never pull towards a generalist the request left out
                 pull = pull * allowed[self.gate.generalist].to(pull.dtype)
             toward = torch.zeros_like(weights)

@@ -21,7 +21,8 @@ import torch
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.kv_cache import Cohort, cache_holding, is_plain, new_cache
+from fusion.fast_decode import DecodeStep, configure_compile_cache, unsupported_reason
+from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class LocalExpert:
             self._plain_cache and self.device.type == "cpu"
             and getattr(model.config, "_attn_implementation", None) == "sdpa"
         )
+        self._fast_step = self._decode_step(config, model)  # None: decode steps run transformers' forward
+        self.fast_decode_steps = 0  # decode steps (single or batched) that ran `_fast_step`
         width = model.get_output_embeddings().weight.shape[0]
         self.info = ExpertInfo(
             name=config.name,
@@ -161,11 +164,30 @@ class LocalExpert:
         )
 
     @classmethod
-    def load(cls, config: ExpertConfig, model_path: str | None = None) -> LocalExpert:
+    def load(cls, config: ExpertConfig, model_path: str | None = None,
+             compile_cache_dir: Path | None = None) -> LocalExpert:
+        """Load the expert; a compiled decode step keeps its compiled code under `compile_cache_dir`
+        (else inductor's default folder) so that the next start reuses it."""
         path = model_path or config.model
         logger.info("loading expert %s from %s (%s on %s)", config.name, path, config.dtype, config.device)
+        if config.decode == "compiled" and compile_cache_dir is not None:
+            configure_compile_cache(compile_cache_dir)
         model, tokenizer = load_model_and_tokenizer(config, path)
         return cls(config, model, tokenizer, model_ref=path)
+
+    def _decode_step(self, config: ExpertConfig, model) -> DecodeStep | None:
+        """The fast decode step the config asks for, if the model and its cache allow one."""
+        if config.decode == "transformers":
+            return None
+        reason = unsupported_reason(model) if self._plain_cache else "a cache with non-plain layers"
+        if reason is not None:
+            if config.decode == "compiled":
+                raise ValueError(f"expert {config.name!r}: decode: compiled is not available for this model: {reason}")
+            logger.info("expert %s decodes with transformers' forward: %s", config.name, reason)
+            return None
+        if config.decode == "fast":
+            return DecodeStep(model, "off")
+        return DecodeStep(model, "cudagraphs" if self.device.type == "cuda" else "inductor")
 
     # -- the expert contract -------------------------------------------------------------------
     def step(self, requests: Sequence[StepRequest]) -> torch.Tensor:
@@ -337,6 +359,17 @@ class LocalExpert:
         cohort = self._cohort
         order = sorted(range(len(entries)), key=rows.__getitem__)  # request index of each batch row
         lengths = cohort.lengths()  # (B,) cached ids per batch row
+        if self._fast_step is not None:
+            try:
+                logits = self._fast_forward(cohort.layers, [histories[i][-1] for i in order], lengths)
+            except Exception:
+                self._cohort = None
+                raise
+            cohort.point_members()
+            for entry, history in zip(entries, histories):
+                entry.token_ids = history
+            self.cache.record(hits=sum(lengths), misses=len(entries))
+            return logits[torch.tensor(rows, device=logits.device)]  # back in request order
         mask = self._decode_mask([n + 1 for n in lengths], cohort.frontier + 1)  # cached ids + the new one
         try:
             out = self.model(
@@ -371,13 +404,42 @@ class LocalExpert:
         elif reuse < entry.length:
             entry.kv.crop(reuse - entry.kv.get_seq_length())  # negative: drop the diverged tail
         suffix = torch.tensor([token_ids[reuse:]], dtype=torch.long, device=self.device)  # (1, S)
-        mask = self._decode_mask([reuse + 1], reuse + 1) if suffix.shape[1] == 1 else None
+        fast = (self._fast_step is not None and suffix.shape[1] == 1 and reuse > 0
+                and all(isinstance(layer, GrowingLayer) for layer in entry.kv.layers))
+        mask = self._decode_mask([reuse + 1], reuse + 1) if suffix.shape[1] == 1 and not fast else None
         try:
-            out = self.model(input_ids=suffix, attention_mask=mask, cache=entry.kv, use_cache=True,
-                             logits_to_keep=num_logits)
+            if fast:
+                logits = self._fast_forward(entry.kv.layers, token_ids[-1:], [reuse])  # (1, V)
+            else:
+                logits = self.model(input_ids=suffix, attention_mask=mask, cache=entry.kv, use_cache=True,
+                                    logits_to_keep=num_logits).logits[0, -num_logits:].float()  # (n, V)
         except Exception:
             self.cache.release(session_id)  # a half-updated cache must not be reused
             raise
         entry.token_ids = token_ids
         self.cache.record(hits=reuse, misses=len(token_ids) - reuse)
-        return out.logits[0, -num_logits:].float()  # (n, V)
+        return logits
+
+    def _fast_forward(self, layers: list[GrowingLayer], new_ids: list[int], lengths: list[int]) -> torch.Tensor:
+        """One decode step through `self._fast_step` over cache layers whose B rows all end at one
+        column (the frontier); row b holds `lengths[b]` ids, right-aligned at it. Appends each row's new
+        keys and values. Returns (B, V) float32."""
+        frontier = layers[0].get_seq_length()
+        for layer in layers:
+            layer.reserve(frontier + 1)
+        capacity = layers[0].capacity
+        batch = len(new_ids)
+        columns = torch.arange(capacity, device=self.device)  # (capacity,)
+        starts = torch.tensor([frontier - n for n in lengths], device=self.device)  # (B,)
+        mask = (columns[None, :] >= starts[:, None]) & (columns[None, :] < frontier)  # (B, capacity)
+        logits, new_keys, new_values = self._fast_step(
+            torch.tensor(new_ids, device=self.device),
+            torch.tensor(lengths, device=self.device),
+            [layer._key_buffer for layer in layers],
+            [layer._value_buffer for layer in layers],
+            mask.view(batch, 1, 1, capacity),
+        )  # (B, V), (layers, B, H_kv, D) x2
+        self.fast_decode_steps += 1
+        for layer, keys, values in zip(layers, new_keys, new_values):
+            layer.update(keys[:, :, None], values[:, :, None])
+        return logits

@@ -63,12 +63,20 @@ class GrowingLayer(DynamicLayer):
             return
         capacity = max(needed + self.spare, self.capacity + self.capacity // 2)
         batch, heads, _, key_dim = key_states.shape
-        keys = key_states.new_empty(batch, heads, capacity, key_dim)
-        values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
+        # Zeros, not garbage: the fast decode step (fusion.fast_decode) attends masked spare columns,
+        # and a NaN there would poison the masked-out product.
+        keys = key_states.new_zeros(batch, heads, capacity, key_dim)
+        values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
         if self._length:
             keys[..., : self._length, :] = self._key_buffer[..., : self._length, :]
             values[..., : self._length, :] = self._value_buffer[..., : self._length, :]
         self._key_buffer, self._value_buffer = keys, values
+
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` columns in the existing buffers (growing them as `update` would)."""
+        if self._key_buffer is None:
+            raise ValueError("reserve needs a layer that holds keys already")
+        self._reserve(needed, self._key_buffer, self._value_buffer)
 
     def row_view(self, row: int, start: int, length: int) -> GrowingLayer:
         """A layer whose buffers are row `row` of this one's from column `start` on (views, no copy):
@@ -196,9 +204,9 @@ class Cohort:
             buffers = []
             for part in ("keys", "values"):
                 first = getattr(sources[0], part)  # (1, H, n, D)
-                buffer = first.new_empty(len(sources), first.shape[1], longest + 1 + spare, first.shape[-1])
+                # Zeros around the rows: padding and spare columns are masked out but must not hold NaNs.
+                buffer = first.new_zeros(len(sources), first.shape[1], longest + 1 + spare, first.shape[-1])
                 for row, (source, start) in enumerate(zip(sources, self.starts)):
-                    buffer[row, :, :start].zero_()  # padding: masked out, but must not hold NaNs
                     buffer[row, :, start:longest] = getattr(source, part)[0]
                 buffers.append(buffer)
             self.layers.append(GrowingLayer.adopting(*buffers, length=longest))

@@ -200,7 +200,8 @@ class FusionService:
     ) -> FusionService:
         """Load every expert in-process (the local build), unless experts and tokenizers are given."""
         if experts is None:
-            loaded = [LocalExpert.load(e, resolve_model(e.model)) for e in config.experts]
+            compile_cache = Path(cache_dir) / "compiled" if cache_dir is not None else None
+            loaded = [LocalExpert.load(e, resolve_model(e.model), compile_cache) for e in config.experts]
             experts, tokenizers = loaded, [e.tokenizer for e in loaded]
         if tokenizers is None:
             raise ValueError("tokenizers are required with externally built experts")

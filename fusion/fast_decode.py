@@ -1,0 +1,222 @@
+"""A single-token decode forward for Llama-family models, written as one plain function over the
+expert's own KV buffers, so that `torch.compile` can turn it into a few fused kernels.
+
+transformers' eager forward runs a decode step as hundreds of small ops, each a Python module call
+(30 layers of norms, four projections, rotary, SDPA and a three-projection MLP for SmolLM2-135M).
+`FastDecoder` does the same arithmetic with the query/key/value and gate/up projections each one
+matrix product (the model's own weights become views of the fused matrices: no second copy) and
+attention over the `GrowingLayer` buffers in place:
+
+    ids (B,) ─ embed ─┬─ for each layer: rmsnorm → qkv → rotary → write k, v at column `index`
+                      │                   → attention over columns [0, index] (mask (B, 1, 1, index + 1))
+                      │                   → o-proj + residual → rmsnorm → gate_up → silu·mul → down + residual
+                      └─ final rmsnorm → lm_head → (B, V) float32
+
+Only steady decoding takes this path: one new id per row, plain (full-attention) cache layers whose
+rows end at a common column (a session alone, or an expert's `Cohort`). Prefill, prompt chunks and
+every other shape stay on transformers' forward, over the same caches, so prefix reuse, cohort
+batching and chunked prefill see no difference.
+
+`compile`: "off" runs the function eagerly (already fewer ops than transformers'); "inductor"
+compiles it with dynamic shapes (one compilation serves every batch size and cache length; inductor's
+on-disk cache makes a second start cheap); "cudagraphs" adds `mode="reduce-overhead"` on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("off", "inductor", "cudagraphs")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `FastDecoder` cannot run this model (None: it can)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope type {rope.get('rope_type')!r} (only the default rotary embedding)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
+            and model_type != "qwen2":
+        return "sliding-window attention"
+    if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    layers = model.model.layers
+    if any(not hasattr(layer, "self_attn") or not hasattr(layer, "mlp") for layer in layers):
+        return "a layer without self_attn and mlp"
+    return None
+
+
+def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input; each module's weight becomes a
+    view of its rows of the fused one, so the model keeps working and memory holds one copy."""
+    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    biases = [lin.bias for lin in linears]
+    bias = (nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+            if all(b is not None for b in biases) else None)
+    if any(b is not None for b in biases) and bias is None:
+        raise ValueError("projections with and without bias cannot be fused")
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight.detach()[start:start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.detach()[start:start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+class FastDecoder(nn.Module):
+    """The decode step of one Llama-family model over its own weights (see the module docstring)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the fast decode path does not support this model: {reason}")
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = float(config.rms_norm_eps)
+        inner = model.model
+        as_param = lambda t: t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+        self.embed = as_param(inner.embed_tokens.weight)  # (V_in, hidden)
+        self.norm = as_param(inner.norm.weight)
+        self.lm_head = as_param(model.get_output_embeddings().weight)  # (V, hidden)
+        rotary = inner.rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        # Per layer (parameters, so that inductor's freezing may prepack them):
+        self.qkv, self.qkv_bias, self.o_proj = nn.ParameterList(), nn.ParameterList(), nn.ParameterList()
+        self.gate_up, self.down = nn.ParameterList(), nn.ParameterList()
+        self.input_norm, self.post_norm = nn.ParameterList(), nn.ParameterList()
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, _ = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+            self.qkv.append(as_param(qkv))
+            if qkv_bias is not None:
+                self.qkv_bias.append(as_param(qkv_bias))
+            self.o_proj.append(as_param(attn.o_proj.weight))
+            self.gate_up.append(as_param(gate_up))
+            self.down.append(as_param(mlp.down_proj.weight))
+            self.input_norm.append(as_param(layer.input_layernorm.weight))
+            self.post_norm.append(as_param(layer.post_attention_layernorm.weight))
+        self.has_qkv_bias = len(self.qkv_bias) > 0
+        self.intermediate = self.down[0].shape[1]
+
+    def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(dtype)
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # (B,) the new id of each row
+        positions: torch.Tensor,  # (B,) its position (cached ids of that row)
+        keys: list[torch.Tensor],  # per layer (B, H_kv, capacity, D), read only
+        values: list[torch.Tensor],
+        mask: torch.Tensor,  # (B, 1, 1, capacity) bool: the cached columns each row attends
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
+        caller writes into the buffers. The step reads the buffers and writes nothing: a compiled graph
+        then has no mutated inputs (which CUDA graphs refuse), and attention spans the buffers' whole
+        capacity, masked, so shapes change only when a buffer grows (by half its size) and a compiled
+        step is not recompiled as the cache fills. Unfilled columns are zeros (GrowingLayer allocates
+        them so), never NaN."""
+        batch = ids.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
+        x = F.embedding(ids, self.embed)  # (B, hidden)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (B, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (B, D)
+        cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None, :]  # (B, 1, D)
+        sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None, :]
+        half = dim // 2
+        scale = dim ** -0.5
+        new_keys, new_values = [], []
+        for layer in range(len(self.qkv)):
+            h = self._rmsnorm(x, self.input_norm[layer])
+            qkv = F.linear(h, self.qkv[layer], self.qkv_bias[layer] if self.has_qkv_bias else None)
+            q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
+            q = q.view(batch, heads, dim)
+            k = k.view(batch, kv_heads, dim)
+            v = v.view(batch, kv_heads, dim)
+            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            new_keys.append(k)
+            new_values.append(v)
+            # Grouped-query attention without repeating keys (each group's queries share one kv head),
+            # as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
+            q = q.view(batch, kv_heads, group, dim)
+            cached = torch.matmul(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, capacity)
+            own = (q * k[:, :, None, :]).sum(-1, keepdim=True)  # (B, H_kv, group, 1): the new column
+            scores = torch.cat((cached.float().masked_fill(~mask, float("-inf")), own.float()), dim=-1) * scale
+            probs = torch.softmax(scores, dim=-1).to(x.dtype)
+            attn = torch.matmul(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+            x = x + F.linear(attn.reshape(batch, heads * dim), self.o_proj[layer])
+            h = self._rmsnorm(x, self.post_norm[layer])
+            gate, up = F.linear(h, self.gate_up[layer]).split(self.intermediate, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, self.down[layer])
+        logits = F.linear(self._rmsnorm(x, self.norm), self.lm_head).float()
+        return logits, torch.stack(new_keys), torch.stack(new_values)
+
+
+def configure_compile_cache(cache_dir: str | Path) -> None:
+    """Keep inductor's and its code cache on disk under `cache_dir`, so a second start of the same
+    model reuses the compiled kernels. Called once at the edge (the service's start), before the first
+    compilation."""
+    path = Path(cache_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    try:
+        inductor_config.autotune_local_cache = True
+    except AttributeError:  # older inductor
+        pass
+
+
+class DecodeStep:
+    """`FastDecoder` run eagerly or compiled, with the time its first call (the compilation) took."""
+
+    def __init__(self, model, mode: str = "off") -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+        self.mode = mode
+        self.decoder = FastDecoder(model)
+        if mode == "off":
+            self._run = self.decoder
+        else:
+            compile_mode = "reduce-overhead" if mode == "cudagraphs" else None
+            self._run = torch.compile(self.decoder, dynamic=True, mode=compile_mode)
+        self.first_call_s: float | None = None
+
+    def __call__(self, ids, positions, keys, values, mask):
+        if self.first_call_s is not None:
+            return self._run(ids, positions, keys, values, mask)
+        start = time.perf_counter()
+        out = self._run(ids, positions, keys, values, mask)
+        self.first_call_s = time.perf_counter() - start
+        if self.mode != "off":
+            logger.info("compiled the decode step (%s) in %.1f s", self.mode, self.first_call_s)
+        return out

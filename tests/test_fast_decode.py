@@ -1,0 +1,155 @@
+"""The fast (and compiled) decode step against the plain reference: transformers' uncached forward over
+each whole history, and the engine's tokens through transformers' own decode forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion.kv_cache as kv_cache
+from fusion.config import SamplingParams, parse_config
+from fusion.engine import GenerationRequest
+from fusion.errors import ConfigError
+from fusion.expert import LocalExpert, StepRequest
+from fusion.fast_decode import DecodeStep, FastDecoder, unsupported_reason
+from fusion.rule_registry import make_rule
+from tests.conftest import tiny_config_dict
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory, tiny_dir):
+    """A tiny Qwen2 (biases on the query/key/value projections, a key/value group of 3)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen") / "q"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    torch.manual_seed(7)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _expert(path, decode: str = "fast") -> LocalExpert:
+    config = parse_config({"experts": [{"name": "x", "model": str(path), "dtype": "float32", "decode": decode}]})
+    return LocalExpert.load(config.experts[0])
+
+
+def _plain_last_logits(model, histories) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([h])).logits[0, -1] for h in histories])  # (B, V)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_fast_decode_equals_plain_forwards_batched_and_alone(tiny_dir, qwen_dir, monkeypatch, model_name):
+    """Sessions of different lengths decoded together (a cohort) and alone, through several buffer
+    growths, a divergence (crop) and a prompt chunk, give the logits of an uncached forward."""
+    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
+    expert = _expert(tiny_dir / "a" if model_name == "llama" else qwen_dir)
+    assert expert._fast_step is not None
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
+
+    def step(names):
+        got = expert.step([StepRequest(s, histories[s]) for s in names])
+        torch.testing.assert_close(got, _plain_last_logits(expert.model, [histories[s] for s in names]),
+                                   rtol=1e-4, atol=1e-4)
+        for s, row in zip(names, got):
+            histories[s] = histories[s] + [int(row[:250].argmax())]
+
+    for _ in range(8):
+        step(["s1", "s2", "s3"])
+    for _ in range(3):
+        step(["s2"])  # alone: the single-session fast path over its own (copied-out) cache
+    histories["s1"] = histories["s1"][:-2] + [11, 12, 13]  # diverges: crop + a 3-id chunk (transformers)
+    for _ in range(4):
+        step(["s1", "s2", "s3"])
+    assert expert.fast_decode_steps >= 13
+
+
+def test_fast_decoder_shares_the_models_weights(tiny_dir):
+    """The fused projections are the model's own storage: the model's forward still works, unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(ids).logits
+        decoder = FastDecoder(model)
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == decoder.qkv[0].untyped_storage().data_ptr()
+
+
+def _greedy_tokens(tiny_dir, decode: str, prompts: list[list[int]], max_tokens: int = 10) -> list[list[int]]:
+    from fusion.service import FusionService
+
+    data = tiny_config_dict(tiny_dir)
+    for expert in data["experts"]:
+        expert["decode"] = decode
+    service = FusionService.from_config(parse_config(data))
+    try:
+        engine = service.engine
+        rule = make_rule("weighted_logits", {}, engine.names)
+        requests = [GenerationRequest([p] * 3, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                              ignore_eos=True), rule, [0.5, 0.3, 0.2])
+                    for p in prompts]
+        events = engine.generate_many(requests)
+        assert all(e.fast_decode_steps > 0 for e in engine.experts) == (decode != "transformers")
+        return [[ev.token_id for ev in events[r.request_id]] for r in requests]
+    finally:
+        service.close()
+
+
+def test_fast_decode_generates_the_tokens_of_transformers_decode(tiny_dir):
+    prompts = [[5, 17, 42, 7], list(range(40, 70)), [9]]
+    assert _greedy_tokens(tiny_dir, "fast", prompts) == _greedy_tokens(tiny_dir, "transformers", prompts)
+
+
+def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
+    """The inductor-compiled step gives the eager step's logits and keys/values, across batch sizes and
+    buffer capacities (one dynamic-shape compilation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "c", dtype=torch.float32).eval()
+    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "inductor")
+    generator = torch.Generator().manual_seed(0)
+    config = model.config
+    kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    with torch.no_grad():
+        for batch, capacity in ((1, 9), (3, 14), (2, 30)):
+            keys = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
+            values = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
+            ids = torch.randint(0, config.vocab_size, (batch,), generator=generator)
+            positions = torch.randint(1, capacity, (batch,), generator=generator)
+            columns = torch.arange(capacity)
+            mask = (columns[None] < positions[:, None]).view(batch, 1, 1, capacity)
+            expected = eager(ids, positions, keys, values, mask)
+            got = compiled(ids, positions, keys, values, mask)
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert compiled.first_call_s is not None
+
+
+def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
+    """A model the fast step cannot run decodes through transformers under `fast`; `compiled` refuses it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32)
+    model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert "rope type" in unsupported_reason(model)
+    path = tmp_path / "linear-rope"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
+    assert _expert(path, "fast")._fast_step is None
+    with pytest.raises(ValueError, match="decode: compiled is not available"):
+        _expert(path, "compiled")
+    with pytest.raises(ConfigError, match="decode"):
+        parse_config({"experts": [{"name": "x", "model": "m", "decode": "jit"}]})

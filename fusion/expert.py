@@ -21,7 +21,7 @@ import torch
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.fast_decode import DecodeStep, configure_compile_cache, unsupported_reason
+from fusion.fast_decode import DecodeStep, configure_compile_cache, decode_on_layers, unsupported_reason
 from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -421,25 +421,6 @@ class LocalExpert:
         return logits
 
     def _fast_forward(self, layers: list[GrowingLayer], new_ids: list[int], lengths: list[int]) -> torch.Tensor:
-        """One decode step through `self._fast_step` over cache layers whose B rows all end at one
-        column (the frontier); row b holds `lengths[b]` ids, right-aligned at it. Appends each row's new
-        keys and values. Returns (B, V) float32."""
-        frontier = layers[0].get_seq_length()
-        for layer in layers:
-            layer.reserve(frontier + 1)
-        capacity = layers[0].capacity
-        batch = len(new_ids)
-        columns = torch.arange(capacity, device=self.device)  # (capacity,)
-        starts = torch.tensor([frontier - n for n in lengths], device=self.device)  # (B,)
-        mask = (columns[None, :] >= starts[:, None]) & (columns[None, :] < frontier)  # (B, capacity)
-        logits, new_keys, new_values = self._fast_step(
-            torch.tensor(new_ids, device=self.device),
-            torch.tensor(lengths, device=self.device),
-            [layer._key_buffer for layer in layers],
-            [layer._value_buffer for layer in layers],
-            mask.view(batch, 1, 1, capacity),
-        )  # (B, V), (layers, B, H_kv, D) x2
+        """One decode step through the fast step over these cache layers (see `decode_on_layers`)."""
         self.fast_decode_steps += 1
-        for layer, keys, values in zip(layers, new_keys, new_values):
-            layer.update(keys[:, :, None], values[:, :, None])
-        return logits
+        return decode_on_layers(self._fast_step, layers, new_ids, lengths)

@@ -199,11 +199,12 @@ def configure_compile_cache(cache_dir: str | Path) -> None:
 class DecodeStep:
     """`FastDecoder` run eagerly or compiled, with the time its first call (the compilation) took."""
 
-    def __init__(self, model, mode: str = "off") -> None:
+    def __init__(self, model, mode: str = "off", decoder: FastDecoder | None = None) -> None:
+        """`decoder`: an existing `FastDecoder` of `model` to run (another mode of the same weights)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
         self.mode = mode
-        self.decoder = FastDecoder(model)
+        self.decoder = decoder if decoder is not None else FastDecoder(model)
         if mode == "off":
             self._run = self.decoder
         else:
@@ -220,3 +221,27 @@ class DecodeStep:
         if self.mode != "off":
             logger.info("compiled the decode step (%s) in %.1f s", self.mode, self.first_call_s)
         return out
+
+
+def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths: list[int]) -> torch.Tensor:
+    """One decode step over `GrowingLayer`s whose B rows all end at one column (the frontier); row b
+    holds `lengths[b]` ids, right-aligned at it. Appends each row's new keys and values. (B, V) float32."""
+    frontier = layers[0].get_seq_length()
+    for layer in layers:
+        layer.reserve(frontier + 1)
+    capacity = layers[0].capacity
+    device = layers[0]._key_buffer.device
+    batch = len(new_ids)
+    columns = torch.arange(capacity, device=device)  # (capacity,)
+    starts = torch.tensor([frontier - n for n in lengths], device=device)  # (B,)
+    mask = (columns[None, :] >= starts[:, None]) & (columns[None, :] < frontier)  # (B, capacity)
+    logits, new_keys, new_values = step(
+        torch.tensor(new_ids, device=device),
+        torch.tensor(lengths, device=device),
+        [layer._key_buffer for layer in layers],
+        [layer._value_buffer for layer in layers],
+        mask.view(batch, 1, 1, capacity),
+    )  # (B, V), (layers, B, H_kv, D) x2
+    for layer, keys, values in zip(layers, new_keys, new_values):
+        layer.update(keys[:, :, None], values[:, :, None])
+    return logits

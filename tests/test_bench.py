@@ -18,8 +18,10 @@ def test_suites_report_ratios_and_plot(tiny_service, tmp_path):
     bench.bench_long_context(tiny_service, report, sessions=3, context=40, steps=3)
     bench.bench_sampling(tiny_service, report, sessions=3, steps=3)
     bench.bench_memory(tiny_service, report)
+    bench.bench_decode(tiny_service, report, steps=2, rounds=1, compiled=False)
     figures = report.figures
-    ratios = ["sampling_over_full_sort", "long_context_step_over_transformers", "fused_step_over_sum_of_forwards"]
+    ratios = ["sampling_over_full_sort", "long_context_step_over_transformers", "fused_step_over_sum_of_forwards",
+              "fused_step_over_sum_of_runtime_steps", "decode_fast_over_transformers", "decode_step_over_floor"]
     for name in ratios:  # each a positive, finite ratio of two timings measured side by side
         assert math.isfinite(figures[name]) and figures[name] > 0, name
     assert 0.0 <= figures["sampling_ms"]["candidates_fit"] <= 1.0
@@ -32,6 +34,7 @@ def test_suites_report_ratios_and_plot(tiny_service, tmp_path):
         storages = {p.data_ptr(): p.numel() * p.element_size()
                     for _, p in expert.model.named_parameters(remove_duplicate=False)}
         assert figures[f"weights_mb.{expert.info.name}"] == pytest.approx(sum(storages.values()) / 2**20)
+    assert figures["read_bandwidth_gbs"] > 0 and set(figures) >= {"decode_ms.transformers", "decode_ms.fast"}
     json.dumps(figures)  # what --json writes
     out = tmp_path / "bench.png"
     bench.plot(figures, out)

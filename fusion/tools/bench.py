@@ -15,7 +15,9 @@ import torch
 from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
-from fusion.expert import LocalExpert
+from fusion.expert import LocalExpert, StepRequest
+from fusion.fast_decode import DecodeStep, FastDecoder, decode_on_layers, unsupported_reason
+from fusion.kv_cache import new_cache
 from fusion.service import FusionRequest, FusionService
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,28 @@ def _plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> flo
     return statistics.mean(times[2:]) * 1e3
 
 
+def runtime_step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
+    """Mean decode step of the expert runtime alone (`expert.step` on one session, through the decode
+    path its config chose), on the compute thread."""
+    return run_on_compute_thread(_runtime_step_ms, expert, prompt, steps)
+
+
+def _runtime_step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
+    session = f"bench-runtime-{time.time_ns()}"
+    history = list(prompt)
+    times = []
+    try:
+        for _ in range(steps + 3):
+            start = time.perf_counter()
+            logits = expert.step([StepRequest(session, history)])
+            token = int(logits[0].argmax())  # a host sync, as the engine's sampler makes
+            times.append(time.perf_counter() - start)
+            history.append(token)
+    finally:
+        expert.release([session])
+    return statistics.mean(times[3:]) * 1e3  # the first is the prefill
+
+
 def fused_step_ms(service: FusionService, steps: int) -> tuple[float, float, dict[str, float]]:
     """Mean fused decode step (all experts overlapped + fusion + sampling) and its fusion+sampling part."""
     engine = service.engine
@@ -99,7 +123,7 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
     measurements so drift in machine load hits both alike."""
     experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]
     prompts = _prompt_ids(service)
-    plain_sums, fused, fuse = [], [], []
+    plain_sums, runtime_sums, fused, fuse = [], [], [], []
     per_expert_plain: dict[str, list[float]] = {e.info.name: [] for e in experts}
     for r in range(rounds):
         logger.info("step benchmark round %d/%d", r + 1, rounds)
@@ -107,6 +131,7 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
         for e, t in zip(experts, times):
             per_expert_plain[e.info.name].append(t)
         plain_sums.append(sum(times))
+        runtime_sums.append(sum(runtime_step_ms(e, prompts[i], steps) for i, e in enumerate(experts)))
         step_ms, fuse_ms, _ = fused_step_ms(service, steps)
         fused.append(step_ms)
         fuse.append(fuse_ms)
@@ -120,11 +145,120 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
     report.add("fused_step_ms", fused_ms, f"fused decode step ({len(experts)} experts): {fused_ms:.1f} ms")
     report.add("fused_step_over_sum_of_forwards", fused_ms / plain_sum,
                f"fused step / sum of plain forwards: {fused_ms / plain_sum:.3f}  (goal <= 1.05)")
+    runtime_sum = statistics.median(runtime_sums)
+    report.add("fused_step_over_sum_of_runtime_steps", fused_ms / runtime_sum,
+               f"fused step / sum of the experts' own runtime decode steps ({runtime_sum:.1f} ms, each expert's "
+               f"decode path): {fused_ms / runtime_sum:.3f}")
     report.add("fusion_sampling_ms", fuse_ms, f"fusion + sampling: {fuse_ms:.2f} ms at vocabulary "
                f"{service.engine.vocab_size}")
     report.add("fusion_sampling_over_one_forward", fuse_ms / one_forward,
                f"fusion + sampling / one forward ({experts[0].info.name}): {fuse_ms / one_forward:.4f}  "
                "(goal <= 0.02)")
+
+
+def read_bandwidth_gbs(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth, GB/s: the best of `repeats` sums over a buffer far larger than the caches
+    (the best, since the floor it gives is a bound)."""
+    device = torch.device(device)
+    buffer = torch.ones(megabytes * 2**20 // 4, device=device)  # touched, so its pages are real
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        buffer.sum().item()
+        best = min(best, time.perf_counter() - start)
+    del buffer
+    return megabytes * 2**20 / best / 1e9
+
+
+def bench_decode(service: FusionService, report: BenchReport, steps: int = 16, rounds: int = 3,
+                 compiled: bool = True) -> None:
+    """The first local expert's decode step against the hardware floor (its weights' bytes / the read
+    bandwidth measured in this run): transformers' eager forward, the fast step (fusion.fast_decode)
+    eager and, with `compiled`, through torch.compile, timed in alternation on the same history. Also
+    the compilation's start-up cost, cold and again from inductor's on-disk cache."""
+    expert = next(e for e in service.engine.experts if isinstance(e, LocalExpert))
+    index = service.engine.experts.index(expert)
+    reason = unsupported_reason(expert.model)
+    if reason is not None:
+        logger.warning("decode suite: %s has no fast decode step (%s)", expert.info.name, reason)
+        return
+    prompt = _prompt_ids(service)[index]
+    figures = run_on_compute_thread(_decode_paths, expert, prompt, steps, rounds, compiled)
+    name = expert.info.name
+    floor = figures["floor_ms"]
+    report.add("read_bandwidth_gbs", figures["bandwidth_gbs"],
+               f"read bandwidth ({expert.device}): {figures['bandwidth_gbs']:.1f} GB/s; {name}'s weights "
+               f"{figures['weights_mb']:.0f} MB -> floor {floor:.1f} ms per decode step")
+    for path in ("transformers", "fast", "compiled"):
+        if path in figures["decode_ms"]:
+            ms = figures["decode_ms"][path]
+            report.add(f"decode_ms.{path}", ms, f"decode step, {name}, {path}: {ms:.1f} ms = {ms / floor:.2f}x the "
+                       "floor" + ("  (goal <= 2x)" if path != "transformers" else ""))
+    for path in ("fast", "compiled"):
+        if path in figures["decode_ms"]:
+            ratio = figures["decode_ms"][path] / figures["decode_ms"]["transformers"]
+            report.add(f"decode_{path}_over_transformers", ratio,
+                       f"decode step {path} / transformers' eager: {ratio:.3f}")
+    best = min(figures["decode_ms"].values())
+    report.add("decode_step_over_floor", best / floor, f"best decode step / bandwidth floor: {best / floor:.2f}")
+    if "compile_s" in figures:
+        cold, warm = figures["compile_s"]
+        report.add("compile_s", {"first": cold, "from_disk_cache": warm},
+                   f"compiling {name}'s decode step ({figures['compile_mode']}): {cold:.1f} s, again from "
+                   f"the on-disk cache: {warm:.1f} s")
+
+
+def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: int, compiled: bool) -> dict:
+    from transformers import DynamicCache
+
+    model, device = expert.model, expert.device
+    decoder = expert._fast_step.decoder if expert._fast_step is not None else FastDecoder(model)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    figures: dict[str, Any] = {"weights_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
+    figures["bandwidth_gbs"] = read_bandwidth_gbs(device)
+    figures["floor_ms"] = figures["weights_mb"] / figures["bandwidth_gbs"]  # MB / (GB/s) = ms
+    paths: dict[str, DecodeStep | None] = {"transformers": None, "fast": DecodeStep(model, "off", decoder)}
+    ids = torch.tensor([prompt], device=device)
+    token = len(prompt) % 100 + 1
+    with torch.no_grad():
+        if compiled:
+            mode = "cudagraphs" if device.type == "cuda" else "inductor"
+            figures["compile_mode"] = mode
+            times = []
+            for _ in range(2):  # the second after a reset: from inductor's on-disk cache
+                torch._dynamo.reset()
+                step = DecodeStep(model, mode, decoder)
+                cache = new_cache(model.config)
+                model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                decode_on_layers(step, cache.layers, [token], [len(prompt)])
+                sync()
+                times.append(step.first_call_s)
+            figures["compile_s"] = times
+            paths["compiled"] = step
+        caches = {}
+        for path in paths:
+            caches[path] = DynamicCache(config=model.config) if path == "transformers" else new_cache(model.config)
+            model(input_ids=ids, cache=caches[path], use_cache=True, logits_to_keep=1)
+        timings: dict[str, list[float]] = {path: [] for path in paths}
+        for _ in range(rounds):
+            for path, step in paths.items():
+                cache = caches[path]
+                times = []
+                for i in range(steps + 2):
+                    start = time.perf_counter()
+                    if step is None:
+                        model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True,
+                              logits_to_keep=1)
+                    else:
+                        decode_on_layers(step, cache.layers, [token], [len(prompt) + i])
+                    sync()
+                    times.append(time.perf_counter() - start)
+                cache.crop(-(steps + 2))  # back to the prompt: every round decodes the same positions
+                timings[path].append(statistics.mean(times[2:]) * 1e3)
+    figures["decode_ms"] = {path: statistics.median(values) for path, values in timings.items()}
+    return figures
 
 
 def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48) -> None:
@@ -325,6 +459,7 @@ def plot(figures: dict[str, Any], path) -> None:
     levels = sorted(int(k.split(".")[1]) for k in figures if k.startswith("concurrency."))
     labels = {"fused_step_over_sum_of_forwards": "fused step\n/ sum of\nforwards",
               "fusion_sampling_over_one_forward": "fusion +\nsampling /\none forward",
+              "decode_step_over_floor": "decode step\n/ bandwidth\nfloor",
               "long_context_step_over_transformers": "long-context\nstep /\ntransformers'",
               "sampling_over_full_sort": "top-p sampling\n/ full sort"}
     ratios = {k: figures[k] for k in labels if k in figures}

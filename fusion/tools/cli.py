@@ -524,8 +524,10 @@ def evaluate(
 @app.command()
 def bench(
     config_path: Optional[Path] = ConfigOption,
-    suites: str = typer.Option("step,generate,concurrency,long,sampling,memory", "--suites",
-                               help="Comma-separated: step, generate, concurrency, long, sampling, memory."),
+    suites: str = typer.Option("step,generate,concurrency,long,sampling,memory,decode", "--suites",
+                               help="Comma-separated: step, generate, concurrency, long, sampling, memory, decode."),
+    compiled: bool = typer.Option(True, "--compile/--no-compile",
+                                  help="The decode suite also compiles the decode step (minutes on a small CPU)."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
     levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
     context: int = typer.Option(1024, "--context", min=2, help="Ids per session in the long-context suite."),
@@ -545,7 +547,7 @@ def bench(
         report = b.BenchReport()
         report.figures["machine"] = b.machine_description()
         chosen = [s.strip() for s in suites.split(",") if s.strip()]
-        known = {"step", "generate", "concurrency", "long", "sampling", "memory"}
+        known = {"step", "generate", "concurrency", "long", "sampling", "memory", "decode"}
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
@@ -560,6 +562,8 @@ def bench(
             b.bench_sampling(service, report)
         if "memory" in chosen:
             b.bench_memory(service, report)
+        if "decode" in chosen:
+            b.bench_decode(service, report, steps=min(steps, 16), compiled=compiled)
         service.close()
         typer.echo(f"machine: {report.figures['machine']}")
         for line in report.lines:

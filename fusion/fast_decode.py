@@ -213,13 +213,19 @@ class DecodeStep:
         self.first_call_s: float | None = None
 
     def __call__(self, ids, positions, keys, values, mask):
-        if self.first_call_s is not None:
-            return self._run(ids, positions, keys, values, mask)
-        start = time.perf_counter()
-        out = self._run(ids, positions, keys, values, mask)
-        self.first_call_s = time.perf_counter() - start
-        if self.mode != "off":
-            logger.info("compiled the decode step (%s) in %.1f s", self.mode, self.first_call_s)
+        """`FastDecoder.forward`'s arguments and results."""
+        start = time.perf_counter() if self.first_call_s is None else None
+        if self.mode == "cudagraphs":
+            # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
+            # outputs are copied out before the next (one expert may run two decode groups in a step).
+            torch.compiler.cudagraph_mark_step_begin()
+            out = tuple(t.clone() for t in self._run(ids, positions, keys, values, mask))
+        else:
+            out = self._run(ids, positions, keys, values, mask)
+        if start is not None:
+            self.first_call_s = time.perf_counter() - start
+            if self.mode != "off":
+                logger.info("compiled the decode step (%s) in %.1f s", self.mode, self.first_call_s)
         return out
 
 

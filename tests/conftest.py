@@ -15,6 +15,17 @@ from tests.tiny_models import make_model, make_tokenizer
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Without a CUDA device, `cuda`-marked tests are deselected (they are extra checks that
+    benchmarks/gpu_check.sh runs; every path they cover has a CPU test too)."""
+    if torch.cuda.is_available():
+        return
+    kept = [item for item in items if item.get_closest_marker("cuda") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("cuda")])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Three tiny experts sharing one tokenizer (the third with padded output rows), plus one expert

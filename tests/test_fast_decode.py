@@ -153,3 +153,59 @@ def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
         _expert(path, "compiled")
     with pytest.raises(ConfigError, match="decode"):
         parse_config({"experts": [{"name": "x", "model": "m", "decode": "jit"}]})
+
+
+# -- on a CUDA device (benchmarks/gpu_check.sh; deselected elsewhere, the CPU tests above cover the same paths)
+def _cuda_expert(path, decode: str) -> LocalExpert:
+    config = parse_config({"experts": [{"name": "x", "model": str(path), "dtype": "float32", "device": "cuda",
+                                        "decode": decode}]})
+    return LocalExpert.load(config.experts[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["fast", "compiled"])
+def test_cuda_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode):
+    """Fast and CUDA-graph-compiled decode steps on a GPU, batched and alone, through buffer growths,
+    give the logits of an uncached forward."""
+    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
+    expert = _cuda_expert(tiny_dir / "a", decode)
+    assert expert._fast_step.mode == ("off" if decode == "fast" else "cudagraphs")
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
+    for names in [["s1", "s2", "s3"]] * 6 + [["s2"]] * 3 + [["s1", "s3"]] * 3:
+        got = expert.step([StepRequest(s, histories[s]) for s in names])
+        torch.testing.assert_close(got, _plain_last_logits(expert.model, [histories[s] for s in names]).to(got.device),
+                                   rtol=1e-3, atol=1e-3)
+        for s, row in zip(names, got):
+            histories[s] = histories[s] + [int(row[:250].argmax())]
+    assert expert.fast_decode_steps >= 10
+
+
+@pytest.mark.cuda
+def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir):
+    """Three experts on one GPU (a CUDA stream each, overlapped) fuse to the CPU trio's logits."""
+    from fusion.service import FusionService
+
+    fused = {}
+    for device in ("cpu", "cuda"):
+        data = tiny_config_dict(tiny_dir)
+        for expert in data["experts"]:
+            expert["device"] = device
+        service = FusionService.from_config(parse_config(data))
+        try:
+            engine = service.engine
+            rule = make_rule("weighted_logits", {}, engine.names)
+            batch = engine.new_batch()
+            for prompt in ([5, 17, 42, 7], list(range(40, 70))):
+                batch.add(engine.admit(GenerationRequest([prompt] * 3, SamplingParams(max_tokens=8, temperature=0.0),
+                                                         rule, [0.5, 0.3, 0.2])))
+            steps = []
+            for _ in range(4):
+                step = batch.fused_logits()
+                steps.append(step.fused.cpu())
+                batch.emit_tokens(step)
+            fused[device] = torch.stack(steps)
+            if device == "cuda":
+                assert all(s is not None for s in engine._streams)
+        finally:
+            service.close()
+    torch.testing.assert_close(fused["cuda"], fused["cpu"], rtol=1e-3, atol=1e-3)

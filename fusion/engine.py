@@ -104,6 +104,7 @@ class StepLogits:
     fused: torch.Tensor | None  # (B, V)
     weights: torch.Tensor | None  # (E, B)
     errors: list[ErrorEvent]
+    log_normalizers: torch.Tensor | None = None  # (E, B) logsumexp of each expert's row, if the rule had it
 
 
 @dataclass
@@ -598,9 +599,9 @@ class DecodeBatch:
             logits = logits[:, keep]
         if not rows:
             return StepLogits([], None, None, None, errors)
-        fused, weights = self._fuse(rows, logits)  # (B, V), (E, B)
+        fused, weights, normalizers = self._fuse(rows, logits)  # (B, V), (E, B), (E, B) or None
         engine.last_timings.fuse_s = time.perf_counter() - fuse_start
-        return StepLogits(rows, logits, fused, weights, errors)
+        return StepLogits(rows, logits, fused, weights, errors, normalizers)
 
     def step(self) -> list[TokenEvent | ErrorEvent]:
         """One token for every active row (steps 1-5); finished rows leave the batch. Runs on the
@@ -644,7 +645,8 @@ class DecodeBatch:
 
         # Attribution: each expert's own probability of the chosen token.
         chosen = out.token_ids[None, :, None].expand(logits.shape[0], -1, 1)  # (E, B, 1)
-        expert_probs = (logits.gather(-1, chosen)[..., 0] - torch.logsumexp(logits, dim=-1)).exp()  # (E, B)
+        normalizers = step.log_normalizers if step.log_normalizers is not None else torch.logsumexp(logits, dim=-1)
+        expert_probs = (logits.gather(-1, chosen)[..., 0] - normalizers).exp()  # (E, B)
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         weights_host = weights.T.tolist()  # (B, E)
@@ -689,8 +691,10 @@ class DecodeBatch:
             self.cancel(request_id)
         return events
 
-    def _fuse(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply each row's rule; rows sharing a rule object are fused together. (B, V), (E, B)."""
+    def _fuse(self, rows: list[_Row], logits: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Apply each row's rule; rows sharing a rule object are fused together. (B, V), (E, B), and the
+        experts' log-normalizers (E, B) where every rule computed them (else None)."""
         device = self.engine.device
         weights = torch.tensor([r.request.weights for r in rows], dtype=torch.float32, device=device).T  # (E, B)
         histories = [r.request.prompt_ids[0][-CONTEXT_TOKENS:] + r.generated[-CONTEXT_TOKENS:] for r in rows]
@@ -700,12 +704,17 @@ class DecodeBatch:
             groups.setdefault(id(row.request.rule), []).append(b)
         if len(groups) == 1:
             result = rows[0].request.rule.fuse(logits, weights, context)
-            return result.logits, result.weights
+            return result.logits, result.weights, result.log_normalizers
         fused = torch.empty(logits.shape[1:], device=device)
         used_weights = torch.empty_like(weights)
+        normalizers: torch.Tensor | None = torch.empty_like(weights)
         for indices in groups.values():
             idx = torch.tensor(indices, device=device)
             result = rows[indices[0]].request.rule.fuse(logits[:, idx], weights[:, idx], context[idx])
             fused[idx] = result.logits
             used_weights[:, idx] = result.weights
-        return fused, used_weights
+            if normalizers is not None and result.log_normalizers is not None:
+                normalizers[:, idx] = result.log_normalizers
+            else:
+                normalizers = None
+        return fused, used_weights, normalizers

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fusion.errors import ConfigError
-from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule
+from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule, log_softmax_and_normalizer
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Router(nn.Module):
 
     def fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None,
              hard: bool = False, complementary: bool = True, fail_safe: bool = False) -> FusedLogits:
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, B, V)
+        log_probs, normalizer = log_softmax_and_normalizer(logits.float())  # (E, B, V), (E, B)
         inputs = self.inputs(log_probs, context)  # (B, F), computed once for the head and the gate
         _, weights, comp = self.head(inputs, allowed)
         if fail_safe and self.gate is not None:
@@ -187,7 +187,7 @@ class Router(nn.Module):
         fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
         if comp is not None and complementary:
             fused = fused + comp
-        return FusedLogits(fused, weights)
+        return FusedLogits(fused, weights, normalizer)
 
 
 # -- expert fingerprints ------------------------------------------------------------------------

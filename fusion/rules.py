@@ -52,6 +52,15 @@ def teacher_forced_context(prefix: Sequence[int], continuation: Sequence[int], d
 class FusedLogits:
     logits: torch.Tensor  # (B, V) fused log-space scores
     weights: torch.Tensor  # (E, B) weights each expert effectively had
+    # (E, B) logsumexp of each expert's logits over the vocabulary, where the rule computed it on the
+    # way (rules over log-probabilities): the engine's attribution reuses it instead of another pass.
+    log_normalizers: torch.Tensor | None = None
+
+
+def log_softmax_and_normalizer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax over the last dim, and the logsumexp it subtracted: (E, B, V), (E, B)."""
+    normalizer = torch.logsumexp(logits, dim=-1)  # (E, B)
+    return logits - normalizer[..., None], normalizer
 
 
 class FusionRule:
@@ -110,9 +119,9 @@ def _weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return terms.sum(dim=0)  # (B, V)
 
 
-def _mixture(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    log_probs = torch.log_softmax(logits, dim=-1)  # (E, B, V)
-    return torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V); log 0 = -inf drops out
+def _mixture(log_probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """log Σ_i w_i p_i from log-probabilities (E, B, V) → (B, V)."""
+    return torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # log 0 = -inf drops out
 
 
 class WeightedLogits(FusionRule):
@@ -128,7 +137,8 @@ class Mixture(FusionRule):
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         w = _normalised(weights)
-        return FusedLogits(_mixture(logits, w), w)
+        log_probs, normalizer = log_softmax_and_normalizer(logits)
+        return FusedLogits(_mixture(log_probs, w), w, normalizer)
 
 
 class LogitArithmetic(FusionRule):
@@ -154,14 +164,15 @@ class LogitArithmetic(FusionRule):
             )
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
-        log_probs = torch.log_softmax(logits, dim=-1).clamp(min=_LOGPROB_FLOOR)  # (E, B, V)
+        log_probs, normalizer = log_softmax_and_normalizer(logits)
+        log_probs = log_probs.clamp(min=_LOGPROB_FLOOR)  # (E, B, V)
         combined = _weighted_sum(log_probs, weights)  # (B, V)
         lead = log_probs[self.lead]  # (B, V)
         # p_lead >= alpha * max p_lead  <=>  log p_lead >= log alpha + max log p_lead
         threshold = lead.max(dim=-1, keepdim=True).values + math.log(self.alpha) if self.alpha > 0 else None
         if threshold is not None:
             combined = combined.masked_fill(lead < threshold, float("-inf"))
-        return FusedLogits(combined, weights)
+        return FusedLogits(combined, weights, normalizer)
 
 
 class Confidence(FusionRule):
@@ -178,13 +189,13 @@ class Confidence(FusionRule):
         self.combine = combine
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
-        log_probs = torch.log_softmax(logits, dim=-1)  # (E, B, V)
+        log_probs, normalizer = log_softmax_and_normalizer(logits)  # (E, B, V), (E, B)
         entropy = -(log_probs.exp() * log_probs.clamp(min=_LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
         # Softmax over experts of (log prior - H / tau); zero priors stay zero.
         scores = torch.log(weights) - entropy / self.tau
         w = torch.softmax(scores, dim=0)  # (E, B)
-        fused = _mixture(logits, w) if self.combine == "mixture" else _weighted_sum(logits, w)
-        return FusedLogits(fused, w)
+        fused = _mixture(log_probs, w) if self.combine == "mixture" else _weighted_sum(logits, w)
+        return FusedLogits(fused, w, normalizer)
 
 
 class Single(FusionRule):

@@ -60,6 +60,10 @@ def unsupported_reason(model) -> str | None:
     layers = model.model.layers
     if any(not hasattr(layer, "self_attn") or not hasattr(layer, "mlp") for layer in layers):
         return "a layer without self_attn and mlp"
+    if any(getattr(layer.self_attn.o_proj, "bias", None) is not None for layer in layers):
+        return "an output projection with a bias"
+    if any(hasattr(layer.self_attn, name) for layer in layers for name in ("q_norm", "k_norm")):
+        return "query/key norms"
     return None
 
 
@@ -132,16 +136,16 @@ class FastDecoder(nn.Module):
         self,
         ids: torch.Tensor,  # (B,) the new id of each row
         positions: torch.Tensor,  # (B,) its position (cached ids of that row)
-        keys: list[torch.Tensor],  # per layer (B, H_kv, capacity, D), read only
+        keys: list[torch.Tensor],  # per layer (B, H_kv, width, D), read only: cached columns (and spare ones)
         values: list[torch.Tensor],
-        mask: torch.Tensor,  # (B, 1, 1, capacity) bool: the cached columns each row attends
+        mask: torch.Tensor,  # (B, 1, 1, width) bool: the cached columns each row attends
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. The step reads the buffers and writes nothing: a compiled graph
-        then has no mutated inputs (which CUDA graphs refuse), and attention spans the buffers' whole
-        capacity, masked, so shapes change only when a buffer grows (by half its size) and a compiled
-        step is not recompiled as the cache fills. Unfilled columns are zeros (GrowingLayer allocates
-        them so), never NaN."""
+        then has no mutated inputs (which CUDA graphs refuse). A compiled step is given the buffers'
+        whole capacity, masked, so shapes change only when a buffer grows (by half its size) and it is
+        not recompiled as the cache fills; unfilled columns are zeros (GrowingLayer allocates them so),
+        never NaN."""
         batch = ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
@@ -167,7 +171,7 @@ class FastDecoder(nn.Module):
             # Grouped-query attention without repeating keys (each group's queries share one kv head),
             # as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
             q = q.view(batch, kv_heads, group, dim)
-            cached = torch.matmul(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, capacity)
+            cached = torch.matmul(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, width)
             own = (q * k[:, :, None, :]).sum(-1, keepdim=True)  # (B, H_kv, group, 1): the new column
             scores = torch.cat((cached.float().masked_fill(~mask, float("-inf")), own.float()), dim=-1) * scale
             probs = torch.softmax(scores, dim=-1).to(x.dtype)
@@ -235,18 +239,20 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
     frontier = layers[0].get_seq_length()
     for layer in layers:
         layer.reserve(frontier + 1)
-    capacity = layers[0].capacity
+    # Eagerly, attention reads only the filled columns; compiled, the whole capacity (masked), so that
+    # shapes change only when the buffers grow.
+    width = frontier if step.mode == "off" else layers[0].capacity
     device = layers[0]._key_buffer.device
     batch = len(new_ids)
-    columns = torch.arange(capacity, device=device)  # (capacity,)
+    columns = torch.arange(width, device=device)  # (width,)
     starts = torch.tensor([frontier - n for n in lengths], device=device)  # (B,)
-    mask = (columns[None, :] >= starts[:, None]) & (columns[None, :] < frontier)  # (B, capacity)
+    mask = (columns[None, :] >= starts[:, None]) & (columns[None, :] < frontier)  # (B, width)
     logits, new_keys, new_values = step(
         torch.tensor(new_ids, device=device),
         torch.tensor(lengths, device=device),
-        [layer._key_buffer for layer in layers],
-        [layer._value_buffer for layer in layers],
-        mask.view(batch, 1, 1, capacity),
+        [layer._key_buffer[:, :, :width] for layer in layers],
+        [layer._value_buffer[:, :, :width] for layer in layers],
+        mask.view(batch, 1, 1, width),
     )  # (B, V), (layers, B, H_kv, D) x2
     for layer, keys, values in zip(layers, new_keys, new_values):
         layer.update(keys[:, :, None], values[:, :, None])

@@ -151,6 +151,11 @@ def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
     assert _expert(path, "fast")._fast_step is None
     with pytest.raises(ValueError, match="decode: compiled is not available"):
         _expert(path, "compiled")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    biased = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, attention_bias=True))
+    assert "output projection" in unsupported_reason(biased)
     with pytest.raises(ConfigError, match="decode"):
         parse_config({"experts": [{"name": "x", "model": "m", "decode": "jit"}]})
 

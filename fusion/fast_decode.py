@@ -213,7 +213,11 @@ class DecodeStep:
             self._run = self.decoder
         else:
             compile_mode = "reduce-overhead" if mode == "cudagraphs" else None
-            self._run = torch.compile(self.decoder, dynamic=True, mode=compile_mode)
+            # On a CPU, freezing turns the weights into constants that inductor prepacks for its matrix
+            # kernels (oneDNN): the compiled step took 0.36x transformers' eager time with it, 0.64x
+            # without (SmolLM2-135M, bf16, 2 cores). It keeps a second, packed copy of the weights.
+            options = {"freezing": True} if mode == "inductor" else None
+            self._run = torch.compile(self.decoder, dynamic=True, mode=compile_mode, options=options)
         self.first_call_s: float | None = None
 
     def __call__(self, ids, positions, keys, values, mask):

@@ -118,7 +118,7 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
     buffer capacities (one dynamic-shape compilation)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "c", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
     eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "inductor")
     generator = torch.Generator().manual_seed(0)
     config = model.config
@@ -136,6 +136,21 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
             for g, e in zip(got, expected):
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     assert compiled.first_call_s is not None
+
+
+def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch):
+    """`decode: compiled` end to end: batched and single steps through buffer growths."""
+    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
+    expert = _expert(tiny_dir / "b", "compiled")
+    assert expert._fast_step.mode == "inductor"
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 45))}
+    for names in [["s1", "s2"]] * 5 + [["s1"]] * 2:
+        got = expert.step([StepRequest(s, histories[s]) for s in names])
+        torch.testing.assert_close(got, _plain_last_logits(expert.model, [histories[s] for s in names]),
+                                   rtol=1e-4, atol=1e-4)
+        for s, row in zip(names, got):
+            histories[s] = histories[s] + [int(row[:250].argmax())]
+    assert expert.fast_decode_steps == 6  # the first step of each prompt is its prefill
 
 
 def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):

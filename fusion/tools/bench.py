@@ -265,34 +265,46 @@ def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: in
     return figures
 
 
-def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48) -> None:
-    """Fused single-stream tokens/s against each expert's plain transformers `generate`."""
+def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48, rounds: int = 3) -> None:
+    """Fused single-stream tokens/s against each expert's plain transformers `generate`. Each round
+    times the fused request and then every plain `generate` once; a ratio is the median over rounds of
+    the same round's two rates, so drift in machine load hits both alike."""
     from transformers import GenerationConfig
 
     prompts = _prompt_ids(service)
     request = FusionRequest(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
     list(service.submit(request))  # warm-up
-    start = time.perf_counter()
-    n = sum(1 for _ in service.submit(request))  # the front door: admission, scheduler, text
-    fused_tps = n / (time.perf_counter() - start)
+    experts = [(i, e) for i, e in enumerate(service.engine.experts) if isinstance(e, LocalExpert)]
+    gen_config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                  pad_token_id=0)
+
+    def timed_generate(expert: LocalExpert, ids: torch.Tensor) -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = expert.model.generate(ids, generation_config=gen_config)
+            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+
+    inputs = {e.info.name: torch.tensor([prompts[i]], device=e.device) for i, e in experts}
+    for _, expert in experts:  # warm-up
+        run_on_compute_thread(timed_generate, expert, inputs[expert.info.name])
+    fused_rates: list[float] = []
+    plain_rates: dict[str, list[float]] = {e.info.name: [] for _, e in experts}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        n = sum(1 for _ in service.submit(request))  # the front door: admission, scheduler, text
+        fused_rates.append(n / (time.perf_counter() - start))
+        for _, expert in experts:
+            plain_rates[expert.info.name].append(run_on_compute_thread(timed_generate, expert,
+                                                                       inputs[expert.info.name]))
+    fused_tps = statistics.median(fused_rates)
     report.add("fused_tokens_per_s", fused_tps, f"fused generation: {fused_tps:.1f} tokens/s")
-    for i, expert in enumerate(service.engine.experts):
-        if not isinstance(expert, LocalExpert):
-            continue
-        ids = torch.tensor([prompts[i]], device=expert.device)
-        gen_config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                      pad_token_id=0)
-
-        def timed_generate(model=expert.model, ids=ids, gen_config=gen_config) -> tuple[torch.Tensor, float]:
-            with torch.no_grad():
-                model.generate(ids, generation_config=gen_config)  # warm-up
-                start = time.perf_counter()
-                return model.generate(ids, generation_config=gen_config), time.perf_counter() - start
-
-        out, seconds = run_on_compute_thread(timed_generate)
-        tps = (out.shape[1] - ids.shape[1]) / seconds
-        report.add(f"generate_tokens_per_s.{expert.info.name}", tps,
-                   f"plain generate, {expert.info.name}: {tps:.1f} tokens/s; fused / plain = {fused_tps / tps:.3f}")
+    for name, rates in plain_rates.items():
+        tps = statistics.median(rates)
+        ratio = statistics.median(f / p for f, p in zip(fused_rates, rates))
+        report.add(f"generate_tokens_per_s.{name}", tps,
+                   f"plain generate, {name}: {tps:.1f} tokens/s; fused / plain = {ratio:.3f} (median of "
+                   f"{rounds} rounds)")
+        report.figures[f"fused_over_generate.{name}"] = ratio
 
 
 def _concurrency_round(service: FusionService, level: int, max_tokens: int) -> tuple[float, list[float]]:

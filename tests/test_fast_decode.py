@@ -201,8 +201,10 @@ def test_cuda_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode):
 
 
 @pytest.mark.cuda
-def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir):
-    """Three experts on one GPU (a CUDA stream each, overlapped) fuse to the CPU trio's logits."""
+@pytest.mark.parametrize("decode", ["fast", "compiled"])
+def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir, decode):
+    """Three experts on one GPU (a CUDA stream and a pool thread each, overlapped; compiled: CUDA graphs
+    replayed from those threads) fuse to the CPU trio's logits."""
     from fusion.service import FusionService
 
     fused = {}
@@ -210,6 +212,7 @@ def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir):
         data = tiny_config_dict(tiny_dir)
         for expert in data["experts"]:
             expert["device"] = device
+            expert["decode"] = decode if device == "cuda" else "transformers"
         service = FusionService.from_config(parse_config(data))
         try:
             engine = service.engine
@@ -219,7 +222,7 @@ def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir):
                 batch.add(engine.admit(GenerationRequest([prompt] * 3, SamplingParams(max_tokens=8, temperature=0.0),
                                                          rule, [0.5, 0.3, 0.2])))
             steps = []
-            for _ in range(4):
+            for _ in range(6):
                 step = batch.fused_logits()
                 steps.append(step.fused.cpu())
                 batch.emit_tokens(step)

@@ -5,21 +5,24 @@ transformers' eager forward runs a decode step as hundreds of small ops, each a 
 (30 layers of norms, four projections, rotary, SDPA and a three-projection MLP for SmolLM2-135M).
 `FastDecoder` does the same arithmetic with the query/key/value and gate/up projections each one
 matrix product (the model's own weights become views of the fused matrices: no second copy) and
-attention over the `GrowingLayer` buffers in place:
+attention read straight from the `GrowingLayer` buffers:
 
-    ids (B,) ─ embed ─┬─ for each layer: rmsnorm → qkv → rotary → write k, v at column `index`
-                      │                   → attention over columns [0, index] (mask (B, 1, 1, index + 1))
-                      │                   → o-proj + residual → rmsnorm → gate_up → silu·mul → down + residual
-                      └─ final rmsnorm → lm_head → (B, V) float32
+    ids (B,) ─ embed ─┬─ for each layer: rmsnorm → qkv → rotary → attention over the cached columns
+                      │                   (masked, mask (B, 1, 1, width)) and the new key → o-proj + residual
+                      │                   → rmsnorm → gate_up → silu·mul → down + residual
+                      └─ final rmsnorm → lm_head → (B, V) float32, and the new keys/values (layers, B, H_kv, D)
+
+`decode_on_layers` then appends the new keys and values to the buffers (`GrowingLayer.update`).
 
 Only steady decoding takes this path: one new id per row, plain (full-attention) cache layers whose
 rows end at a common column (a session alone, or an expert's `Cohort`). Prefill, prompt chunks and
 every other shape stay on transformers' forward, over the same caches, so prefix reuse, cohort
 batching and chunked prefill see no difference.
 
-`compile`: "off" runs the function eagerly (already fewer ops than transformers'); "inductor"
-compiles it with dynamic shapes (one compilation serves every batch size and cache length; inductor's
-on-disk cache makes a second start cheap); "cudagraphs" adds `mode="reduce-overhead"` on CUDA.
+`DecodeStep` modes: "off" runs the function eagerly (already fewer ops than transformers');
+"inductor" compiles it with dynamic shapes (one compilation serves every batch size and cache length;
+inductor's on-disk cache makes a second start cheap); "cudagraphs" adds `mode="reduce-overhead"` on
+CUDA. The expert config's `decode` field picks one (fusion.expert).
 """
 
 from __future__ import annotations

@@ -182,8 +182,11 @@ class CrossTokenizerFusion:
     def events(self, states: Sequence[ExpertState]) -> tuple[list[bytes | None], torch.Tensor]:
         """The step's events and each state's log-probabilities of them: (pieces, (len(states), C + 1))."""
         for state in states:
-            self._look_ahead_pending(state)
-        pieces = self._candidates(states)
+            self._root(state)
+        pieces = self._candidates(states)  # from each expert's next-token row
+        for state in states:
+            self._look_ahead(state, pieces)
+        pieces = sorted(set(pieces) | set(self._candidates(states)))  # and from the rows after u's spellings
         if self.params.depth > 1:
             for state in states:
                 self._look_ahead_candidates(state, pieces)
@@ -233,13 +236,13 @@ class CrossTokenizerFusion:
             state.paths[path.tokens] = path
         return chosen
 
-    def _look_ahead_pending(self, state: ExpertState) -> None:
-        """Level 1: the ids that spell a prefix of the pending bytes u (u itself included) and, serving
-        (`depth` 1), the heavy ids that extend u, whose rows serve candidates that end inside them; one
-        batched call. "Heavy" is relative: at least `min_path_prob` times the heaviest way to start u
-        (what matters is each path's share of u's mass, the step's denominator). Deeper levels
-        (`depth` > 1) complete u's spellings."""
-        root = self._root(state)
+    def _look_ahead(self, state: ExpertState, pieces: Sequence[bytes]) -> None:
+        """Level 1, one batched call: the ids that spell a prefix of the pending bytes u (u itself
+        included), and the ids longer than u that spell a proper prefix of u + a candidate (a piece
+        another expert spells with one id, this one with two). Only paths of at least `min_path_prob`
+        times the heaviest way to start u are kept: what matters is a path's share of u's mass, the
+        step's denominator. Deeper levels (`depth` > 1) complete u's spellings."""
+        root = state.paths[()]
         params, spelling, u = self.params, state.spelling, state.pending
         level = self._grow_paths(state, [root], [u], inclusive=True) if u else []
         lo, hi = spelling.range_of(u)
@@ -247,13 +250,11 @@ class CrossTokenizerFusion:
         floor = reference + math.log(params.min_path_prob) if params.min_path_prob > 0 else -math.inf
         level = [p for p in level if p.logp >= floor]
         if params.depth == 1:
-            ids = spelling.sorted_ids[lo:hi]
-            if len(ids):
-                top = torch.topk(root.row.logp[ids], min(params.max_paths, len(ids)))
-                for value, token in zip(top.values.tolist(), ids[top.indices].tolist()):
-                    text = spelling.token_bytes[token]
-                    if value >= floor and text != u and (token,) not in state.paths:
-                        level.append(_Path((token,), text, value))
+            longer = [(n, token) for piece in pieces for n, token in spelling.prefix_tokens(u + piece) if n > len(u)]
+            for n, token in set(longer):
+                logp = float(root.row.logp[token])
+                if logp >= floor and (token,) not in state.paths:
+                    level.append(_Path((token,), spelling.token_bytes[token], logp))
         frontier = [p for p in self._add(state, level) if len(p.text) < len(u) and u.startswith(p.text)]
         for _ in range(1, params.depth):
             if not frontier:
@@ -408,29 +409,37 @@ def decode(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], sa
         fusion.close(states)
 
 
-def score_text(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], text: bytes, rule: FusionRule,
-               weights: Sequence[float], *, end: bool = False, hold_back_prompt: bool = False
-               ) -> list[tuple[bytes | None, float]]:
-    """Teacher-forced: the fused log-probability of each piece of `text` (the longest candidate the rest
-    of the text starts with), then of END if `end`. Their sum is the text's log-probability."""
-    if not text:
+def score_text(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], text: bytes,
+               rules: Sequence[tuple[FusionRule, Sequence[float]]], *, end: bool = False,
+               hold_back_prompt: bool = False) -> ScoredText:
+    """Teacher-forced: split `text` into the steps' pieces (at each step the longest candidate the rest
+    of the text starts with; then END if `end`) and return each rule's fused log-probability of every
+    piece, and each consulted expert's own. A rule's sum is its log-probability of the text. Every
+    expert that some rule reads runs once; every rule is applied to the same event distributions."""
+    if not text and not end:
         raise InvalidArgumentError("continuation: must not be empty")
-    used = [rule.uses_expert(i, weights) for i in range(len(fusion.experts))]
+    n = len(fusion.experts)
+    used = [any(rule.uses_expert(i, weights) for rule, weights in rules) for i in range(n)]
     states = fusion.open(prompt_ids, used, hold_back_prompt=hold_back_prompt)
-    out: list[tuple[bytes | None, float]] = []
+    result = ScoredText([], [[] for _ in rules], [[] if used[i] else None for i in range(n)])
     done = 0
     try:
-        while done < len(text) or (end and (not out or out[-1][0] is not END)):
+        while True:
+            if done >= len(text) and not end:
+                break
             pieces, logprobs = fusion.events(states)
-            fused, _ = fuse_events(rule, weights, states, logprobs, len(fusion.experts))
-            logp = torch.log_softmax(fused.double(), dim=-1)
             if done < len(text):
                 rest = text[done:]
                 choice = max((j for j, p in enumerate(pieces) if p is not END and rest.startswith(p)),
                              key=lambda j: len(pieces[j]))
             else:
                 choice = len(pieces) - 1
-            out.append((pieces[choice], float(logp[choice])))
+            result.pieces.append(pieces[choice])
+            for r, (rule, weights) in enumerate(rules):
+                fused, _ = fuse_events(rule, weights, states, logprobs, n)
+                result.logprobs[r].append(float(torch.log_softmax(fused.double(), dim=-1)[choice]))
+            for row, state in enumerate(states):
+                result.expert_logprobs[state.index].append(float(logprobs[row, choice]))
             if pieces[choice] is END:
                 break
             done += len(pieces[choice])
@@ -438,8 +447,16 @@ def score_text(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]]
                 state.advance(pieces[choice])
     finally:
         fusion.close(states)
-    return out
+    return result
 
 
-def bits_per_byte(scored: Sequence[tuple[bytes | None, float]], num_bytes: int) -> float:
-    return -sum(lp for _, lp in scored) / math.log(2) / max(num_bytes, 1)
+@dataclass
+class ScoredText:
+    pieces: list[bytes | None]  # the text's pieces, END (None) last when scored
+    logprobs: list[list[float]]  # per rule: the fused log-probability of each piece
+    expert_logprobs: list[list[float] | None]  # per expert: its own (None: no rule reads it)
+
+
+def bits_per_byte(logprobs: Sequence[float], num_bytes: int) -> float:
+    """Bits per UTF-8 byte from natural-log probabilities: tokenizer-independent."""
+    return -sum(logprobs) / math.log(2) / max(num_bytes, 1)

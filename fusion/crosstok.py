@@ -179,18 +179,21 @@ class CrossTokenizerFusion:
             state.expert.release([state.session])
 
     # -- one step ---------------------------------------------------------------------------
-    def events(self, states: Sequence[ExpertState]) -> tuple[list[bytes | None], torch.Tensor]:
-        """The step's events and each state's log-probabilities of them: (pieces, (len(states), C + 1))."""
+    def events(self, states: Sequence[ExpertState], excluded: Sequence[bytes] = ()
+               ) -> tuple[list[bytes | None], torch.Tensor]:
+        """The step's events and each state's log-probabilities of them: (pieces, (len(states), C + 1)).
+        `excluded`: continuations the previous step's event ruled out (`exclusions_after`); their
+        events get no mass and the rest are renormalized."""
         for state in states:
             self._root(state)
-        pieces = self._candidates(states)  # from each expert's next-token row
+        pieces = set(self._candidates(states)) | set(excluded)  # from each expert's next-token row
         for state in states:
-            self._look_ahead(state, pieces)
-        pieces = sorted(set(pieces) | set(self._candidates(states)))  # and from the rows after u's spellings
+            self._look_ahead(state, sorted(pieces))
+        pieces = sorted(pieces | set(self._candidates(states)))  # and from the rows after u's spellings
         if self.params.depth > 1:
             for state in states:
                 self._look_ahead_candidates(state, pieces)
-        rows = [self._event_logprobs(state, pieces) for state in states]
+        rows = [self._event_logprobs(state, pieces, excluded) for state in states]
         return list(pieces) + [END], torch.stack(rows)
 
     def _compute(self, state: ExpertState, paths: list[_Path]) -> None:
@@ -246,7 +249,9 @@ class CrossTokenizerFusion:
         params, spelling, u = self.params, state.spelling, state.pending
         level = self._grow_paths(state, [root], [u], inclusive=True) if u else []
         lo, hi = spelling.range_of(u)
-        reference = max([p.logp for p in level] + [math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))])
+        # u's mass is at least that of the ids that start with it (u itself among them); a path adds at
+        # most its own probability, so one lighter than `min_path_prob` times that adds at most that share
+        reference = math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))
         floor = reference + math.log(params.min_path_prob) if params.min_path_prob > 0 else -math.inf
         level = [p for p in level if p.logp >= floor]
         if params.depth == 1:
@@ -316,7 +321,8 @@ class CrossTokenizerFusion:
                 total[which] += math.exp(path.logp) * mass
         return total
 
-    def _event_logprobs(self, state: ExpertState, pieces: Sequence[bytes]) -> torch.Tensor:
+    def _event_logprobs(self, state: ExpertState, pieces: Sequence[bytes], excluded: Sequence[bytes] = ()
+                        ) -> torch.Tensor:
         """log P_e(event) for each piece, then END: (C + 1,) float32."""
         u = state.pending
         targets = [u + piece for piece in pieces]
@@ -331,6 +337,12 @@ class CrossTokenizerFusion:
                 if parent is not None:
                     events[parent] -= masses[j]
                     break
+        for x in excluded:  # ruled out: its events get nothing, and its mass leaves the denominator
+            if not any(x.startswith(y) and len(y) < len(x) for y in excluded):
+                denominator -= float(masses[index[x]])
+        for j, piece in enumerate(pieces):
+            if any(piece.startswith(x) for x in excluded):
+                events[j] = 0.0
         end = 0.0
         eos = list(state.expert.info.eos_token_ids)
         if eos:
@@ -339,6 +351,15 @@ class CrossTokenizerFusion:
                     end += math.exp(path.logp) * float(path.row.logp[eos].exp().sum())
         events = torch.cat([events, torch.tensor([end], dtype=torch.float64)])
         return (events.clamp(min=_FLOOR) / max(denominator, _FLOOR)).log().float()
+
+
+def exclusions_after(pieces: Sequence[bytes | None], choice: int) -> list[bytes]:
+    """What the chosen event rules out for the text after its piece: the event "starts with c and not
+    with a longer candidate" excludes every candidate (and earlier exclusion) that extends c."""
+    chosen = pieces[choice]
+    if chosen is None:
+        return []
+    return [p[len(chosen):] for p in pieces if p is not None and len(p) > len(chosen) and p.startswith(chosen)]
 
 
 # -- the request loop --------------------------------------------------------------------------
@@ -377,9 +398,10 @@ def decode(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], sa
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     stops = [s.encode("utf-8") for s in sampling.stop]
     text = b""
+    excluded: list[bytes] = []
     try:
         for index in range(sampling.max_tokens):
-            pieces, logprobs = fusion.events(states)
+            pieces, logprobs = fusion.events(states, excluded)
             fused, used_weights = fuse_events(rule, weights, states, logprobs, len(fusion.experts))
             md = SamplingMetadata.build([sampling], len(pieces), {0: generator} if generator else {})
             out = sample(fused[None], md)
@@ -403,6 +425,7 @@ def decode(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], sa
                             used_weights.tolist(), reason)
             if reason is not None:
                 return
+            excluded = exclusions_after(pieces, choice)
             for state in states:
                 state.advance(piece)
     finally:
@@ -423,11 +446,12 @@ def score_text(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]]
     states = fusion.open(prompt_ids, used, hold_back_prompt=hold_back_prompt)
     result = ScoredText([], [[] for _ in rules], [[] if used[i] else None for i in range(n)])
     done = 0
+    excluded: list[bytes] = []
     try:
         while True:
             if done >= len(text) and not end:
                 break
-            pieces, logprobs = fusion.events(states)
+            pieces, logprobs = fusion.events(states, excluded)
             if done < len(text):
                 rest = text[done:]
                 choice = max((j for j, p in enumerate(pieces) if p is not END and rest.startswith(p)),
@@ -443,6 +467,7 @@ def score_text(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]]
             if pieces[choice] is END:
                 break
             done += len(pieces[choice])
+            excluded = exclusions_after(pieces, choice)
             for state in states:
                 state.advance(pieces[choice])
     finally:

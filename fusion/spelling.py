@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -194,3 +195,18 @@ class Spelling:
         if self.spell(ids) != text[:cut]:
             raise ValueError(f"the tokenizer does not spell {decoded[-40:]!r} byte for byte")
         return ids, text[cut:]
+
+
+_SPELLINGS: dict[str, Spelling] = {}
+_SPELLINGS_LOCK = threading.Lock()
+
+
+def spelling_for(tokenizer, fingerprint: str, eos_ids: Sequence[int] = ()) -> Spelling:
+    """The tokenizer's `Spelling`, built once per process per tokenizer fingerprint (Gemma's 262,144 ids
+    take ~2 s) and shared by every expert and service with that tokenizer."""
+    key = f"{fingerprint}:{sorted(eos_ids)}"
+    with _SPELLINGS_LOCK:
+        spelling = _SPELLINGS.get(key)
+        if spelling is None:
+            spelling = _SPELLINGS[key] = Spelling.from_tokenizer(tokenizer, eos_ids, fingerprint)
+        return spelling

@@ -58,6 +58,14 @@ class CrossParams:
     min_path_prob: float = 1e-3  # spelling paths lighter than this are not looked ahead
     max_paths: int = 8  # rows looked ahead per expert per level
     depth: int = 1  # lookahead levels (ids before the one that covers a piece's end)
+    # "spelling" (this module's alignment) or "exact_match": the GaC-style baseline kept for measuring
+    # against it: each expert conditions on its tokenizer's encoding of all the text, a piece's
+    # probability is that of the id spelling exactly it (0 without one), no lookahead.
+    alignment: str = "spelling"
+
+    def __post_init__(self) -> None:
+        if self.alignment not in ("spelling", "exact_match"):
+            raise ValueError(f"alignment: 'spelling' or 'exact_match', got {self.alignment!r}")
 
     @classmethod
     def exact(cls, top_k: int = 8) -> CrossParams:
@@ -68,14 +76,14 @@ class CrossParams:
 class _Row:
     """One next-token distribution, indexed for prefix queries."""
 
-    logp: torch.Tensor  # (V,) float64 log-probabilities
+    logp: torch.Tensor  # (V,) log-probabilities (float32, held as float64)
     csum: torch.Tensor  # (N + 1,) float64: cumulative probabilities over the ids sorted by bytes
 
     @classmethod
     def of(cls, logits: torch.Tensor, spelling: Spelling) -> _Row:
-        logp = torch.log_softmax(logits[: spelling.vocab_size].double(), dim=-1)
-        probs = logp.exp()[spelling.sorted_ids]
-        return cls(logp, torch.cat([probs.new_zeros(1), probs.cumsum(0)]))
+        logp = torch.log_softmax(logits[: spelling.vocab_size].float(), dim=-1)
+        probs = logp[spelling.sorted_ids].exp().double()
+        return cls(logp.double(), torch.cat([probs.new_zeros(1), probs.cumsum(0)]))
 
 
 @dataclass
@@ -104,13 +112,18 @@ class ExpertState:
         """The shared text as this expert holds it: its committed ids' bytes, then the pending ones."""
         return self.spelling.spell(self.ids[self.start:]) + self.pending
 
-    def advance(self, piece: bytes) -> None:
+    def advance(self, piece: bytes, *, commit_all: bool = False) -> None:
         """Append `piece` to the shared text. The expert commits its own most probable spelling of the
         new pending text among the paths this step computed (the path with the largest share of the
         piece's mass: a path that spells a proper prefix of it, times the mass of ids that start with the
         rest); the bytes after that path stay pending. Committed ids are never rewritten, so only new ids
         are computed; a pending text longer than any token is committed by the tokenizer."""
         text = self.pending + piece
+        if commit_all:  # the baseline: the tokenizer's encoding of the new text, nothing held back
+            ids, self.pending = self.spelling.tokenize(text)
+            self.ids = self.ids + ids
+            self.paths = {}
+            return
         best, best_logp = (), -math.inf
         for path in self.paths.values():
             if not path.tokens or path.row is None or not text.startswith(path.text):
@@ -186,6 +199,9 @@ class CrossTokenizerFusion:
         events get no mass and the rest are renormalized."""
         for state in states:
             self._root(state)
+        if self.params.alignment == "exact_match":
+            pieces = sorted(set(self._candidates(states)))
+            return list(pieces) + [END], torch.stack([self._exact_match_logprobs(s, pieces) for s in states])
         pieces = set(self._candidates(states)) | set(excluded)  # from each expert's next-token row
         for state in states:
             self._look_ahead(state, sorted(pieces))
@@ -195,6 +211,10 @@ class CrossTokenizerFusion:
                 self._look_ahead_candidates(state, pieces)
         rows = [self._event_logprobs(state, pieces, excluded) for state in states]
         return list(pieces) + [END], torch.stack(rows)
+
+    def _exact_match_logprobs(self, state: ExpertState, pieces: Sequence[bytes]) -> torch.Tensor:
+        """The GaC-style baseline: P(piece) = p(the id spelling exactly pending + piece); END = p(eos)."""
+        return _exact_match_logprobs_impl(state, pieces)
 
     def _compute(self, state: ExpertState, paths: list[_Path]) -> None:
         """Rows after each path (one batched `extend` call)."""
@@ -353,6 +373,17 @@ class CrossTokenizerFusion:
         return (events.clamp(min=_FLOOR) / max(denominator, _FLOOR)).log().float()
 
 
+def _exact_match_logprobs_impl(state: ExpertState, pieces: Sequence[bytes]) -> torch.Tensor:
+    row = state.paths[()].row
+    probs = []
+    for piece in pieces:
+        ids = state.spelling.ids_of(state.pending + piece)
+        probs.append(float(row.logp[ids].exp().sum()) if ids else 0.0)
+    eos = list(state.expert.info.eos_token_ids)
+    probs.append(float(row.logp[eos].exp().sum()) if eos and not state.pending else 0.0)
+    return torch.tensor(probs, dtype=torch.float64).clamp(min=_FLOOR).log().float()
+
+
 def exclusions_after(pieces: Sequence[bytes | None], choice: int) -> list[bytes]:
     """What the chosen event rules out for the text after its piece: the event "starts with c and not
     with a longer candidate" excludes every candidate (and earlier exclusion) that extends c."""
@@ -427,7 +458,7 @@ def decode(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], sa
                 return
             excluded = exclusions_after(pieces, choice)
             for state in states:
-                state.advance(piece)
+                state.advance(piece, commit_all=fusion.params.alignment == "exact_match")
     finally:
         fusion.close(states)
 
@@ -469,7 +500,7 @@ def score_text(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]]
             done += len(pieces[choice])
             excluded = exclusions_after(pieces, choice)
             for state in states:
-                state.advance(pieces[choice])
+                state.advance(pieces[choice], commit_all=fusion.params.alignment == "exact_match")
     finally:
         fusion.close(states)
     return result

@@ -22,7 +22,7 @@ import torch
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.kv_cache import Cohort, cache_holding, is_plain, new_cache
+from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)
@@ -273,8 +273,7 @@ class LocalExpert:
                 ids = torch.zeros(len(grown), width, dtype=torch.long, device=self.device)  # (k, width), right-padded
                 for row, e in enumerate(grown):
                     ids[row, : len(e)] = torch.tensor(e, device=self.device)
-                kv = copy.deepcopy(entry.kv)
-                kv.batch_repeat_interleave(len(grown))
+                kv = self._repeated(entry.kv, len(grown), width)
                 start = len(token_ids)
                 positions = torch.arange(start, start + width, device=self.device)[None].expand(len(grown), -1)
                 out = self.model(input_ids=ids, position_ids=positions, cache=kv, use_cache=True)
@@ -294,6 +293,22 @@ class LocalExpert:
             for gone in [s for s in self._extensions if s not in self.cache]:  # evicted sessions
                 del self._extensions[gone]
         return torch.stack([rows[id(e)] if e else base_logits for e in extensions])
+
+    @staticmethod
+    def _repeated(kv, rows: int, width: int):
+        """A copy of a one-row cache repeated over `rows` batch rows, with room for `width` more columns:
+        full-attention layers are copied once each (expanded views, no spare beyond `width`); other
+        layers (sliding windows) are deep-copied and repeated."""
+        layers = []
+        for layer in kv.layers:
+            if type(layer) is GrowingLayer and layer.keys is not None:
+                layers.append(GrowingLayer.holding(layer.keys.expand(rows, -1, -1, -1),
+                                                   layer.values.expand(rows, -1, -1, -1), spare=width))
+            else:
+                layer = copy.deepcopy(layer)
+                layer.batch_repeat_interleave(rows)
+                layers.append(layer)
+        return cache_of(layers)
 
     def _advance(self, session_id: str, token_ids: list[int]) -> torch.Tensor:
         """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts a one-id

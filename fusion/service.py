@@ -93,6 +93,7 @@ class ScoreResult:
     text: str = ""  # the text the log-probabilities cover: the continuation after any whitespace the
     # prompt ended with (moved over by the lm-evaluation-harness rule; "" when not known, e.g. remote)
     pieces: list[str] = field(default_factory=list)  # experts of different tokenizers: the scored text pieces
+    remote_bits_per_byte: float | None = None  # as a server reported it (a client's result has no text)
 
     @property
     def total_logprob(self) -> float:
@@ -101,7 +102,9 @@ class ScoreResult:
     @property
     def bits_per_byte(self) -> float | None:
         """Bits per UTF-8 byte of `text` (tokenizer-independent); None when the text is not known."""
-        return bits_per_byte(self.logprobs, len(self.text.encode("utf-8"))) if self.text else None
+        if not self.text:
+            return self.remote_bits_per_byte
+        return bits_per_byte(self.logprobs, len(self.text.encode("utf-8")))
 
 
 @dataclass

@@ -355,3 +355,35 @@ def test_text_level_scoring_agrees_with_token_level_for_one_expert(xdir):
     text_level = sum(scored.logprobs[0])
     assert b"".join(scored.pieces) == text.encode()
     assert text_level >= token_level - 1e-3
+
+
+# -- remote experts over gRPC ---------------------------------------------------------------------
+def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
+    """Both experts behind expert servers (the Extend call), fused by a coordinator: the same text and
+    scores as in-process."""
+    from services.client import FusionClient
+    from services.coordinator import create_coordinator_server
+    from services.expert_server import create_expert_server
+
+    config = cross_service.config
+    servers = {e.name: loop.run(create_expert_server(LocalExpert.load(e), config.limits, metrics_port=0,
+                                                     metrics_host="127.0.0.1")) for e in config.experts}
+    data = config.model_dump()
+    for expert in data["experts"]:
+        expert["addresses"] = [f"127.0.0.1:{servers[expert['name']][1]}"]
+    coordinator, port = loop.run(create_coordinator_server(parse_config(data), metrics_port=0,
+                                                           metrics_host="127.0.0.1"))
+    try:
+        sampling = {"max_tokens": 10, "ignore_eos": True}
+        local = cross_service.complete("the quick brown", sampling).text
+        with FusionClient(f"127.0.0.1:{port}", timeout=60) as client:
+            remote = "".join(e.text for e in client.generate("the quick brown", sampling))
+            scored = client.score("what is 12 + 35 ?", " the answer is 47 .")
+        assert remote == local
+        expected = cross_service.score("what is 12 + 35 ?", " the answer is 47 .")
+        assert scored.pieces == expected.pieces
+        assert scored.bits_per_byte == pytest.approx(expected.bits_per_byte, rel=1e-4)
+    finally:
+        loop.run(coordinator.stop(0))
+        for server, _ in servers.values():
+            loop.run(server.stop(0))

@@ -609,23 +609,31 @@ class FusionService:
         pieces = [p.decode("utf-8", "replace") for p in scored.pieces if p is not None]
         return ScoreResult([], scored.logprobs[0], len(prompt_ids[0]), continuation, pieces)
 
-    def score_texts(self, samples: Sequence[TextSample], specs: Sequence[SpecOverrides | FusionSpec | None]
-                    ) -> tuple[list[float], list[float | None], int]:
+    def score_texts(self, samples: Sequence[TextSample | str | tuple[str, str]],
+                    specs: Sequence[SpecOverrides | FusionSpec | None]) -> tuple[list[float], list[float | None], int]:
         """Experts of different tokenizers: the total natural-log probability of the samples' texts under
         each spec, each expert's own (text level; None: no spec reads it), and the texts' UTF-8 bytes. A
-        sample with a prompt is scored after each expert's formatted prompt; one without, after its
-        document context (the BOS). `end_turn` scores the end of the text too."""
+        sample with a chat prompt is scored after each expert's formatted prompt; a plain text, after
+        its document context (the BOS); a (prompt, continuation) pair, the continuation after the plain
+        prompt (as `score`). `end_turn` scores the end of the text too."""
         if self.cross is None:
             raise InvalidArgumentError("score_texts: the experts share a tokenizer; score token ids instead")
         resolved = [self.resolve_spec(s) for s in specs]
         totals, experts, num_bytes = [0.0] * len(specs), [None] * len(self.expert_names), 0
         for sample in samples:
-            if sample.prompt is None:
-                prompts = [document_context(tok) for tok in self.tokenizers]
+            hold_back, end = False, False
+            if isinstance(sample, tuple):
+                prompts = [encode_plain(tok, sample[0], add_special_tokens=True) for tok in self.tokenizers]
+                text, hold_back = sample[1].encode("utf-8"), True
             else:
-                prompts = self.prompt_ids(sample.prompt)
-            text = sample.text.encode("utf-8")
-            scored = run_on_compute_thread(score_text, self.cross, prompts, text, resolved, end=sample.end_turn)
+                sample = TextSample(sample) if isinstance(sample, str) else sample
+                if sample.prompt is None:
+                    prompts = [document_context(tok) for tok in self.tokenizers]
+                else:
+                    prompts = self.prompt_ids(sample.prompt)
+                text, end = sample.text.encode("utf-8"), sample.end_turn
+            scored = run_on_compute_thread(score_text, self.cross, prompts, text, resolved, end=end,
+                                           hold_back_prompt=hold_back)
             for i, logprobs in enumerate(scored.logprobs):
                 totals[i] += sum(logprobs)
             for i, logprobs in enumerate(scored.expert_logprobs):

@@ -387,3 +387,57 @@ def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
         loop.run(coordinator.stop(0))
         for server, _ in servers.values():
             loop.run(server.stop(0))
+
+
+def test_cli_score_and_eval_report_bits_per_byte(cross_service, tmp_path):
+    """`fusion score` and the eval's bits per byte, for experts of different tokenizers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from fusion.tools.evaluation import bits_per_byte as eval_bits_per_byte, default_rows
+
+    config = tmp_path / "cross.yaml"
+    config.write_text(yaml.safe_dump(cross_service.config.model_dump(exclude_defaults=True)))
+    env = dict(os.environ, FUSION_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "fusion.tools.cli", "score", "--prompt", "what is 12 + 35 ?",
+                          "--continuation", " the answer is 47 .", "--config", str(config), "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    expected = cross_service.score("what is 12 + 35 ?", " the answer is 47 .")
+    assert payload["pieces"] == expected.pieces and payload["token_ids"] == []
+    assert payload["bits_per_byte"] == pytest.approx(expected.bits_per_byte, rel=1e-3)
+    rows = default_rows(cross_service)
+    names = [name for name, _ in rows]
+    assert "a alone" in names and "x alone" in names and not any("route" in n for n in names)
+    texts = ["the quick brown fox", ("what is 12 + 35 ?", " the answer is 47 .")]
+    bpb = eval_bits_per_byte(cross_service, [spec for _, spec in rows], texts)
+    assert all(0 < b < 40 for b in bpb)
+
+
+def test_exact_text_probability_does_not_depend_on_the_partition(xdir):
+    """In exact mode a text's probability under one expert is the same whether the step's candidates
+    come from it alone or from another tokenizer too (the events only partition it differently), and
+    it is at least the probability of its canonical token spelling (it counts every spelling)."""
+    from fusion.rules import Single
+
+    a, x = load(xdir["a"], "a"), load(xdir["x"], "x")
+    spellings = [spelling_of(a), spelling_of(x)]
+    text = b"the quick brown fox"
+    prompts = [[a.tokenizer.bos_token_id], [x.tokenizer.bos_token_id]]
+    both = CrossTokenizerFusion([a, x], spellings, CrossParams.exact(top_k=4))
+    joint = score_text(both, prompts, text, [(Single(["a", "x"], expert="a"), [1.0, 1.0]),
+                                             (Mixture(["a", "x"]), [1.0, 1.0])])  # consults x too
+    alone = CrossTokenizerFusion([a], spellings[:1], CrossParams.exact(top_k=4))
+    solo = score_text(alone, prompts[:1], text, [(Single(["a"], expert="a"), [1.0])])
+    assert joint.pieces != solo.pieces  # other candidates, other pieces
+    assert sum(joint.logprobs[0]) == pytest.approx(sum(solo.logprobs[0]), rel=1e-4)
+    ids = a.tokenizer(text.decode(), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = a.model(torch.tensor([prompts[0] + ids])).logits[0, :-1].double()
+    token_level = float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).sum())
+    assert sum(solo.logprobs[0]) >= token_level

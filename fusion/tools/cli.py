@@ -275,11 +275,15 @@ def score(
         service = load_service(config, cache_dir(cache))
         result = service.score(prompt, continuation, spec_overrides(rule, profile, weights, params))
         payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob,
-                   "text": result.text}
+                   "text": result.text, "bits_per_byte": result.bits_per_byte}
+        if result.pieces:
+            payload["pieces"] = result.pieces
         if as_json:
             typer.echo(json.dumps(payload))
         else:
-            typer.echo(f"total_logprob {result.total_logprob:.4f} over {len(result.token_ids)} tokens")
+            count = f"{len(result.token_ids)} tokens" if result.token_ids else f"{len(result.pieces)} text pieces"
+            bpb = f", {result.bits_per_byte:.4f} bits per byte" if result.bits_per_byte is not None else ""
+            typer.echo(f"total_logprob {result.total_logprob:.4f} over {count}{bpb}")
 
     run_guarded(run)
 

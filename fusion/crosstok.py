@@ -135,11 +135,15 @@ class ExpertState:
                 logp = path.logp + math.log(max(float(path.row.csum[hi] - path.row.csum[lo]), 1e-300))
             if logp > best_logp:
                 best, best_logp = path.tokens, logp
-        root = self.paths.get(())
-        if best and root is not None and root.row is not None:
+        root, root_logp = self.paths.get(()), -math.inf
+        if root is not None and root.row is not None:
             lo, hi = self.spelling.range_of(text)
-            if math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300)) >= best_logp:
+            root_logp = math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))
+            if root_logp >= best_logp:
                 best = ()  # one id of the expert's will spell all of it: wait for it
+        if max(best_logp, root_logp) < -600:  # no computed path spells it: the tokenizer commits
+            ids, rest = self.spelling.tokenize(text)
+            best = tuple(ids if rest else ids[:-1])
         committed = self.spelling.spell(best)
         self.ids = self.ids + list(best)
         self.pending = text[len(committed):]
@@ -205,7 +209,12 @@ class CrossTokenizerFusion:
         pieces = set(self._candidates(states)) | set(excluded)  # from each expert's next-token row
         for state in states:
             self._look_ahead(state, sorted(pieces))
+        first = pieces
         pieces = sorted(pieces | set(self._candidates(states)))  # and from the rows after u's spellings
+        if self.params.depth == 1:  # pieces new in this pass that an expert spells with several ids
+            added = [p for p in pieces if p not in first and len(p) > 1]
+            for state in states:
+                self._add_canonical(state, [state.pending + p for p in added])
         if self.params.depth > 1:
             for state in states:
                 self._look_ahead_candidates(state, pieces)
@@ -280,12 +289,63 @@ class CrossTokenizerFusion:
                 logp = float(root.row.logp[token])
                 if logp >= floor and (token,) not in state.paths:
                     level.append(_Path((token,), spelling.token_bytes[token], logp))
-        frontier = [p for p in self._add(state, level) if len(p.text) < len(u) and u.startswith(p.text)]
+        chosen = sorted(level, key=lambda p: -p.logp)[: params.max_paths]
+        if params.depth == 1:  # plus the tokenizer's own spelling of u and of u + each multi-byte piece
+            chosen += self._canonical_paths(state, [u] + [u + p for p in pieces if len(p) > 1],
+                                            {p.tokens for p in chosen})
+        self._register(state, chosen)
+        frontier = [p for p in chosen if len(p.tokens) == 1 and len(p.text) < len(u) and u.startswith(p.text)]
         for _ in range(1, params.depth):
             if not frontier:
                 break
             grown = self._add(state, self._grow_paths(state, frontier, [u], inclusive=True))
             frontier = [p for p in grown if len(p.text) < len(u)]
+
+    def _register(self, state: ExpertState, paths: list[_Path]) -> None:
+        """Compute the rows after `paths` (one call), keep them, and give multi-id paths their probability."""
+        self._compute(state, paths)
+        for path in paths:
+            state.paths[path.tokens] = path
+        for path in sorted(paths, key=lambda p: len(p.tokens)):
+            if len(path.tokens) > 1:
+                parent = state.paths[path.tokens[:-1]]
+                path.logp = parent.logp + float(parent.row.logp[path.tokens[-1]])
+
+    def _add_canonical(self, state: ExpertState, targets: Sequence[bytes]) -> None:
+        """A second call, only when needed: the canonical spelling of targets this expert cannot spell
+        with the paths it has (no path is a proper prefix from which one id covers the rest)."""
+        spelling, missing = state.spelling, []
+        for target in targets:
+            covered = False
+            for path in state.paths.values():
+                if path.row is not None and len(path.text) < len(target) and target.startswith(path.text):
+                    lo, hi = spelling.range_of(target[len(path.text):])
+                    if hi > lo:
+                        covered = True
+                        break
+            if not covered:
+                missing.append(target)
+        if missing:
+            self._register(state, self._canonical_paths(state, missing, set()))
+
+    def _canonical_paths(self, state: ExpertState, targets: Sequence[bytes], have: set) -> list[_Path]:
+        """Serving's second level, in the same batched call: for each target the ids the expert's own
+        tokenizer spells it with, but the last (the one that covers its end), and their prefixes: the
+        spelling an expert most likely gives a piece that it needs several ids for ("'s" after
+        " Python": "'" then "s"). At most `max_paths` new paths; probabilities are filled in once the
+        rows are computed."""
+        spelling, found = state.spelling, []
+        for target in targets:
+            ids, rest = spelling.tokenize(target)
+            path = tuple(ids if rest else ids[:-1])
+            for n in range(1, len(path) + 1):
+                tokens = path[:n]
+                if tokens not in have and tokens not in state.paths:
+                    have.add(tokens)
+                    found.append(_Path(tokens, spelling.spell(tokens), 0.0))
+            if len(found) >= self.params.max_paths:
+                break
+        return found[: self.params.max_paths]
 
     def _look_ahead_candidates(self, state: ExpertState, pieces: Sequence[bytes]) -> None:
         """Deeper levels (`depth` > 1): paths that spell a proper prefix of u + piece."""

@@ -1,33 +1,38 @@
 """Cross-tokenizer fusion: experts with different tokenizers decode one text together.
 
-The fused distribution is over text. Each expert keeps its own tokenization of the shared text: its
-prompt ids (its own chat template) and the ids of the generated text, re-tokenized by its own
-tokenizer after every step, with the last token held back as `pending` bytes. (A text that ends inside
-what the expert would spell as one token, " wor" before "ld", must not be conditioned on as a token
-boundary: the expert conditions on the ids before the held-back token and spells the pending bytes
-itself.) Only the tail whose tokenization changed is recomputed: experts cache each session's prefix.
+The fused distribution is over text (bytes). Each expert keeps its own ids for the text it has
+committed (its prompt with its own chat template, then ids it chose) and the *pending* bytes after
+them: the shared text's tail that it has not split into ids yet (usually the last piece: " wor"
+might still become " world"). Only new ids are ever computed: experts cache each session's prefix.
 
 One step, for a sequence whose experts hold (ids_e, u_e):
   1. each expert's next-token row after ids_e (`Expert.extend` with the empty extension; free when the
      previous step looked ahead at the id the expert has now committed)
-  2. lookahead: each expert's *spelling paths*, token sequences π whose bytes are a prefix of the text
-     to come. Level 1 holds the ids that spell a prefix of u_e (u_e itself included) and the ids that
-     extend u_e, each with probability >= `min_path_prob`; one batched `extend` call computes the
-     row after each (`depth` > 1 repeats this for longer paths; tests use it for exact probabilities)
-  3. candidates: every single byte, plus each expert's `top_k` most probable pieces (the bytes its
-     likely tokens add after u_e). With the end of text (END) they index the step's events
-  4. each expert's prefix mass of every candidate, counting every way it spells it:
+  2. candidates, first pass: every single byte, plus each expert's `top_k` likeliest pieces (the bytes
+     its likely ids add after u_e)
+  3. lookahead, one batched `extend` call per expert: rows after each *spelling path* π (ids whose
+     bytes are a prefix of the text to come) that may carry mass: the ids that spell a prefix of u_e
+     (u_e itself included), the ids longer than u_e that spell a proper prefix of u_e + a candidate,
+     and the expert's own tokenizer spelling of u_e and of u_e + each multi-byte candidate (multi-id
+     paths: "'s" after " Python" is "'" then "s" for Gemma). Paths lighter than `min_path_prob` times
+     the mass of u_e are skipped
+  4. candidates, second pass: each expert's likeliest ids after its spellings of u_e; an expert that
+     cannot spell a new piece with its paths gets its tokenizer's spelling of it in a second call
+  5. each expert's prefix mass of every candidate, counting every way it spells it:
         Q_e(x) = Σ_{π: bytes(π) a proper prefix of x} P(π) · Σ_{t: bytes(t) starts with x[|π|:]} p(t | π)
      (the inner sum is a range of the ids sorted by bytes: one cumulative sum per row)
-  5. events partition the continuations by their longest candidate prefix: event c has mass
+  6. events partition the continuations by their longest candidate prefix: event c has mass
      Q_e(u_e c) - Σ_{children c'} Q_e(u_e c'), over Q_e(u_e); END has the mass of u_e's spellings
-     followed by an end-of-sequence id. Every continuation falls in exactly one event, and the single
-     bytes guarantee one exists, so a text's probability is the product of its pieces' (bits per
-     byte are well defined whichever tokenizer spells it)
-  6. the rule fuses the experts' event log-probabilities `(E, 1, C+1)`; the sampler picks an event;
-     its bytes are appended to the shared text and every expert re-tokenizes.
-With `depth` large and `min_path_prob` 0 the masses are exact (Phan et al. 2024's byte-level
-probabilities restricted to the held-back tail); serving uses one lookahead level.
+     followed by an end-of-sequence id. Single bytes guarantee every continuation an event, so a text's
+     probability is the product of its pieces' and bits per byte are well defined whoever spells it.
+     The chosen event rules out the candidates that extend it: the next step gives them no mass
+     (`exclusions_after`), which keeps the product exact
+  7. the rule fuses the experts' event log-probabilities `(E, 1, C+1)`; the sampler picks an event;
+     its bytes are appended and each expert commits the spelling path that carried most of the new
+     text's mass (none while one id of its own could still cover all of it)
+With `CrossParams.exact()` (deep lookahead, no pruning) the masses are exact byte-level prefix
+probabilities (Phan et al. 2024) given each expert's committed ids; tests check them against a brute
+force over every spelling. Serving uses one batched lookahead call per expert and step.
 """
 
 from __future__ import annotations

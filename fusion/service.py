@@ -442,6 +442,8 @@ class FusionService:
         return self._token_texts(token_id)
 
     def _decode_token(self, token_id: int) -> str:
+        if token_id < 0:  # a text piece of experts with different tokenizers: no id of one vocabulary
+            return ""
         return self.tokenizers[0].decode([token_id])
 
     def sample_ids(self, sample: TextSample | str, max_tokens: int | None = None
@@ -485,6 +487,9 @@ class FusionService:
             if getattr(sampling, name):
                 raise InvalidArgumentError(f"{name}: token ids are not supported when the experts' tokenizers "
                                            "differ (use stop strings)")
+        if sampling.logprobs:
+            raise InvalidArgumentError("logprobs: top alternatives are ids of one vocabulary, not available when "
+                                       "the experts' tokenizers differ")
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             if getattr(sampling, name) != (1.0 if name == "repetition_penalty" else 0.0):
                 raise InvalidArgumentError(f"{name}: penalties count token ids and are not supported when the "

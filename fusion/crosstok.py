@@ -499,18 +499,18 @@ def decode(fusion: CrossTokenizerFusion, prompt_ids: Sequence[Sequence[int]], sa
         for index in range(sampling.max_tokens):
             pieces, logprobs = fusion.events(states, excluded)
             fused, used_weights = fuse_events(rule, weights, states, logprobs, len(fusion.experts))
+            if sampling.ignore_eos:  # END is not an option
+                fused = fused.clone()
+                fused[-1] = -math.inf
             md = SamplingMetadata.build([sampling], len(pieces), {0: generator} if generator else {})
             out = sample(fused[None], md)
             choice = int(out.token_ids[0])
             by_state = {s.index: float(logprobs[r, choice]) for r, s in enumerate(states)}
             piece = pieces[choice]
             reason = None
-            if piece is END and not sampling.ignore_eos:
+            if piece is END:
                 reason = "stop"
                 piece = b""
-            elif piece is END:  # END without ending: the most probable piece instead
-                choice = int(fused[:-1].argmax())
-                piece = pieces[choice]
             text += piece
             if reason is None and any(stop in text for stop in stops):
                 reason = "stop"

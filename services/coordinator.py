@@ -119,9 +119,13 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         spec = spec_overrides_from_proto(request.spec) if request.HasField("spec") else None
         result = await self.service.score_async(request.prompt, request.continuation, spec)
         charge_tokens(result.prompt_tokens + len(result.token_ids))
-        return fusion_pb2.ScoreResponse(
+        response = fusion_pb2.ScoreResponse(
             token_ids=result.token_ids, logprobs=result.logprobs, total_logprob=result.total_logprob,
+            pieces=result.pieces,
         )
+        if result.bits_per_byte is not None:
+            response.bits_per_byte = result.bits_per_byte
+        return response
 
     @unary_errors
     async def Describe(self, request: fusion_pb2.DescribeRequest, context) -> fusion_pb2.DescribeResponse:

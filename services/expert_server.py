@@ -227,6 +227,29 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
             return expert_pb2.ExpertScoreResponse(logits=logits)
 
     @unary_errors
+    async def Extend(self, request: expert_pb2.ExtendRequest, context) -> expert_pb2.ExtendResponse:
+        if not request.session_id:
+            raise InvalidArgumentError("session_id: must not be empty")
+        dtype = wire_dtype(request.dtype, self.expert.info.dtype)
+        self._refuse_released([request.session_id])
+        deadline = _deadline(context)
+        extensions = [list(e.token_ids) for e in request.extensions]
+
+        def extend() -> expert_pb2.Tensor:
+            if deadline is not None and time.monotonic() >= deadline:
+                self.metrics.dropped.inc()
+                raise _Dropped(f"session {request.session_id!r}: the caller's deadline passed before the extension")
+            logits = self.expert.extend(request.session_id, list(request.token_ids), extensions)
+            return encode_tensor(logits, dtype)
+
+        with self._admitted():
+            try:
+                logits = await self._on_worker(extend)
+            except _Dropped as err:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+            return expert_pb2.ExtendResponse(logits=logits)
+
+    @unary_errors
     async def Release(self, request: expert_pb2.ReleaseRequest, context) -> expert_pb2.ReleaseResponse:
         # Remembered at once, on the event loop: a step queued for one of these sessions is refused from
         # now on, and one already handed to the worker runs before this release does.

@@ -239,6 +239,23 @@ class RemoteExpert:
                  for end in [min(start + per_call, total)]]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def extend(self, session_id: str, token_ids: Sequence[int], extensions: Sequence[Sequence[int]]
+               ) -> torch.Tensor:
+        """Logits after the history extended by each extension: (k, V) float32 (see `LocalExpert.extend`).
+        Sent to the replica that holds the session, like its steps."""
+        message = expert_pb2.ExtendRequest(
+            session_id=session_id, token_ids=list(token_ids), dtype=self.wire_dtype,
+            extensions=[expert_pb2.Extension(token_ids=list(e)) for e in extensions],
+        )
+        [(_, response, index)] = self._fan_out(
+            [session_id],
+            lambda index, rows: self._replicas[index].stub.Extend.future(message, timeout=self.prefill_timeout_s),
+        )
+        with self._lock:
+            if self._pinned.get(session_id) == index:
+                self._stepped[session_id] = (index, len(token_ids))
+        return self._logits(response.logits, len(extensions), self._replicas[index].address)
+
     def score_rows_per_call(self) -> int:
         """Logits rows of one Score answer: as many as fit the message limit (of this channel and of
         the replicas), at least one."""

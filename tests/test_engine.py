@@ -306,8 +306,14 @@ def test_empty_experts_and_mismatched_tokenizers(tiny_dir):
     with pytest.raises(InvalidArgumentError, match="at least one expert"):
         FusionEngine([])
     config = parse_config(tiny_config_dict(tiny_dir, names=("a", "other")))
+    experts = [LocalExpert.load(e) for e in config.experts]
     with pytest.raises(ConfigError, match="experts 'a' and 'other' use different tokenizers"):
-        FusionService.from_config(config)
+        FusionEngine(experts)  # token ids mean different strings: the token engine refuses them
+    service = FusionService.from_config(config)  # the service fuses them over text instead
+    try:
+        assert service.cross is not None
+    finally:
+        service.close()
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -404,7 +404,7 @@ def test_stock_tools_see_services_and_health(coordinator, experts):
 
     for port, service, methods in [
         (coordinator[1], "fusion.v1.Fusion", {"Generate", "Score", "Describe"}),
-        (experts["a"][1], "fusion.v1.Expert", {"Step", "Score", "Release", "Info"}),
+        (experts["a"][1], "fusion.v1.Expert", {"Step", "Score", "Release", "Info", "Extend"}),
     ]:
         with grpc.insecure_channel(addr(port)) as channel:
             database = ProtoReflectionDescriptorDatabase(channel)

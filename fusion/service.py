@@ -136,7 +136,21 @@ class ServiceDescription:
     active_requests: int
 
 
-class RequestStream:
+class _AdmittedRequest:
+    """What every stream of an admitted request reports about it."""
+
+    request: GenerationRequest
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids[0])
+
+
+class RequestStream(_AdmittedRequest):
     """One admitted request's `TextEvent`s, read with `for` or `async for`. Leaving the loop early
     (or `cancel`) stops the request and frees its sessions on every expert."""
 
@@ -146,14 +160,6 @@ class RequestStream:
         self._text = text
         # A stream dropped without being read (or read halfway) must not decode on to max_tokens.
         weakref.finalize(self, handle.cancel)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids[0])
 
     def cancel(self) -> None:
         self._handle.cancel()
@@ -188,7 +194,7 @@ class RequestStream:
             await events.aclose()  # cancels the request
 
 
-class CrossRequestStream:
+class CrossRequestStream(_AdmittedRequest):
     """A request of experts with different tokenizers: `TextEvent`s, one per fused text piece, each
     step run on the compute thread. `event.token.token_id` is -1 (pieces are text, not ids of one
     vocabulary); logprob and attribution are the piece's."""
@@ -203,14 +209,6 @@ class CrossRequestStream:
         self._text = ""  # the generated text so far (decoded), up to any stop string
         self._emitted = 0
         self._done = False
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids[0])
 
     def cancel(self) -> None:
         self._done = True

@@ -216,13 +216,7 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     first_loss = last_loss = math.nan
     ema = None
     while time.perf_counter() < deadline and (settings.max_texts is None or n_texts < settings.max_texts):
-        prompts, continuation = service.sample_ids(next(texts), settings.seq_tokens)
-        if len(continuation) < 4:
-            continue
-        with torch.no_grad():
-            logits = engine.continuation_logits(prompts, continuation)  # (E, n, V)
-        context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
-        targets = torch.tensor(continuation, device=logits.device)
+        logits, context, targets = logged_text(service, texts, settings.seq_tokens)
         router.train()
         for _ in range(settings.steps_per_text):
             loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2)
@@ -259,19 +253,28 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     return RouterTrainResult(Path(out), n_texts, steps, first_loss, last_loss, seconds)
 
 
+def logged_text(service: FusionService, texts: Iterator[TextSample | str], seq_tokens: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next text of at least 4 tokens: the frozen experts' teacher-forced logits (E, n, V), each
+    position's recent ids (n, K) and the reference tokens (n,)."""
+    while True:
+        prompts, continuation = service.sample_ids(next(texts), seq_tokens)
+        if len(continuation) >= 4:
+            break
+    with torch.no_grad():
+        logits = service.engine.continuation_logits(prompts, continuation)  # (E, n, V)
+    context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
+    return logits, context, torch.tensor(continuation, device=logits.device)
+
+
 def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample | str],
              settings: RouterTrainSettings) -> FamiliarityGate:
     """Fit the trained router's FamiliarityGate on the inputs it sees over `settings.gate_texts` more
     training texts: even texts fit the mean and covariance, odd ones set the limit."""
-    engine = service.engine
     parts: list[list[torch.Tensor]] = [[], []]
     while sum(map(len, parts)) < settings.gate_texts:
-        prompts, continuation = service.sample_ids(next(texts), settings.seq_tokens)
-        if len(continuation) < 4:
-            continue
+        logits, context, _ = logged_text(service, texts, settings.seq_tokens)
         with torch.no_grad():
-            logits = engine.continuation_logits(prompts, continuation)  # (E, n, V)
-            context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
             inputs = router.inputs(torch.log_softmax(logits.float(), dim=-1), context)  # (n, F)
         parts[sum(map(len, parts)) % 2].append(inputs)
     gate = FamiliarityGate.fit(torch.cat(parts[0]), torch.cat(parts[1]), settings.generalist)

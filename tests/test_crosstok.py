@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import openai
 import pytest
 import torch
 
@@ -372,7 +373,7 @@ def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
     for expert in data["experts"]:
         expert["addresses"] = [f"127.0.0.1:{servers[expert['name']][1]}"]
     coordinator, port = loop.run(create_coordinator_server(parse_config(data), metrics_port=0,
-                                                           metrics_host="127.0.0.1"))
+                                                           metrics_host="127.0.0.1", http_address="127.0.0.1:0"))
     try:
         sampling = {"max_tokens": 10, "ignore_eos": True}
         local = cross_service.complete("the quick brown", sampling).text
@@ -380,6 +381,17 @@ def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
             remote = "".join(e.text for e in client.generate("the quick brown", sampling))
             scored = client.score("what is 12 + 35 ?", " the answer is 47 .")
         assert remote == local
+        # The same coordinator's OpenAI-compatible HTTP API, whole and streamed, greedy.
+        greedy = cross_service.complete("the quick brown", {**sampling, "temperature": 0.0}).text
+        assert greedy
+        http = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{coordinator.http_port}/v1",
+                             max_retries=0, timeout=60)
+        chat = dict(model="fusion", messages=[{"role": "user", "content": "the quick brown"}], max_tokens=10,
+                    temperature=0.0, extra_body={"ignore_eos": True})
+        assert http.chat.completions.create(**chat).choices[0].message.content == greedy
+        streamed = "".join(c.choices[0].delta.content or "" for c in http.chat.completions.create(**chat, stream=True)
+                           if c.choices)
+        assert streamed == greedy
         expected = cross_service.score("what is 12 + 35 ?", " the answer is 47 .")
         assert scored.pieces == expected.pieces
         assert scored.bits_per_byte == pytest.approx(expected.bits_per_byte, rel=1e-4)

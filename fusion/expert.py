@@ -468,27 +468,21 @@ class LocalExpert:
         cohort = self._cohort
         order = sorted(range(len(entries)), key=rows.__getitem__)  # request index of each batch row
         lengths = cohort.lengths()  # (B,) cached ids per batch row
-        if self._fast_step is not None:
-            try:
-                logits = self._fast_forward(cohort.layers, [histories[i][-1] for i in order], lengths)
-            except Exception:
-                self._cohort = None
-                raise
-            cohort.point_members()
-            for entry, history in zip(entries, histories):
-                entry.token_ids = history
-            self.cache.record(hits=sum(lengths), misses=len(entries))
-            return logits[torch.tensor(rows, device=logits.device)]  # back in request order
-        mask = self._decode_mask([n + 1 for n in lengths], cohort.frontier + 1)  # cached ids + the new one
+        new_ids = [histories[i][-1] for i in order]  # batch-row order
+        if self._fast_step is None:
+            mask = self._decode_mask([n + 1 for n in lengths], cohort.frontier + 1)  # cached ids + the new one
         try:
-            out = self.model(
-                input_ids=torch.tensor([[histories[i][-1]] for i in order], device=self.device),  # (B, 1)
-                attention_mask=mask,
-                position_ids=torch.tensor([[n] for n in lengths], device=self.device),  # (B, 1)
-                cache=cohort.batch_cache(),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            if self._fast_step is not None:
+                logits = self._fast_forward(cohort.layers, new_ids, lengths)
+            else:
+                logits = self.model(
+                    input_ids=torch.tensor([[i] for i in new_ids], device=self.device),  # (B, 1)
+                    attention_mask=mask,
+                    position_ids=torch.tensor([[n] for n in lengths], device=self.device),  # (B, 1)
+                    cache=cohort.batch_cache(),
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1].float()  # (B, V) in batch-row order
         except Exception:
             self._cohort = None
             raise
@@ -496,7 +490,6 @@ class LocalExpert:
         for entry, history in zip(entries, histories):
             entry.token_ids = history
         self.cache.record(hits=sum(lengths), misses=len(entries))
-        logits = out.logits[:, -1].float()  # (B, V) in batch-row order
         return logits[torch.tensor(rows, device=logits.device)]  # back in request order
 
     def _forward_tail(self, session_id: str, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ def test_table_and_rows(tiny_service):
     names = [n for n, _ in rows]
     assert names[:3] == ["a alone", "b alone", "c alone"] and "confidence" in names
     table = ev.format_table([ev.EvalRow("x", {}, 0.5, {"general": 1.234}, 10.0)])
-    assert "| x | 50.0% | – | 1.234 | 10.0 |" in table
+    assert "| x | 50.0% | – | – | 1.234 | 10.0 |" in table
 
 
 def test_function_tasks_are_correct_and_unseen():
@@ -66,14 +66,15 @@ def test_evaluate_reports_in_and_out_of_template_side_by_side(tiny_service):
     rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"})), ("mixture", FusionSpec(rule="mixture"))]
     results = ev.evaluate(tiny_service, rows=rows, questions=8, text_chunks=1, domains=["functions"])
     for r in results:
-        assert r.arithmetic_accuracy is not None and r.arithmetic_out is not None
-        assert set(r.arithmetic_by_kind) == {"in", "out"}
-        assert set(r.arithmetic_by_kind["in"]) == {"+", "-", "*", "**"} == set(r.arithmetic_by_kind["out"])
+        assert None not in (r.arithmetic_accuracy, r.arithmetic_out, r.arithmetic_fresh)
+        assert set(r.arithmetic_by_kind) == {"in", "out", "fresh"}
+        assert {"+", "-", "*", "**"} == set(r.arithmetic_by_kind["in"]) == set(r.arithmetic_by_kind["out"]) \
+            == set(r.arithmetic_by_kind["fresh"])
         assert r.bits_per_byte["functions"] > 0
     table = ev.format_table(results)
     header = table.splitlines()[0]
-    assert "arith in-template | arith out-of-template" in header
-    assert "2x2 digits in / out" in header and "bpb functions" in header
+    assert "arith in-template | arith out-of-template | arith out-of-template 2" in header
+    assert "2x2 digits in / out / out 2" in header and "bpb functions" in header
     assert len(table.splitlines()) == 2 + len(rows)
 
 

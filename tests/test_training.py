@@ -12,6 +12,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from fusion.tools.training import train_expert
 from fusion.tools.training.arithmetic import (
     FRAMES,
+    FRESH_EXPRESSIONS,
+    FRESH_FRAMES,
+    FRESH_STYLES,
+    FRESH_TEMPLATES,
     HELD_OUT_EXPRESSIONS,
     HELD_OUT_FRAMES,
     HELD_OUT_STYLES,
@@ -58,8 +62,9 @@ def tokenizer_dir(tmp_path_factory):
     digits = pre_tokenizers.Digits(individual_digits=True)
     pre = pre_tokenizers.Sequence([digits, pre_tokenizers.Whitespace()])
     rng = random.Random(0)
-    corpus = [t.format(a=1, b=2) for ts in (*TEMPLATES.values(), *HELD_OUT_TEMPLATES.values()) for t in ts]
-    corpus += list(STYLES + HELD_OUT_STYLES)
+    templates = (*TEMPLATES.values(), *HELD_OUT_TEMPLATES.values(), *FRESH_TEMPLATES.values())
+    corpus = [t.format(a=1, b=2) for ts in templates for t in ts]
+    corpus += list(STYLES + HELD_OUT_STYLES + FRESH_STYLES)
     corpus += [answer_text(random_problem(rng)) for _ in range(300)]
     corpus += ["You are a helpful AI assistant system user assistant", "def return import self"]
     words = sorted({w for text in corpus for w, _ in pre.pre_tokenize_str(text)})
@@ -145,15 +150,17 @@ def piece_pattern(piece: str) -> re.Pattern:
 
 
 HELD_OUT_PIECES = [*HELD_OUT_FRAMES, *HELD_OUT_STYLES, *(e for es in HELD_OUT_EXPRESSIONS.values() for e in es)]
+FRESH_PIECES = [*FRESH_FRAMES, *FRESH_STYLES, *(e for es in FRESH_EXPRESSIONS.values() for e in es)]
 
 
 def test_held_out_phrasings_are_disjoint_from_training_ones():
     training = [t.format(a=12, b=34) for ts in TEMPLATES.values() for t in ts]
     training += [s.replace("{q}", "What is 1 + 2?") for s in STYLES]
-    for piece in HELD_OUT_PIECES:
+    for piece in HELD_OUT_PIECES + FRESH_PIECES:
         pattern = piece_pattern(piece)
         assert not any(pattern.search(t) for t in training), piece
     assert not set(FRAMES) & set(HELD_OUT_FRAMES) and not set(STYLES) & set(HELD_OUT_STYLES)
+    assert not set(FRAMES) & set(FRESH_FRAMES) and not set(STYLES) & set(FRESH_STYLES)
 
 
 def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_dir):
@@ -164,20 +171,22 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
                  for _ in range(3000)]
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
-    patterns = [piece_pattern(p) for p in HELD_OUT_PIECES]
+    pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES}
+    patterns = {split: [piece_pattern(p) for p in ps] for split, ps in pieces.items()}
     for q in questions:
-        assert not any(p.search(q) for p in patterns), q
+        assert not any(p.search(q) for ps in patterns.values() for p in ps), q
     assert len(set(questions)) > 4000  # many phrasings, not a handful
-    # The patterns do find held-out phrasings: every piece shows up in the out-of-template questions.
-    held = [q for seed in range(3) for q, _ in make_questions(400, seed, phrasing="held_out")]
-    for piece, pattern in zip(HELD_OUT_PIECES, patterns):
-        assert any(pattern.search(q) for q in held), piece
+    # The patterns do find held-out phrasings: every piece shows up in its set's questions.
+    for split in pieces:
+        held = [q for seed in range(3) for q, _ in make_questions(400, seed, phrasing=split)]
+        for piece, pattern in zip(pieces[split], patterns[split]):
+            assert any(pattern.search(q) for q in held), piece
 
 
 def test_in_and_out_of_template_questions_ask_the_same_problems():
-    inside, outside = make_questions(40, 5), make_questions(40, 5, phrasing="held_out")
-    assert [a for _, a in inside] == [a for _, a in outside]
-    assert all(qi != qo for (qi, _), (qo, _) in zip(inside, outside))
+    inside, outside, fresh = (make_questions(40, 5, phrasing=split) for split in ("train", "held_out", "fresh"))
+    assert [a for _, a in inside] == [a for _, a in outside] == [a for _, a in fresh]
+    assert all(len({qi, qo, qf}) == 3 for (qi, _), (qo, _), (qf, _) in zip(inside, outside, fresh))
 
 
 def _column_result(block: str) -> int:

@@ -2,8 +2,9 @@
 
 Rows: every expert alone (`single` rule) and each fusion rule. Columns: exact-match accuracy on
 held-out arithmetic problems (problems training never draws) asked twice, in training phrasings
-(in-template) and in phrasings no training has seen (out-of-template: held-out expressions, frames
-and instruction styles), overall and by kind (+, -, * by one digit, two digits by two digits);
+(in-template) and in two sets of phrasings no training has seen (out-of-template: held-out
+expressions, frames and instruction styles; the second set has never informed the training lists),
+overall and by kind (+, -, * by one digit, two digits by two digits);
 bits-per-byte on held-out text of each domain; and tokens/s while answering (batched).
 
 Domains for bits-per-byte, all available offline on any Python install:
@@ -48,7 +49,8 @@ class EvalRow:
     bits_per_byte: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float | None = None
     arithmetic_out: float | None = None  # out-of-template: the same problems in unseen phrasings
-    arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {"in"|"out": {kind: acc}}
+    arithmetic_fresh: float | None = None  # out-of-template, second set (never informed training)
+    arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {"in"|"out"|"fresh": {kind: acc}}
 
 
 def route_variant(spec: FusionSpec, **params) -> FusionSpec:
@@ -223,7 +225,8 @@ def evaluate(
     results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
     if questions > 0:
         kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
-        sets = {"in": make_questions(questions, seed), "out": make_questions(questions, seed, phrasing="held_out")}
+        sets = {"in": make_questions(questions, seed), "out": make_questions(questions, seed, phrasing="held_out"),
+                "fresh": make_questions(questions, seed, phrasing="fresh")}
         for result, (name, spec) in zip(results, rows):
             for split, qs in sets.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
@@ -231,8 +234,10 @@ def evaluate(
                 result.arithmetic_by_kind[split] = by_kind(records, kinds)
                 if split == "in":
                     result.arithmetic_accuracy, result.tokens_per_s = acc, tps
-                else:
+                elif split == "out":
                     result.arithmetic_out = acc
+                else:
+                    result.arithmetic_fresh = acc
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
     tokenizer = service.tokenizers[0]
     sources = {
@@ -262,19 +267,21 @@ def _pct(value: float | None) -> str:
 
 
 def format_table(results: list[EvalRow]) -> str:
-    """Markdown: in- and out-of-template accuracy side by side, then per kind "in / out", then bits
-    per byte per domain and tokens/s."""
+    """Markdown: in- and out-of-template accuracy (both unseen sets) side by side, then per kind
+    "in / out / out 2", then bits per byte per domain and tokens/s."""
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
-    header = ["row", "arith in-template", "arith out-of-template"] + [f"{KIND_LABELS[k]} in / out" for k in kinds]
+    header = ["row", "arith in-template", "arith out-of-template", "arith out-of-template 2"]
+    header += [f"{KIND_LABELS[k]} in / out / out 2" for k in kinds]
     header += [f"bpb {d}" for d in domains] + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         split = r.arithmetic_by_kind
-        per_kind = [f"{_pct(split.get('in', {}).get(k))} / {_pct(split.get('out', {}).get(k))}" for k in kinds]
+        per_kind = [" / ".join(_pct(split.get(s, {}).get(k)) for s in ("in", "out", "fresh")) for k in kinds]
         bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
         tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
-        lines.append("| " + " | ".join([r.name, _pct(r.arithmetic_accuracy), _pct(r.arithmetic_out), *per_kind,
+        lines.append("| " + " | ".join([r.name, _pct(r.arithmetic_accuracy), _pct(r.arithmetic_out),
+                                        _pct(r.arithmetic_fresh), *per_kind,
                                         *bpbs, tps]) + " |")
     return "\n".join(lines)
 
@@ -293,12 +300,13 @@ def plot(results: list[EvalRow], path: Path) -> None:
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     panels = (["arithmetic exact match"] if any(r.arithmetic_accuracy is not None for r in results) else [])
     panels += (["arithmetic out-of-template"] if any(r.arithmetic_out is not None for r in results) else [])
+    panels += (["arithmetic out-of-template 2"] if any(r.arithmetic_fresh is not None for r in results) else [])
     panels += [f"bits/byte: {d}" for d in domains]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
     names = [r.name for r in results]
     for ax, panel in zip(axes[0], panels):
-        if panel == "arithmetic out-of-template":
-            values = [100 * (r.arithmetic_out or 0) for r in results]
+        if panel.startswith("arithmetic out-of-template"):
+            values = [100 * ((r.arithmetic_fresh if panel.endswith("2") else r.arithmetic_out) or 0) for r in results]
             ax.set_ylabel("% exact (higher is better)")
         elif panel.startswith("arithmetic"):
             values = [100 * (r.arithmetic_accuracy or 0) for r in results]

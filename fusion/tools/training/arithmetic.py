@@ -86,6 +86,24 @@ HELD_OUT_STYLES = (
 )
 
 
+# A second out-of-template set, written after the first set's results had shaped the training lists
+# below (the "<number> <verb>ed from <number>" and "fewer than" wordings were added because set one's
+# subtraction failed on that construction). Set one has therefore informed the recipe; this set has
+# informed nothing and is only ever reported. Its pieces share no training piece either (a test checks).
+FRESH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{b} added onto {a}", "{a} with {b} more on top", "{a} and {b} put together"),
+    "-": ("{a} subtract {b}", "{a} with {b} taken off", "{b} deducted from {a}"),
+    "*": ("{a} rows of {b}", "{a} multiplied with {b}", "product of {a} with {b}"),
+}
+FRESH_FRAMES = (
+    "Any idea what {e} is?", "What comes out of {e}?", "Let me know {e}.", "{e}: what do we get?",
+    "Help me find {e}.",
+)
+FRESH_STYLES = (
+    "Teacher here, checking answers. {q}", "{q} Walk me through it.", "urgent!! {q}", "Puzzle for you - {q} Cheers!",
+)
+
+
 def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
                imperatives: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     return {op: tuple(f.replace("{e}", e) for f in frames for e in expressions[op]) + imperatives.get(op, ())
@@ -94,20 +112,25 @@ def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
 
 TEMPLATES = _templates(FRAMES, EXPRESSIONS, IMPERATIVES)  # training: frames x expressions + imperatives
 HELD_OUT_TEMPLATES = _templates(HELD_OUT_FRAMES, HELD_OUT_EXPRESSIONS, {})  # held-out frames x expressions
-PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES)}
+FRESH_TEMPLATES = _templates(FRESH_FRAMES, FRESH_EXPRESSIONS, {})
+PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES),
+             "fresh": (FRESH_TEMPLATES, FRESH_STYLES)}
 
 # Training draws from wider lists than the in-template evaluation asks in: more wordings of each
 # operation, polite and indirect frames, instructions about the answer's form, and openers and
 # closers around the question, so that the specialist learns to read the numbers and the operation
-# out of words it was not built around. None of these is a held-out piece (a test checks), and the
-# held-out operation words (added together, total, subtracted from, less, multiplied by, lots of)
-# never appear: a specialist that reads embeddings borrowed from the generalist has to get them from
+# out of words it was not built around. None of these is a held-out piece of either set (a test
+# checks), and the held-out operation words (added together, total, subtracted from, less, multiplied
+# by, lots of; added onto, put together, deducted, taken off, rows of, multiplied with) never appear:
+# a specialist that reads embeddings borrowed from the generalist has to get them from
 # their neighbours ("multiply", "subtract", "groups of").
 EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} increased by {b}", "{a} more than {b}", "{a} and {b} combined", "{a}, plus {b}",
           "{a} + {b} (addition)", "the result of adding {a} and {b}"),
     "-": ("{a} decreased by {b}", "{a} reduced by {b}", "the result of subtracting {b} from {a}",
-          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed"),
+          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed",
+          # The second operand first: the order comes from the words after the first number.
+          "{b} taken away from {a}", "{b} removed from {a}", "{b} fewer than {a}", "{b} taken from {a}"),
     "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
           "{a}, times {b}", "{a} multiply {b}"),
 }
@@ -259,7 +282,8 @@ def answer_text(p: Problem) -> str:
 
 def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> str:
     """A question for `p` in a random template and instruction style of the `phrasing` split ("train":
-    the only one any training draws from; "held_out": unseen templates and styles)."""
+    the only one any training draws from; "held_out" and "fresh": two sets of unseen templates and
+    styles)."""
     templates, styles = PHRASINGS[phrasing]
     question = rng.choice(templates[p.op]).format(a=p.a, b=p.b)
     text = rng.choice(styles).replace("{q}", question)
@@ -344,8 +368,8 @@ def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str
     Kinds (+, -, * by one digit, two digits by two digits) take turns. Every problem comes
     from the held-out split, which training never draws, so these are disjoint from the training
     stream for any seed. `phrasing`: "train" words them in training templates and styles
-    (in-template), "held_out" in templates and styles no training sees (out-of-template); the same
-    `seed` gives the same problems in both.
+    (in-template), "held_out" and "fresh" in templates and styles no training sees (out-of-template);
+    the same `seed` gives the same problems in every phrasing.
     """
     problems = held_out_problems(n, seed)
     rng = random.Random(f"phrasing:{phrasing}:{seed}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusion.compute import one_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
 from fusion.router import (
@@ -122,6 +123,16 @@ def test_decoding_layout_keeps_the_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.fuse(logits, context, hard=True).logits,
                                    router.fuse(logits, context, hard=True).logits)
+
+
+def test_one_thread_restores_the_thread_count():
+    threads = torch.get_num_threads()
+    with one_thread():
+        assert torch.get_num_threads() == 1
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
 
 
 class ReferenceRoute(FusionRule):

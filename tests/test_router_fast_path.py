@@ -12,6 +12,7 @@ import torch
 from fusion.compute import one_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
+from fusion.rules import row_argmax
 from fusion.router import (
     FamiliarityGate,
     Route,
@@ -20,7 +21,6 @@ from fusion.router import (
     load_router,
     logit_features,
     logit_statistics,
-    row_argmax,
     save_router,
 )
 from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule
@@ -167,3 +167,14 @@ def test_engine_tokens_equal_the_reference_rule(tiny_service, sampling):
     assert [e.logprob for e in fast] == pytest.approx([e.logprob for e in reference], abs=1e-5)
     assert [[a.weight for a in e.attribution] for e in fast] == [[a.weight for a in e.attribution] for e in reference]
     assert [[i for i, _ in e.top_logprobs] for e in fast] == [[i for i, _ in e.top_logprobs] for e in reference]
+
+
+def test_greedy_sampling_picks_the_first_maximum():
+    from fusion.sampler import SamplingMetadata, sample
+
+    logits = (torch.randn(4, 49152, generator=torch.Generator().manual_seed(2)) * 3).bfloat16().float()
+    logits[1, [100, 40000]] = logits[1].max() + 1  # tied maxima: the first wins, as argmax
+    md = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 4, 49152, {})
+    out = sample(logits, md)
+    assert torch.equal(out.token_ids, logits.argmax(-1)) and out.token_ids[1] == 100
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1).gather(-1, out.token_ids[:, None])[:, 0])

@@ -99,7 +99,9 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # the runner-up: the shifted row without its best id (a tied maximum leaves a 0 behind: margin 0)
     runner_up = shifted.scatter_(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
     margin = -runner_up
-    if bool((runner_up == 0).any()):  # tied maxima: name the one `topk` names, as `logit_features` does
+    # Tied maxima name the id `topk` names, as in `logit_features` (the router's training); so does a
+    # GPU, where topk is cheap and checking for ties would wait for the device.
+    if logits.device.type != "cpu" or bool((runner_up == 0).any()):
         top1_ids = logits.topk(2, dim=-1).indices[..., 0]
     # agreement[e, b, f] = expert e's log p of expert f's top id
     agreement = logits.gather(-1, top1_ids.T.expand(E, B, E)) - normalizer[..., None]  # (E, B, E)

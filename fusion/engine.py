@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from fusion.compute import run_on_compute_thread
+from fusion.compute import one_thread, run_on_compute_thread
 from fusion.config import Limits, SamplingParams
 from fusion.errors import (
     ExpertOutputError,
@@ -589,7 +589,9 @@ class DecodeBatch:
         for row in rows:
             row.prefilled = None
         errors: list[ErrorEvent] = step_errors
-        for b, name in engine._check_finite(logits, rows):
+        with one_thread():  # fusion and sampling: small ops, see `one_thread`
+            problems = engine._check_finite(logits, rows)
+        for b, name in problems:
             request_id = rows[b].request.request_id
             if not any(ev.request_id == request_id for ev in errors):
                 errors.append(ErrorEvent(request_id, ExpertOutputError(
@@ -603,7 +605,8 @@ class DecodeBatch:
             logits = logits[:, keep]
         if not rows:
             return StepLogits([], None, None, None, errors)
-        fused, weights, normalizers = self._fuse(rows, logits)  # (B, V), (E, B), (E, B) or None
+        with one_thread():
+            fused, weights, normalizers = self._fuse(rows, logits)  # (B, V), (E, B), (E, B) or None
         engine.last_timings.fuse_s = time.perf_counter() - fuse_start
         return StepLogits(rows, logits, fused, weights, errors, normalizers)
 
@@ -632,30 +635,9 @@ class DecodeBatch:
         if not step.rows:
             return events
         start = time.perf_counter()
-        rows, logits, fused, weights = step.rows, step.logits, step.fused, step.weights
-        md = SamplingMetadata.build(
-            [r.request.sampling for r in rows],
-            engine.vocab_size,
-            {b: r.generator for b, r in enumerate(rows) if r.generator is not None},
-            engine.device,
-            biases=[r.request.token_bias for r in rows],
-        )
-        counts = seen = None
-        if not md.no_penalties:
-            zeros = torch.zeros(engine.vocab_size, device=engine.device)
-            counts = torch.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
-            seen = torch.stack([r.seen if r.seen is not None else zeros.bool() for r in rows])
-        out = sample(fused, md, counts, seen)
-
-        # Attribution: each expert's own probability of the chosen token.
-        chosen = out.token_ids[None, :, None].expand(logits.shape[0], -1, 1)  # (E, B, 1)
-        normalizers = step.log_normalizers if step.log_normalizers is not None else torch.logsumexp(logits, dim=-1)
-        expert_probs = (logits.gather(-1, chosen)[..., 0] - normalizers).exp()  # (E, B)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        weights_host = weights.T.tolist()  # (B, E)
-        probs_host = expert_probs.T.tolist()
-        top = list(zip(out.top_ids.tolist(), out.top_logprobs.tolist())) if out.top_ids is not None else None
+        rows = step.rows
+        with one_thread():
+            token_ids, logprobs, weights_host, probs_host, top = self._sample(step)
         engine.last_timings.fuse_sample_s = engine.last_timings.fuse_s + time.perf_counter() - start
 
         finished = []
@@ -694,6 +676,33 @@ class DecodeBatch:
         for request_id in finished:
             self.cancel(request_id)
         return events
+
+    def _sample(self, step: StepLogits) -> tuple[list[int], list[float], list, list, list | None]:
+        """Sample each row of `step` and attribute the token, as host lists: token ids (B,), their
+        log-probabilities (B,), each row's expert weights (B, E) and each expert's own probability of
+        the token (B, E), and the top log-probabilities (per row: ids, log-probs) when any row asks."""
+        engine = self.engine
+        rows, logits, fused, weights = step.rows, step.logits, step.fused, step.weights
+        md = SamplingMetadata.build(
+            [r.request.sampling for r in rows],
+            engine.vocab_size,
+            {b: r.generator for b, r in enumerate(rows) if r.generator is not None},
+            engine.device,
+            biases=[r.request.token_bias for r in rows],
+        )
+        counts = seen = None
+        if not md.no_penalties:
+            zeros = torch.zeros(engine.vocab_size, device=engine.device)
+            counts = torch.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
+            seen = torch.stack([r.seen if r.seen is not None else zeros.bool() for r in rows])
+        out = sample(fused, md, counts, seen)
+
+        # Attribution: each expert's own probability of the chosen token.
+        chosen = out.token_ids[None, :, None].expand(logits.shape[0], -1, 1)  # (E, B, 1)
+        normalizers = step.log_normalizers if step.log_normalizers is not None else torch.logsumexp(logits, dim=-1)
+        expert_probs = (logits.gather(-1, chosen)[..., 0] - normalizers).exp()  # (E, B)
+        top = list(zip(out.top_ids.tolist(), out.top_logprobs.tolist())) if out.top_ids is not None else None
+        return out.token_ids.tolist(), out.logprobs.tolist(), weights.T.tolist(), expert_probs.T.tolist(), top
 
     def _fuse(self, rows: list[_Row], logits: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -63,6 +63,24 @@ def log_softmax_and_normalizer(logits: torch.Tensor) -> tuple[torch.Tensor, torc
     return logits - normalizer[..., None], normalizer
 
 
+_ARGMAX_BLOCK = 256  # ids per block in `row_argmax`
+
+
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first of equal maxima, as `argmax`): (..., V) → (...,) long.
+    On a CPU `argmax` walks a 49,152-wide row one element at a time (~0.13 ms for three rows) while
+    `amax` is vectorised (~0.01 ms), so the row is cut into blocks: the block maxima pick the first
+    block holding the maximum, and only that block is searched element by element (elsewhere, or on
+    a row that is no whole number of blocks, plain `argmax`)."""
+    width = values.shape[-1]
+    if values.device.type != "cpu" or width % _ARGMAX_BLOCK or width < 2 * _ARGMAX_BLOCK:
+        return values.argmax(-1)
+    blocks = values.reshape(*values.shape[:-1], width // _ARGMAX_BLOCK, _ARGMAX_BLOCK)  # (..., N, G)
+    block = blocks.amax(-1).argmax(-1, keepdim=True)  # (..., 1)
+    inside = blocks.gather(-2, block[..., None].expand(*block.shape, _ARGMAX_BLOCK))  # (..., 1, G)
+    return block[..., 0] * _ARGMAX_BLOCK + inside[..., 0, :].argmax(-1)
+
+
 class FusionRule:
     name: ClassVar[str]
     param_names: ClassVar[tuple[str, ...]] = ()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fusion.config import SamplingParams
+from fusion.rules import row_argmax
 
 
 @dataclass
@@ -246,7 +247,7 @@ def sample(
         logits = apply_penalties(logits, md, output_counts, seen)
     log_probs = torch.log_softmax(logits, dim=-1)  # (B, V)
 
-    greedy_ids = logits.argmax(dim=-1)  # (B,)
+    greedy_ids = row_argmax(logits)  # (B,) the first maximum, as argmax
     if md.all_greedy:
         token_ids = greedy_ids
     else:

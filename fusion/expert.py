@@ -39,14 +39,37 @@ class StepRequest:
 
 @dataclass
 class _Extensions:
-    """The last `extend` call of a session: its one-id extensions' keys/values (one batch row each) and
-    logits, so that the next call, whose history is that history plus one of them, starts without a forward."""
+    """The last `extend` call of a session: its extensions' keys/values (one batch row each, right-padded
+    to `width` new columns) and logits, so that the next call, whose history is that history plus one of
+    them, starts without a forward."""
 
     base: list[int]  # the history the extensions extend
     base_logits: torch.Tensor | None  # (V,) after `base`
-    tokens: list[int]  # the one-id extensions, in batch-row order
-    kv: object  # a cache whose row j holds base + tokens[j]
-    logits: torch.Tensor  # (len(tokens), V) after each
+    extensions: list[tuple[int, ...]]  # the nonempty extensions, in batch-row order
+    kv: object  # a cache whose row j holds base + extensions[j], then padding up to `width` columns
+    logits: torch.Tensor  # (len(extensions), V) after each
+    width: int = 1
+
+    def row_of(self, token_ids: list[int]) -> int | None:
+        """The batch row whose history is `token_ids` (None: none, or its padding cannot be dropped)."""
+        n = len(self.base)
+        if len(token_ids) <= n or len(token_ids) > n + self.width or token_ids[:n] != self.base:
+            return None
+        extension = tuple(token_ids[n:])
+        if extension not in self.extensions:
+            return None
+        if len(extension) < self.width and not all(_croppable(layer) for layer in self.kv.layers):
+            return None
+        return self.extensions.index(extension)
+
+
+def _croppable(layer) -> bool:
+    """Whether dropping a layer's last columns restores the state it had before them: a full-attention
+    layer, or a sliding-window one that has not yet dropped any column."""
+    if type(layer) is GrowingLayer:
+        return True
+    window = getattr(layer, "sliding_window", None)
+    return window is not None and layer.get_seq_length() < window
 
 
 MAX_EXTENSIONS = 256  # extensions one `extend` call may ask for
@@ -268,9 +291,9 @@ class LocalExpert:
         """Logits after `token_ids` + each extension (an empty extension: after `token_ids` itself):
         (k, V) float32. The history is computed as `step` would (only its uncached suffix); the
         extensions then run as one batch over copies of its keys/values, and are not cached, except
-        that the one-id extensions are kept until the session's next call: a history that is this one
-        plus one of them is then adopted without a forward (cross-tokenizer fusion looks ahead one id
-        and usually commits one it looked at)."""
+        that they are kept until the session's next call: a history that is this one plus one of them
+        is then adopted without a forward (cross-tokenizer fusion looks ahead and usually commits a path
+        it looked at; a shorter row's padding is dropped where every cache layer can drop columns)."""
         token_ids = list(token_ids)
         extensions = [list(e) for e in extensions]
         if not extensions:
@@ -304,11 +327,8 @@ class LocalExpert:
                 self.cache.record(hits=start * len(grown), misses=sum(len(e) for e in grown))
                 for row, e in enumerate(grown):
                     rows[id(e)] = grown_logits[row]
-                if width == 1:
-                    self._extensions[session_id] = _Extensions(token_ids, base_logits, [e[0] for e in grown], kv,
-                                                               grown_logits)
-                else:
-                    self._extensions.pop(session_id, None)
+                self._extensions[session_id] = _Extensions(token_ids, base_logits, [tuple(e) for e in grown], kv,
+                                                           grown_logits, width)
             else:
                 self._extensions[session_id] = _Extensions(token_ids, base_logits, [], None, base_logits[None])
             self.cache.evict(keep=[session_id])
@@ -333,17 +353,19 @@ class LocalExpert:
         return cache_of(layers)
 
     def _advance(self, session_id: str, token_ids: list[int]) -> torch.Tensor:
-        """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts a one-id
-        extension of the session's last `extend` call when the history is its base plus that id."""
+        """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts an extension of
+        the session's last `extend` call when the history is its base plus that extension."""
         kept = self._extensions.pop(session_id, None)
         entry = self.cache.get(session_id)
         if kept is not None and entry.kv is not None and entry.token_ids == kept.base:
             if token_ids == kept.base and kept.base_logits is not None:
                 return kept.base_logits
-            if (len(token_ids) == len(kept.base) + 1 and token_ids[:-1] == kept.base
-                    and token_ids[-1] in kept.tokens):
-                row = kept.tokens.index(token_ids[-1])
+            row = kept.row_of(token_ids)
+            if row is not None:
                 kept.kv.batch_select_indices(torch.tensor([row], device=self.device))
+                padding = kept.width - (len(token_ids) - len(kept.base))
+                if padding:
+                    kept.kv.crop(-padding)
                 entry.kv, entry.token_ids = kept.kv, list(token_ids)
                 self.cache.record(hits=len(token_ids), misses=0)
                 return kept.logits[row]

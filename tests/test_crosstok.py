@@ -14,6 +14,7 @@ from fusion.config import ExpertConfig, SamplingParams, parse_config
 from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, decode, score_text
 from fusion.errors import InvalidArgumentError
 from fusion.expert import ExpertInfo, LocalExpert
+from fusion.kv_cache import new_cache
 from fusion.rules import Mixture, WeightedLogits
 from fusion.service import FusionRequest, FusionService
 from fusion.spelling import Spelling
@@ -85,6 +86,43 @@ def test_extend_matches_plain_forwards_and_adopts_looked_ahead_ids(xdir):
     with pytest.raises(InvalidArgumentError, match="extensions"):
         expert.extend("s", history, [])
     expert.release(["s"])
+
+
+def test_extend_adopts_multi_id_and_padded_extensions(xdir):
+    expert = load(xdir["a"])
+    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+    for committed in ([17, 9], [5]):  # the full-width row, and a row right-padded by one column
+        expert.extend("s", history, [[], [5], [17, 9], [40]])
+        before = expert.cache.misses
+        again = expert.extend("s", history + committed, [[], [3]])
+        assert expert.cache.misses - before == 1  # only the new extension's id was computed
+        torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
+                                   rtol=1e-4, atol=1e-4)
+    expert.release(["s"])
+
+
+def test_extend_on_sliding_window_layers_adopts_padded_rows_only_inside_the_window(xdir, tmp_path):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(xdir["a"])
+    torch.manual_seed(3)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=8, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "w")
+    tokenizer.save_pretrained(tmp_path / "w")
+    expert = load(tmp_path / "w")
+    assert not all(type(layer).__name__ == "GrowingLayer" for layer in new_cache(expert.model.config).layers)
+    for length, adopted in ((4, True), (12, False)):  # inside the window; past it (padding not droppable)
+        history = list(range(10, 10 + length))
+        expert.extend("s", history, [[], [5], [17, 9]])
+        before = expert.cache.misses
+        again = expert.extend("s", history + [5], [[], [3]])
+        assert expert.cache.misses - before == (1 if adopted else 2)
+        torch.testing.assert_close(again[0], plain_last_logits(expert, history + [5]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again[1], plain_last_logits(expert, history + [5, 3]), rtol=1e-4, atol=1e-4)
+        expert.release(["s"])
 
 
 # -- exact text probabilities ---------------------------------------------------------------------

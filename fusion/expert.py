@@ -39,7 +39,7 @@ class StepRequest:
 
 @dataclass
 class _Extensions:
-    """The last `extend` call of a session: its extensions' keys/values (one batch row each, right-padded
+    """One `extend` call of a session: its extensions' keys/values (one batch row each, right-padded
     to `width` new columns) and logits, so that the next call, whose history is that history plus one of
     them, starts without a forward."""
 
@@ -74,6 +74,7 @@ def _croppable(layer) -> bool:
 
 MAX_EXTENSIONS = 256  # extensions one `extend` call may ask for
 MAX_EXTENSION_TOKENS = 64  # ids in one extension
+MAX_KEPT_CALLS = 4  # `extend` calls on one history whose rows a session keeps for its next history
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ class LocalExpert:
         self.device = torch.device(config.device)
         self.cache = SessionCache(config.max_cached_tokens)
         self._lock = threading.Lock()
-        self._extensions: dict[str, _Extensions] = {}  # per session: its last `extend` call (see `extend`)
+        # per session: its `extend` calls on its current history, oldest first (see `extend`)
+        self._extensions: dict[str, list[_Extensions]] = {}
         self.max_decode_batch = max_decode_batch
         layers = new_cache(model.config).layers
         self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)  # no sliding windows
@@ -291,8 +293,8 @@ class LocalExpert:
         """Logits after `token_ids` + each extension (an empty extension: after `token_ids` itself):
         (k, V) float32. The history is computed as `step` would (only its uncached suffix); the
         extensions then run as one batch over copies of its keys/values, and are not cached, except
-        that they are kept until the session's next call: a history that is this one plus one of them
-        is then adopted without a forward (cross-tokenizer fusion looks ahead and usually commits a path
+        that they are kept until the session's history changes (with those of earlier calls on the same
+        history): a history that is this one plus one of them is then adopted without a forward (cross-tokenizer fusion looks ahead and usually commits a path
         it looked at; a shorter row's padding is dropped where every cache layer can drop columns)."""
         token_ids = list(token_ids)
         extensions = [list(e) for e in extensions]
@@ -327,10 +329,11 @@ class LocalExpert:
                 self.cache.record(hits=start * len(grown), misses=sum(len(e) for e in grown))
                 for row, e in enumerate(grown):
                     rows[id(e)] = grown_logits[row]
-                self._extensions[session_id] = _Extensions(token_ids, base_logits, [tuple(e) for e in grown], kv,
-                                                           grown_logits, width)
+                call = _Extensions(token_ids, base_logits, [tuple(e) for e in grown], kv, grown_logits, width)
             else:
-                self._extensions[session_id] = _Extensions(token_ids, base_logits, [], None, base_logits[None])
+                call = _Extensions(token_ids, base_logits, [], None, base_logits[None])
+            earlier = self._extensions.get(session_id, [])  # calls on this same history (see `_advance`)
+            self._extensions[session_id] = (earlier + [call])[-MAX_KEPT_CALLS:]
             self.cache.evict(keep=[session_id])
             for gone in [s for s in self._extensions if s not in self.cache]:  # evicted sessions
                 del self._extensions[gone]
@@ -354,22 +357,28 @@ class LocalExpert:
 
     def _advance(self, session_id: str, token_ids: list[int]) -> torch.Tensor:
         """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts an extension of
-        the session's last `extend` call when the history is its base plus that extension."""
-        kept = self._extensions.pop(session_id, None)
+        the session's kept `extend` calls when the history is their base plus that extension."""
+        kept = self._extensions.pop(session_id, [])
         entry = self.cache.get(session_id)
-        if kept is not None and entry.kv is not None and entry.token_ids == kept.base:
-            if token_ids == kept.base and kept.base_logits is not None:
-                return kept.base_logits
-            row = kept.row_of(token_ids)
-            if row is not None:
-                kept.kv.batch_select_indices(torch.tensor([row], device=self.device))
-                padding = kept.width - (len(token_ids) - len(kept.base))
-                if padding:
-                    kept.kv.crop(-padding)
-                entry.kv, entry.token_ids = kept.kv, list(token_ids)
-                self.cache.record(hits=len(token_ids), misses=0)
-                return kept.logits[row]
+        if kept and entry.kv is not None and entry.token_ids == kept[0].base:
+            if token_ids == kept[0].base and kept[-1].base_logits is not None:
+                self._extensions[session_id] = kept  # the same history: its calls stay adoptable
+                return kept[-1].base_logits
+            for call in reversed(kept):
+                row = call.row_of(token_ids)
+                if row is not None:
+                    return self._adopt(entry, call, row, token_ids)
         return self._forward_tail(session_id, token_ids, 1)[-1]
+
+    def _adopt(self, entry, call: _Extensions, row: int, token_ids: list[int]) -> torch.Tensor:
+        """The session's cache becomes batch row `row` of `call` (its padding dropped); its logits (V,)."""
+        call.kv.batch_select_indices(torch.tensor([row], device=self.device))
+        padding = call.width - (len(token_ids) - len(call.base))
+        if padding:
+            call.kv.crop(-padding)
+        entry.kv, entry.token_ids = call.kv, list(token_ids)
+        self.cache.record(hits=len(token_ids), misses=0)
+        return call.logits[row]
 
     def release(self, session_ids: Sequence[str]) -> None:
         with self._lock:

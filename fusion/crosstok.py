@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -81,14 +82,34 @@ class CrossParams:
 class _Row:
     """One next-token distribution, indexed for prefix queries."""
 
-    logp: torch.Tensor  # (V,) log-probabilities (float32, held as float64)
+    logp: torch.Tensor  # (V,) float32 log-probabilities
+    sorted_logp: torch.Tensor  # (N,) float32: logp over the ids sorted by bytes (`Spelling.sorted_ids`)
     csum: torch.Tensor  # (N + 1,) float64: cumulative probabilities over the ids sorted by bytes
 
     @classmethod
-    def of(cls, logits: torch.Tensor, spelling: Spelling) -> _Row:
-        logp = torch.log_softmax(logits[: spelling.vocab_size].float(), dim=-1)
-        probs = logp[spelling.sorted_ids].exp().double()
-        return cls(logp.double(), torch.cat([probs.new_zeros(1), probs.cumsum(0)]))
+    def batch(cls, logits: torch.Tensor, spelling: Spelling) -> list[_Row]:
+        """The rows of logits (k, V'), V' >= the spelling's V: each op runs once over all k rows, on one
+        thread (they are memory-bound; on a shared host a second thread only adds a wait for it)."""
+        with _one_thread():
+            logp = torch.log_softmax(logits[:, : spelling.vocab_size].float(), dim=-1)  # (k, V)
+            sorted_logp = logp.index_select(1, spelling.sorted_ids)  # (k, N)
+            csum = sorted_logp.new_zeros(len(logits), sorted_logp.shape[1] + 1, dtype=torch.float64)  # (k, N + 1)
+            torch.cumsum(sorted_logp.exp(), dim=1, dtype=torch.float64, out=csum[:, 1:])
+        return [cls(logp[j], sorted_logp[j], csum[j]) for j in range(len(logits))]
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the enclosed tensor ops on the calling thread alone (vocab-sized elementwise work)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -235,8 +256,8 @@ class CrossTokenizerFusion:
         if not paths:
             return
         logits = state.expert.extend(state.session, state.ids, [list(p.tokens) for p in paths])  # (k, V)
-        for path, row in zip(paths, logits):
-            path.row = _Row.of(row, state.spelling)
+        for path, row in zip(paths, _Row.batch(logits, state.spelling)):
+            path.row = row
 
     def _root(self, state: ExpertState) -> _Path:
         root = state.paths.get(())
@@ -375,11 +396,11 @@ class CrossTokenizerFusion:
                     continue
                 rest = u[len(path.text):]
                 lo, hi = spelling.range_of(rest)
-                ids = spelling.sorted_ids[lo:hi]
-                if not len(ids):
+                if hi <= lo:
                     continue
-                logp = path.row.logp[ids]
-                top = torch.topk(logp, min(self.params.top_k + 1, len(ids)))
+                ids = spelling.sorted_ids[lo:hi]
+                with _one_thread():
+                    top = torch.topk(path.row.sorted_logp[lo:hi], min(self.params.top_k + 1, hi - lo))
                 for value, token in zip(top.values.tolist(), ids[top.indices].tolist()):
                     piece = spelling.token_bytes[token][len(rest):]
                     if piece:
@@ -433,7 +454,7 @@ class CrossTokenizerFusion:
         if eos:
             for path in state.paths.values():
                 if path.row is not None and path.text == u:
-                    end += math.exp(path.logp) * float(path.row.logp[eos].exp().sum())
+                    end += math.exp(path.logp) * float(path.row.logp[eos].double().exp().sum())
         events = torch.cat([events, torch.tensor([end], dtype=torch.float64)])
         return (events.clamp(min=_FLOOR) / max(denominator, _FLOOR)).log().float()
 
@@ -443,9 +464,9 @@ def _exact_match_logprobs_impl(state: ExpertState, pieces: Sequence[bytes]) -> t
     probs = []
     for piece in pieces:
         ids = state.spelling.ids_of(state.pending + piece)
-        probs.append(float(row.logp[ids].exp().sum()) if ids else 0.0)
+        probs.append(float(row.logp[ids].double().exp().sum()) if ids else 0.0)
     eos = list(state.expert.info.eos_token_ids)
-    probs.append(float(row.logp[eos].exp().sum()) if eos and not state.pending else 0.0)
+    probs.append(float(row.logp[eos].double().exp().sum()) if eos and not state.pending else 0.0)
     return torch.tensor(probs, dtype=torch.float64).clamp(min=_FLOOR).log().float()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusion.config import ExpertConfig, SamplingParams, parse_config
-from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, decode, score_text
+from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, _Row, decode, score_text
 from fusion.errors import InvalidArgumentError
 from fusion.expert import ExpertInfo, LocalExpert
 from fusion.kv_cache import new_cache
@@ -88,7 +88,7 @@ def test_extend_matches_plain_forwards_and_adopts_looked_ahead_ids(xdir):
     expert.release(["s"])
 
 
-def test_extend_adopts_multi_id_and_padded_extensions(xdir):
+def test_extend_adopts_multi_id_padded_and_earlier_calls_extensions(xdir):
     expert = load(xdir["a"])
     history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
     for committed in ([17, 9], [5]):  # the full-width row, and a row right-padded by one column
@@ -99,6 +99,14 @@ def test_extend_adopts_multi_id_and_padded_extensions(xdir):
         torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
                                    rtol=1e-4, atol=1e-4)
+    expert.release(["s"])
+    # a second call on the same history keeps the first call's rows adoptable
+    expert.extend("s", history, [[], [5], [40]])
+    expert.extend("s", history, [[], [17, 9]])
+    before = expert.cache.misses
+    again = expert.extend("s", history + [40], [[]])
+    assert expert.cache.misses == before
+    torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
     expert.release(["s"])
 
 
@@ -123,6 +131,21 @@ def test_extend_on_sliding_window_layers_adopts_padded_rows_only_inside_the_wind
         torch.testing.assert_close(again[0], plain_last_logits(expert, history + [5]), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(again[1], plain_last_logits(expert, history + [5, 3]), rtol=1e-4, atol=1e-4)
         expert.release(["s"])
+
+
+def test_batched_rows_equal_one_row_at_a_time(xdir):
+    """`_Row.batch` (all rows per op, one thread) against the plain computation of each row alone."""
+    spelling = spelling_of(load(xdir["x"]))
+    torch.manual_seed(0)
+    logits = torch.randn(3, spelling.vocab_size + 5) * 4  # padded output rows beyond the vocabulary
+    threads = torch.get_num_threads()
+    for row, plain in zip(_Row.batch(logits, spelling), logits):
+        logp = torch.log_softmax(plain[: spelling.vocab_size], dim=-1)
+        probs = logp[spelling.sorted_ids].exp().double()
+        assert torch.equal(row.logp, logp)
+        assert torch.equal(row.sorted_logp, logp[spelling.sorted_ids])
+        assert torch.equal(row.csum, torch.cat([probs.new_zeros(1), probs.cumsum(0)]))
+    assert torch.get_num_threads() == threads  # restored after the single-threaded ops
 
 
 # -- exact text probabilities ---------------------------------------------------------------------

@@ -110,6 +110,26 @@ def test_extend_adopts_multi_id_padded_and_earlier_calls_extensions(xdir):
     expert.release(["s"])
 
 
+def test_extend_shares_rows_between_an_extension_and_its_prefixes(xdir):
+    expert = load(xdir["a"])
+    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+    extensions = [[17, 9, 3], [], [5], [17], [17, 9], [5]]
+    for committed in ([17], [17, 9], [5]):
+        expert.extend("s", history, [[]])  # the history itself first
+        before = expert.cache.misses
+        out = expert.extend("s", history, extensions)
+        assert expert.cache.misses - before == 4  # rows [17, 9, 3] and [5]: the prefixes share the first
+        for row, ext in zip(out, extensions):
+            torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
+        before = expert.cache.misses
+        again = expert.extend("s", history + committed, [[], [3]])
+        assert expert.cache.misses - before == 1  # adopted: the shared row cut after the committed ids
+        torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
+                                   rtol=1e-4, atol=1e-4)
+        expert.release(["s"])
+
+
 def test_extend_on_sliding_window_layers_adopts_padded_rows_only_inside_the_window(xdir, tmp_path):
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
 

@@ -351,11 +351,15 @@ class LocalExpert:
         batch_kv = self._repeated(kv, len(longest), width)
         start = len(token_ids)
         positions = torch.arange(start, start + width, device=self.device)[None].expand(len(longest), -1)
-        out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
         rows = [row_of[e] for e in grown]
-        if width == 1:
+        if width == 1 and self._fast_step is not None and all(type(layer) is GrowingLayer for layer in batch_kv.layers):
+            # one id per row over a common frontier: a batched decode step
+            logits = self._fast_forward(batch_kv.layers, [e[0] for e in longest], [start] * len(longest))  # (k, V)
+        elif width == 1:
+            out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
             logits = out.logits[:, 0].float()  # (k, V): one row per extension, in order
         else:
+            out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
             last = torch.tensor([len(e) - 1 for e in grown], device=self.device)
             logits = out.logits[torch.tensor(rows, device=self.device), last].float()  # (k, V)
         self.cache.record(hits=start * len(longest), misses=sum(len(e) for e in longest))

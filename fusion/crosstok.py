@@ -80,22 +80,59 @@ class CrossParams:
 
 @dataclass
 class _Row:
-    """One next-token distribution, indexed for prefix queries."""
+    """One next-token distribution, indexed for prefix queries over a span [lo, hi) of the ids sorted by
+    bytes: the ids that start with the pending text after the row's path, where its queries fall (every
+    id for the path that spells all of it; a narrow range for shorter paths). A query outside the span
+    (a path longer than the pending text) sums its range directly."""
 
     logp: torch.Tensor  # (V,) float32 log-probabilities
-    sorted_logp: torch.Tensor  # (N,) float32: logp over the ids sorted by bytes (`Spelling.sorted_ids`)
-    csum: torch.Tensor  # (N + 1,) float64: cumulative probabilities over the ids sorted by bytes
+    sorted_ids: torch.Tensor  # (N,) long: the spelling's ids sorted by bytes
+    lo: int
+    sorted_logp: torch.Tensor  # (hi - lo,) float32: logp over sorted_ids[lo:hi]
+    csum: torch.Tensor  # (hi - lo + 1,) float64: cumulative probabilities over sorted_ids[lo:hi]
 
     @classmethod
-    def batch(cls, logits: torch.Tensor, spelling: Spelling) -> list[_Row]:
-        """The rows of logits (k, V'), V' >= the spelling's V: each op runs once over all k rows, on one
-        thread (they are memory-bound; on a shared host a second thread only adds a wait for it)."""
+    def batch(cls, logits: torch.Tensor, spelling: Spelling, spans: Sequence[tuple[int, int]]) -> list[_Row]:
+        """The rows of logits (k, V'), V' >= the spelling's V, each indexed over its span. On one thread:
+        the ops are memory-bound; on a shared host a second thread only adds a wait for it."""
+        rows = []
         with _one_thread():
-            logp = torch.log_softmax(logits[:, : spelling.vocab_size].float(), dim=-1)  # (k, V)
-            sorted_logp = logp.index_select(1, spelling.sorted_ids)  # (k, N)
-            csum = sorted_logp.new_zeros(len(logits), sorted_logp.shape[1] + 1, dtype=torch.float64)  # (k, N + 1)
-            torch.cumsum(sorted_logp.exp(), dim=1, dtype=torch.float64, out=csum[:, 1:])
-        return [cls(logp[j], sorted_logp[j], csum[j]) for j in range(len(logits))]
+            logp = torch.log_softmax(logits[:, : spelling.vocab_size].float(), dim=-1)  # (k, V), one op for all
+            for j, (lo, hi) in enumerate(spans):
+                sorted_logp = logp[j].index_select(0, spelling.sorted_ids[lo:hi])  # (hi - lo,)
+                csum = sorted_logp.new_zeros(hi - lo + 1, dtype=torch.float64)
+                torch.cumsum(sorted_logp.exp(), dim=0, dtype=torch.float64, out=csum[1:])
+                rows.append(cls(logp[j], spelling.sorted_ids, lo, sorted_logp, csum))
+        return rows
+
+    @property
+    def hi(self) -> int:
+        return self.lo + len(self.sorted_logp)
+
+    def mass(self, lo: int, hi: int) -> float:
+        """The probability of sorted ids [lo, hi)."""
+        if self.lo <= lo and hi <= self.hi:
+            return float(self.csum[hi - self.lo] - self.csum[lo - self.lo])
+        if hi <= lo:
+            return 0.0
+        return float(self.logp[self.sorted_ids[lo:hi]].exp().double().sum())
+
+    def masses(self, lows: Sequence[int], highs: Sequence[int]) -> torch.Tensor:
+        """`mass` of each range: (T,) float64."""
+        if all(self.lo <= lo and hi <= self.hi for lo, hi in zip(lows, highs)):
+            at = self.lo
+            return self.csum[[h - at for h in highs]] - self.csum[[lo - at for lo in lows]]
+        return torch.tensor([self.mass(lo, hi) for lo, hi in zip(lows, highs)], dtype=torch.float64)
+
+    def top(self, lo: int, hi: int, k: int) -> tuple[list[float], list[int]]:
+        """The `k` likeliest ids among sorted ids [lo, hi): (log-probabilities, ids)."""
+        if self.lo <= lo and hi <= self.hi:
+            values = self.sorted_logp[lo - self.lo: hi - self.lo]
+        else:
+            values = self.logp[self.sorted_ids[lo:hi]]
+        with _one_thread():
+            top = torch.topk(values, min(k, hi - lo))
+        return top.values.tolist(), self.sorted_ids[lo:hi][top.indices].tolist()
 
 
 @contextmanager
@@ -158,13 +195,13 @@ class ExpertState:
                 logp = path.logp
             else:
                 lo, hi = self.spelling.range_of(text[len(path.text):])
-                logp = path.logp + math.log(max(float(path.row.csum[hi] - path.row.csum[lo]), 1e-300))
+                logp = path.logp + math.log(max(path.row.mass(lo, hi), 1e-300))
             if logp > best_logp:
                 best, best_logp = path.tokens, logp
         root, root_logp = self.paths.get(()), -math.inf
         if root is not None and root.row is not None:
             lo, hi = self.spelling.range_of(text)
-            root_logp = math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))
+            root_logp = math.log(max(root.row.mass(lo, hi), 1e-300))
             if root_logp >= best_logp:
                 best = ()  # one id of the expert's will spell all of it: wait for it
         if max(best_logp, root_logp) < -600:  # no computed path spells it: the tokenizer commits
@@ -256,8 +293,16 @@ class CrossTokenizerFusion:
         if not paths:
             return
         logits = state.expert.extend(state.session, state.ids, [list(p.tokens) for p in paths])  # (k, V)
-        for path, row in zip(paths, _Row.batch(logits, state.spelling)):
+        spans = [self._span(state, path) for path in paths]
+        for path, row in zip(paths, _Row.batch(logits, state.spelling, spans)):
             path.row = row
+
+    @staticmethod
+    def _span(state: ExpertState, path: _Path) -> tuple[int, int]:
+        """Where the queries on the row after `path` fall: the ids that start with the pending text after
+        it (all of them for the path that spells it all); none for a path longer than the pending text."""
+        u = state.pending
+        return state.spelling.range_of(u[len(path.text):]) if u.startswith(path.text) else (0, 0)
 
     def _root(self, state: ExpertState) -> _Path:
         root = state.paths.get(())
@@ -306,7 +351,7 @@ class CrossTokenizerFusion:
         lo, hi = spelling.range_of(u)
         # u's mass is at least that of the ids that start with it (u itself among them); a path adds at
         # most its own probability, so one lighter than `min_path_prob` times that adds at most that share
-        reference = math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))
+        reference = math.log(max(root.row.mass(lo, hi), 1e-300))
         floor = reference + math.log(params.min_path_prob) if params.min_path_prob > 0 else -math.inf
         level = [p for p in level if p.logp >= floor]
         if params.depth == 1:
@@ -398,10 +443,7 @@ class CrossTokenizerFusion:
                 lo, hi = spelling.range_of(rest)
                 if hi <= lo:
                     continue
-                ids = spelling.sorted_ids[lo:hi]
-                with _one_thread():
-                    top = torch.topk(path.row.sorted_logp[lo:hi], min(self.params.top_k + 1, hi - lo))
-                for value, token in zip(top.values.tolist(), ids[top.indices].tolist()):
+                for value, token in zip(*path.row.top(lo, hi, self.params.top_k + 1)):
                     piece = spelling.token_bytes[token][len(rest):]
                     if piece:
                         scored[piece] = max(scored.get(piece, -math.inf), path.logp + value)
@@ -423,7 +465,7 @@ class CrossTokenizerFusion:
                     lows.append(lo)
                     highs.append(hi)
             if which:
-                mass = path.row.csum[highs] - path.row.csum[lows]
+                mass = path.row.masses(lows, highs)
                 total[which] += math.exp(path.logp) * mass
         return total
 

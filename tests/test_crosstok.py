@@ -153,18 +153,33 @@ def test_extend_on_sliding_window_layers_adopts_padded_rows_only_inside_the_wind
         expert.release(["s"])
 
 
-def test_batched_rows_equal_one_row_at_a_time(xdir):
-    """`_Row.batch` (all rows per op, one thread) against the plain computation of each row alone."""
+def test_rows_answer_prefix_queries_as_a_full_cumulative_sum_does(xdir):
+    """`_Row.batch` (all rows per op, one thread, each indexed over its span only) against the plain
+    computation: one full cumulative sum over each row's ids sorted by bytes."""
     spelling = spelling_of(load(xdir["x"]))
     torch.manual_seed(0)
     logits = torch.randn(3, spelling.vocab_size + 5) * 4  # padded output rows beyond the vocabulary
+    n = len(spelling.sorted_ids)
+    spans = [(0, n), spelling.range_of(b" q"), (0, 0)]  # every id; a narrow range; none
+    queries = [spelling.range_of(x) for x in (b"", b" ", b" q", b" qu", b"1", b"zz", b"\xff")] + [(5, 5), (0, n)]
     threads = torch.get_num_threads()
-    for row, plain in zip(_Row.batch(logits, spelling), logits):
+    for row, plain, span in zip(_Row.batch(logits, spelling, spans), logits, spans):
         logp = torch.log_softmax(plain[: spelling.vocab_size], dim=-1)
         probs = logp[spelling.sorted_ids].exp().double()
+        csum = torch.cat([probs.new_zeros(1), probs.cumsum(0)])
         assert torch.equal(row.logp, logp)
-        assert torch.equal(row.sorted_logp, logp[spelling.sorted_ids])
-        assert torch.equal(row.csum, torch.cat([probs.new_zeros(1), probs.cumsum(0)]))
+        if span == (0, n):
+            assert torch.equal(row.csum, csum)  # the full row is the plain computation itself
+        expected = torch.stack([csum[hi] - csum[lo] for lo, hi in queries])
+        torch.testing.assert_close(row.masses([lo for lo, _ in queries], [hi for _, hi in queries]), expected,
+                                   rtol=1e-12, atol=1e-15)
+        for lo, hi in queries:
+            assert row.mass(lo, hi) == pytest.approx(float(csum[hi] - csum[lo]), rel=1e-12, abs=1e-15)
+            if hi > lo:
+                values, ids = row.top(lo, hi, 4)
+                top = torch.topk(logp[spelling.sorted_ids[lo:hi]], min(4, hi - lo))
+                assert values == top.values.tolist()
+                assert ids == spelling.sorted_ids[lo:hi][top.indices].tolist()
     assert torch.get_num_threads() == threads  # restored after the single-threaded ops
 
 

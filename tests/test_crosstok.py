@@ -78,9 +78,10 @@ def test_extend_matches_plain_forwards_and_adopts_looked_ahead_ids(xdir):
         torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
     # the next history is the last one plus a looked-ahead id: adopted, not recomputed, and still right
     expert.extend("s", history, [[], [5], [40]])
-    before = expert.cache.misses
+    before, fast_steps = expert.cache.misses, expert.fast_decode_steps
     again = expert.extend("s", history + [40], [[], [3]])
     assert expert.cache.misses - before == 1  # only the new extension's id was computed
+    assert expert.fast_decode_steps == fast_steps + 1  # one-id extensions: the expert's fast decode step
     torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again[1], plain_last_logits(expert, history + [40, 3]), rtol=1e-4, atol=1e-4)
     with pytest.raises(InvalidArgumentError, match="extensions"):

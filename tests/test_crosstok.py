@@ -56,6 +56,7 @@ def test_spelling_index_matches_brute_force(xdir):
         lo, hi = spelling.range_of(prefix)
         found = sorted(spelling.sorted_ids[lo:hi].tolist())
         assert found == sorted(i for i, b in enumerate(spelling.token_bytes) if b and b.startswith(prefix))
+        assert spelling.range_of(prefix) == (lo, hi)  # remembered: the same answer
     target = b" quick"
     assert sorted(spelling.prefix_tokens(target)) == sorted(
         (len(b), i) for i, b in enumerate(spelling.token_bytes) if b and len(b) < len(target) and target.startswith(b))

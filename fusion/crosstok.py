@@ -7,7 +7,7 @@ might still become " world"). Only new ids are ever computed: experts cache each
 
 One step, for a sequence whose experts hold (ids_e, u_e):
   1. each expert's next-token row after ids_e (`Expert.extend` with the empty extension; free when the
-     previous step looked ahead at the id the expert has now committed)
+     previous step looked ahead at the path the expert has now committed)
   2. candidates, first pass: every single byte, plus each expert's `top_k` likeliest pieces (the bytes
      its likely ids add after u_e)
   3. lookahead, one batched `extend` call per expert: rows after each *spelling path* π (ids whose
@@ -20,7 +20,8 @@ One step, for a sequence whose experts hold (ids_e, u_e):
      cannot spell a new piece with its paths gets its tokenizer's spelling of it in a second call
   5. each expert's prefix mass of every candidate, counting every way it spells it:
         Q_e(x) = Σ_{π: bytes(π) a proper prefix of x} P(π) · Σ_{t: bytes(t) starts with x[|π|:]} p(t | π)
-     (the inner sum is a range of the ids sorted by bytes: one cumulative sum per row)
+     (the inner sum is a range of the ids sorted by bytes: one cumulative sum per row, over the span
+     where that row's ranges fall)
   6. events partition the continuations by their longest candidate prefix: event c has mass
      Q_e(u_e c) - Σ_{children c'} Q_e(u_e c'), over Q_e(u_e); END has the mass of u_e's spellings
      followed by an end-of-sequence id. Single bytes guarantee every continuation an event, so a text's

@@ -7,7 +7,7 @@ might still become " world"). Only new ids are ever computed: experts cache each
 
 One step, for a sequence whose experts hold (ids_e, u_e):
   1. each expert's next-token row after ids_e (`Expert.extend` with the empty extension; free when the
-     previous step looked ahead at the id the expert has now committed)
+     previous step looked ahead at the path the expert has now committed)
   2. candidates, first pass: every single byte, plus each expert's `top_k` likeliest pieces (the bytes
      its likely ids add after u_e)
   3. lookahead, one batched `extend` call per expert: rows after each *spelling path* π (ids whose
@@ -20,7 +20,8 @@ One step, for a sequence whose experts hold (ids_e, u_e):
      cannot spell a new piece with its paths gets its tokenizer's spelling of it in a second call
   5. each expert's prefix mass of every candidate, counting every way it spells it:
         Q_e(x) = Σ_{π: bytes(π) a proper prefix of x} P(π) · Σ_{t: bytes(t) starts with x[|π|:]} p(t | π)
-     (the inner sum is a range of the ids sorted by bytes: one cumulative sum per row)
+     (the inner sum is a range of the ids sorted by bytes: one cumulative sum per row, over the span
+     where that row's ranges fall)
   6. events partition the continuations by their longest candidate prefix: event c has mass
      Q_e(u_e c) - Σ_{children c'} Q_e(u_e c'), over Q_e(u_e); END has the mass of u_e's spellings
      followed by an end-of-sequence id. Single bytes guarantee every continuation an event, so a text's
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -79,16 +81,73 @@ class CrossParams:
 
 @dataclass
 class _Row:
-    """One next-token distribution, indexed for prefix queries."""
+    """One next-token distribution, indexed for prefix queries over a span [lo, hi) of the ids sorted by
+    bytes: the ids that start with the pending text after the row's path, where its queries fall (every
+    id for the path that spells all of it; a narrow range for shorter paths). A query outside the span
+    (a path longer than the pending text) sums its range directly."""
 
-    logp: torch.Tensor  # (V,) log-probabilities (float32, held as float64)
-    csum: torch.Tensor  # (N + 1,) float64: cumulative probabilities over the ids sorted by bytes
+    logp: torch.Tensor  # (V,) float32 log-probabilities
+    sorted_ids: torch.Tensor  # (N,) long: the spelling's ids sorted by bytes
+    lo: int
+    sorted_logp: torch.Tensor  # (hi - lo,) float32: logp over sorted_ids[lo:hi]
+    csum: torch.Tensor  # (hi - lo + 1,) float64: cumulative probabilities over sorted_ids[lo:hi]
 
     @classmethod
-    def of(cls, logits: torch.Tensor, spelling: Spelling) -> _Row:
-        logp = torch.log_softmax(logits[: spelling.vocab_size].float(), dim=-1)
-        probs = logp[spelling.sorted_ids].exp().double()
-        return cls(logp.double(), torch.cat([probs.new_zeros(1), probs.cumsum(0)]))
+    def batch(cls, logits: torch.Tensor, spelling: Spelling, spans: Sequence[tuple[int, int]]) -> list[_Row]:
+        """The rows of logits (k, V'), V' >= the spelling's V, each indexed over its span. On one thread:
+        the ops are memory-bound; on a shared host a second thread only adds a wait for it."""
+        rows = []
+        with _one_thread():
+            logp = torch.log_softmax(logits[:, : spelling.vocab_size].float(), dim=-1)  # (k, V), one op for all
+            for j, (lo, hi) in enumerate(spans):
+                sorted_logp = logp[j].index_select(0, spelling.sorted_ids[lo:hi])  # (hi - lo,)
+                csum = sorted_logp.new_zeros(hi - lo + 1, dtype=torch.float64)
+                torch.cumsum(sorted_logp.exp(), dim=0, dtype=torch.float64, out=csum[1:])
+                rows.append(cls(logp[j], spelling.sorted_ids, lo, sorted_logp, csum))
+        return rows
+
+    @property
+    def hi(self) -> int:
+        return self.lo + len(self.sorted_logp)
+
+    def mass(self, lo: int, hi: int) -> float:
+        """The probability of sorted ids [lo, hi)."""
+        if self.lo <= lo and hi <= self.hi:
+            return float(self.csum[hi - self.lo] - self.csum[lo - self.lo])
+        if hi <= lo:
+            return 0.0
+        return float(self.logp[self.sorted_ids[lo:hi]].exp().double().sum())
+
+    def masses(self, lows: Sequence[int], highs: Sequence[int]) -> torch.Tensor:
+        """`mass` of each range: (T,) float64."""
+        if all(self.lo <= lo and hi <= self.hi for lo, hi in zip(lows, highs)):
+            at = self.lo
+            return self.csum[[h - at for h in highs]] - self.csum[[lo - at for lo in lows]]
+        return torch.tensor([self.mass(lo, hi) for lo, hi in zip(lows, highs)], dtype=torch.float64)
+
+    def top(self, lo: int, hi: int, k: int) -> tuple[list[float], list[int]]:
+        """The `k` likeliest ids among sorted ids [lo, hi): (log-probabilities, ids)."""
+        if self.lo <= lo and hi <= self.hi:
+            values = self.sorted_logp[lo - self.lo: hi - self.lo]
+        else:
+            values = self.logp[self.sorted_ids[lo:hi]]
+        with _one_thread():
+            top = torch.topk(values, min(k, hi - lo))
+        return top.values.tolist(), self.sorted_ids[lo:hi][top.indices].tolist()
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the enclosed tensor ops on the calling thread alone (vocab-sized elementwise work)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -137,13 +196,13 @@ class ExpertState:
                 logp = path.logp
             else:
                 lo, hi = self.spelling.range_of(text[len(path.text):])
-                logp = path.logp + math.log(max(float(path.row.csum[hi] - path.row.csum[lo]), 1e-300))
+                logp = path.logp + math.log(max(path.row.mass(lo, hi), 1e-300))
             if logp > best_logp:
                 best, best_logp = path.tokens, logp
         root, root_logp = self.paths.get(()), -math.inf
         if root is not None and root.row is not None:
             lo, hi = self.spelling.range_of(text)
-            root_logp = math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))
+            root_logp = math.log(max(root.row.mass(lo, hi), 1e-300))
             if root_logp >= best_logp:
                 best = ()  # one id of the expert's will spell all of it: wait for it
         if max(best_logp, root_logp) < -600:  # no computed path spells it: the tokenizer commits
@@ -235,8 +294,16 @@ class CrossTokenizerFusion:
         if not paths:
             return
         logits = state.expert.extend(state.session, state.ids, [list(p.tokens) for p in paths])  # (k, V)
-        for path, row in zip(paths, logits):
-            path.row = _Row.of(row, state.spelling)
+        spans = [self._span(state, path) for path in paths]
+        for path, row in zip(paths, _Row.batch(logits, state.spelling, spans)):
+            path.row = row
+
+    @staticmethod
+    def _span(state: ExpertState, path: _Path) -> tuple[int, int]:
+        """Where the queries on the row after `path` fall: the ids that start with the pending text after
+        it (all of them for the path that spells it all); none for a path longer than the pending text."""
+        u = state.pending
+        return state.spelling.range_of(u[len(path.text):]) if u.startswith(path.text) else (0, 0)
 
     def _root(self, state: ExpertState) -> _Path:
         root = state.paths.get(())
@@ -285,7 +352,7 @@ class CrossTokenizerFusion:
         lo, hi = spelling.range_of(u)
         # u's mass is at least that of the ids that start with it (u itself among them); a path adds at
         # most its own probability, so one lighter than `min_path_prob` times that adds at most that share
-        reference = math.log(max(float(root.row.csum[hi] - root.row.csum[lo]), 1e-300))
+        reference = math.log(max(root.row.mass(lo, hi), 1e-300))
         floor = reference + math.log(params.min_path_prob) if params.min_path_prob > 0 else -math.inf
         level = [p for p in level if p.logp >= floor]
         if params.depth == 1:
@@ -375,12 +442,9 @@ class CrossTokenizerFusion:
                     continue
                 rest = u[len(path.text):]
                 lo, hi = spelling.range_of(rest)
-                ids = spelling.sorted_ids[lo:hi]
-                if not len(ids):
+                if hi <= lo:
                     continue
-                logp = path.row.logp[ids]
-                top = torch.topk(logp, min(self.params.top_k + 1, len(ids)))
-                for value, token in zip(top.values.tolist(), ids[top.indices].tolist()):
+                for value, token in zip(*path.row.top(lo, hi, self.params.top_k + 1)):
                     piece = spelling.token_bytes[token][len(rest):]
                     if piece:
                         scored[piece] = max(scored.get(piece, -math.inf), path.logp + value)
@@ -402,7 +466,7 @@ class CrossTokenizerFusion:
                     lows.append(lo)
                     highs.append(hi)
             if which:
-                mass = path.row.csum[highs] - path.row.csum[lows]
+                mass = path.row.masses(lows, highs)
                 total[which] += math.exp(path.logp) * mass
         return total
 
@@ -433,7 +497,7 @@ class CrossTokenizerFusion:
         if eos:
             for path in state.paths.values():
                 if path.row is not None and path.text == u:
-                    end += math.exp(path.logp) * float(path.row.logp[eos].exp().sum())
+                    end += math.exp(path.logp) * float(path.row.logp[eos].double().exp().sum())
         events = torch.cat([events, torch.tensor([end], dtype=torch.float64)])
         return (events.clamp(min=_FLOOR) / max(denominator, _FLOOR)).log().float()
 
@@ -443,9 +507,9 @@ def _exact_match_logprobs_impl(state: ExpertState, pieces: Sequence[bytes]) -> t
     probs = []
     for piece in pieces:
         ids = state.spelling.ids_of(state.pending + piece)
-        probs.append(float(row.logp[ids].exp().sum()) if ids else 0.0)
+        probs.append(float(row.logp[ids].double().exp().sum()) if ids else 0.0)
     eos = list(state.expert.info.eos_token_ids)
-    probs.append(float(row.logp[eos].exp().sum()) if eos and not state.pending else 0.0)
+    probs.append(float(row.logp[eos].double().exp().sum()) if eos and not state.pending else 0.0)
     return torch.tensor(probs, dtype=torch.float64).clamp(min=_FLOOR).log().float()
 
 

@@ -39,18 +39,44 @@ class StepRequest:
 
 @dataclass
 class _Extensions:
-    """The last `extend` call of a session: its one-id extensions' keys/values (one batch row each) and
-    logits, so that the next call, whose history is that history plus one of them, starts without a forward."""
+    """One `extend` call of a session: the keys/values of its batch rows (each right-padded to `width`
+    new columns) and its extensions' logits, so that the next call, whose history is that history plus
+    one of them, starts without a forward. An extension that is a prefix of another shares its row."""
 
     base: list[int]  # the history the extensions extend
     base_logits: torch.Tensor | None  # (V,) after `base`
-    tokens: list[int]  # the one-id extensions, in batch-row order
-    kv: object  # a cache whose row j holds base + tokens[j]
-    logits: torch.Tensor  # (len(tokens), V) after each
+    extensions: list[tuple[int, ...]]  # the distinct nonempty extensions
+    rows: list[int]  # the batch row holding each extension (in its first columns)
+    kv: object  # a cache whose row rows[j] holds base + extensions[j] (then more columns up to `width`)
+    logits: torch.Tensor  # (len(extensions), V) after each
+    width: int = 1
+
+    def index_of(self, token_ids: list[int]) -> int | None:
+        """The extension whose history is `token_ids` (None: none, or its row's columns after it cannot
+        be dropped)."""
+        n = len(self.base)
+        if len(token_ids) <= n or len(token_ids) > n + self.width or token_ids[:n] != self.base:
+            return None
+        extension = tuple(token_ids[n:])
+        if extension not in self.extensions:
+            return None
+        if len(extension) < self.width and not all(_croppable(layer) for layer in self.kv.layers):
+            return None
+        return self.extensions.index(extension)
+
+
+def _croppable(layer) -> bool:
+    """Whether dropping a layer's last columns restores the state it had before them: a full-attention
+    layer, or a sliding-window one that has not yet dropped any column."""
+    if type(layer) is GrowingLayer:
+        return True
+    window = getattr(layer, "sliding_window", None)
+    return window is not None and layer.get_seq_length() < window
 
 
 MAX_EXTENSIONS = 256  # extensions one `extend` call may ask for
 MAX_EXTENSION_TOKENS = 64  # ids in one extension
+MAX_KEPT_CALLS = 4  # `extend` calls on one history whose rows a session keeps for its next history
 
 
 @dataclass(frozen=True)
@@ -158,7 +184,8 @@ class LocalExpert:
         self.device = torch.device(config.device)
         self.cache = SessionCache(config.max_cached_tokens)
         self._lock = threading.Lock()
-        self._extensions: dict[str, _Extensions] = {}  # per session: its last `extend` call (see `extend`)
+        # per session: its `extend` calls on its current history, oldest first (see `extend`)
+        self._extensions: dict[str, list[_Extensions]] = {}
         self.max_decode_batch = max_decode_batch
         layers = new_cache(model.config).layers
         self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)  # no sliding windows
@@ -267,10 +294,12 @@ class LocalExpert:
                ) -> torch.Tensor:
         """Logits after `token_ids` + each extension (an empty extension: after `token_ids` itself):
         (k, V) float32. The history is computed as `step` would (only its uncached suffix); the
-        extensions then run as one batch over copies of its keys/values, and are not cached, except
-        that the one-id extensions are kept until the session's next call: a history that is this one
-        plus one of them is then adopted without a forward (cross-tokenizer fusion looks ahead one id
-        and usually commits one it looked at)."""
+        extensions then run as one batch over copies of its keys/values (an extension that is a prefix
+        of another shares its row), and are not cached, except that they are kept until the session's
+        history changes (with those of earlier calls on the same history): a history that is this one
+        plus one of them is then adopted without a forward (cross-tokenizer fusion looks ahead and
+        usually commits a path it looked at; a row's columns after the adopted extension are dropped
+        where every cache layer can drop columns)."""
         token_ids = list(token_ids)
         extensions = [list(e) for e in extensions]
         if not extensions:
@@ -288,33 +317,53 @@ class LocalExpert:
         with self._lock, torch.no_grad():
             base_logits = self._advance(session_id, token_ids)  # (V,); the cache now holds token_ids
             entry = self.cache.get(session_id)
-            grown = [e for e in extensions if e]
-            rows: dict[int, torch.Tensor] = {}
+            grown = list(dict.fromkeys(tuple(e) for e in extensions if e))  # distinct, in order
             if grown:
-                width = max(len(e) for e in grown)
-                ids = torch.zeros(len(grown), width, dtype=torch.long, device=self.device)  # (k, width), right-padded
-                for row, e in enumerate(grown):
-                    ids[row, : len(e)] = torch.tensor(e, device=self.device)
-                kv = self._repeated(entry.kv, len(grown), width)
-                start = len(token_ids)
-                positions = torch.arange(start, start + width, device=self.device)[None].expand(len(grown), -1)
-                out = self.model(input_ids=ids, position_ids=positions, cache=kv, use_cache=True)
-                last = torch.tensor([len(e) - 1 for e in grown], device=self.device)
-                grown_logits = out.logits[torch.arange(len(grown), device=self.device), last].float()  # (k, V)
-                self.cache.record(hits=start * len(grown), misses=sum(len(e) for e in grown))
-                for row, e in enumerate(grown):
-                    rows[id(e)] = grown_logits[row]
-                if width == 1:
-                    self._extensions[session_id] = _Extensions(token_ids, base_logits, [e[0] for e in grown], kv,
-                                                               grown_logits)
-                else:
-                    self._extensions.pop(session_id, None)
+                call = self._extension_batch(entry.kv, token_ids, base_logits, grown)
             else:
-                self._extensions[session_id] = _Extensions(token_ids, base_logits, [], None, base_logits[None])
+                call = _Extensions(token_ids, base_logits, [], [], None, base_logits[None])
+            earlier = self._extensions.get(session_id, [])  # calls on this same history (see `_advance`)
+            self._extensions[session_id] = (earlier + [call])[-MAX_KEPT_CALLS:]
             self.cache.evict(keep=[session_id])
             for gone in [s for s in self._extensions if s not in self.cache]:  # evicted sessions
                 del self._extensions[gone]
-        return torch.stack([rows[id(e)] if e else base_logits for e in extensions])
+        if not any(extensions):
+            return base_logits[None].expand(len(extensions), -1)  # no copy
+        if all(extensions) and [tuple(e) for e in extensions] == call.extensions:
+            return call.logits  # the lookahead's usual call: no copy
+        index = {e: j for j, e in enumerate(call.extensions)}
+        return torch.stack([call.logits[index[tuple(e)]] if e else base_logits for e in extensions])
+
+    def _extension_batch(self, kv, token_ids: list[int], base_logits: torch.Tensor,
+                         grown: list[tuple[int, ...]]) -> _Extensions:
+        """One forward over the extensions `grown` (distinct, nonempty) of the history `token_ids`, whose
+        keys/values `kv` holds: one batch row per extension that is no prefix of another (a prefix
+        reads its logits from the longer row, at its own last column)."""
+        longest = [e for e in grown if not any(len(f) > len(e) and f[: len(e)] == e for f in grown)]
+        row_of = {}
+        for row, e in enumerate(longest):
+            for n in range(1, len(e) + 1):
+                row_of.setdefault(e[:n], row)
+        width = max(len(e) for e in longest)
+        ids = torch.zeros(len(longest), width, dtype=torch.long, device=self.device)  # (R, width), right-padded
+        for row, e in enumerate(longest):
+            ids[row, : len(e)] = torch.tensor(e, device=self.device)
+        batch_kv = self._repeated(kv, len(longest), width)
+        start = len(token_ids)
+        positions = torch.arange(start, start + width, device=self.device)[None].expand(len(longest), -1)
+        rows = [row_of[e] for e in grown]
+        if width == 1 and self._fast_step is not None and all(type(layer) is GrowingLayer for layer in batch_kv.layers):
+            # one id per row over a common frontier: a batched decode step
+            logits = self._fast_forward(batch_kv.layers, [e[0] for e in longest], [start] * len(longest))  # (k, V)
+        elif width == 1:
+            out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
+            logits = out.logits[:, 0].float()  # (k, V): one row per extension, in order
+        else:
+            out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
+            last = torch.tensor([len(e) - 1 for e in grown], device=self.device)
+            logits = out.logits[torch.tensor(rows, device=self.device), last].float()  # (k, V)
+        self.cache.record(hits=start * len(longest), misses=sum(len(e) for e in longest))
+        return _Extensions(token_ids, base_logits, grown, rows, batch_kv, logits, width)
 
     @staticmethod
     def _repeated(kv, rows: int, width: int):
@@ -333,21 +382,30 @@ class LocalExpert:
         return cache_of(layers)
 
     def _advance(self, session_id: str, token_ids: list[int]) -> torch.Tensor:
-        """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts a one-id
-        extension of the session's last `extend` call when the history is its base plus that id."""
-        kept = self._extensions.pop(session_id, None)
+        """Make the session's cache hold `token_ids`; the logits after them (V,). Adopts an extension of
+        the session's kept `extend` calls when the history is their base plus that extension."""
+        kept = self._extensions.pop(session_id, [])
         entry = self.cache.get(session_id)
-        if kept is not None and entry.kv is not None and entry.token_ids == kept.base:
-            if token_ids == kept.base and kept.base_logits is not None:
-                return kept.base_logits
-            if (len(token_ids) == len(kept.base) + 1 and token_ids[:-1] == kept.base
-                    and token_ids[-1] in kept.tokens):
-                row = kept.tokens.index(token_ids[-1])
-                kept.kv.batch_select_indices(torch.tensor([row], device=self.device))
-                entry.kv, entry.token_ids = kept.kv, list(token_ids)
-                self.cache.record(hits=len(token_ids), misses=0)
-                return kept.logits[row]
+        if kept and entry.kv is not None and entry.token_ids == kept[0].base:
+            if token_ids == kept[0].base and kept[-1].base_logits is not None:
+                self._extensions[session_id] = kept  # the same history: its calls stay adoptable
+                return kept[-1].base_logits
+            for call in reversed(kept):
+                index = call.index_of(token_ids)
+                if index is not None:
+                    return self._adopt(entry, call, index, token_ids)
         return self._forward_tail(session_id, token_ids, 1)[-1]
+
+    def _adopt(self, entry, call: _Extensions, index: int, token_ids: list[int]) -> torch.Tensor:
+        """The session's cache becomes the batch row of `call`'s extension `index`, cut after it; its
+        logits (V,)."""
+        call.kv.batch_select_indices(torch.tensor([call.rows[index]], device=self.device))
+        surplus = call.width - (len(token_ids) - len(call.base))
+        if surplus:
+            call.kv.crop(-surplus)
+        entry.kv, entry.token_ids = call.kv, list(token_ids)
+        self.cache.record(hits=len(token_ids), misses=0)
+        return call.logits[index]
 
     def release(self, session_ids: Sequence[str]) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ import torch
 
 from fusion.errors import ConfigError
 
+_MAX_REMEMBERED_RANGES = 1 << 16
 _PROBE = "Hello world!  x = 12345.\n\tdef f(a, b):\n        return a+b  # é ü 中文 😀 \n\n"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -125,6 +126,7 @@ class Spelling:
     sorted_ids: torch.Tensor = field(init=False)  # (N,) long: ids with text, sorted by their bytes
     _keys: list[bytes] = field(init=False, repr=False)
     _by_bytes: dict[bytes, list[int]] = field(init=False, repr=False)
+    _ranges: dict[bytes, tuple[int, int]] = field(init=False, repr=False)  # `range_of`'s answers so far
 
     def __post_init__(self) -> None:
         spelled = [i for i, b in enumerate(self.token_bytes) if b]
@@ -135,6 +137,7 @@ class Spelling:
         for i in spelled:
             self._by_bytes.setdefault(self.token_bytes[i], []).append(i)
         self.max_token_bytes = max((len(k) for k in self._keys), default=0)
+        self._ranges = {}
 
     @classmethod
     def from_tokenizer(cls, tokenizer, eos_ids: Sequence[int] = (), fingerprint: str = "") -> Spelling:
@@ -164,11 +167,17 @@ class Spelling:
         return self._by_bytes.get(text, [])
 
     def range_of(self, prefix: bytes) -> tuple[int, int]:
-        """[lo, hi) in `sorted_ids` of the ids whose bytes start with `prefix`."""
-        lo = bisect.bisect_left(self._keys, prefix)
-        upper = _next_prefix(prefix)
-        hi = len(self._keys) if upper is None else bisect.bisect_left(self._keys, upper, lo)
-        return lo, hi
+        """[lo, hi) in `sorted_ids` of the ids whose bytes start with `prefix`. Remembered: a step asks
+        for every single byte and, step after step, for the same pending text plus each candidate."""
+        found = self._ranges.get(prefix)
+        if found is None:
+            if len(self._ranges) >= _MAX_REMEMBERED_RANGES:
+                self._ranges.clear()
+            lo = bisect.bisect_left(self._keys, prefix)
+            upper = _next_prefix(prefix)
+            hi = len(self._keys) if upper is None else bisect.bisect_left(self._keys, upper, lo)
+            found = self._ranges[prefix] = (lo, hi)
+        return found
 
     def prefix_tokens(self, text: bytes, *, proper: bool = True) -> list[tuple[int, int]]:
         """(length, id) of the tokens whose bytes are a nonempty prefix of `text` (proper: shorter)."""

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from fusion.config import ExpertConfig, SamplingParams, parse_config
-from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, decode, score_text
+from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, _Row, decode, score_text
 from fusion.errors import InvalidArgumentError
 from fusion.expert import ExpertInfo, LocalExpert
+from fusion.kv_cache import new_cache
 from fusion.rules import Mixture, WeightedLogits
 from fusion.service import FusionRequest, FusionService
 from fusion.spelling import Spelling
@@ -55,6 +56,7 @@ def test_spelling_index_matches_brute_force(xdir):
         lo, hi = spelling.range_of(prefix)
         found = sorted(spelling.sorted_ids[lo:hi].tolist())
         assert found == sorted(i for i, b in enumerate(spelling.token_bytes) if b and b.startswith(prefix))
+        assert spelling.range_of(prefix) == (lo, hi)  # remembered: the same answer
     target = b" quick"
     assert sorted(spelling.prefix_tokens(target)) == sorted(
         (len(b), i) for i, b in enumerate(spelling.token_bytes) if b and len(b) < len(target) and target.startswith(b))
@@ -77,14 +79,110 @@ def test_extend_matches_plain_forwards_and_adopts_looked_ahead_ids(xdir):
         torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
     # the next history is the last one plus a looked-ahead id: adopted, not recomputed, and still right
     expert.extend("s", history, [[], [5], [40]])
-    before = expert.cache.misses
+    before, fast_steps = expert.cache.misses, expert.fast_decode_steps
     again = expert.extend("s", history + [40], [[], [3]])
     assert expert.cache.misses - before == 1  # only the new extension's id was computed
+    assert expert.fast_decode_steps == fast_steps + 1  # one-id extensions: the expert's fast decode step
     torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again[1], plain_last_logits(expert, history + [40, 3]), rtol=1e-4, atol=1e-4)
     with pytest.raises(InvalidArgumentError, match="extensions"):
         expert.extend("s", history, [])
     expert.release(["s"])
+
+
+def test_extend_adopts_multi_id_padded_and_earlier_calls_extensions(xdir):
+    expert = load(xdir["a"])
+    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+    for committed in ([17, 9], [5]):  # the full-width row, and a row right-padded by one column
+        expert.extend("s", history, [[], [5], [17, 9], [40]])
+        before = expert.cache.misses
+        again = expert.extend("s", history + committed, [[], [3]])
+        assert expert.cache.misses - before == 1  # only the new extension's id was computed
+        torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
+                                   rtol=1e-4, atol=1e-4)
+    expert.release(["s"])
+    # a second call on the same history keeps the first call's rows adoptable
+    expert.extend("s", history, [[], [5], [40]])
+    expert.extend("s", history, [[], [17, 9]])
+    before = expert.cache.misses
+    again = expert.extend("s", history + [40], [[]])
+    assert expert.cache.misses == before
+    torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
+    expert.release(["s"])
+
+
+def test_extend_shares_rows_between_an_extension_and_its_prefixes(xdir):
+    expert = load(xdir["a"])
+    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+    extensions = [[17, 9, 3], [], [5], [17], [17, 9], [5]]
+    for committed in ([17], [17, 9], [5]):
+        expert.extend("s", history, [[]])  # the history itself first
+        before = expert.cache.misses
+        out = expert.extend("s", history, extensions)
+        assert expert.cache.misses - before == 4  # rows [17, 9, 3] and [5]: the prefixes share the first
+        for row, ext in zip(out, extensions):
+            torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
+        before = expert.cache.misses
+        again = expert.extend("s", history + committed, [[], [3]])
+        assert expert.cache.misses - before == 1  # adopted: the shared row cut after the committed ids
+        torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
+                                   rtol=1e-4, atol=1e-4)
+        expert.release(["s"])
+
+
+def test_extend_on_sliding_window_layers_adopts_padded_rows_only_inside_the_window(xdir, tmp_path):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(xdir["a"])
+    torch.manual_seed(3)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=8, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "w")
+    tokenizer.save_pretrained(tmp_path / "w")
+    expert = load(tmp_path / "w")
+    assert not all(type(layer).__name__ == "GrowingLayer" for layer in new_cache(expert.model.config).layers)
+    for length, adopted in ((4, True), (12, False)):  # inside the window; past it (padding not droppable)
+        history = list(range(10, 10 + length))
+        expert.extend("s", history, [[], [5], [17, 9]])
+        before = expert.cache.misses
+        again = expert.extend("s", history + [5], [[], [3]])
+        assert expert.cache.misses - before == (1 if adopted else 2)
+        torch.testing.assert_close(again[0], plain_last_logits(expert, history + [5]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again[1], plain_last_logits(expert, history + [5, 3]), rtol=1e-4, atol=1e-4)
+        expert.release(["s"])
+
+
+def test_rows_answer_prefix_queries_as_a_full_cumulative_sum_does(xdir):
+    """`_Row.batch` (all rows per op, one thread, each indexed over its span only) against the plain
+    computation: one full cumulative sum over each row's ids sorted by bytes."""
+    spelling = spelling_of(load(xdir["x"]))
+    torch.manual_seed(0)
+    logits = torch.randn(3, spelling.vocab_size + 5) * 4  # padded output rows beyond the vocabulary
+    n = len(spelling.sorted_ids)
+    spans = [(0, n), spelling.range_of(b" q"), (0, 0)]  # every id; a narrow range; none
+    queries = [spelling.range_of(x) for x in (b"", b" ", b" q", b" qu", b"1", b"zz", b"\xff")] + [(5, 5), (0, n)]
+    threads = torch.get_num_threads()
+    for row, plain, span in zip(_Row.batch(logits, spelling, spans), logits, spans):
+        logp = torch.log_softmax(plain[: spelling.vocab_size], dim=-1)
+        probs = logp[spelling.sorted_ids].exp().double()
+        csum = torch.cat([probs.new_zeros(1), probs.cumsum(0)])
+        assert torch.equal(row.logp, logp)
+        if span == (0, n):
+            assert torch.equal(row.csum, csum)  # the full row is the plain computation itself
+        expected = torch.stack([csum[hi] - csum[lo] for lo, hi in queries])
+        torch.testing.assert_close(row.masses([lo for lo, _ in queries], [hi for _, hi in queries]), expected,
+                                   rtol=1e-12, atol=1e-15)
+        for lo, hi in queries:
+            assert row.mass(lo, hi) == pytest.approx(float(csum[hi] - csum[lo]), rel=1e-12, abs=1e-15)
+            if hi > lo:
+                values, ids = row.top(lo, hi, 4)
+                top = torch.topk(logp[spelling.sorted_ids[lo:hi]], min(4, hi - lo))
+                assert values == top.values.tolist()
+                assert ids == spelling.sorted_ids[lo:hi][top.indices].tolist()
+    assert torch.get_num_threads() == threads  # restored after the single-threaded ops
 
 
 # -- exact text probabilities ---------------------------------------------------------------------

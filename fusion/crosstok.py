@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import math
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 
+from fusion.compute import one_thread
 from fusion.config import SamplingParams
 from fusion.errors import InvalidArgumentError
 from fusion.expert import Expert
@@ -97,7 +97,7 @@ class _Row:
         """The rows of logits (k, V'), V' >= the spelling's V, each indexed over its span. On one thread:
         the ops are memory-bound; on a shared host a second thread only adds a wait for it."""
         rows = []
-        with _one_thread():
+        with one_thread():
             logp = torch.log_softmax(logits[:, : spelling.vocab_size].float(), dim=-1)  # (k, V), one op for all
             for j, (lo, hi) in enumerate(spans):
                 sorted_logp = logp[j].index_select(0, spelling.sorted_ids[lo:hi])  # (hi - lo,)
@@ -131,23 +131,9 @@ class _Row:
             values = self.sorted_logp[lo - self.lo: hi - self.lo]
         else:
             values = self.logp[self.sorted_ids[lo:hi]]
-        with _one_thread():
+        with one_thread():
             top = torch.topk(values, min(k, hi - lo))
         return top.values.tolist(), self.sorted_ids[lo:hi][top.indices].tolist()
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run the enclosed tensor ops on the calling thread alone (vocab-sized elementwise work)."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -316,7 +302,7 @@ class CrossTokenizerFusion:
                     ) -> list[_Path]:
         """The new paths one id longer than `frontier`'s whose bytes are a prefix of a target (a proper one
         unless `inclusive`) and whose probability is at least `min_path_prob`. Rows not computed."""
-        params, spelling = self.params, state.spelling
+        spelling = state.spelling
         found: dict[tuple[int, ...], _Path] = {}
         for path in frontier:
             for target in targets:

@@ -487,7 +487,7 @@ def train_router_command(
 def evaluate(
     config_path: Optional[Path] = ConfigOption,
     questions: int = typer.Option(100, "--questions", help="Held-out arithmetic problems, each asked in-template "
-                                  "and out-of-template (0 = skip)."),
+                                  "and in both out-of-template sets (0 = skip)."),
     seed: int = typer.Option(0, "--seed", help="Which held-out questions."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),

@@ -86,10 +86,10 @@ HELD_OUT_STYLES = (
 )
 
 
-# A second out-of-template set, written after the first set's results had shaped the training lists
-# below (the "<number> <verb>ed from <number>" and "fewer than" wordings were added because set one's
-# subtraction failed on that construction). Set one has therefore informed the recipe; this set has
-# informed nothing and is only ever reported. Its pieces share no training piece either (a test checks).
+# A second out-of-template set, written after the first set's results were known. It has informed
+# nothing: no training list and no default was chosen with it in view, so it checks that the first
+# set's figures are not an accident of the few wordings it happens to hold. Its pieces match no
+# training question either (a test checks).
 FRESH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{b} added onto {a}", "{a} with {b} more on top", "{a} and {b} put together"),
     "-": ("{a} subtract {b}", "{a} with {b} taken off", "{b} deducted from {a}"),
@@ -128,9 +128,7 @@ EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} increased by {b}", "{a} more than {b}", "{a} and {b} combined", "{a}, plus {b}",
           "{a} + {b} (addition)", "the result of adding {a} and {b}"),
     "-": ("{a} decreased by {b}", "{a} reduced by {b}", "the result of subtracting {b} from {a}",
-          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed",
-          # The second operand first: the order comes from the words after the first number.
-          "{b} taken away from {a}", "{b} removed from {a}", "{b} fewer than {a}", "{b} taken from {a}"),
+          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed"),
     "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
           "{a}, times {b}", "{a} multiply {b}"),
 }

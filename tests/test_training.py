@@ -373,7 +373,7 @@ def test_train_expert_saves_a_loadable_expert(base_dir, tmp_path):
     assert model.config.vocab_size == len(tok) and not model.config.tie_word_embeddings
     # Every row of its input table is the base model's row through one projection (seen in training or not).
     base = base_input_embeddings(base_dir, len(tok))  # [V, 24]
-    mine = model.get_input_embeddings().weight.float()  # [V, 32]
+    mine = model.get_input_embeddings().weight.detach().float()  # [V, 32]
     proj = torch.linalg.lstsq(base, mine).solution  # [24, 32]
     assert torch.allclose(base @ proj, mine, atol=2e-2 * float(mine.abs().max()))
     assert tok.chat_template == CHAT_TEMPLATE

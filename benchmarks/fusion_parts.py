@@ -30,10 +30,9 @@ from typing import Callable
 
 from fusion import engine as engine_module
 from fusion import router as router_module
-from fusion.config import SamplingParams
-from fusion.engine import DecodeBatch, FusionEngine, GenerationRequest
+from fusion.engine import DecodeBatch, FusionEngine
 from fusion.sampler import SamplingMetadata
-from fusion.tools.bench import _prompt_ids, plain_forward_ms
+from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
 from fusion.tools.cli import cache_dir, load_service, read_config
 
 logger = logging.getLogger("fusion_parts")
@@ -74,12 +73,7 @@ def instrument(timings: Timings) -> list[Callable[[], None]]:
 
 def decode_steps(service, rule, weights, steps: int, timings: Timings, totals: list[float]) -> None:
     engine = service.engine
-    request = GenerationRequest(_prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
-                                rule, weights)
-    batch = engine.new_batch()
-    batch.add(request)
-    batch.step()  # prefill
-    batch.step()  # warm-up
+    batch = warm_decode_batch(service, steps, rule, weights)
     for values in timings.values():
         values.clear()
     for _ in range(steps):

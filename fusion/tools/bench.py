@@ -134,16 +134,24 @@ def _cross_step_ms(service: FusionService, steps: int) -> tuple[float, float]:
     return statistics.mean(times) * 1e3, statistics.mean(lookahead) if lookahead else 0.0
 
 
-def fused_step_ms(service: FusionService, steps: int) -> tuple[float, float, dict[str, float]]:
-    """Mean fused decode step (all experts overlapped + fusion + sampling) and its fusion+sampling part."""
-    engine = service.engine
-    rule, weights = service.resolve_spec(None)
+def warm_decode_batch(service: FusionService, steps: int, rule=None, weights=None):
+    """A decode batch of one request (the bench prompt, the config's rule unless given) past its prefill
+    and one warm-up step, with `steps` more tokens to go."""
+    if rule is None:
+        rule, weights = service.resolve_spec(None)
     request = GenerationRequest(_prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
                                 rule, weights)
-    batch = engine.new_batch()
+    batch = service.engine.new_batch()
     batch.add(request)
     batch.step()  # prefill
     batch.step()  # warm-up
+    return batch
+
+
+def fused_step_ms(service: FusionService, steps: int) -> tuple[float, float, dict[str, float]]:
+    """Mean fused decode step (all experts overlapped + fusion + sampling) and its fusion+sampling part."""
+    engine = service.engine
+    batch = warm_decode_batch(service, steps)
     step_times, fuse_times = [], []
     per_expert: dict[str, list[float]] = {n: [] for n in engine.names}
     for _ in range(steps):

@@ -355,9 +355,6 @@ class LocalExpert:
         if width == 1 and self._fast_step is not None and all(type(layer) is GrowingLayer for layer in batch_kv.layers):
             # one id per row over a common frontier: a batched decode step
             logits = self._fast_forward(batch_kv.layers, [e[0] for e in longest], [start] * len(longest))  # (k, V)
-        elif width == 1:
-            out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
-            logits = out.logits[:, 0].float()  # (k, V): one row per extension, in order
         else:
             out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
             last = torch.tensor([len(e) - 1 for e in grown], device=self.device)

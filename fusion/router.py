@@ -30,14 +30,9 @@ import torch
 from torch import nn
 
 from fusion.errors import ConfigError
-from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule, row_argmax
+from fusion.rules import CONTEXT_TOKENS, LOGPROB_FLOOR, FusedLogits, FusionRule, row_argmax
 
 logger = logging.getLogger(__name__)
-
-# Log-probabilities below this have probability exactly 0 in float32; -inf is clamped to it so 0 · -inf
-# never makes a NaN.
-_LOG_FLOOR = -1e4
-
 
 @dataclass(frozen=True)
 class RouterShape:
@@ -66,7 +61,7 @@ def logit_features(log_probs: torch.Tensor) -> torch.Tensor:
     """Decode-time statistics of the experts' distributions. (E, B, V) log-probs → (B, 3E + E²)."""
     E = log_probs.shape[0]
     probs = log_probs.exp()
-    entropy = -(probs * log_probs.clamp(min=_LOG_FLOOR)).sum(-1)  # (E, B)
+    entropy = -(probs * log_probs.clamp(min=LOGPROB_FLOOR)).sum(-1)  # (E, B)
     top2 = log_probs.topk(2, dim=-1)
     top1_lp = top2.values[..., 0]  # (E, B)
     margin = top2.values[..., 0] - top2.values[..., 1]
@@ -88,7 +83,7 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     best = logits.amax(-1, keepdim=True)  # (E, B, 1)
     top1_ids = row_argmax(logits)  # (E, B)
     # y = z - max ≤ 0; -inf ids go to the floor, whose exp is exactly 0, so e^y · y stays 0
-    shifted = (logits - best).clamp_(min=_LOG_FLOOR)  # (E, B, V)
+    shifted = (logits - best).clamp_(min=LOGPROB_FLOOR)  # (E, B, V)
     unnormalised = shifted.exp()  # (E, B, V)
     total = unnormalised.sum(-1)  # (E, B), in [1, V]
     log_total = total.log()

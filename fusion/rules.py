@@ -24,9 +24,10 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 
-# Floor for log-probabilities of impossible tokens before signed combination: -inf times a negative
-# weight would become +inf.
-_LOGPROB_FLOOR = -1e4
+# Floor for log-probabilities of impossible tokens, whose probability is exactly 0 in float32: before a
+# signed combination (-inf times a negative weight would become +inf) and in entropies (0 · -inf would
+# be a NaN).
+LOGPROB_FLOOR = -1e4
 
 
 CONTEXT_TOKENS = 64  # history ids a rule sees per row
@@ -183,7 +184,7 @@ class LogitArithmetic(FusionRule):
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         log_probs, normalizer = log_softmax_and_normalizer(logits)
-        log_probs = log_probs.clamp(min=_LOGPROB_FLOOR)  # (E, B, V)
+        log_probs = log_probs.clamp(min=LOGPROB_FLOOR)  # (E, B, V)
         combined = _weighted_sum(log_probs, weights)  # (B, V)
         lead = log_probs[self.lead]  # (B, V)
         # p_lead >= alpha * max p_lead  <=>  log p_lead >= log alpha + max log p_lead
@@ -208,7 +209,7 @@ class Confidence(FusionRule):
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         log_probs, normalizer = log_softmax_and_normalizer(logits)  # (E, B, V), (E, B)
-        entropy = -(log_probs.exp() * log_probs.clamp(min=_LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
+        entropy = -(log_probs.exp() * log_probs.clamp(min=LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
         # Softmax over experts of (log prior - H / tau); zero priors stay zero.
         scores = torch.log(weights) - entropy / self.tau
         w = torch.softmax(scores, dim=0)  # (E, B)

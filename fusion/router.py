@@ -17,14 +17,16 @@ fingerprints of the experts it was trained with; loading it against other expert
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import pickle
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -42,11 +44,22 @@ class RouterShape:
     hidden: int = 96
     complementary: bool = True
     windows: tuple[int, ...] = (8, CONTEXT_TOKENS)  # recent-token bags, each the mean over its last w ids
+    # The complementary layer as hidden → comp_rank → vocab (0: one hidden → vocab layer, as checkpoints
+    # before the factored head have). Its vocab-wide matrix is what a decode step reads: 96 × 49,152 fp32
+    # is 18.9 MB, ~1 ms at a CPU's memory bandwidth; rank 16 reads a sixth of it.
+    comp_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "windows", tuple(int(w) for w in self.windows))
         if not self.windows or not all(0 < w <= CONTEXT_TOKENS for w in self.windows):
             raise ValueError(f"router windows must be in [1, {CONTEXT_TOKENS}], got {self.windows}")
+        if not 0 <= self.comp_rank < self.hidden:
+            raise ValueError(f"router comp_rank must be in [0, {self.hidden}), got {self.comp_rank}")
+
+    @property
+    def comp_width(self) -> int:
+        """The width of the vocab-wide layer's input."""
+        return self.comp_rank or self.hidden
 
     @property
     def num_features(self) -> int:
@@ -79,11 +92,22 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`logit_features(log_softmax(logits))` and the logsumexp the log-softmax subtracts, from the raw
     logits without materialising the log-probabilities: two maxima, one exp and two reductions over
     (E, B, V). logits (E, B, V) float, every row with a finite maximum → (B, 3E + E²), (E, B)."""
-    E, B, _ = logits.shape
-    best = logits.amax(-1, keepdim=True)  # (E, B, 1)
     top1_ids = row_argmax(logits)  # (E, B)
+    features, normalizer, runner_up = _statistics(logits, top1_ids)
+    # Tied maxima name the id `topk` names, as in `logit_features` (the router's training); so does a
+    # GPU, where topk is cheap and checking for ties would wait for the device.
+    if logits.device.type != "cpu" or bool((runner_up == 0).any()):
+        top1_ids = logits.topk(2, dim=-1).indices[..., 0]
+        features[:, -top1_ids.shape[0] ** 2:] = _agreement(logits, normalizer, top1_ids)
+    return features, normalizer
+
+
+def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logit_statistics` given each row's best id (E, B), without the tie check: the features (B, 3E + E²),
+    the normalizers (E, B) and each row's runner-up logit less its best (E, B), 0 where the maximum ties."""
+    best = logits.amax(-1, keepdim=True)  # (E, B, 1)
     # y = z - max ≤ 0; -inf ids go to the floor, whose exp is exactly 0, so e^y · y stays 0
-    shifted = (logits - best).clamp_(min=LOGPROB_FLOOR)  # (E, B, V)
+    shifted = (logits - best).clamp(min=LOGPROB_FLOOR)  # (E, B, V)
     unnormalised = shifted.exp()  # (E, B, V)
     total = unnormalised.sum(-1)  # (E, B), in [1, V]
     log_total = total.log()
@@ -92,17 +116,18 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     entropy = log_total - torch.linalg.vecdot(unnormalised, shifted) / total  # (E, B)
     top1_lp = -log_total  # (E, B): log p of the best id
     # the runner-up: the shifted row without its best id (a tied maximum leaves a 0 behind: margin 0)
-    runner_up = shifted.scatter_(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
-    margin = -runner_up
-    # Tied maxima name the id `topk` names, as in `logit_features` (the router's training); so does a
-    # GPU, where topk is cheap and checking for ties would wait for the device.
-    if logits.device.type != "cpu" or bool((runner_up == 0).any()):
-        top1_ids = logits.topk(2, dim=-1).indices[..., 0]
-    # agreement[e, b, f] = expert e's log p of expert f's top id
+    runner_up = shifted.scatter(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
+    features = [entropy.T, top1_lp.T.clamp(min=-30), (-runner_up).T.clamp(max=30),
+                _agreement(logits, normalizer, top1_ids)]
+    return torch.cat(features, dim=-1), normalizer, runner_up  # (B, 3E + E²), (E, B), (E, B)
+
+
+def _agreement(logits: torch.Tensor, normalizer: torch.Tensor, top1_ids: torch.Tensor) -> torch.Tensor:
+    """agreement[b, e·E + f] = expert e's log p of expert f's top id: logits (E, B, V), normalizer and
+    top1_ids (E, B) → (B, E²)."""
+    E, B, _ = logits.shape
     agreement = logits.gather(-1, top1_ids.T.expand(E, B, E)) - normalizer[..., None]  # (E, B, E)
-    features = [entropy.T, top1_lp.T.clamp(min=-30), margin.T.clamp(max=30),
-                agreement.permute(1, 0, 2).reshape(B, E * E).clamp(min=-30)]
-    return torch.cat(features, dim=-1), normalizer  # (B, 3E + E²), (E, B)
+    return agreement.permute(1, 0, 2).reshape(B, E * E).clamp(min=-30)
 
 
 def _picked_log_probs(logits: torch.Tensor, normalizer: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
@@ -168,9 +193,12 @@ class Router(nn.Module):
             nn.Linear(shape.hidden, shape.hidden), nn.GELU(),
         )
         self.route = nn.Linear(shape.hidden, shape.num_experts)
-        self.comp = nn.Linear(shape.hidden, shape.vocab_size) if shape.complementary else None
+        # comp_down (hidden → rank, factored heads only) then comp (→ vocab)
+        self.comp_down = (nn.Linear(shape.hidden, shape.comp_rank, bias=False)
+                          if shape.complementary and shape.comp_rank else None)
+        self.comp = nn.Linear(shape.comp_width, shape.vocab_size) if shape.complementary else None
         if self.comp is not None:  # start as pure routing; training grows the complementary logit
-            nn.init.zeros_(self.comp.weight)
+            nn.init.zeros_(self.comp.weight)  # (comp_down keeps its random start: a gradient reaches both)
             nn.init.zeros_(self.comp.bias)
 
     def context_features(self, context: torch.Tensor) -> torch.Tensor:
@@ -200,8 +228,12 @@ class Router(nn.Module):
         """`forward` from the body's inputs (B, num_inputs)."""
         h = self.body(inputs)  # (B, hidden)
         route_logits, weights = self.route_weights(h, allowed)
-        comp = self.comp(h) if self.comp is not None else None
+        comp = self.comp(self._comp_input(h)) if self.comp is not None else None
         return route_logits, weights, comp
+
+    def _comp_input(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, hidden) → the vocab-wide layer's input (B, comp_width)."""
+        return h if self.comp_down is None else self.comp_down(h)
 
     def route_weights(self, h: torch.Tensor, allowed: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +251,24 @@ class Router(nn.Module):
         and the complementary logit is accumulated straight into the fused scores."""
         logits = logits.float()
         features, normalizer = logit_statistics(logits)  # (B, 3E + E²), (E, B)
+        return self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
+
+    def untied_fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor, hard: bool,
+                    complementary: bool, fail_safe: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`fuse` without its data-dependent tie check, for `torch.compile` (one graph, no host sync):
+        fused (B, V), weights (E, B), normalizers (E, B) and whether any expert's maximum ties (a 0-dim
+        bool). Where it ties, `fuse` names the tied id `topk` names; this takes `argmax`'s, so the
+        caller redoes such a step with `fuse`. Elsewhere the two are equal."""
+        logits = logits.float()
+        features, normalizer, runner_up = _statistics(logits, logits.argmax(-1))
+        fused = self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
+        return fused.logits, fused.weights, normalizer, (runner_up == 0).any()
+
+    def _fuse_from(self, logits: torch.Tensor, features: torch.Tensor, normalizer: torch.Tensor,
+                   context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
+                   fail_safe: bool) -> FusedLogits:
+        """`fuse` past the logit features: features (B, 3E + E²), normalizer (E, B)."""
         inputs = torch.cat([features, self.context_features(context)], dim=-1)  # (B, F): the head's and the gate's
         h = self.body(inputs)  # (B, hidden)
         _, weights = self.route_weights(h, allowed)  # (E, B)
@@ -250,14 +300,15 @@ class Router(nn.Module):
     def _add_complementary(self, fused: torch.Tensor, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """fused + keep · (h Wᵀ + b) as one matrix product accumulated onto fused + keep · b: the layer's
         (B, V) output is never a tensor of its own. fused (B, V), h (B, hidden), keep (B,) or None."""
-        weight_t, bias = self.comp.weight.T, self.comp.bias  # (hidden, V), (V,)
+        h = self._comp_input(h)  # (B, comp_width)
+        weight_t, bias = self.comp.weight.T, self.comp.bias  # (comp_width, V), (V,)
         if keep is None:
             return torch.addmm(fused + bias, h, weight_t)
         return torch.addmm(torch.addcmul(fused, keep[:, None], bias), h * keep[:, None], weight_t)
 
     def lay_out_for_decoding(self) -> Router:
-        """Keep the complementary layer's weight (V, hidden) as the transpose of a contiguous
-        (hidden, V) matrix: the same values (and state dict), but the per-step product h Wᵀ then
+        """Keep the complementary layer's weight (V, comp_width) as the transpose of a contiguous
+        (comp_width, V) matrix: the same values (and state dict), but the per-step product h Wᵀ then
         streams Wᵀ row by row, which on a CPU takes about 0.6x the time of the (V, hidden) layout."""
         if self.comp is not None and not self.comp.weight.T.is_contiguous():
             weight = self.comp.weight
@@ -358,6 +409,7 @@ class Route(FusionRule):
         self.fail_safe = bool(fail_safe)
         self.router = router
         self._payload = None
+        self._compiled: Callable[..., tuple[torch.Tensor, ...]] | None = None  # `compile_step`'s
         if router is None:
             self.router, self._payload = load_router(Path(path))
         if self.router.shape.num_experts != len(expert_names):
@@ -370,6 +422,26 @@ class Route(FusionRule):
         if self._payload is not None:
             check_experts(self._payload, experts, self.path)
 
+    def compile_step(self, device: torch.device | str = "cpu") -> float:
+        """Run this rule's fusion step through `torch.compile` from now on (inductor on a CPU: the
+        router's features, head, gate, pick and complementary logit become a few fused kernels), and
+        compile it now, on the calling thread's OpenMP team (the engine fuses on one thread, so call it
+        inside `one_thread`): one graph for one row, one for any number of rows. → seconds taken."""
+        router = self.router = self.router.to(device)
+        step = functools.partial(router.untied_fuse, hard=self.hard, complementary=self.complementary,
+                                 fail_safe=self.fail_safe)
+        compiled = torch.compile(step, dynamic=True)
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for rows in (1, 2):  # dynamic shapes still specialise a size of 1
+                logits = torch.randn(router.shape.num_experts, rows, router.shape.vocab_size, generator=generator)
+                context = torch.randint(-1, router.shape.vocab_size, (rows, CONTEXT_TOKENS), generator=generator)
+                compiled(logits.to(device), context.to(device),
+                         torch.ones(router.shape.num_experts, rows, dtype=torch.bool, device=device))
+        self._compiled = compiled
+        return time.perf_counter() - start
+
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         if context is None:
             raise ValueError("rule 'route' needs each row's recent token ids")
@@ -377,5 +449,10 @@ class Route(FusionRule):
             router = self.router
             if router.embed.weight.device != logits.device:  # `Module.to` walks every parameter (~0.1 ms)
                 router = self.router = router.to(logits.device)
-            return router.fuse(logits, context, allowed=weights > 0, hard=self.hard,
+            allowed = weights > 0  # (E, B)
+            if self._compiled is not None:
+                fused, effective, normalizer, tied = self._compiled(logits, context, allowed)
+                if not bool(tied):  # else the tied id must be topk's, as in training: the eager step
+                    return FusedLogits(fused, effective, normalizer)
+            return router.fuse(logits, context, allowed=allowed, hard=self.hard,
                                complementary=self.complementary, fail_safe=self.fail_safe)

@@ -34,14 +34,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
-from fusion.compute import run_on_compute_thread
+from fusion.compute import one_thread, run_on_compute_thread
 from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
 from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
 from fusion.errors import AssetError, ConfigError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, ExpertInfo, LocalExpert
+from fusion.fast_decode import configure_compile_cache
 from fusion.models import default_cache_dir
-from fusion.router import expert_fingerprint
+from fusion.router import Route, expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
@@ -289,6 +290,9 @@ class FusionService:
         if require_router and self.uses_auto_router and not self.auto_router_path().is_file():
             raise AssetError(f"fusion.params.router: auto: no router is trained for experts {self.expert_names} "
                              f"yet ({self.auto_router_path()}); {PREPARE_HINT}")
+        if config.fusion_step == "compiled" and config.fusion.rule == "route" and (
+                not self.uses_auto_router or self.auto_router_path().is_file()):
+            self.resolve_spec(None)  # builds the config's rule, which compiles its step (`_make_rule`)
 
     @classmethod
     def from_config(
@@ -374,7 +378,24 @@ class FusionService:
             logger.error("router %r (%s) cannot be used: %s", router, params["path"], err)
             raise InvalidArgumentError(f"fusion.params.router: router {router!r} cannot be used with these experts "
                                        "(the server's log says why)") from None
+        default = self.config.fusion
+        if self.config.fusion_step == "compiled" and (name, params_json) == (
+                default.rule, json.dumps(default.params, sort_keys=True)):
+            self._compile_step(rule)
         return rule
+
+    def _compile_step(self, rule: Route) -> None:
+        """Compile the config's own route step (`fusion_step: compiled`), on the compute thread and its
+        one-thread setting, as the engine runs it."""
+        if self.cache_dir is not None:
+            configure_compile_cache(self.cache_dir / "compiled")
+
+        def compile_now() -> float:
+            with one_thread():
+                return rule.compile_step(self.engine.device)
+
+        logger.info("compiling the fusion step of rule route (%s)", self.config.fusion.params)
+        logger.info("compiled the fusion step in %.1f s", run_on_compute_thread(compile_now))
 
     def _router_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """`route` params with the router's name resolved to its checkpoint: `auto` (the router trained

@@ -35,9 +35,9 @@ def _logits(experts: int = 3, rows: int = 4, vocab: int = 1024, seed: int = 3) -
     return logits
 
 
-def _router(vocab: int, seed: int = 0, gate_row: int | None = None) -> Router:
+def _router(vocab: int, seed: int = 0, comp_rank: int = 0) -> Router:
     torch.manual_seed(seed)
-    router = Router(RouterShape(num_experts=3, vocab_size=vocab)).eval()
+    router = Router(RouterShape(num_experts=3, vocab_size=vocab, comp_rank=comp_rank)).eval()
     with torch.no_grad():
         router.comp.weight.normal_(0, 0.3)  # make the complementary logit matter
         router.comp.bias.normal_(0, 0.3)
@@ -49,7 +49,13 @@ def reference_fuse(router: Router, logits: torch.Tensor, context: torch.Tensor, 
     """The route rule op by op, as it was first written: every tensor over the whole vocabulary."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, B, V)
     inputs = router.inputs(log_probs, context)
-    _, weights, comp = router.head(inputs, allowed)
+    _, weights, _ = router.head(inputs, allowed)
+    # the complementary logit from the checkpoint's matrices: h W_downᵀ (factored heads) W_compᵀ + b
+    state = router.state_dict()
+    hidden = router.body(inputs)  # (B, hidden)
+    if "comp_down.weight" in state:
+        hidden = hidden @ state["comp_down.weight"].T  # (B, rank)
+    comp = hidden @ state["comp.weight"].T + state["comp.bias"]  # (B, V)
     if fail_safe and router.gate is not None:
         pull = router.gate.pull(inputs)
         if allowed is not None:
@@ -90,9 +96,10 @@ def test_row_argmax_is_the_first_maximum():
 @pytest.mark.parametrize("hard", [True, False])
 @pytest.mark.parametrize("fail_safe", [True, False])
 @pytest.mark.parametrize("complementary", [True, False])
-def test_route_fuse_equals_the_reference(hard, fail_safe, complementary):
+@pytest.mark.parametrize("comp_rank", [0, 16])  # one hidden → vocab layer, and the factored head
+def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_rank):
     vocab = 1024
-    router = _router(vocab)
+    router = _router(vocab, comp_rank=comp_rank)
     logits = _logits(vocab=vocab)
     context = torch.randint(-1, vocab, (4, CONTEXT_TOKENS), generator=torch.Generator().manual_seed(1))
     allowed = torch.tensor([[True] * 4, [True, False, True, True], [True, True, False, True]])  # (E, B)
@@ -109,11 +116,13 @@ def test_route_fuse_equals_the_reference(hard, fail_safe, complementary):
     assert torch.equal(result.logits.argmax(-1), expected.logits.argmax(-1))
 
 
-def test_decoding_layout_keeps_the_checkpoint(tmp_path):
-    router = _router(512)
+@pytest.mark.parametrize("comp_rank", [0, 8])
+def test_decoding_layout_keeps_the_checkpoint(tmp_path, comp_rank):
+    router = _router(512, comp_rank=comp_rank)
     path = save_router(router, tmp_path / "router.pt", ["a", "b", "c"], ["x", "y", "z"])
     loaded, _ = load_router(path)
-    assert loaded.comp.weight.T.is_contiguous()  # (hidden, V) rows for the per-step product
+    assert loaded.comp.weight.T.is_contiguous()  # (comp_width, V) rows for the per-step product
+    assert loaded.shape.comp_rank == comp_rank
     for name, value in router.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
     again, _ = load_router(save_router(loaded, tmp_path / "again.pt", ["a", "b", "c"], ["x", "y", "z"]))
@@ -123,6 +132,27 @@ def test_decoding_layout_keeps_the_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.fuse(logits, context, hard=True).logits,
                                    router.fuse(logits, context, hard=True).logits)
+
+
+def test_checkpoints_from_before_the_factored_head_load_as_one_layer(tmp_path):
+    """A checkpoint whose shape has no comp_rank (written before the factored head) is one hidden → vocab
+    layer, and fuses as it did."""
+    router = _router(512)
+    path = save_router(router, tmp_path / "old.pt", ["a", "b", "c"], ["x", "y", "z"])
+    payload = torch.load(path, weights_only=True)
+    del payload["shape"]["comp_rank"]
+    torch.save(payload, path)
+    loaded, _ = load_router(path)
+    assert loaded.shape.comp_rank == 0 and loaded.comp_down is None
+    logits, context = _logits(vocab=512), torch.randint(-1, 512, (4, CONTEXT_TOKENS))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.fuse(logits, context, hard=False).logits,
+                                   router.fuse(logits, context, hard=False).logits)
+
+
+def test_factored_head_rank_is_checked():
+    with pytest.raises(ValueError, match="comp_rank"):
+        RouterShape(num_experts=3, vocab_size=100, hidden=32, comp_rank=32)
 
 
 def test_one_thread_restores_the_thread_count():

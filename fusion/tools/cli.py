@@ -456,6 +456,9 @@ def train_router_command(
         "(prompt optional, chat-formatted per expert) or plain text files. Default: the built-in mix of "
         "arithmetic chats, stdlib Python and pydoc prose."),
     comp_l2: float = typer.Option(1e-3, "--comp-l2", help="L2 penalty on the complementary logit (per position)."),
+    comp_rank: Optional[int] = typer.Option(None, "--comp-rank", help="Rank of the complementary head (hidden -> "
+                                            "rank -> vocabulary; 0: one hidden -> vocabulary layer). Default: the "
+                                            "recipe's (RouterTrainSettings.comp_rank)."),
     seed: int = typer.Option(0, "--seed"),
     cache: Optional[Path] = CacheOption,
 ) -> None:
@@ -473,9 +476,10 @@ def train_router_command(
                 fail(str(err))
             samples = itertools.chain([first], samples)
         service = load_service(read_config(config_path), cache_dir(cache), router=False)
+        rank = {} if comp_rank is None else {"comp_rank": comp_rank}
         result = train_router(service, out or service.auto_router_path(), texts=samples,
                               settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
-                                                                  comp_l2=comp_l2))
+                                                                  comp_l2=comp_l2, **rank))
         service.close()
         typer.echo(f"{result.path}  ({result.texts} texts, {result.steps} steps, loss {result.first_loss:.3f} "
                    f"-> {result.last_loss:.3f}, {result.seconds:.0f} s)")

@@ -45,6 +45,7 @@ class RouterTrainSettings:
     lr: float = 3e-3
     route_weight: float = 0.5
     comp_l2: float = 1e-3
+    comp_rank: int = 0  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
     seq_tokens: int = 192
     seed: int = 0
     # Read the context through the first in-process expert's input embeddings (frozen, projected to the
@@ -203,7 +204,8 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     settings = settings or RouterTrainSettings()
     engine = service.engine
     torch.manual_seed(settings.seed)
-    shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size)
+    shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size,
+                                 comp_rank=settings.comp_rank)
     router = Router(shape)
     table = borrowed_table(engine, shape.vocab_size) if settings.borrow_embeddings else None
     if table is not None:

@@ -10,7 +10,8 @@ forward is timed in alternating rounds, so every part is also given as a share o
     context features      Router.context_features: previous-token and window embeddings
     familiarity gate      Router._pull_to_generalist
     complementary logit   Router._add_complementary: the (hidden, V) product onto the fused scores
-    router head and pick  the rest of Router.fuse: the body, route weights, the hard pick
+    router head and pick  the rest of Route.fuse: the body, route weights, the hard pick (with
+                          `fusion_step: compiled`, the whole compiled step: its parts are fused)
     sampling metadata     SamplingMetadata.build
     sampler               fusion.sampler.sample
     attribution, lists    the rest of the engine's sampling: attribution, results to host lists
@@ -31,6 +32,7 @@ from typing import Callable
 from fusion import engine as engine_module
 from fusion import router as router_module
 from fusion.engine import DecodeBatch, FusionEngine
+from fusion.router import Route
 from fusion.sampler import SamplingMetadata
 from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
 from fusion.tools.cli import cache_dir, load_service, read_config
@@ -55,25 +57,30 @@ def wrap(owner: object, name: str, label: str, timings: Timings) -> Callable[[],
     return lambda: setattr(owner, name, inner)
 
 
-def instrument(timings: Timings) -> list[Callable[[], None]]:
+def instrument(timings: Timings, router_parts: bool = True) -> list[Callable[[], None]]:
+    """Wrap each part's function with a timer. Not the router's parts under a compiled step: the step is
+    one graph (a wrapper inside it would be traced into it, breaking the graph)."""
     targets = [
         (FusionEngine, "_check_finite", "finiteness check"),
         (DecodeBatch, "_fuse", "_fuse"),
-        (router_module.Router, "fuse", "router.fuse"),
-        (router_module, "logit_statistics", "router features"),
-        (router_module.Router, "context_features", "context features"),
-        (router_module.Router, "_pull_to_generalist", "familiarity gate"),
-        (router_module.Router, "_add_complementary", "complementary logit"),
+        (router_module.Route, "fuse", "router.fuse"),
         (SamplingMetadata, "build", "sampling metadata"),
         (engine_module, "sample", "sampler"),
         (DecodeBatch, "_sample", "_sample"),
     ]
+    if router_parts:
+        targets += [
+            (router_module, "logit_statistics", "router features"),
+            (router_module.Router, "context_features", "context features"),
+            (router_module.Router, "_pull_to_generalist", "familiarity gate"),
+            (router_module.Router, "_add_complementary", "complementary logit"),
+        ]
     return [wrap(owner, name, label, timings) for owner, name, label in targets]
 
 
-def decode_steps(service, rule, weights, steps: int, timings: Timings, totals: list[float]) -> None:
+def decode_steps(service, rule, weights, steps: int, timings: Timings, totals: list[float], rows: int = 1) -> None:
     engine = service.engine
-    batch = warm_decode_batch(service, steps, rule, weights)
+    batch = warm_decode_batch(service, steps, rule, weights, rows)
     for values in timings.values():
         values.clear()
     for _ in range(steps):
@@ -84,7 +91,7 @@ def decode_steps(service, rule, weights, steps: int, timings: Timings, totals: l
 
 def step_parts(timings: Timings) -> dict[str, float]:
     """Mean ms per step of each part, the nested ones taken out of their callers."""
-    mean = {label: statistics.mean(values) if values else 0.0 for label, values in timings.items()}
+    mean = collections.defaultdict(float, {label: statistics.mean(values) for label, values in timings.items() if values})
     router_parts = ("router features", "context features", "familiarity gate", "complementary logit")
     parts = {"finiteness check": mean["finiteness check"],
              "rule (engine side)": mean["_fuse"] - mean["router.fuse"]}
@@ -102,6 +109,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=1, help="requests decoded together (the batch's rows)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     service = load_service(read_config(args.config), cache_dir(args.cache))
@@ -109,31 +117,44 @@ def main() -> None:
     first = service.engine.experts[0]
     prompt = _prompt_ids(service)[0]
     timings: Timings = collections.defaultdict(list)
-    undo = instrument(timings)
+    compiled = getattr(rule, "_compiled", None) is not None
+    undo = instrument(timings, router_parts=not compiled)
     per_round: list[dict[str, float]] = []
-    forwards, totals = [], []
+    forwards, totals, eager_totals = [], [], []
+    # `fusion_step: compiled`: the same rule's eager step, timed in the same rounds (its parts are not split)
+    eager = (Route(rule.expert_names, router=rule.router, hard=rule.hard, complementary=rule.complementary,
+                   fail_safe=rule.fail_safe) if compiled else None)
     try:
         for r in range(args.rounds):
             forwards.append(plain_forward_ms(first, prompt, args.steps))
             round_totals: list[float] = []
-            decode_steps(service, rule, weights, args.steps, timings, round_totals)
+            decode_steps(service, rule, weights, args.steps, timings, round_totals, args.rows)
             totals.append(statistics.mean(round_totals))
             per_round.append(step_parts(timings))
-            logger.info("round %d/%d: forward %.1f ms, fusion + sampling %.2f ms", r + 1, args.rounds,
-                        forwards[-1], totals[-1])
+            if eager is not None:
+                round_totals = []
+                decode_steps(service, eager, weights, args.steps, collections.defaultdict(list), round_totals,
+                             args.rows)
+                eager_totals.append(statistics.mean(round_totals))
+            logger.info("round %d/%d: forward %.1f ms, fusion + sampling %.2f ms%s", r + 1, args.rounds,
+                        forwards[-1], totals[-1], f" (eager step {eager_totals[-1]:.2f} ms)" if eager else "")
     finally:
         for restore in undo:
             restore()
         service.close()
     forward = statistics.median(forwards)
-    print(f"rule {rule.name}, vocabulary {service.engine.vocab_size}; {first.info.name}'s plain forward "
-          f"{forward:.1f} ms (median of {args.rounds} rounds)")
+    step = "compiled" if eager is not None else "eager"
+    print(f"rule {rule.name} ({step} step, {args.rows} row(s)), vocabulary {service.engine.vocab_size}; "
+          f"{first.info.name}'s plain forward {forward:.1f} ms (median of {args.rounds} rounds)")
     print(f"{'part':24s} {'ms / step':>10s} {'/ forward':>10s}")
     for label in per_round[0]:
         ms = statistics.median(p[label] for p in per_round)
         print(f"{label:24s} {ms:10.3f} {ms / forward:10.4f}")
     total = statistics.median(totals)
     print(f"{'fusion + sampling':24s} {total:10.3f} {total / forward:10.4f}   (the engine's fuse_sample_s)")
+    if eager is not None:
+        total = statistics.median(eager_totals)
+        print(f"{'... with the eager step':24s} {total:10.3f} {total / forward:10.4f}   (same rounds)")
 
 
 if __name__ == "__main__":

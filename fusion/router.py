@@ -11,6 +11,10 @@ arithmetic from code from prose) — and outputs
 
     fused = logsumexp_i(log w_i + log_softmax z_i) + c
 
+The complementary head may be factored, hidden → rank → vocabulary (`RouterShape.comp_rank`): its
+vocabulary-wide matrix is what a decode step reads, and rank 16 reads a sixth of the one-layer head's.
+`fusion_step: compiled` runs the whole step through `torch.compile` (`Route.compile_step`).
+
 The experts are never changed. A checkpoint stores the router's weights, its shape, and the
 fingerprints of the experts it was trained with; loading it against other experts is refused.
 """
@@ -441,6 +445,9 @@ class Route(FusionRule):
                          torch.ones(router.shape.num_experts, rows, dtype=torch.bool, device=device))
         self._compiled = compiled
         return time.perf_counter() - start
+
+    def drop_compiled_step(self) -> None:
+        self._compiled = None
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         if context is None:

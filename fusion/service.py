@@ -395,7 +395,12 @@ class FusionService:
                 return rule.compile_step(self.engine.device)
 
         logger.info("compiling the fusion step of rule route (%s)", self.config.fusion.params)
-        logger.info("compiled the fusion step in %.1f s", run_on_compute_thread(compile_now))
+        try:
+            logger.info("compiled the fusion step in %.1f s", run_on_compute_thread(compile_now))
+        except Exception as err:  # noqa: BLE001  no C++ compiler or Triton here: the eager step serves
+            rule.drop_compiled_step()
+            logger.warning("fusion_step: compiled could not be built here (%s: %s); the step runs eagerly",
+                           type(err).__name__, str(err).splitlines()[0] if str(err) else "")
 
     def _router_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """`route` params with the router's name resolved to its checkpoint: `auto` (the router trained

@@ -87,3 +87,38 @@ def test_service_compiles_its_own_route_step(tiny_dir, tmp_path):
         service.close()
     assert len(tokens["eager"]) == 16 and tokens["compiled"] == tokens["eager"]
     assert (tmp_path / "cache" / "compiled").is_dir()  # inductor's cache, for the next start
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_step_equals_the_eager_step():
+    """The same on a GPU (inductor's GPU kernels; benchmarks/gpu_check.sh runs it)."""
+    rule, logits, context, weights = _gated_route(1024, hard=True, comp_rank=16)
+    logits[0, 1, 290] = logits[0, 1, 7] - 0.5
+    rule.compile_step("cuda")
+    logits, context, weights = logits.cuda(), context.cuda(), weights.cuda()
+    with torch.no_grad():
+        compiled = rule.fuse(logits, weights, context)
+        eager = rule.router.fuse(logits, context, weights > 0, hard=True, fail_safe=True)
+    torch.testing.assert_close(compiled.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled.weights, eager.weights)
+
+
+def test_a_step_that_cannot_compile_runs_eagerly(tiny_dir, tmp_path, monkeypatch, caplog):
+    """Where torch.compile fails (no C++ compiler, no Triton), the service starts and serves eagerly."""
+    probe = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir)))
+    fingerprints = [expert_fingerprint(e) for e in probe.engine.experts]
+    path = save_router(_router(probe.engine.vocab_size, seed=4), tmp_path / "r.pt", probe.expert_names, fingerprints)
+    probe.close()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    config = tiny_config_dict(tiny_dir, routers={"mine": str(path)}, fusion={"rule": "route", "params": {"router": "mine"}},
+                              fusion_step="compiled")
+    with caplog.at_level("WARNING", logger="fusion.service"):
+        service = FusionService.from_config(parse_config(config))
+    assert "could not be built here (RuntimeError: no C++ compiler)" in caplog.text
+    assert service.resolve_spec(None)[0]._compiled is None
+    assert len(service.complete("hello", {"max_tokens": 4, "ignore_eos": True}).token_ids) == 4
+    service.close()

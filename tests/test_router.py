@@ -47,6 +47,17 @@ def test_training_loss_decreases(trained):
     assert result.steps == 120
 
 
+def test_training_grows_the_factored_complementary_head(trained):
+    """The recipe's complementary head is factored (hidden → rank → vocabulary) and starts at zero; a
+    gradient reaches it through the randomly started down-projection, so training makes it non-zero."""
+    path, _, _ = trained
+    router, _ = load_router(path)
+    assert router.shape.comp_rank == RouterTrainSettings.comp_rank > 0
+    assert router.comp_down.weight.shape == (RouterTrainSettings.comp_rank, router.shape.hidden)
+    assert router.comp.weight.shape == (router.shape.vocab_size, RouterTrainSettings.comp_rank)
+    assert float(router.comp.weight.abs().max()) > 0
+
+
 def test_trained_router_has_a_fitted_gate_that_survives_a_reload(trained):
     path, _, _ = trained
     router, _ = load_router(path)

@@ -134,15 +134,15 @@ def _cross_step_ms(service: FusionService, steps: int) -> tuple[float, float]:
     return statistics.mean(times) * 1e3, statistics.mean(lookahead) if lookahead else 0.0
 
 
-def warm_decode_batch(service: FusionService, steps: int, rule=None, weights=None):
-    """A decode batch of one request (the bench prompt, the config's rule unless given) past its prefill
-    and one warm-up step, with `steps` more tokens to go."""
+def warm_decode_batch(service: FusionService, steps: int, rule=None, weights=None, rows: int = 1):
+    """A decode batch of `rows` requests (the bench prompt, the config's rule unless given) past their
+    prefill and one warm-up step, with `steps` more tokens to go."""
     if rule is None:
         rule, weights = service.resolve_spec(None)
-    request = GenerationRequest(_prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
-                                rule, weights)
     batch = service.engine.new_batch()
-    batch.add(request)
+    for _ in range(rows):
+        batch.add(GenerationRequest(_prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
+                                    rule, weights))
     batch.step()  # prefill
     batch.step()  # warm-up
     return batch

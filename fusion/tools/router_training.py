@@ -45,7 +45,7 @@ class RouterTrainSettings:
     lr: float = 3e-3
     route_weight: float = 0.5
     comp_l2: float = 1e-3
-    comp_rank: int = 0  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
+    comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
     seq_tokens: int = 192
     seed: int = 0
     # Read the context through the first in-process expert's input embeddings (frozen, projected to the

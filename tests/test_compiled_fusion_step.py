@@ -64,18 +64,23 @@ def test_a_tied_maximum_takes_the_eager_step():
     assert torch.equal(result.logits, eager.logits) and torch.equal(result.weights, eager.weights)
 
 
+def _routed_config(tiny_dir, tmp_path, fusion_step: str, comp_rank: int = 0) -> dict:
+    """The tiny trio with a random router (its checkpoint bound to them) as the config's route rule."""
+    probe = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir)))
+    fingerprints = [expert_fingerprint(e) for e in probe.engine.experts]
+    path = save_router(_router(probe.engine.vocab_size, seed=4, comp_rank=comp_rank), tmp_path / "r.pt",
+                       probe.expert_names, fingerprints)
+    probe.close()
+    return tiny_config_dict(tiny_dir, routers={"mine": str(path)}, fusion_step=fusion_step,
+                            fusion={"rule": "route", "params": {"router": "mine", "hard": True}})
+
+
 def test_service_compiles_its_own_route_step(tiny_dir, tmp_path):
     """`fusion_step: compiled` compiles the config's rule when the service starts; its tokens are the
     eager service's; a request that changes the rule's params gets an eager rule of its own."""
-    probe = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir)))
-    fingerprints = [expert_fingerprint(e) for e in probe.engine.experts]
-    path = save_router(_router(probe.engine.vocab_size, seed=4, comp_rank=8), tmp_path / "r.pt",
-                       probe.expert_names, fingerprints)
-    probe.close()
-    fusion = {"rule": "route", "params": {"router": "mine", "hard": True}}
     tokens = {}
     for step in ("eager", "compiled"):
-        config = tiny_config_dict(tiny_dir, routers={"mine": str(path)}, fusion=fusion, fusion_step=step)
+        config = _routed_config(tiny_dir, tmp_path, step, comp_rank=8)
         service = FusionService.from_config(parse_config(config), cache_dir=tmp_path / "cache")
         assert service._rules.cache_info().currsize == (step == "compiled")  # built (and compiled) at start-up
         rule = service.resolve_spec(None)[0]
@@ -105,17 +110,12 @@ def test_cuda_compiled_step_equals_the_eager_step():
 
 def test_a_step_that_cannot_compile_runs_eagerly(tiny_dir, tmp_path, monkeypatch, caplog):
     """Where torch.compile fails (no C++ compiler, no Triton), the service starts and serves eagerly."""
-    probe = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir)))
-    fingerprints = [expert_fingerprint(e) for e in probe.engine.experts]
-    path = save_router(_router(probe.engine.vocab_size, seed=4), tmp_path / "r.pt", probe.expert_names, fingerprints)
-    probe.close()
+    config = _routed_config(tiny_dir, tmp_path, "compiled")
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler\nmore detail")
 
     monkeypatch.setattr(torch, "compile", broken)
-    config = tiny_config_dict(tiny_dir, routers={"mine": str(path)}, fusion={"rule": "route", "params": {"router": "mine"}},
-                              fusion_step="compiled")
     with caplog.at_level("WARNING", logger="fusion.service"):
         service = FusionService.from_config(parse_config(config))
     assert "could not be built here (RuntimeError: no C++ compiler)" in caplog.text

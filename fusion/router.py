@@ -111,7 +111,7 @@ def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Ten
     the normalizers (E, B) and each row's runner-up logit less its best (E, B), 0 where the maximum ties."""
     best = logits.amax(-1, keepdim=True)  # (E, B, 1)
     # y = z - max ≤ 0; -inf ids go to the floor, whose exp is exactly 0, so e^y · y stays 0
-    shifted = (logits - best).clamp(min=LOGPROB_FLOOR)  # (E, B, V)
+    shifted = (logits - best).clamp_(min=LOGPROB_FLOOR)  # (E, B, V)
     unnormalised = shifted.exp()  # (E, B, V)
     total = unnormalised.sum(-1)  # (E, B), in [1, V]
     log_total = total.log()
@@ -120,7 +120,7 @@ def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Ten
     entropy = log_total - torch.linalg.vecdot(unnormalised, shifted) / total  # (E, B)
     top1_lp = -log_total  # (E, B): log p of the best id
     # the runner-up: the shifted row without its best id (a tied maximum leaves a 0 behind: margin 0)
-    runner_up = shifted.scatter(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
+    runner_up = shifted.scatter_(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
     features = [entropy.T, top1_lp.T.clamp(min=-30), (-runner_up).T.clamp(max=30),
                 _agreement(logits, normalizer, top1_ids)]
     return torch.cat(features, dim=-1), normalizer, runner_up  # (B, 3E + E²), (E, B), (E, B)

@@ -90,6 +90,7 @@ def test_show_experts_without_terminal(config_file):
     ("bad_params", "--params: expected NAME=VALUE"),
     ("bad_rule_param", "tau must be a finite number > 0"),
     ("missing_router_data", "--data: no such file"),
+    ("bad_comp_rank", "--comp-rank: router comp_rank must be in [0, 96)"),
 ])
 def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     path = tmp_path / "c.yaml"
@@ -116,6 +117,8 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     elif setup == "missing_router_data":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"),
                 "--data", str(tmp_path / "missing.jsonl")]
+    elif setup == "bad_comp_rank":
+        args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--comp-rank", "96"]
     if data is not None:
         path.write_text(yaml.safe_dump(data))
     out = fusion(*args)

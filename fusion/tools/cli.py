@@ -475,8 +475,15 @@ def train_router_command(
             except ValueError as err:
                 fail(str(err))
             samples = itertools.chain([first], samples)
-        service = load_service(read_config(config_path), cache_dir(cache), router=False)
         rank = {} if comp_rank is None else {"comp_rank": comp_rank}
+        if comp_rank is not None:  # checked before the experts load
+            from fusion.router import RouterShape
+
+            try:
+                RouterShape(num_experts=1, vocab_size=1, comp_rank=comp_rank)
+            except ValueError as err:
+                fail(f"--comp-rank: {err}")
+        service = load_service(read_config(config_path), cache_dir(cache), router=False)
         result = train_router(service, out or service.auto_router_path(), texts=samples,
                               settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
                                                                   comp_l2=comp_l2, **rank))

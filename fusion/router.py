@@ -430,7 +430,8 @@ class Route(FusionRule):
         """Run this rule's fusion step through `torch.compile` from now on (inductor on a CPU: the
         router's features, head, gate, pick and complementary logit become a few fused kernels), and
         compile it now, on the calling thread's OpenMP team (the engine fuses on one thread, so call it
-        inside `one_thread`): one graph for one row, one for any number of rows. → seconds taken."""
+        inside `one_thread`): one graph for one row, one for any number of rows. → seconds taken. If
+        compiling raises, the rule keeps its eager step."""
         router = self.router = self.router.to(device)
         step = functools.partial(router.untied_fuse, hard=self.hard, complementary=self.complementary,
                                  fail_safe=self.fail_safe)
@@ -445,9 +446,6 @@ class Route(FusionRule):
                          torch.ones(router.shape.num_experts, rows, dtype=torch.bool, device=device))
         self._compiled = compiled
         return time.perf_counter() - start
-
-    def drop_compiled_step(self) -> None:
-        self._compiled = None
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         if context is None:

@@ -398,7 +398,6 @@ class FusionService:
         try:
             logger.info("compiled the fusion step in %.1f s", run_on_compute_thread(compile_now))
         except Exception as err:  # noqa: BLE001  no C++ compiler or Triton here: the eager step serves
-            rule.drop_compiled_step()
             logger.warning("fusion_step: compiled could not be built here (%s: %s); the step runs eagerly",
                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")
 

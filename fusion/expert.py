@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.fast_decode import DecodeStep, configure_compile_cache, decode_on_layers, unsupported_reason
+from fusion.fast_decode import (DecodeStep, configure_compile_cache, decode_after_shared_history, decode_on_layers,
+                                unsupported_reason)
 from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -50,6 +52,9 @@ class _Extensions:
     kv: object  # a cache whose row rows[j] holds base + extensions[j] (then more columns up to `width`)
     logits: torch.Tensor  # (len(extensions), V) after each
     width: int = 1
+    # Instead of `kv` (one-id extensions through the fast step): each row's new column, (layers, R, H_kv, D)
+    # keys and values, to append to the session's own cache, which holds `base`.
+    new_columns: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def index_of(self, token_ids: list[int]) -> int | None:
         """The extension whose history is `token_ids` (None: none, or its row's columns after it cannot
@@ -74,6 +79,8 @@ def _croppable(layer) -> bool:
     return window is not None and layer.get_seq_length() < window
 
 
+# Cache layers whose `update` rebinds keys/values to `torch.cat([old, new])`, never writing in place.
+_CONCATENATING = (DynamicLayer, DynamicSlidingWindowLayer)
 MAX_EXTENSIONS = 256  # extensions one `extend` call may ask for
 MAX_EXTENSION_TOKENS = 64  # ids in one extension
 MAX_KEPT_CALLS = 4  # `extend` calls on one history whose rows a session keeps for its next history
@@ -345,33 +352,42 @@ class LocalExpert:
             for n in range(1, len(e) + 1):
                 row_of.setdefault(e[:n], row)
         width = max(len(e) for e in longest)
+        start = len(token_ids)
+        rows = [row_of[e] for e in grown]
+        if width == 1 and self._fast_step is not None and all(type(layer) is GrowingLayer for layer in kv.layers):
+            # one id per row after the session's own columns: one fast step reads them once, unexpanded
+            self.fast_decode_steps += 1
+            logits, keys, values = decode_after_shared_history(self._fast_step, kv.layers, [e[0] for e in longest])
+            self.cache.record(hits=start * len(longest), misses=len(longest))
+            return _Extensions(token_ids, base_logits, grown, rows, None, logits, 1, (keys, values))  # rows: 0..R-1
         ids = torch.zeros(len(longest), width, dtype=torch.long, device=self.device)  # (R, width), right-padded
         for row, e in enumerate(longest):
             ids[row, : len(e)] = torch.tensor(e, device=self.device)
         batch_kv = self._repeated(kv, len(longest), width)
-        start = len(token_ids)
         positions = torch.arange(start, start + width, device=self.device)[None].expand(len(longest), -1)
-        rows = [row_of[e] for e in grown]
-        if width == 1 and self._fast_step is not None and all(type(layer) is GrowingLayer for layer in batch_kv.layers):
-            # one id per row over a common frontier: a batched decode step
-            logits = self._fast_forward(batch_kv.layers, [e[0] for e in longest], [start] * len(longest))  # (k, V)
-        else:
-            out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
-            last = torch.tensor([len(e) - 1 for e in grown], device=self.device)
-            logits = out.logits[torch.tensor(rows, device=self.device), last].float()  # (k, V)
+        out = self.model(input_ids=ids, position_ids=positions, cache=batch_kv, use_cache=True)
+        last = torch.tensor([len(e) - 1 for e in grown], device=self.device)
+        logits = out.logits[torch.tensor(rows, device=self.device), last].float()  # (k, V)
         self.cache.record(hits=start * len(longest), misses=sum(len(e) for e in longest))
         return _Extensions(token_ids, base_logits, grown, rows, batch_kv, logits, width)
 
     @staticmethod
     def _repeated(kv, rows: int, width: int):
         """A copy of a one-row cache repeated over `rows` batch rows, with room for `width` more columns:
-        full-attention layers are copied once each (expanded views, no spare beyond `width`); other
-        layers (sliding windows) are deep-copied and repeated."""
+        full-attention layers are copied once each (expanded views, no spare beyond `width`); layers
+        whose update concatenates (transformers' dynamic and sliding-window layers) hold expanded views
+        of the session's tensors, which their first update copies anyway; others are deep-copied and
+        repeated."""
         layers = []
         for layer in kv.layers:
             if type(layer) is GrowingLayer and layer.keys is not None:
                 layers.append(GrowingLayer.holding(layer.keys.expand(rows, -1, -1, -1),
                                                    layer.values.expand(rows, -1, -1, -1), spare=width))
+            elif type(layer) in _CONCATENATING and layer.is_initialized and layer.keys.shape[0] == 1:
+                layer = copy.copy(layer)  # shares nothing it writes: update rebinds keys/values to new tensors
+                layer.keys = layer.keys.expand(rows, -1, -1, -1)
+                layer.values = layer.values.expand(rows, -1, -1, -1)
+                layers.append(layer)
             else:
                 layer = copy.deepcopy(layer)
                 layer.batch_repeat_interleave(rows)
@@ -394,8 +410,16 @@ class LocalExpert:
         return self._forward_tail(session_id, token_ids, 1)[-1]
 
     def _adopt(self, entry, call: _Extensions, index: int, token_ids: list[int]) -> torch.Tensor:
-        """The session's cache becomes the batch row of `call`'s extension `index`, cut after it; its
-        logits (V,)."""
+        """The session's cache becomes the batch row of `call`'s extension `index`, cut after it (or, for
+        a fast-step call, gets that row's new column appended); its logits (V,)."""
+        if call.new_columns is not None:  # the session's cache still holds call.base (checked by `_advance`)
+            keys, values = call.new_columns  # (layers, R, H_kv, D)
+            row = call.rows[index]
+            for layer, k, v in zip(entry.kv.layers, keys, values):
+                layer.update(k[row, None, :, None], v[row, None, :, None])  # (1, H_kv, 1, D)
+            entry.token_ids = list(token_ids)
+            self.cache.record(hits=len(token_ids), misses=0)
+            return call.logits[index]
         call.kv.batch_select_indices(torch.tensor([call.rows[index]], device=self.device))
         surplus = call.width - (len(token_ids) - len(call.base))
         if surplus:

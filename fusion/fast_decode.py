@@ -139,12 +139,13 @@ class FastDecoder(nn.Module):
         self,
         ids: torch.Tensor,  # (B,) the new id of each row
         positions: torch.Tensor,  # (B,) its position (cached ids of that row)
-        keys: list[torch.Tensor],  # per layer (B, H_kv, width, D), read only: cached columns (and spare ones)
+        keys: list[torch.Tensor],  # per layer (B or 1, H_kv, width, D), read only: cached columns (and spare ones)
         values: list[torch.Tensor],
-        mask: torch.Tensor,  # (B, 1, 1, width) bool: the cached columns each row attends
+        mask: torch.Tensor,  # (B or 1, 1, 1, width) bool: the cached columns each row attends
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
-        caller writes into the buffers. The step reads the buffers and writes nothing: a compiled graph
+        caller writes into the buffers. Keys and values of one row serve every row: B different next
+        ids after one shared history (a lookahead), read once, never copied per row. The step reads the buffers and writes nothing: a compiled graph
         then has no mutated inputs (which CUDA graphs refuse). A compiled step is given the buffers'
         whole capacity, masked, so shapes change only when a buffer grows (by half its size) and it is
         not recompiled as the cache fills; unfilled columns are zeros (GrowingLayer allocates them so),
@@ -174,17 +175,27 @@ class FastDecoder(nn.Module):
             # Grouped-query attention without repeating keys (each group's queries share one kv head),
             # as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
             q = q.view(batch, kv_heads, group, dim)
-            cached = torch.matmul(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, width)
+            cached = _rows_times(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, width)
             own = (q * k[:, :, None, :]).sum(-1, keepdim=True)  # (B, H_kv, group, 1): the new column
             scores = torch.cat((cached.float().masked_fill(~mask, float("-inf")), own.float()), dim=-1) * scale
             probs = torch.softmax(scores, dim=-1).to(x.dtype)
-            attn = torch.matmul(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+            attn = _rows_times(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
             x = x + F.linear(attn.reshape(batch, heads * dim), self.o_proj[layer])
             h = self._rmsnorm(x, self.post_norm[layer])
             gate, up = F.linear(h, self.gate_up[layer]).split(self.intermediate, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[layer])
         logits = F.linear(self._rmsnorm(x, self.norm), self.lm_head).float()
         return logits, torch.stack(new_keys), torch.stack(new_values)
+
+
+def _rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (B, H, G, K) @ b (B or 1, H, K, N) -> (B, H, G, N). When b has one row shared by all B rows, the
+    rows join the group axis, so b is read as it is instead of being expanded into B copies."""
+    rows, heads, group, _ = a.shape
+    if b.shape[0] == rows:
+        return torch.matmul(a, b)
+    out = torch.matmul(a.transpose(0, 1).reshape(1, heads, rows * group, a.shape[-1]), b)  # (1, H, B·G, N)
+    return out.view(heads, rows, group, -1).transpose(0, 1)
 
 
 def configure_compile_cache(cache_dir: str | Path) -> None:
@@ -264,3 +275,21 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
     for layer, keys, values in zip(layers, new_keys, new_values):
         layer.update(keys[:, :, None], values[:, :, None])
     return logits
+
+
+def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[int]
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """B different next ids after the one history that one-row `GrowingLayer`s hold, each a row of one
+    step reading those layers' columns unexpanded. Appends nothing: returns the logits (B, V) float32 and
+    each row's new keys and values (layers, B, H_kv, D), for the caller to append the one it keeps."""
+    frontier = layers[0].get_seq_length()
+    width = frontier if step.mode == "off" else layers[0].capacity
+    device = layers[0]._key_buffer.device
+    mask = (torch.arange(width, device=device) < frontier).view(1, 1, 1, width)
+    return step(
+        torch.tensor(new_ids, device=device),
+        torch.full((len(new_ids),), frontier, device=device),
+        [layer._key_buffer[:, :, :width] for layer in layers],
+        [layer._value_buffer[:, :, :width] for layer in layers],
+        mask,
+    )

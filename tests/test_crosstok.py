@@ -90,6 +90,32 @@ def test_extend_matches_plain_forwards_and_adopts_looked_ahead_ids(xdir):
     expert.release(["s"])
 
 
+def test_one_id_lookahead_reads_the_session_cache_in_place_and_adopts_by_appending(xdir):
+    """One-id extensions run as rows of one fast step over the session's own columns: nothing is copied
+    or written until one is adopted, which appends its column to the session's buffers."""
+    expert = load(xdir["a"])
+    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+    expert.extend("s", history, [[]])
+    layers = expert.cache.get("s").kv.layers
+    buffers = [(layer._key_buffer.data_ptr(), layer._value_buffer.data_ptr()) for layer in layers]
+    snapshot = [layer.keys.clone() for layer in layers]
+    extensions = [[5], [40], [7], [3]]
+    out = expert.extend("s", history, extensions)
+    for row, ext in zip(out, extensions):
+        torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
+    assert all(layer.get_seq_length() == len(history) for layer in layers)  # nothing appended yet
+    assert all(torch.equal(layer.keys, kept) for layer, kept in zip(layers, snapshot))
+    before = expert.cache.misses
+    again = expert.extend("s", history + [40], [[], [3]])
+    assert expert.cache.misses - before == 1  # [40] adopted; only [3] computed
+    assert expert.cache.get("s").kv.layers == layers  # the same layers, one column longer, same buffers
+    assert [(layer._key_buffer.data_ptr(), layer._value_buffer.data_ptr()) for layer in layers] == buffers
+    assert all(layer.get_seq_length() == len(history) + 1 for layer in layers)
+    torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again[1], plain_last_logits(expert, history + [40, 3]), rtol=1e-4, atol=1e-4)
+    expert.release(["s"])
+
+
 def test_extend_adopts_multi_id_padded_and_earlier_calls_extensions(xdir):
     expert = load(xdir["a"])
     history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]

@@ -135,6 +135,17 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
             got = compiled(ids, positions, keys, values, mask)
             for g, e in zip(got, expected):
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        # One cached row read by three rows (a lookahead after one history): the rows of a batch holding
+        # a copy of it each, eagerly and compiled.
+        keys = [torch.randn(1, kv_heads, 12, dim, generator=generator) for _ in range(2)]
+        values = [torch.randn(1, kv_heads, 12, dim, generator=generator) for _ in range(2)]
+        ids = torch.randint(0, config.vocab_size, (3,), generator=generator)
+        positions, mask = torch.full((3,), 8), (torch.arange(12) < 8).view(1, 1, 1, 12)
+        copied = [[t.expand(3, -1, -1, -1).contiguous() for t in ts] for ts in (keys, values)]
+        expected = eager(ids, positions, *copied, mask.expand(3, -1, -1, -1))
+        for step in (eager, compiled):
+            for g, e in zip(step(ids, positions, keys, values, mask), expected):
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     assert compiled.first_call_s is not None
 
 

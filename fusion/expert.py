@@ -23,8 +23,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.fast_decode import (DecodeStep, configure_compile_cache, decode_after_shared_history, decode_on_layers,
-                                unsupported_reason)
+from fusion.fast_decode import (GEMMA3, DecodeStep, configure_compile_cache, decode_after_shared_history,
+                                decode_on_layers, unsupported_reason)
 from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -235,7 +235,11 @@ class LocalExpert:
         """The fast decode step the config asks for, if the model and its cache allow one."""
         if config.decode == "transformers":
             return None
-        reason = unsupported_reason(model) if self._plain_cache else "a cache with non-plain layers"
+        reason = unsupported_reason(model)
+        if reason is None and not self._plain_cache and getattr(model.config, "model_type", None) != GEMMA3:
+            reason = "a cache with non-plain layers"  # (Gemma 3's step reads its sliding-window layers itself)
+        if reason is None and config.decode == "compiled" and getattr(model.config, "model_type", None) == GEMMA3:
+            reason = "Gemma 3's layers differ in width (sliding windows): it runs the eager fast step (decode: fast)"
         if reason is not None:
             if config.decode == "compiled":
                 raise ValueError(f"expert {config.name!r}: decode: compiled is not available for this model: {reason}")
@@ -354,10 +358,11 @@ class LocalExpert:
         width = max(len(e) for e in longest)
         start = len(token_ids)
         rows = [row_of[e] for e in grown]
-        if width == 1 and self._fast_step is not None and all(type(layer) is GrowingLayer for layer in kv.layers):
+        if width == 1 and self._fast_step is not None and self._fast_step.decoder.can_read(kv.layers):
             # one id per row after the session's own columns: one fast step reads them once, unexpanded
             self.fast_decode_steps += 1
-            logits, keys, values = decode_after_shared_history(self._fast_step, kv.layers, [e[0] for e in longest])
+            logits, keys, values = decode_after_shared_history(self._fast_step, kv.layers, [e[0] for e in longest],
+                                                               start)
             self.cache.record(hits=start * len(longest), misses=len(longest))
             return _Extensions(token_ids, base_logits, grown, rows, None, logits, 1, (keys, values))  # rows: 0..R-1
         ids = torch.zeros(len(longest), width, dtype=torch.long, device=self.device)  # (R, width), right-padded
@@ -586,7 +591,7 @@ class LocalExpert:
             entry.kv.crop(reuse - entry.kv.get_seq_length())  # negative: drop the diverged tail
         suffix = torch.tensor([token_ids[reuse:]], dtype=torch.long, device=self.device)  # (1, S)
         fast = (self._fast_step is not None and suffix.shape[1] == 1 and reuse > 0
-                and all(isinstance(layer, GrowingLayer) for layer in entry.kv.layers))
+                and self._fast_step.decoder.can_read(entry.kv.layers))
         mask = self._decode_mask([reuse + 1], reuse + 1) if suffix.shape[1] == 1 and not fast else None
         try:
             if fast:

@@ -36,6 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion.decode_ops import fuse_linears, rows_times
+from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
+from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
+from fusion.kv_cache import GrowingLayer
+
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("off", "inductor", "cudagraphs")
@@ -43,11 +48,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def unsupported_reason(model) -> str | None:
-    """Why `FastDecoder` cannot run this model (None: it can)."""
+    """Why no fast decode step can run this model (None: one can; Gemma 3 text models take
+    `fusion.fast_decode_gemma3.Gemma3Decoder`, Llama-family ones `FastDecoder`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
+    if model_type == GEMMA3:
+        return gemma3_unsupported_reason(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES + (GEMMA3,))})"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         return f"rope type {rope.get('rope_type')!r} (only the default rotary embedding)"
@@ -68,25 +76,6 @@ def unsupported_reason(model) -> str | None:
     if any(hasattr(layer.self_attn, name) for layer in layers for name in ("q_norm", "k_norm")):
         return "query/key norms"
     return None
-
-
-def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several projections of the same input; each module's weight becomes a
-    view of its rows of the fused one, so the model keeps working and memory holds one copy."""
-    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
-    biases = [lin.bias for lin in linears]
-    bias = (nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
-            if all(b is not None for b in biases) else None)
-    if any(b is not None for b in biases) and bias is None:
-        raise ValueError("projections with and without bias cannot be fused")
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight.detach()[start:start + rows], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias.detach()[start:start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
 
 
 class FastDecoder(nn.Module):
@@ -116,8 +105,8 @@ class FastDecoder(nn.Module):
         self.input_norm, self.post_norm = nn.ParameterList(), nn.ParameterList()
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+            qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
             self.qkv.append(as_param(qkv))
             if qkv_bias is not None:
                 self.qkv_bias.append(as_param(qkv_bias))
@@ -128,6 +117,12 @@ class FastDecoder(nn.Module):
             self.post_norm.append(as_param(layer.post_attention_layernorm.weight))
         self.has_qkv_bias = len(self.qkv_bias) > 0
         self.intermediate = self.down[0].shape[1]
+
+    @staticmethod
+    def can_read(layers: list) -> bool:
+        """Whether a session's (or a cohort's) cache layers are ones this step reads: filled
+        full-attention `GrowingLayer`s."""
+        return bool(layers) and all(type(layer) is GrowingLayer and layer.keys is not None for layer in layers)
 
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -175,27 +170,17 @@ class FastDecoder(nn.Module):
             # Grouped-query attention without repeating keys (each group's queries share one kv head),
             # as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
             q = q.view(batch, kv_heads, group, dim)
-            cached = _rows_times(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, width)
+            cached = rows_times(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, width)
             own = (q * k[:, :, None, :]).sum(-1, keepdim=True)  # (B, H_kv, group, 1): the new column
             scores = torch.cat((cached.float().masked_fill(~mask, float("-inf")), own.float()), dim=-1) * scale
             probs = torch.softmax(scores, dim=-1).to(x.dtype)
-            attn = _rows_times(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+            attn = rows_times(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
             x = x + F.linear(attn.reshape(batch, heads * dim), self.o_proj[layer])
             h = self._rmsnorm(x, self.post_norm[layer])
             gate, up = F.linear(h, self.gate_up[layer]).split(self.intermediate, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[layer])
         logits = F.linear(self._rmsnorm(x, self.norm), self.lm_head).float()
         return logits, torch.stack(new_keys), torch.stack(new_values)
-
-
-def _rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (B, H, G, K) @ b (B or 1, H, K, N) -> (B, H, G, N). When b has one row shared by all B rows, the
-    rows join the group axis, so b is read as it is instead of being expanded into B copies."""
-    rows, heads, group, _ = a.shape
-    if b.shape[0] == rows:
-        return torch.matmul(a, b)
-    out = torch.matmul(a.transpose(0, 1).reshape(1, heads, rows * group, a.shape[-1]), b)  # (1, H, B·G, N)
-    return out.view(heads, rows, group, -1).transpose(0, 1)
 
 
 def configure_compile_cache(cache_dir: str | Path) -> None:
@@ -222,7 +207,12 @@ class DecodeStep:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
         self.mode = mode
-        self.decoder = decoder if decoder is not None else FastDecoder(model)
+        if decoder is None:
+            decoder = Gemma3Decoder(model) if getattr(model.config, "model_type", None) == GEMMA3 else FastDecoder(model)
+        if mode != "off" and isinstance(decoder, Gemma3Decoder):
+            raise ValueError("a compiled decode step is for Llama-family models: Gemma 3's layers differ in "
+                             "width (sliding windows), so it runs the eager fast step (decode: fast)")
+        self.decoder = decoder
         if mode == "off":
             self._run = self.decoder
         else:
@@ -234,16 +224,22 @@ class DecodeStep:
             self._run = torch.compile(self.decoder, dynamic=True, mode=compile_mode)
         self.first_call_s: float | None = None
 
-    def __call__(self, ids, positions, keys, values, mask):
-        """`FastDecoder.forward`'s arguments and results."""
+    @property
+    def reads_whole_layers(self) -> bool:
+        """Whether the step attends every column of each layer as given, with no mask (Gemma 3: one history
+        at a time) rather than masked columns of batch buffers (`FastDecoder`)."""
+        return isinstance(self.decoder, Gemma3Decoder)
+
+    def __call__(self, *inputs):
+        """The decoder's forward: its arguments and results."""
         start = time.perf_counter() if self.first_call_s is None else None
         if self.mode == "cudagraphs":
             # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
             # outputs are copied out before the next (one expert may run two decode groups in a step).
             torch.compiler.cudagraph_mark_step_begin()
-            out = tuple(t.clone() for t in self._run(ids, positions, keys, values, mask))
+            out = tuple(t.clone() for t in self._run(*inputs))
         else:
-            out = self._run(ids, positions, keys, values, mask)
+            out = self._run(*inputs)
         if start is not None:
             self.first_call_s = time.perf_counter() - start
             if self.mode != "off":
@@ -253,7 +249,15 @@ class DecodeStep:
 
 def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths: list[int]) -> torch.Tensor:
     """One decode step over `GrowingLayer`s whose B rows all end at one column (the frontier); row b
-    holds `lengths[b]` ids, right-aligned at it. Appends each row's new keys and values. (B, V) float32."""
+    holds `lengths[b]` ids, right-aligned at it (a step that reads whole layers: one row, any layers it
+    reads). Appends each row's new keys and values. (B, V) float32."""
+    if step.reads_whole_layers:
+        if len(new_ids) != 1:
+            raise ValueError(f"{type(step.decoder).__name__} steps one history at a time, got {len(new_ids)}")
+        logits, new_keys, new_values = decode_after_shared_history(step, layers, new_ids, lengths[0])
+        for layer, keys, values in zip(layers, new_keys, new_values):
+            layer.update(keys[:, :, None], values[:, :, None])
+        return logits
     frontier = layers[0].get_seq_length()
     for layer in layers:
         layer.reserve(frontier + 1)
@@ -277,18 +281,23 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
     return logits
 
 
-def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[int]
+def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[int], position: int
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """B different next ids after the one history that one-row `GrowingLayer`s hold, each a row of one
-    step reading those layers' columns unexpanded. Appends nothing: returns the logits (B, V) float32 and
-    each row's new keys and values (layers, B, H_kv, D), for the caller to append the one it keeps."""
+    """B different next ids after the one history of `position` ids that one-row cache layers hold (ones
+    `step.decoder.can_read`), each a row of one step reading those layers' columns unexpanded. Appends
+    nothing: returns the logits (B, V) float32 and each row's new keys and values (layers, B, H_kv, D),
+    for the caller to append the one it keeps."""
+    device = layers[0].keys.device
+    ids, positions = torch.tensor(new_ids, device=device), torch.full((len(new_ids),), position, device=device)
+    if step.reads_whole_layers:
+        return step(ids, positions, [layer.keys for layer in layers], [layer.values for layer in layers])
     frontier = layers[0].get_seq_length()
     width = frontier if step.mode == "off" else layers[0].capacity
     device = layers[0]._key_buffer.device
     mask = (torch.arange(width, device=device) < frontier).view(1, 1, 1, width)
     return step(
-        torch.tensor(new_ids, device=device),
-        torch.full((len(new_ids),), frontier, device=device),
+        ids,
+        positions,
         [layer._key_buffer[:, :, :width] for layer in layers],
         [layer._value_buffer[:, :, :width] for layer in layers],
         mask,

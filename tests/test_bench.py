@@ -41,3 +41,22 @@ def test_suites_report_ratios_and_plot(tiny_service, tmp_path):
     out = tmp_path / "bench.png"
     bench.plot(figures, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_suite_on_experts_of_different_tokenizers(tiny_dir):
+    """The text step's figures: against transformers' plain forwards and the experts' own decode steps."""
+    from fusion.config import parse_config
+    from fusion.service import FusionService
+    from tests.conftest import tiny_config_dict
+
+    service = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "other"))))
+    try:
+        assert service.cross is not None
+        report = bench.BenchReport()
+        bench.bench_step(service, report, steps=3, rounds=1)
+        figures = report.figures
+        for name in ("cross_step_over_sum_of_forwards", "cross_step_over_sum_of_runtime_steps", "cross_lookahead_rows"):
+            assert math.isfinite(figures[name]) and figures[name] > 0, name
+        assert not any(e.cache for e in service.engine.experts)  # its sessions were released
+    finally:
+        service.close()

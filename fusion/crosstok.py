@@ -38,6 +38,7 @@ force over every spelling. Serving uses one batched lookahead call per expert an
 
 from __future__ import annotations
 
+import bisect
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -118,12 +119,11 @@ class _Row:
             return 0.0
         return float(self.logp[self.sorted_ids[lo:hi]].exp().double().sum())
 
-    def masses(self, lows: Sequence[int], highs: Sequence[int]) -> torch.Tensor:
-        """`mass` of each range: (T,) float64."""
-        if all(self.lo <= lo and hi <= self.hi for lo, hi in zip(lows, highs)):
-            at = self.lo
-            return self.csum[[h - at for h in highs]] - self.csum[[lo - at for lo in lows]]
-        return torch.tensor([self.mass(lo, hi) for lo, hi in zip(lows, highs)], dtype=torch.float64)
+    def span_masses(self, lows: torch.Tensor, highs: torch.Tensor) -> torch.Tensor:
+        """`mass` of each range [lows[t], highs[t]) (long tensors): (T,) float64."""
+        if len(lows) and int(lows.min()) >= self.lo and int(highs.max()) <= self.hi:
+            return self.csum[highs - self.lo] - self.csum[lows - self.lo]
+        return torch.tensor([self.mass(lo, hi) for lo, hi in zip(lows.tolist(), highs.tolist())], dtype=torch.float64)
 
     def top(self, lo: int, hi: int, k: int) -> tuple[list[float], list[int]]:
         """The `k` likeliest ids among sorted ids [lo, hi): (log-probabilities, ids)."""
@@ -437,33 +437,46 @@ class CrossTokenizerFusion:
             pieces.update(sorted(scored, key=lambda p: -scored[p])[: self.params.top_k])
         return sorted(pieces)
 
-    def _prefix_masses(self, state: ExpertState, targets: Sequence[bytes]) -> torch.Tensor:
-        """Q_e(x) for each target x: (T,) float64."""
-        spelling = state.spelling
-        total = torch.zeros(len(targets), dtype=torch.float64)
+    def _piece_masses(self, state: ExpertState, pieces: Sequence[bytes]) -> tuple[torch.Tensor, float]:
+        """Q_e(u + piece) for each piece of the sorted `pieces`, (P,) float64, and Q_e(u) (1 for an empty u):
+        for every path with a row, its probability times the mass its row puts on the ids that start with
+        the rest of each target. A path inside u reaches every target: the single bytes' ranges come from
+        one remembered `byte_bounds` row, their masses from one indexing of the row's cumulative sums."""
+        spelling, u = state.spelling, state.pending
+        singles = [j for j, piece in enumerate(pieces) if len(piece) == 1]
+        single_bytes = torch.tensor([pieces[j][0] for j in singles], dtype=torch.long)
+        multi = [j for j, piece in enumerate(pieces) if len(piece) > 1]
+        total = torch.zeros(len(pieces), dtype=torch.float64)
+        u_mass = 0.0 if u else 1.0
         for path in state.paths.values():
             if path.row is None:
                 continue
-            which, lows, highs = [], [], []
-            for j, target in enumerate(targets):
-                if len(target) > len(path.text) and target.startswith(path.text):
-                    lo, hi = spelling.range_of(target[len(path.text):])
-                    which.append(j)
-                    lows.append(lo)
-                    highs.append(hi)
-            if which:
-                mass = path.row.masses(lows, highs)
-                total[which] += math.exp(path.logp) * mass
-        return total
+            weight = math.exp(path.logp)
+            if u.startswith(path.text):  # every target u + piece extends this path's text
+                rest = u[len(path.text):]
+                lows = torch.empty(len(pieces), dtype=torch.long)
+                highs = torch.empty(len(pieces), dtype=torch.long)
+                bounds = spelling.byte_bounds(rest)  # (257,)
+                lows[singles], highs[singles] = bounds[single_bytes], bounds[single_bytes + 1]
+                for j in multi:
+                    lows[j], highs[j] = spelling.range_of(rest + pieces[j])
+                total += weight * path.row.span_masses(lows, highs)
+                if rest:
+                    u_mass += weight * path.row.mass(*spelling.range_of(rest))
+            elif path.text.startswith(u):  # a path into the pieces: the targets that extend past its text
+                s = path.text[len(u):]
+                for j in range(bisect.bisect_left(pieces, s), len(pieces)):
+                    if not pieces[j].startswith(s):
+                        break
+                    if len(pieces[j]) > len(s):
+                        total[j] += weight * path.row.mass(*spelling.range_of(pieces[j][len(s):]))
+        return total, u_mass
 
     def _event_logprobs(self, state: ExpertState, pieces: Sequence[bytes], excluded: Sequence[bytes] = ()
                         ) -> torch.Tensor:
         """log P_e(event) for each piece, then END: (C + 1,) float32."""
         u = state.pending
-        targets = [u + piece for piece in pieces]
-        masses = self._prefix_masses(state, targets + ([u] if u else []))
-        denominator = float(masses[-1]) if u else 1.0
-        masses = masses[: len(pieces)]
+        masses, denominator = self._piece_masses(state, pieces)
         index = {piece: j for j, piece in enumerate(pieces)}
         events = masses.clone()
         for j, piece in enumerate(pieces):  # subtract each piece's mass from its longest candidate prefix

@@ -26,6 +26,7 @@ import torch
 from fusion.errors import ConfigError
 
 _MAX_REMEMBERED_RANGES = 1 << 16
+_MAX_REMEMBERED_BOUNDS = 1 << 10  # 257 ids each
 _PROBE = "Hello world!  x = 12345.\n\tdef f(a, b):\n        return a+b  # é ü 中文 😀 \n\n"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -127,6 +128,7 @@ class Spelling:
     _keys: list[bytes] = field(init=False, repr=False)
     _by_bytes: dict[bytes, list[int]] = field(init=False, repr=False)
     _ranges: dict[bytes, tuple[int, int]] = field(init=False, repr=False)  # `range_of`'s answers so far
+    _bounds: dict[bytes, torch.Tensor] = field(init=False, repr=False)  # `byte_bounds`'s answers so far
 
     def __post_init__(self) -> None:
         spelled = [i for i, b in enumerate(self.token_bytes) if b]
@@ -138,6 +140,7 @@ class Spelling:
             self._by_bytes.setdefault(self.token_bytes[i], []).append(i)
         self.max_token_bytes = max((len(k) for k in self._keys), default=0)
         self._ranges = {}
+        self._bounds = {}
 
     @classmethod
     def from_tokenizer(cls, tokenizer, eos_ids: Sequence[int] = (), fingerprint: str = "") -> Spelling:
@@ -177,6 +180,19 @@ class Spelling:
             upper = _next_prefix(prefix)
             hi = len(self._keys) if upper is None else bisect.bisect_left(self._keys, upper, lo)
             found = self._ranges[prefix] = (lo, hi)
+        return found
+
+    def byte_bounds(self, prefix: bytes) -> torch.Tensor:
+        """(257,) long: the ids whose bytes start with `prefix` + byte b are sorted ids [bounds[b],
+        bounds[b + 1]) (the ids spelling `prefix` itself come before bounds[0]). Remembered, like
+        `range_of`: a step asks for every single byte after the same few prefixes."""
+        found = self._bounds.get(prefix)
+        if found is None:
+            if len(self._bounds) >= _MAX_REMEMBERED_BOUNDS:
+                self._bounds.clear()
+            lo, hi = self.range_of(prefix)
+            starts = [bisect.bisect_left(self._keys, prefix + bytes([b]), lo, hi) for b in range(256)]
+            found = self._bounds[prefix] = torch.tensor(starts + [hi], dtype=torch.long)
         return found
 
     def prefix_tokens(self, text: bytes, *, proper: bool = True) -> list[tuple[int, int]]:

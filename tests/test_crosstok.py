@@ -60,6 +60,10 @@ def test_spelling_index_matches_brute_force(xdir):
     target = b" quick"
     assert sorted(spelling.prefix_tokens(target)) == sorted(
         (len(b), i) for i, b in enumerate(spelling.token_bytes) if b and len(b) < len(target) and target.startswith(b))
+    for prefix in (b"", b" q", b"zz", "é".encode()[:1]):  # every byte after a prefix: range_of's ranges
+        bounds = spelling.byte_bounds(prefix).tolist()
+        assert [(bounds[b], bounds[b + 1]) for b in range(256)] == [spelling.range_of(prefix + bytes([b]))
+                                                                    for b in range(256)]
     ids, rest = spelling.tokenize("wörld".encode()[:-3])  # ends inside "ö"... no: "w", "ö" = 2 bytes
     assert spelling.spell(ids) + rest == "wörld".encode()[:-3]
 
@@ -199,7 +203,8 @@ def test_rows_answer_prefix_queries_as_a_full_cumulative_sum_does(xdir):
         if span == (0, n):
             assert torch.equal(row.csum, csum)  # the full row is the plain computation itself
         expected = torch.stack([csum[hi] - csum[lo] for lo, hi in queries])
-        torch.testing.assert_close(row.masses([lo for lo, _ in queries], [hi for _, hi in queries]), expected,
+        torch.testing.assert_close(row.span_masses(torch.tensor([lo for lo, _ in queries]),
+                                                   torch.tensor([hi for _, hi in queries])), expected,
                                    rtol=1e-12, atol=1e-15)
         for lo, hi in queries:
             assert row.mass(lo, hi) == pytest.approx(float(csum[hi] - csum[lo]), rel=1e-12, abs=1e-15)

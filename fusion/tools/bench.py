@@ -8,6 +8,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,6 +56,14 @@ def plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> floa
 
 
 def _plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
+    forwards = _plain_forward_times(expert, prompt)
+    times = [next(forwards) for _ in range(steps + 2)]
+    forwards.close()
+    return statistics.mean(times[2:]) * 1e3
+
+
+def _plain_forward_times(expert: LocalExpert, prompt: list[int]) -> Iterator[float]:
+    """Seconds of each decode forward of the bare model with transformers' own cache, after the prefill."""
     from transformers import DynamicCache
 
     model = expert.model
@@ -63,13 +72,13 @@ def _plain_forward_ms(expert: LocalExpert, prompt: list[int], steps: int) -> flo
         out = model(input_ids=torch.tensor([prompt], device=expert.device), cache=cache, use_cache=True,
                     logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for _ in range(steps + 2):
+    while True:
+        with torch.no_grad():
             start = time.perf_counter()
             out = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            times.append(time.perf_counter() - start)
-    return statistics.mean(times[2:]) * 1e3
+            elapsed = time.perf_counter() - start
+        yield elapsed
 
 
 def runtime_step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
@@ -79,59 +88,83 @@ def runtime_step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float
 
 
 def _runtime_step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
-    session = f"bench-runtime-{time.time_ns()}"
-    history = list(prompt)
-    times = []
-    try:
-        for _ in range(steps + 3):
-            start = time.perf_counter()
-            logits = expert.step([StepRequest(session, history)])
-            token = int(logits[0].argmax())  # a host sync, as the engine's sampler makes
-            times.append(time.perf_counter() - start)
-            history.append(token)
-    finally:
-        expert.release([session])
+    runtime_steps = _runtime_step_times(expert, prompt)
+    times = [next(runtime_steps) for _ in range(steps + 3)]
+    runtime_steps.close()
     return statistics.mean(times[3:]) * 1e3  # the first is the prefill
 
 
-def cross_step_ms(service: FusionService, steps: int) -> tuple[float, float]:
-    """Experts of different tokenizers: the mean fused text step (each expert's forward over its
-    lookahead rows, alignment, fusion, sampling, re-tokenization) and the mean ids per expert forward."""
-    return run_on_compute_thread(_cross_step_ms, service, steps)
+def _runtime_step_times(expert: LocalExpert, prompt: list[int]) -> Iterator[float]:
+    """Seconds of each `expert.step` on one session (the prefill first); its session is released when
+    the generator closes."""
+    session = f"bench-runtime-{time.time_ns()}"
+    history = list(prompt)
+    try:
+        while True:
+            start = time.perf_counter()
+            logits = expert.step([StepRequest(session, history)])
+            token = int(logits[0].argmax())  # a host sync, as the engine's sampler makes
+            elapsed = time.perf_counter() - start
+            history.append(token)
+            yield elapsed
+    finally:
+        expert.release([session])
 
 
-def _cross_step_ms(service: FusionService, steps: int) -> tuple[float, float]:
+def cross_step_rounds(service: FusionService, steps: int, rounds: int) -> list[dict[str, float]]:
+    """Experts of different tokenizers, per round: the fused text step (each expert's forward over its
+    lookahead rows, alignment, fusion, sampling, re-tokenization), each expert's plain forward and its
+    own runtime decode step, interleaved step by step (a plain forward of each expert, a runtime step of
+    each, a fused step) so that a host whose speed drifts slows all three alike; and the mean ids per
+    lookahead forward. Each round's figures are mean ms per step."""
+    return run_on_compute_thread(_cross_step_rounds, service, steps, rounds)
+
+
+def _cross_step_rounds(service: FusionService, steps: int, rounds: int) -> list[dict[str, float]]:
     from fusion.crosstok import decode
 
     rule, weights = service.resolve_spec(None)
+    experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]
+    prompts = _prompt_ids(service)
     rows: list[int] = []
     originals = {}
-    for expert in service.engine.experts:  # count the ids each extend call computes
-        if isinstance(expert, LocalExpert):
-            originals[expert] = expert.extend
+    for expert in experts:  # count the ids each extend call computes
+        originals[expert] = expert.extend
 
-            def counted(session_id, token_ids, extensions, _inner=expert.extend):
-                rows.append(sum(1 for e in extensions if e))
-                return _inner(session_id, token_ids, extensions)
+        def counted(session_id, token_ids, extensions, _inner=expert.extend):
+            rows.append(sum(1 for e in extensions if e))
+            return _inner(session_id, token_ids, extensions)
 
-            expert.extend = counted
+        expert.extend = counted
+    results = []
     try:
-        pieces = decode(service.cross, _prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
-                        rule, weights)
-        next(pieces)  # prefill
-        next(pieces)  # warm-up
-        rows.clear()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            next(pieces)
-            times.append(time.perf_counter() - start)
-        pieces.close()
+        for _ in range(rounds):
+            plains = [_plain_forward_times(e, prompts[i]) for i, e in enumerate(experts)]
+            runtimes = [_runtime_step_times(e, prompts[i]) for i, e in enumerate(experts)]
+            pieces = decode(service.cross, prompts, SamplingParams(max_tokens=steps + 3, ignore_eos=True), rule,
+                            weights)
+            for _ in range(2):  # prefill, warm-up
+                next(pieces)
+                for timings in plains + runtimes:
+                    next(timings)
+            rows.clear()
+            totals = {"fused": 0.0, "runtime": 0.0, **{f"plain.{e.info.name}": 0.0 for e in experts}}
+            for _ in range(steps):
+                for expert, timings in zip(experts, plains):
+                    totals[f"plain.{expert.info.name}"] += next(timings)
+                totals["runtime"] += sum(next(timings) for timings in runtimes)
+                start = time.perf_counter()
+                next(pieces)
+                totals["fused"] += time.perf_counter() - start
+            for generator in [pieces, *plains, *runtimes]:
+                generator.close()
+            lookahead = [r for r in rows if r]
+            results.append({**{k: v / steps * 1e3 for k, v in totals.items()},
+                            "lookahead_rows": statistics.mean(lookahead) if lookahead else 0.0})
     finally:
         for expert, extend in originals.items():
             expert.extend = extend
-    lookahead = [r for r in rows if r]
-    return statistics.mean(times) * 1e3, statistics.mean(lookahead) if lookahead else 0.0
+    return results
 
 
 def warm_decode_batch(service: FusionService, steps: int, rule=None, weights=None, rows: int = 1):
@@ -167,11 +200,15 @@ def fused_step_ms(service: FusionService, steps: int) -> tuple[float, float, dic
 
 
 def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rounds: int = 3) -> None:
-    """Fused step / Σ plain forwards, and fusion+sampling / one forward. Rounds interleave the two
-    measurements so drift in machine load hits both alike."""
+    """Fused step / Σ plain forwards, and fusion+sampling / one forward. Rounds interleave the
+    measurements so drift in machine load hits them alike (experts of different tokenizers: step by step,
+    `cross_step_rounds`)."""
+    if service.cross is not None:
+        _bench_cross_step(service, report, steps, rounds)
+        return
     experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]
     prompts = _prompt_ids(service)
-    plain_sums, runtime_sums, fused, fuse, rows = [], [], [], [], []
+    plain_sums, runtime_sums, fused, fuse = [], [], [], []
     per_expert_plain: dict[str, list[float]] = {e.info.name: [] for e in experts}
     for r in range(rounds):
         logger.info("step benchmark round %d/%d", r + 1, rounds)
@@ -180,30 +217,9 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
             per_expert_plain[e.info.name].append(t)
         plain_sums.append(sum(times))
         runtime_sums.append(sum(runtime_step_ms(e, prompts[i], steps) for i, e in enumerate(experts)))
-        if service.cross is not None:
-            step_ms, lookahead = cross_step_ms(service, steps)
-            fuse_ms = 0.0
-            rows.append(lookahead)
-        else:
-            step_ms, fuse_ms, _ = fused_step_ms(service, steps)
+        step_ms, fuse_ms, _ = fused_step_ms(service, steps)
         fused.append(step_ms)
         fuse.append(fuse_ms)
-    if service.cross is not None:
-        plain_sum, fused_ms = statistics.median(plain_sums), statistics.median(fused)
-        for name, values in per_expert_plain.items():
-            report.add(f"plain_forward_ms.{name}", statistics.median(values),
-                       f"plain decode forward, {name}: {statistics.median(values):.1f} ms")
-        report.add("cross_step_ms", fused_ms, f"fused text step ({len(experts)} experts, different tokenizers): "
-                   f"{fused_ms:.1f} ms")
-        report.add("cross_step_over_sum_of_forwards", fused_ms / plain_sum,
-                   f"fused text step / sum of plain forwards: {fused_ms / plain_sum:.3f}  (goal <= 1.15)")
-        runtime_sum = statistics.median(runtime_sums)
-        report.add("cross_step_over_sum_of_runtime_steps", fused_ms / runtime_sum,
-                   f"fused text step / sum of the experts' own runtime decode steps ({runtime_sum:.1f} ms, each "
-                   f"expert's decode path): {fused_ms / runtime_sum:.3f}")
-        report.add("cross_lookahead_rows", statistics.mean(rows),
-                   f"ids per lookahead forward: {statistics.mean(rows):.2f}")
-        return
     plain_sum = statistics.median(plain_sums)
     fused_ms = statistics.median(fused)
     fuse_ms = statistics.median(fuse)
@@ -227,6 +243,31 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
     report.add("fusion_sampling_over_one_forward", fuse_ms / one_forward,
                f"fusion + sampling / one forward ({experts[0].info.name}): {fuse_ms / one_forward:.4f}  "
                "(goal <= 0.02)")
+
+
+def _bench_cross_step(service: FusionService, report: BenchReport, steps: int, rounds: int) -> None:
+    """The text step's figures: each round's ratios (its timings interleaved step by step), then their
+    median across rounds."""
+    logger.info("text step benchmark: %d rounds of %d steps", rounds, steps)
+    results = cross_step_rounds(service, steps, rounds)
+    names = [e.info.name for e in service.engine.experts if isinstance(e, LocalExpert)]
+    for name in names:
+        ms = statistics.median(r[f"plain.{name}"] for r in results)
+        report.add(f"plain_forward_ms.{name}", ms, f"plain decode forward, {name}: {ms:.1f} ms")
+    fused_ms = statistics.median(r["fused"] for r in results)
+    report.add("cross_step_ms", fused_ms, f"fused text step ({len(names)} experts, different tokenizers): "
+               f"{fused_ms:.1f} ms")
+    over_plain = [r["fused"] / sum(r[f"plain.{n}"] for n in names) for r in results]
+    report.add("cross_step_over_sum_of_forwards", statistics.median(over_plain),
+               f"fused text step / sum of plain forwards: {statistics.median(over_plain):.3f}  (goal <= 1.15; "
+               f"rounds {', '.join(f'{x:.3f}' for x in over_plain)})")
+    over_runtime = [r["fused"] / r["runtime"] for r in results]
+    runtime_ms = statistics.median(r["runtime"] for r in results)
+    report.add("cross_step_over_sum_of_runtime_steps", statistics.median(over_runtime),
+               f"fused text step / sum of the experts' own runtime decode steps ({runtime_ms:.1f} ms, each "
+               f"expert's decode path): {statistics.median(over_runtime):.3f}")
+    rows = statistics.mean(r["lookahead_rows"] for r in results)
+    report.add("cross_lookahead_rows", rows, f"ids per lookahead forward: {rows:.2f}")
 
 
 def read_bandwidth_gbs(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:

@@ -550,6 +550,7 @@ def bench(
     compiled: bool = typer.Option(True, "--compile/--no-compile",
                                   help="The decode suite also compiles the decode step (minutes on a small CPU)."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved timing rounds of the step suite."),
     levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
     context: int = typer.Option(1024, "--context", min=2, help="Ids per session in the long-context suite."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
@@ -572,7 +573,7 @@ def bench(
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
-            b.bench_step(service, report, steps=steps)
+            b.bench_step(service, report, steps=steps, rounds=rounds)
         if "generate" in chosen:
             b.bench_generate(service, report)
         if "concurrency" in chosen:

@@ -360,14 +360,14 @@ class CrossTokenizerFusion:
             frontier = [p for p in grown if len(p.text) < len(u)]
 
     def _register(self, state: ExpertState, paths: list[_Path]) -> None:
-        """Compute the rows after `paths` (one call), keep them, and give multi-id paths their probability."""
+        """Compute the rows after `paths` (one call), keep them, and give every path its probability from
+        its parent's row (the root's for one id; canonical spellings are made without one)."""
         self._compute(state, paths)
         for path in paths:
             state.paths[path.tokens] = path
         for path in sorted(paths, key=lambda p: len(p.tokens)):
-            if len(path.tokens) > 1:
-                parent = state.paths[path.tokens[:-1]]
-                path.logp = parent.logp + float(parent.row.logp[path.tokens[-1]])
+            parent = state.paths[path.tokens[:-1]]
+            path.logp = parent.logp + float(parent.row.logp[path.tokens[-1]])
 
     def _add_canonical(self, state: ExpertState, targets: Sequence[bytes]) -> None:
         """A second call, only when needed: the canonical spelling of targets this expert cannot spell

@@ -275,6 +275,33 @@ def test_events_are_exact_text_probabilities(xdir):
     fusion.close([state])
 
 
+def test_serving_paths_carry_their_spellings_probabilities(xdir):
+    """Serving's one pruned lookahead level (few paths kept, so canonical spellings come in without a row
+    to read their probability from): every path looked at has the probability of its ids, the product
+    of each id's probability after the ones before it, from plain forwards."""
+    experts = [load(xdir["a"], "a"), load(xdir["x"], "x")]
+    fusion = CrossTokenizerFusion(experts, [spelling_of(e) for e in experts], CrossParams(max_paths=1))
+    prompts = [e.tokenizer("the quick brown fox, 12 plus 35", add_special_tokens=False)["input_ids"] for e in experts]
+    states = fusion.open(prompts, [True, True], hold_back_prompt=True)
+    canonical = 0
+    for _ in range(4):
+        pieces, logprobs = fusion.events(states)
+        for state, expert in zip(states, experts):
+            for path in state.paths.values():
+                logp, ids = 0.0, list(state.ids)
+                for token in path.tokens:
+                    logp += float(torch.log_softmax(plain_last_logits(expert, ids).double(), -1)[token])
+                    ids.append(token)
+                assert math.isclose(path.logp, logp, rel_tol=1e-4, abs_tol=1e-4), (expert.info.name, path.text)
+                canonical += len(path.text) > len(state.pending)  # beyond u: a looked-ahead spelling
+        longer = [j for j, p in enumerate(pieces) if p is not END and len(p) > 1]  # advance by multi-byte pieces
+        choice = max(longer, key=lambda j: float(logprobs[:, j].sum()))
+        for state in states:
+            state.advance(pieces[choice])
+    assert canonical  # looked-ahead spellings were checked too
+    fusion.close(states)
+
+
 class MergedExpert:
     """Expert `inner` seen through a vocabulary with extra merged tokens: id V + j spells the bytes of
     the pair `merges[j]` = (a, b) and has probability p(a) p(b | a); id a < V keeps the mass of a not

@@ -335,7 +335,11 @@ class CrossTokenizerFusion:
         root = state.paths[()]
         params, spelling, u = self.params, state.spelling, state.pending
         level = self._grow_paths(state, [root], [u], inclusive=True) if u else []
-        floor = self._floor(state)
+        lo, hi = spelling.range_of(u)
+        # u's mass is at least that of the ids that start with it (u itself among them); a path adds at
+        # most its own probability, so one lighter than `min_path_prob` times that adds at most that share
+        reference = math.log(max(root.row.mass(lo, hi), 1e-300))
+        floor = reference + math.log(params.min_path_prob) if params.min_path_prob > 0 else -math.inf
         level = [p for p in level if p.logp >= floor]
         if params.depth == 1:
             longer = [(n, token) for piece in pieces for n, token in spelling.prefix_tokens(u + piece) if n > len(u)]
@@ -354,16 +358,6 @@ class CrossTokenizerFusion:
                 break
             grown = self._add(state, self._grow_paths(state, frontier, [u], inclusive=True))
             frontier = [p for p in grown if len(p.text) < len(u)]
-
-    def _floor(self, state: ExpertState) -> float:
-        """The log-probability under which a path is not looked ahead. u's mass is at least that of the ids
-        that start with it (u itself among them); a path adds at most its own probability, so one lighter
-        than `min_path_prob` times that adds at most that share of the step's denominator."""
-        if self.params.min_path_prob <= 0:
-            return -math.inf
-        root = state.paths[()]
-        reference = math.log(max(root.row.mass(*state.spelling.range_of(state.pending)), 1e-300))
-        return reference + math.log(self.params.min_path_prob)
 
     def _register(self, state: ExpertState, paths: list[_Path]) -> None:
         """Compute the rows after `paths` (one call), keep them, and give every path its probability from
@@ -389,23 +383,8 @@ class CrossTokenizerFusion:
                         break
             if not covered:
                 missing.append(target)
-        if not missing:
-            return
-        # Each new path's probability is bounded before any forward: its parent's row gives it where the
-        # parent has one, else it is at most its parent's bound. Paths under the floor are not looked at
-        # (a second call for a spelling like ".<start_of_image>" after "." would cost a forward for ~1e-7).
-        floor, bound = self._floor(state), {}
-        kept = []
-        for path in sorted(self._canonical_paths(state, missing, set()), key=lambda p: len(p.tokens)):
-            parent = state.paths.get(path.tokens[:-1])
-            if parent is not None and parent.row is not None:
-                bound[path.tokens] = parent.logp + float(parent.row.logp[path.tokens[-1]])
-            else:
-                bound[path.tokens] = bound.get(path.tokens[:-1], -math.inf)
-            if bound[path.tokens] >= floor:
-                kept.append(path)
-        if kept:
-            self._register(state, kept)
+        if missing:
+            self._register(state, self._canonical_paths(state, missing, set()))
 
     def _canonical_paths(self, state: ExpertState, targets: Sequence[bytes], have: set) -> list[_Path]:
         """Serving's second level, in the same batched call: for each target the ids the expert's own

@@ -6,6 +6,44 @@ import torch
 from torch import nn
 
 
+def frozen(tensor: torch.Tensor) -> nn.Parameter:
+    """`tensor` as a parameter without gradients (itself when it already is a parameter)."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, 1, D) of each row's position (B,) for a rotary table `inv_freq` (D/2,)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # (B, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (B, D)
+    return (angles.cos() * scaling).to(dtype)[:, None, :], (angles.sin() * scaling).to(dtype)[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding applied to heads x (B, H, D), as transformers' `rotate_half` does."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One new query per row over its cached columns and its own new key/value: q (B, H, D), k and v
+    (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
+    columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
+    kv head), as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
+    Returns (B, H·D)."""
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.view(batch, kv_heads, heads // kv_heads, dim)
+    cached = rows_times(q, keys.transpose(-1, -2)).float()  # (B, H_kv, group, width)
+    if mask is not None:
+        cached = cached.masked_fill(~mask, float("-inf"))
+    own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
+    probs = torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(q.dtype)
+    attn = rows_times(probs[..., :-1], values) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+    return attn.reshape(batch, heads * dim)
+
+
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input; each module's weight becomes a
     view of its rows of the fused one, so the model keeps working and memory holds one copy."""

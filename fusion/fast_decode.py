@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.decode_ops import fuse_linears, rows_times
+from fusion.decode_ops import attend, frozen, fuse_linears, rotary, rotate
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
@@ -92,10 +92,9 @@ class FastDecoder(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = float(config.rms_norm_eps)
         inner = model.model
-        as_param = lambda t: t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
-        self.embed = as_param(inner.embed_tokens.weight)  # (V_in, hidden)
-        self.norm = as_param(inner.norm.weight)
-        self.lm_head = as_param(model.get_output_embeddings().weight)  # (V, hidden)
+        self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
+        self.norm = frozen(inner.norm.weight)
+        self.lm_head = frozen(model.get_output_embeddings().weight)  # (V, hidden)
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -107,14 +106,14 @@ class FastDecoder(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-            self.qkv.append(as_param(qkv))
+            self.qkv.append(frozen(qkv))
             if qkv_bias is not None:
-                self.qkv_bias.append(as_param(qkv_bias))
-            self.o_proj.append(as_param(attn.o_proj.weight))
-            self.gate_up.append(as_param(gate_up))
-            self.down.append(as_param(mlp.down_proj.weight))
-            self.input_norm.append(as_param(layer.input_layernorm.weight))
-            self.post_norm.append(as_param(layer.post_attention_layernorm.weight))
+                self.qkv_bias.append(frozen(qkv_bias))
+            self.o_proj.append(frozen(attn.o_proj.weight))
+            self.gate_up.append(frozen(gate_up))
+            self.down.append(frozen(mlp.down_proj.weight))
+            self.input_norm.append(frozen(layer.input_layernorm.weight))
+            self.post_norm.append(frozen(layer.post_attention_layernorm.weight))
         self.has_qkv_bias = len(self.qkv_bias) > 0
         self.intermediate = self.down[0].shape[1]
 
@@ -140,42 +139,28 @@ class FastDecoder(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next
-        ids after one shared history (a lookahead), read once, never copied per row. The step reads the buffers and writes nothing: a compiled graph
-        then has no mutated inputs (which CUDA graphs refuse). A compiled step is given the buffers'
+        ids after one shared history (a lookahead), read once, never copied per row. The step reads the
+        buffers and writes nothing: a compiled graph then has no mutated inputs (which CUDA graphs refuse). A compiled step is given the buffers'
         whole capacity, masked, so shapes change only when a buffer grows (by half its size) and it is
         not recompiled as the cache fills; unfilled columns are zeros (GrowingLayer allocates them so),
         never NaN."""
         batch = ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = heads // kv_heads
         x = F.embedding(ids, self.embed)  # (B, hidden)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (B, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)  # (B, D)
-        cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None, :]  # (B, 1, D)
-        sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None, :]
-        half = dim // 2
+        cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
         scale = dim ** -0.5
         new_keys, new_values = [], []
         for layer in range(len(self.qkv)):
             h = self._rmsnorm(x, self.input_norm[layer])
             qkv = F.linear(h, self.qkv[layer], self.qkv_bias[layer] if self.has_qkv_bias else None)
             q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
-            q = q.view(batch, heads, dim)
-            k = k.view(batch, kv_heads, dim)
+            q = rotate(q.view(batch, heads, dim), cos, sin)
+            k = rotate(k.view(batch, kv_heads, dim), cos, sin)
             v = v.view(batch, kv_heads, dim)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             new_keys.append(k)
             new_values.append(v)
-            # Grouped-query attention without repeating keys (each group's queries share one kv head),
-            # as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
-            q = q.view(batch, kv_heads, group, dim)
-            cached = rows_times(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, width)
-            own = (q * k[:, :, None, :]).sum(-1, keepdim=True)  # (B, H_kv, group, 1): the new column
-            scores = torch.cat((cached.float().masked_fill(~mask, float("-inf")), own.float()), dim=-1) * scale
-            probs = torch.softmax(scores, dim=-1).to(x.dtype)
-            attn = rows_times(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
-            x = x + F.linear(attn.reshape(batch, heads * dim), self.o_proj[layer])
+            attn = attend(q, k, v, keys[layer], values[layer], scale, mask)  # (B, H·D)
+            x = x + F.linear(attn, self.o_proj[layer])
             h = self._rmsnorm(x, self.post_norm[layer])
             gate, up = F.linear(h, self.gate_up[layer]).split(self.intermediate, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[layer])

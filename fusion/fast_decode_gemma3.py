@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from fusion.decode_ops import fuse_linears, rows_times
+from fusion.decode_ops import attend, frozen, fuse_linears, rotary, rotate
 from fusion.kv_cache import GrowingLayer
 
 MODEL_TYPE = "gemma3_text"
@@ -70,10 +70,9 @@ class Gemma3Decoder(nn.Module):
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         inner = model.model
-        as_param = lambda t: t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
-        self.embed = as_param(inner.embed_tokens.weight)  # (V_in, hidden)
+        self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
         self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
-        self.lm_head = as_param(model.get_output_embeddings().weight)  # (V, hidden)
+        self.lm_head = frozen(model.get_output_embeddings().weight)  # (V, hidden)
         rotary = inner.rotary_emb
         # Per layer type: the model's own rotary table (any scaling already folded in) and its factor.
         self.layer_types = list(config.layer_types)
@@ -91,10 +90,10 @@ class Gemma3Decoder(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, _ = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-            self.qkv.append(as_param(qkv))
-            self.o_proj.append(as_param(attn.o_proj.weight))
-            self.gate_up.append(as_param(gate_up))
-            self.down.append(as_param(mlp.down_proj.weight))
+            self.qkv.append(frozen(qkv))
+            self.o_proj.append(frozen(attn.o_proj.weight))
+            self.gate_up.append(frozen(gate_up))
+            self.down.append(frozen(mlp.down_proj.weight))
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm]
             self.norms.append(nn.Parameter(1.0 + torch.stack([n.weight.detach().float() for n in norms]),
@@ -129,33 +128,21 @@ class Gemma3Decoder(nn.Module):
         append. Keys and values of one row serve every row (B candidate ids after one history)."""
         batch = ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = heads // kv_heads
         x = F.embedding(ids, self.embed) * torch.tensor(self.embed_scale, dtype=self.embed.dtype)  # (B, hidden)
-        half = dim // 2
-        rotary = {}
-        for kind, factor in self.rope_scaling.items():
-            freqs = positions[:, None].float() * getattr(self, f"{kind}_inv_freq")[None, :]  # (B, D/2)
-            angles = torch.cat((freqs, freqs), dim=-1)  # (B, D)
-            rotary[kind] = ((angles.cos() * factor).to(x.dtype)[:, None, :], (angles.sin() * factor).to(x.dtype)[:, None, :])
+        tables = {kind: rotary(positions, getattr(self, f"{kind}_inv_freq"), factor, x.dtype)
+                  for kind, factor in self.rope_scaling.items()}  # (B, 1, D) cos and sin per layer type
         new_keys, new_values = [], []
         for layer, kind in enumerate(self.layer_types):
             norms, head_norms = self.norms[layer], self.head_norms[layer]
             h = self._norm(x, norms[0])
             q, k, v = F.linear(h, self.qkv[layer]).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-            q = self._norm(q.view(batch, heads, dim), head_norms[0])
-            k = self._norm(k.view(batch, kv_heads, dim), head_norms[1])
+            q = rotate(self._norm(q.view(batch, heads, dim), head_norms[0]), *tables[kind])
+            k = rotate(self._norm(k.view(batch, kv_heads, dim), head_norms[1]), *tables[kind])
             v = v.view(batch, kv_heads, dim)
-            cos, sin = rotary[kind]  # (B, 1, D)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             new_keys.append(k)
             new_values.append(v)
-            q = q.view(batch, kv_heads, group, dim)
-            cached = rows_times(q, keys[layer].transpose(-1, -2))  # (B, H_kv, group, n)
-            own = (q * k[:, :, None, :]).sum(-1, keepdim=True)  # (B, H_kv, group, 1): the new column
-            probs = torch.softmax(torch.cat((cached, own), dim=-1).float() * self.scale, dim=-1).to(x.dtype)
-            attn = rows_times(probs[..., :-1], values[layer]) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
-            x = x + self._norm(F.linear(attn.reshape(batch, heads * dim), self.o_proj[layer]), norms[1])
+            attn = attend(q, k, v, keys[layer], values[layer], self.scale)  # (B, H·D), every column visible
+            x = x + self._norm(F.linear(attn, self.o_proj[layer]), norms[1])
             gate, up = F.linear(self._norm(x, norms[2]), self.gate_up[layer]).split(self.intermediate, dim=-1)
             x = x + self._norm(F.linear(F.gelu(gate, approximate="tanh") * up, self.down[layer]), norms[3])
         logits = F.linear(self._norm(x, self.final_norm), self.lm_head).float()

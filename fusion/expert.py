@@ -235,11 +235,9 @@ class LocalExpert:
         """The fast decode step the config asks for, if the model and its cache allow one."""
         if config.decode == "transformers":
             return None
-        reason = unsupported_reason(model)
+        reason = unsupported_reason(model, compiled=config.decode == "compiled")
         if reason is None and not self._plain_cache and getattr(model.config, "model_type", None) != GEMMA3:
             reason = "a cache with non-plain layers"  # (Gemma 3's step reads its sliding-window layers itself)
-        if reason is None and config.decode == "compiled" and getattr(model.config, "model_type", None) == GEMMA3:
-            reason = "Gemma 3's layers differ in width (sliding windows): it runs the eager fast step (decode: fast)"
         if reason is not None:
             if config.decode == "compiled":
                 raise ValueError(f"expert {config.name!r}: decode: compiled is not available for this model: {reason}")

@@ -47,13 +47,19 @@ COMPILE_MODES = ("off", "inductor", "cudagraphs")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def unsupported_reason(model) -> str | None:
-    """Why no fast decode step can run this model (None: one can; Gemma 3 text models take
-    `fusion.fast_decode_gemma3.Gemma3Decoder`, Llama-family ones `FastDecoder`)."""
+# Why a Gemma 3 decode step is never compiled.
+GEMMA3_EAGER_ONLY = ("a compiled decode step is for Llama-family models: Gemma 3's layers differ in width "
+                     "(sliding windows), so it runs the eager fast step (decode: fast)")
+
+
+def unsupported_reason(model, *, compiled: bool = False) -> str | None:
+    """Why no fast decode step (a compiled one, with `compiled`) can run this model (None: one can; Gemma
+    3 text models take `fusion.fast_decode_gemma3.Gemma3Decoder`, eager only, Llama-family ones
+    `FastDecoder`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type == GEMMA3:
-        return gemma3_unsupported_reason(model)
+        return gemma3_unsupported_reason(model) or (GEMMA3_EAGER_ONLY if compiled else None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES + (GEMMA3,))})"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -140,10 +146,10 @@ class FastDecoder(nn.Module):
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next
         ids after one shared history (a lookahead), read once, never copied per row. The step reads the
-        buffers and writes nothing: a compiled graph then has no mutated inputs (which CUDA graphs refuse). A compiled step is given the buffers'
-        whole capacity, masked, so shapes change only when a buffer grows (by half its size) and it is
-        not recompiled as the cache fills; unfilled columns are zeros (GrowingLayer allocates them so),
-        never NaN."""
+        buffers and writes nothing: a compiled graph then has no mutated inputs (which CUDA graphs
+        refuse). A compiled step is given the buffers' whole capacity, masked, so shapes change only
+        when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
+        columns are zeros (GrowingLayer allocates them so), never NaN."""
         batch = ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # (B, hidden)
@@ -195,8 +201,7 @@ class DecodeStep:
         if decoder is None:
             decoder = Gemma3Decoder(model) if getattr(model.config, "model_type", None) == GEMMA3 else FastDecoder(model)
         if mode != "off" and isinstance(decoder, Gemma3Decoder):
-            raise ValueError("a compiled decode step is for Llama-family models: Gemma 3's layers differ in "
-                             "width (sliding windows), so it runs the eager fast step (decode: fast)")
+            raise ValueError(GEMMA3_EAGER_ONLY)
         self.decoder = decoder
         if mode == "off":
             self._run = self.decoder
@@ -278,7 +283,6 @@ def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[in
         return step(ids, positions, [layer.keys for layer in layers], [layer.values for layer in layers])
     frontier = layers[0].get_seq_length()
     width = frontier if step.mode == "off" else layers[0].capacity
-    device = layers[0]._key_buffer.device
     mask = (torch.arange(width, device=device) < frontier).view(1, 1, 1, width)
     return step(
         ids,

@@ -84,7 +84,7 @@ class Gemma3Decoder(nn.Module):
         # Gemma's norms multiply by (1 + w): kept as that sum, in float32, as transformers computes it.
         self.final_norm = nn.Parameter(1.0 + inner.norm.weight.detach().float(), requires_grad=False)
         self.qkv, self.o_proj, self.gate_up, self.down = (nn.ParameterList() for _ in range(4))
-        self.norms = nn.ParameterList()  # per layer (6, ...): input, post-attention, pre-MLP, post-MLP, q, k
+        self.norms = nn.ParameterList()  # per layer (4, hidden): input, post-attention, pre-MLP, post-MLP
         self.head_norms = nn.ParameterList()  # per layer (2, head_dim): query, key
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion.config import parse_config
-from fusion.expert import LocalExpert, StepRequest
+from fusion.expert import StepRequest
 from fusion.fast_decode import DecodeStep, unsupported_reason
 from fusion.fast_decode_gemma3 import Gemma3Decoder
+from tests.test_fast_decode import _expert
 
 WINDOW = 6
 
@@ -39,11 +39,6 @@ def gemma_dir(tmp_path_factory, tiny_dir):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def _expert(path, decode: str = "fast") -> LocalExpert:
-    config = parse_config({"experts": [{"name": "g", "model": str(path), "dtype": "float32", "decode": decode}]})
-    return LocalExpert.load(config.experts[0])
 
 
 def _reference(path):

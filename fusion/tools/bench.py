@@ -7,8 +7,8 @@ import logging
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

@@ -32,6 +32,7 @@ from ray import serve
 from deploy._replica import DirectContext, ServerLoop, advertised_host
 from deploy.registry import expert_version
 from deploy.settings import ExpertRuntime
+from fusion.compute import compute_executor
 from fusion.config import ExpertConfig, Limits, SecurityConfig
 from fusion.expert import LocalExpert
 from fusion.models import model_resolver
@@ -73,7 +74,8 @@ class ExpertReplica:
         local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_expert_server(
-            local, limits_config, f"{settings.host}:0", security=self._security))
+            local, limits_config, f"{settings.host}:0", security=self._security,
+            worker=compute_executor()))  # the replica's process: its compute thread (fusion.compute)
         if settings.metrics_port is not None:
             self._serve_metrics(settings.metrics_port, settings.host)
         self.address = f"{advertised_host(settings.host)}:{port}"

@@ -4,9 +4,12 @@ PyTorch's CPU kernels run on an OpenMP team owned by the calling thread. Once a 
 its own team, the process manages more OpenMP threads than cores and libgomp stops letting idle
 workers spin: every parallel region then wakes its workers through the kernel. Measured on 2 cores,
 a SmolLM2-135M decode forward takes 41 ms on a fresh thread but 52 ms on a thread started after the
-main thread had run one. So the engine's steps and scoring (its in-process experts' forwards, fusion,
-sampling) all run here. (An expert server steps on its own single worker thread: in its own process
-that is the only one.)
+main thread had run one; its compiled decode step 48 ms against 21 ms (inductor's kernels are many
+short parallel regions). So the engine's steps and scoring (its in-process experts' forwards, fusion,
+sampling) run here, experts are loaded here, and an in-process expert's work that comes from another
+thread (a fingerprint on the main thread, an expert server's worker in a test) runs on that thread
+alone (`single_team`). An expert server in its own process (`fusion serve-expert`, a Ray replica)
+makes this thread its worker.
 
 Work here must never wait for other work queued here: remote experts are stepped from a pool, and
 an expert server in the same process (tests) has its own worker.
@@ -71,3 +74,15 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def single_team(device: torch.device | str = "cpu") -> Iterator[None]:
+    """Keep the process at one OpenMP team: CPU tensor work enclosed here runs with the compute thread's
+    team when called on it, and on the calling thread alone (`one_thread`) anywhere else (see the
+    module docstring). No-op for other devices, whose host threads only launch kernels."""
+    if torch.device(device).type != "cpu" or on_compute_thread():
+        yield
+        return
+    with one_thread():
+        yield

@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
 from fusion.fast_decode import (GEMMA3, DecodeStep, configure_compile_cache, decode_after_shared_history,
@@ -228,8 +229,14 @@ class LocalExpert:
         logger.info("loading expert %s from %s (%s on %s)", config.name, path, config.dtype, config.device)
         if config.decode == "compiled" and compile_cache_dir is not None:
             configure_compile_cache(compile_cache_dir)
-        model, tokenizer = load_model_and_tokenizer(config, path)
-        return cls(config, model, tokenizer, model_ref=path)
+
+        def load() -> LocalExpert:
+            model, tokenizer = load_model_and_tokenizer(config, path)
+            return cls(config, model, tokenizer, model_ref=path)
+
+        # On the compute thread, like every step after it: a second thread's OpenMP team would slow
+        # every later forward (see fusion.compute).
+        return run_on_compute_thread(load)
 
     def _decode_step(self, config: ExpertConfig, model) -> DecodeStep | None:
         """The fast decode step the config asks for, if the model and its cache allow one."""
@@ -259,7 +266,7 @@ class LocalExpert:
         ids = [r.session_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"expert {self.info.name!r}: a step names a session twice: {ids}")
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), single_team(self.device):
             rows: list[torch.Tensor | None] = [None] * len(requests)
             decode, fresh = [], []
             for i, r in enumerate(requests):
@@ -294,7 +301,7 @@ class LocalExpert:
             raise InvalidArgumentError(
                 f"num_positions must be in [1, {len(token_ids) - 1}], got {num_positions}"
             )
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), single_team(self.device):
             logits = self._forward_tail(session_id, token_ids[:-1], num_positions)
             self.cache.evict(keep=[session_id])
         return logits
@@ -323,7 +330,7 @@ class LocalExpert:
         if self.info.max_positions and len(token_ids) + longest > self.info.max_positions:
             raise InvalidArgumentError(f"expert {self.info.name!r}: history + extension exceed the model's "
                                        f"{self.info.max_positions} positions")
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), single_team(self.device):
             base_logits = self._advance(session_id, token_ids)  # (V,); the cache now holds token_ids
             entry = self.cache.get(session_id)
             grown = list(dict.fromkeys(tuple(e) for e in extensions if e))  # distinct, in order

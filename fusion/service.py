@@ -315,8 +315,8 @@ class FusionService:
         device = devices.pop() if len(devices) == 1 else "cpu"
         mixed = config.alignment == "text" or len({e.info.tokenizer_fingerprint for e in experts}) > 1
         engine = FusionEngine(experts, config.limits, device=device, mixed_tokenizers=mixed)
-        try:
-            return cls(config, engine, tokenizers, cache_dir, require_router=require_router)
+        try:  # on the compute thread: building it runs the experts (their fingerprints, a compiled step)
+            return run_on_compute_thread(cls, config, engine, tokenizers, cache_dir, require_router=require_router)
         except BaseException:
             engine.close()
             raise

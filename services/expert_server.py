@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 
+from fusion.compute import compute_executor
 from fusion.config import FusionConfig, Limits, SecurityConfig
 from fusion.errors import FusionError, InvalidArgumentError, ResourceExhaustedError, SessionReleasedError
 from fusion.expert import LocalExpert, StepRequest
@@ -119,11 +120,15 @@ class _Pending:
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServicer):
-    def __init__(self, expert: LocalExpert, limits: Limits, metrics: ExpertMetrics) -> None:
+    def __init__(self, expert: LocalExpert, limits: Limits, metrics: ExpertMetrics,
+                 worker: ThreadPoolExecutor | None = None) -> None:
+        """`worker`: the one-thread executor that runs the model work (default: a thread of its own;
+        a server alone in its process passes the process's compute thread, `fusion.compute`)."""
         self.expert = expert
         self.limits = limits
         self.metrics = metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"expert-{expert.info.name}")
+        self._owns_executor = worker is None
+        self._executor = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"expert-{expert.info.name}")
         self._queue: list[_Pending] = []
         self._drainer: asyncio.Task | None = None
         self.released = ReleasedSessions()
@@ -133,7 +138,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         metrics.track_cache(expert.cache_stats)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
 
     async def _on_worker(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
@@ -371,12 +377,14 @@ async def create_expert_server(
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
     security: SecurityConfig | None = None,
+    worker: ThreadPoolExecutor | None = None,
 ) -> tuple[RunningServer, int]:
     """Serve `expert` on `address`; returns (server, bound port). Call on the serving event loop.
-    `security` (the config's section) sets TLS, client certificates and the coordinator's secret."""
+    `security` (the config's section) sets TLS, client certificates and the coordinator's secret;
+    `worker` runs the model work (see `ExpertServicer`)."""
     limits = limits or Limits()
     metrics = ExpertMetrics()
-    servicer = ExpertServicer(expert, limits, metrics)
+    servicer = ExpertServicer(expert, limits, metrics, worker)
     running = await start_server(
         servicer, expert_pb2_grpc.add_ExpertServicer_to_server, EXPERT_SERVICE, metrics,
         address=address, max_message_bytes=limits.max_message_bytes,
@@ -405,7 +413,7 @@ def run_expert_server(
 
     async def main() -> None:
         running, bound = await create_expert_server(expert, config.limits, f"{host}:{port}", metrics_port, host,
-                                                    security=config.security)
+                                                    security=config.security, worker=compute_executor())
         print(f"expert {name!r} serving on {host}:{bound}", file=sys.stderr, flush=True)
         await serve_until_signalled(running, grace)
 

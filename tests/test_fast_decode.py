@@ -11,6 +11,7 @@ from fusion.config import SamplingParams, parse_config
 from fusion.engine import GenerationRequest
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
+from fusion.decode_ops import linear_one_row
 from fusion.fast_decode import DecodeStep, FastDecoder, unsupported_reason
 from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
@@ -243,3 +244,21 @@ def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir, decode):
         finally:
             service.close()
     torch.testing.assert_close(fused["cuda"], fused["cpu"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_one_row_is_the_linear_product(dtype):
+    """The compiled steps' projection: one row summed in float32, eagerly and compiled, and several rows
+    through F.linear, against the product in float64 (within the dtype's rounding of the output)."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 24, generator=generator).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype)
+    compiled = torch.compile(linear_one_row, dynamic=True)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for rows in (1, 3):
+        x = torch.randn(rows, 24, generator=generator).to(dtype)
+        for b in (None, bias):
+            expected = x.double() @ weight.double().T + (0 if b is None else b.double())  # (rows, 40)
+            for got in (linear_one_row(x, weight, b), compiled(x, weight, b)):
+                assert got.shape == (rows, 40) and got.dtype == dtype
+                torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

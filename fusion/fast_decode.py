@@ -27,6 +27,7 @@ CUDA. The expert config's `decode` field picks one (fusion.expert).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -216,8 +217,7 @@ class DecodeStep:
             if mode == "inductor" and decoder.embed.device.type == "cpu":
                 # One session's step (one row) reads each weight through inductor's own vectorised sum:
                 # SmolLM2-135M, bf16, 2 cores: ~20 ms a step against ~40 ms with F.linear compiled.
-                def forward(*inputs, decoder=self.decoder):
-                    return decoder(*inputs, linear=linear_one_row)
+                forward = functools.partial(self.decoder, linear=linear_one_row)
             self._run = torch.compile(forward, dynamic=True, mode=compile_mode)
         self.first_call_s: float | None = None
 

@@ -275,7 +275,7 @@ class FusionService:
         self.tokenizers = list(tokenizers)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._auto_router: Path | None = None
-        self._rules = lru_cache(maxsize=64)(self._make_rule)
+        self._rules = lru_cache(maxsize=64)(self._built_rule)
         self._token_texts = lru_cache(maxsize=1 << 16)(self._decode_token)
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
@@ -361,6 +361,10 @@ class FusionService:
         return self._auto_router
 
     # -- admission ---------------------------------------------------------------------------------
+    def _built_rule(self, name: str, params_json: str) -> FusionRule:
+        """`_make_rule` on the compute thread: a router's tensors are built there (fusion.compute)."""
+        return run_on_compute_thread(self._make_rule, name, params_json)
+
     def _make_rule(self, name: str, params_json: str) -> FusionRule:
         params = json.loads(params_json)
         if name == "route" and self.cross is not None:

@@ -104,6 +104,19 @@ FRESH_STYLES = (
 )
 
 
+# A third set, written for comparing routers trained on wider phrasings (README), before any of its
+# results was seen; it informs no default either. `fusion eval` does not ask it (its time goes to the
+# first two); `benchmarks/operator_reading.py` does.
+NOVEL_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} and {b} added up", "{a} along with {b}", "{b} tacked onto {a}"),
+    "-": ("{a} having lost {b}", "{a} after spending {b}", "{a} with {b} subtracted"),
+    "*": ("{a} stacks of {b}", "{a} weeks of {b} per week", "{a} times the number {b}"),
+}
+NOVEL_FRAMES = ("I'd love to know {e}.", "{e} - any thoughts?", "Tell me what {e} is.", "What might {e} be?",
+                "Curious about {e}.")
+NOVEL_STYLES = ("Grandma wants to know: {q}", "{q} Don't rush.", "Exam prep. {q}", "{q} Thanks heaps!")
+
+
 def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
                imperatives: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     return {op: tuple(f.replace("{e}", e) for f in frames for e in expressions[op]) + imperatives.get(op, ())
@@ -113,8 +126,9 @@ def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
 TEMPLATES = _templates(FRAMES, EXPRESSIONS, IMPERATIVES)  # training: frames x expressions + imperatives
 HELD_OUT_TEMPLATES = _templates(HELD_OUT_FRAMES, HELD_OUT_EXPRESSIONS, {})  # held-out frames x expressions
 FRESH_TEMPLATES = _templates(FRESH_FRAMES, FRESH_EXPRESSIONS, {})
+NOVEL_TEMPLATES = _templates(NOVEL_FRAMES, NOVEL_EXPRESSIONS, {})
 PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES),
-             "fresh": (FRESH_TEMPLATES, FRESH_STYLES)}
+             "fresh": (FRESH_TEMPLATES, FRESH_STYLES), "novel": (NOVEL_TEMPLATES, NOVEL_STYLES)}
 
 # Training draws from wider lists than the in-template evaluation asks in: more wordings of each
 # operation, polite and indirect frames, instructions about the answer's form, and openers and

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from fusion.compute import run_on_compute_thread
+from fusion.compute import single_team
 from fusion.errors import ConfigError
 from fusion.rules import CONTEXT_TOKENS, LOGPROB_FLOOR, FusedLogits, FusionRule, row_argmax
 
@@ -328,15 +328,12 @@ def expert_fingerprint(expert: Any) -> str:
     info = expert.info
     probe = [(k * 7919 + 13) % min(info.tokenizer_size, info.vocab_size) for k in range(1, 13)]
     session = f"fingerprint-{uuid.uuid4().hex}"  # never reused: a replica refuses a released session
-
-    def top_ids() -> list[list[int]]:
+    with single_team():  # off the compute thread, on this thread alone (fusion.compute)
         try:
             logits = expert.score(session, probe, 6)  # (6, V)
         finally:
             expert.release([session])
-        return logits[:, : info.tokenizer_size].float().topk(3, dim=-1).indices.tolist()
-
-    top = run_on_compute_thread(top_ids)  # tensor work stays on the compute thread (fusion.compute)
+        top = logits[:, : info.tokenizer_size].float().topk(3, dim=-1).indices.tolist()
     payload = json.dumps([info.vocab_size, info.tokenizer_fingerprint, top])
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

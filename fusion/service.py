@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
-from fusion.compute import one_thread, run_on_compute_thread
+from fusion.compute import one_thread, run_on_compute_thread, single_team
 from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
 from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
@@ -362,8 +362,10 @@ class FusionService:
 
     # -- admission ---------------------------------------------------------------------------------
     def _built_rule(self, name: str, params_json: str) -> FusionRule:
-        """`_make_rule` on the compute thread: a router's tensors are built there (fusion.compute)."""
-        return run_on_compute_thread(self._make_rule, name, params_json)
+        """`_make_rule` where it is asked for (an admission thread), on that thread alone: a router's
+        tensors must not start a second OpenMP team (fusion.compute), nor wait for a decode step."""
+        with single_team():
+            return self._make_rule(name, params_json)
 
     def _make_rule(self, name: str, params_json: str) -> FusionRule:
         params = json.loads(params_json)
@@ -491,7 +493,12 @@ class FusionService:
     def admit(self, request: FusionRequest) -> GenerationRequest:
         """Layer, format and validate a request once; the engine request it becomes. Every bound is
         checked before the work it guards (prompt size before tokenizing). Blocking (tokenizes, may load
-        a router): async callers use `submit_async`."""
+        a router): async callers use `submit_async`. Its tensors (a bias row, a router) are built on the
+        calling thread alone, never starting a second OpenMP team (fusion.compute)."""
+        with single_team():
+            return self._admit(request)
+
+    def _admit(self, request: FusionRequest) -> GenerationRequest:
         self._check_prompt(request.prompt)
         if request.request_id:
             self._check_request_id(request.request_id)

@@ -1,5 +1,5 @@
-"""One OpenMP team per process (fusion.compute): experts load, fingerprint and step on the compute thread,
-and their work called from any other thread runs on that thread alone."""
+"""One OpenMP team per process (fusion.compute): experts load and step on the compute thread, and their
+work called from any other thread (a fingerprint, a rule's router) runs on that thread alone."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from fusion.router import expert_fingerprint
 from tests.conftest import tiny_config_dict
 
 
-def test_experts_load_and_fingerprint_on_the_compute_thread(tiny_dir, monkeypatch):
+def test_experts_load_on_the_compute_thread_and_fingerprint_on_one_thread(tiny_dir, monkeypatch):
     seen = {}
     load = expert_module.load_model_and_tokenizer
 
@@ -32,12 +32,17 @@ def test_experts_load_and_fingerprint_on_the_compute_thread(tiny_dir, monkeypatc
     score = expert.score
 
     def recording_score(*args, **kwargs):
-        seen["fingerprint"] = on_compute_thread()
+        seen["fingerprint threads"] = torch.get_num_threads()
         return score(*args, **kwargs)
 
     monkeypatch.setattr(expert, "score", recording_score)
-    expert_fingerprint(expert)  # called here, on the main thread
-    assert seen == {"load": True, "fingerprint": True}
+    mine = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expert_fingerprint(expert)  # called here, off the compute thread: on this thread alone
+    finally:
+        torch.set_num_threads(mine)
+    assert seen == {"load": True, "fingerprint threads": 1}
 
 
 def test_expert_work_off_the_compute_thread_runs_on_one_thread(tiny_dir):
@@ -59,8 +64,8 @@ def test_expert_work_off_the_compute_thread_runs_on_one_thread(tiny_dir):
 
 
 def test_a_service_leaves_the_main_thread_without_an_openmp_team(smollm2_dir, tmp_path):
-    """A real SmolLM2 service, loaded, fingerprinted, generating and scoring, all driven from the main
-    thread: the main thread's first parallel region afterwards starts a new OpenMP worker, so it had no
+    """A real SmolLM2 service, loaded, fingerprinted, admitting (a bias row), generating and scoring, all
+    driven from the main thread: the main thread's first parallel region afterwards starts a new OpenMP worker, so it had no
     team (a second team would slow every forward of the compute thread's: see fusion.compute)."""
     script = textwrap.dedent(f"""
         import json, os, torch
@@ -76,6 +81,7 @@ def test_a_service_leaves_the_main_thread_without_an_openmp_team(smollm2_dir, tm
         service = FusionService.from_config(config)
         expert_fingerprint(service.experts[0])
         text = service.complete("What is 2 + 2?", {{"max_tokens": 4}}).text
+        service.complete("Hi", {{"max_tokens": 2, "logit_bias": {{"42": 1.0}}}})  # a (V,) bias row at admission
         service.score("The capital of France is", " Paris.")
         before = threads()
         torch.ones(1 << 24).sum()  # the main thread's first parallel region

@@ -6,10 +6,10 @@ workers spin: every parallel region then wakes its workers through the kernel. M
 a SmolLM2-135M decode forward takes 41 ms on a fresh thread but 52 ms on a thread started after the
 main thread had run one; its compiled decode step 48 ms against 21 ms (inductor's kernels are many
 short parallel regions). So the engine's steps and scoring (its in-process experts' forwards, fusion,
-sampling) run here, experts are loaded here, and an in-process expert's work that comes from another
-thread (a fingerprint on the main thread, an expert server's worker in a test) runs on that thread
-alone (`single_team`). An expert server in its own process (`fusion serve-expert`, a Ray replica)
-makes this thread its worker.
+sampling) run here and experts are loaded here; tensor work on any other thread (admission's bias rows
+and routers, a fingerprint, an expert server's worker in a test) runs on that thread alone
+(`single_team`). An expert server in its own process (`fusion serve-expert`, a Ray replica) makes this
+thread its worker.
 
 Work here must never wait for other work queued here: remote experts are stepped from a pool, and
 an expert server in the same process (tests) has its own worker.

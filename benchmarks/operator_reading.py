@@ -41,22 +41,25 @@ def read_set(models: dict, tokenizer, phrasing: str, problems: int, seed: int) -
     operator_ids = [tokenizer.convert_tokens_to_ids(op) for op in OPERATORS]
     right = {name: 0 for name in (*models, "sum")}
     first = {name: 0 for name in models}
+    compared = 0  # problems whose operands start with different digits
     for (question, _), problem in zip(make_questions(problems, seed, phrasing), held_out_problems(problems, seed)):
-        prompt = chat_prompt(tokenizer, question)
-        restated = tokenizer(prompt + str(problem.a), add_special_tokens=False, return_tensors="pt").input_ids
-        asked = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        asked = tokenizer(chat_prompt(tokenizer, question), add_special_tokens=False)["input_ids"]
+        # As decoding sees it: the prompt's ids, then the first operand's ids as the answer begins.
+        restated = torch.tensor([asked + tokenizer(str(problem.a), add_special_tokens=False)["input_ids"]])
         want = OPERATORS.index(problem.op)
         digits = [tokenizer.convert_tokens_to_ids(str(n)[0]) for n in (problem.a, problem.b)]
+        compared += digits[0] != digits[1]
         total = torch.zeros(len(OPERATORS))
         for name, model in models.items():
-            at_operator = model(restated).logits[0, -1].float().log_softmax(-1)[operator_ids]  # (3,)
+            logits = model(restated).logits[0].float()  # (S, V)
+            at_operator = logits[-1].log_softmax(-1)[operator_ids]  # (3,)
             total += at_operator
             right[name] += int(at_operator.argmax()) == want
-            at_start = model(asked).logits[0, -1].float()  # (V,)
-            first[name] += digits[0] == digits[1] or bool(at_start[digits[0]] > at_start[digits[1]])
+            at_start = logits[len(asked) - 1]  # (V,): the answer's first id
+            first[name] += digits[0] != digits[1] and bool(at_start[digits[0]] > at_start[digits[1]])
         right["sum"] += int(total.argmax()) == want
     return {"operator": {k: v / problems for k, v in right.items()},
-            "first_operand": {k: v / problems for k, v in first.items()}}
+            "first_operand": {k: v / max(compared, 1) for k, v in first.items()}}
 
 
 @torch.no_grad()

@@ -58,13 +58,11 @@ def run_on_compute_thread(fn: Callable[..., T], *args, **kwargs) -> T:
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
-    """Run the enclosed CPU tensor work on the calling thread alone.
-
-    A decode step's fusion and sampling are a few dozen ops over 49,152-150,000 floats (tens of
-    microseconds each) and many over ~100 (the router's head). Split across the OpenMP team, each op
-    pays a wake-up of the other workers, and waits for them whenever another process holds their
-    cores: on a loaded 2-core host a GELU over 96 values took 0.18-1 ms on two threads against 9 us on
-    one, the fusion step's (3, 1, 49,152) exp 0.66 ms against 0.13 ms. Switching costs ~0.2 us."""
+    """Run the enclosed CPU tensor work on the calling thread alone: work off the compute thread, so
+    that it starts no second OpenMP team (`single_team`). Switching costs ~0.2 us. (The engine's own
+    fusion and sampling use the compute thread's team: with one team in the process its idle workers
+    spin, and measured step by step in alternation, two threads were as fast at one row and 1.5x as
+    fast at 8-16 rows.)"""
     threads = torch.get_num_threads()
     if threads == 1:
         yield

@@ -127,6 +127,32 @@ def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Ten
     return torch.cat(features, dim=-1), normalizer, runner_up  # (B, 3E + E²), (E, B), (E, B)
 
 
+def _graph_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_statistics` for a compiled graph, best ids included: logits (E, B, V) → the features (B, 3E + E²),
+    the normalizers (E, B) and whether each row's maximum ties (E, B) bool. Written as float reductions
+    that inductor fuses into two reads of the logits and no store: the best id is the least id holding
+    the maximum (ids as float32, exact below 2^24), the runner-up the maximum below it, and the tie a
+    second id holding it. (`argmax` and overwriting the best id in a copy, as `_statistics` does
+    eagerly, would make it carry index pairs through the loop and store the copy.)"""
+    V = logits.shape[-1]
+    best = logits.amax(-1, keepdim=True)  # (E, B, 1)
+    shifted = (logits - best).clamp(min=LOGPROB_FLOOR)  # (E, B, V) ≤ 0, see `_statistics`
+    unnormalised = shifted.exp()
+    total = unnormalised.sum(-1)  # (E, B)
+    log_total = total.log()
+    normalizer = best[..., 0] + log_total
+    entropy = log_total - (unnormalised * shifted).sum(-1) / total
+    at_best = shifted == 0  # (E, B, V): the ids holding the maximum
+    ids = torch.arange(V, device=logits.device, dtype=torch.float32)  # (V,)
+    top1_ids = torch.where(at_best, ids, float(V)).amin(-1).long()  # (E, B)
+    ties = at_best.float().sum(-1) > 1  # (E, B)
+    below = torch.where(at_best, float("-inf"), shifted).amax(-1)  # (E, B) the runner-up less the best
+    runner_up = torch.where(ties, 0.0, below)
+    features = [entropy.T, (-log_total).T.clamp(min=-30), (-runner_up).T.clamp(max=30),
+                _agreement(logits, normalizer, top1_ids)]
+    return torch.cat(features, dim=-1), normalizer, ties
+
+
 def _agreement(logits: torch.Tensor, normalizer: torch.Tensor, top1_ids: torch.Tensor) -> torch.Tensor:
     """agreement[b, e·E + f] = expert e's log p of expert f's top id: logits (E, B, V), normalizer and
     top1_ids (E, B) → (B, E²)."""
@@ -266,9 +292,9 @@ class Router(nn.Module):
         bool). Where it ties, `fuse` names the tied id `topk` names; this takes `argmax`'s, so the
         caller redoes such a step with `fuse`. Elsewhere the two are equal."""
         logits = logits.float()
-        features, normalizer, runner_up = _statistics(logits, logits.argmax(-1))
+        features, normalizer, ties = _graph_statistics(logits)
         fused = self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
-        return fused.logits, fused.weights, normalizer, (runner_up == 0).any()
+        return fused.logits, fused.weights, normalizer, ties.any()
 
     def _fuse_from(self, logits: torch.Tensor, features: torch.Tensor, normalizer: torch.Tensor,
                    context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
@@ -431,9 +457,9 @@ class Route(FusionRule):
     def compile_step(self, device: torch.device | str = "cpu") -> float:
         """Run this rule's fusion step through `torch.compile` from now on (inductor on a CPU: the
         router's features, head, gate, pick and complementary logit become a few fused kernels), and
-        compile it now, on the calling thread's OpenMP team (the engine fuses on one thread, so call it
-        inside `one_thread`): one graph for one row, one for any number of rows. → seconds taken. If
-        compiling raises, the rule keeps its eager step."""
+        compile it now, on the calling thread (the engine's compute thread: inductor's CPU kernels then
+        split across the team they run on): one graph for one row, one for any number of rows.
+        → seconds taken. If compiling raises, the rule keeps its eager step."""
         router = self.router = self.router.to(device)
         step = functools.partial(router.untied_fuse, hard=self.hard, complementary=self.complementary,
                                  fail_safe=self.fail_safe)

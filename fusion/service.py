@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
-from fusion.compute import one_thread, run_on_compute_thread, single_team
+from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
 from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
@@ -391,18 +391,14 @@ class FusionService:
         return rule
 
     def _compile_step(self, rule: Route) -> None:
-        """Compile the config's own route step (`fusion_step: compiled`), on the compute thread and its
-        one-thread setting, as the engine runs it."""
+        """Compile the config's own route step (`fusion_step: compiled`) on the compute thread, whose
+        team the engine fuses with."""
         if self.cache_dir is not None:
             configure_compile_cache(self.cache_dir / "compiled")
-
-        def compile_now() -> float:
-            with one_thread():
-                return rule.compile_step(self.engine.device)
-
         logger.info("compiling the fusion step of rule route (%s)", self.config.fusion.params)
         try:
-            logger.info("compiled the fusion step in %.1f s", run_on_compute_thread(compile_now))
+            seconds = run_on_compute_thread(rule.compile_step, self.engine.device)
+            logger.info("compiled the fusion step in %.1f s", seconds)
         except Exception as err:  # noqa: BLE001  no C++ compiler or Triton here: the eager step serves
             logger.warning("fusion_step: compiled could not be built here (%s: %s); the step runs eagerly",
                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")

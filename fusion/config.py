@@ -312,7 +312,7 @@ class FusionConfig(_Strict):
     cross_tokenizer: dict[str, float] = Field(default_factory=dict)
     # The fusion step of the config's own `route` spec: "eager" (PyTorch's ops one by one) or "compiled"
     # (torch.compile; inductor fuses the router's features, head, gate and complementary logit into a few
-    # kernels). Compiled when the service starts (two graphs, ~13 s on 2 CPU cores; inductor's cache is
+    # kernels). Compiled when the service starts (two graphs, 13-26 s on 2 CPU cores; inductor's cache is
     # kept under the model cache's `compiled/`). Requests that change the rule or its params run eagerly.
     fusion_step: Literal["eager", "compiled"] = "eager"
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fusion.kv_cache as kv_cache
+from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams, parse_config
 from fusion.engine import GenerationRequest
 from fusion.errors import ConfigError
@@ -151,18 +152,27 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
 
 
 def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch):
-    """`decode: compiled` end to end: batched and single steps through buffer growths."""
+    """`decode: compiled` end to end: batched and single steps through buffer growths. Loading compiled
+    both graphs (any rows, one row) on scratch sessions, so serving compiles nothing more, and left no
+    session and no count behind."""
+    from torch._dynamo.utils import counters
+
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
     expert = _expert(tiny_dir / "b", "compiled")
-    assert expert._fast_step.mode == "inductor"
+    assert expert._fast_step.mode == "inductor" and expert._fast_step.first_call_s is not None
+    assert expert.active_sessions == 0 and expert.cache_stats()["computed_tokens"] == 0
+    graphs = counters["stats"]["unique_graphs"]
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 45))}
-    for names in [["s1", "s2"]] * 5 + [["s1"]] * 2:
-        got = expert.step([StepRequest(s, histories[s]) for s in names])
+    histories["s3"] = [9, 8, 7, 6]
+    for names in [["s1", "s2"]] * 5 + [["s1"]] * 2 + [["s3"]] * 3:
+        # on the compute thread, as the engine steps it (dynamo guards on the thread count)
+        got = run_on_compute_thread(expert.step, [StepRequest(s, histories[s]) for s in names])
         torch.testing.assert_close(got, _plain_last_logits(expert.model, [histories[s] for s in names]),
                                    rtol=1e-4, atol=1e-4)
         for s, row in zip(names, got):
             histories[s] = histories[s] + [int(row[:250].argmax())]
-    assert expert.fast_decode_steps == 6  # the first step of each prompt is its prefill
+    assert expert.fast_decode_steps == 8  # the first step of each prompt is its prefill
+    assert counters["stats"]["unique_graphs"] == graphs  # every step ran a graph the warm-up compiled
 
 
 def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):

@@ -261,9 +261,9 @@ class LocalExpert:
 
     def warm_up(self) -> float:
         """Compile a compiled decode step's graphs now (or load them from inductor's cache), before the
-        expert serves: a batch of two scratch sessions, then one of them alone, released afterwards.
-        Compiled lazily, they would stall the first batched step and the first single one, and every
-        stream stepping beside them (a minute each on a cold cache for SmolLM2 on 2 cores). Call it on
+        expert serves, on three scratch sessions released afterwards. Compiled lazily, they would stall
+        the first batched step and the first single ones, and every stream stepping beside them (up to
+        two minutes each on a cold cache for SmolLM2 on 2 cores). Call it on
         the thread that will step the expert (the compute thread): the graphs are compiled for its
         thread count. The expert's counters are left as they were. → seconds taken."""
         start = time.perf_counter()

@@ -45,6 +45,9 @@ from fusion.kv_cache import GrowingLayer
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("off", "inductor", "cudagraphs")
+# Graphs one compiled step brings (`LocalExpert.warm_up`): any rows, and one row over a batch row and over
+# buffers of its own (their strides differ).
+GRAPHS_PER_STEP = 3
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -224,6 +227,9 @@ class DecodeStep:
                 # (90 against 17 s the first time); from the on-disk cache it loads faster (5.5 against 7.4 s).
                 options = {"cpp_wrapper": True}
             self._run = torch.compile(forward, dynamic=True, mode=compile_mode, options=options)
+            # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo
+            # caps at `recompile_limit` (8): a third expert of another shape would run its step eagerly.
+            torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
         self.first_call_s: float | None = None
 
     @property

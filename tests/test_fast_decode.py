@@ -175,6 +175,23 @@ def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch
     assert counters["stats"]["unique_graphs"] == graphs  # every step ran a graph the warm-up compiled
 
 
+def test_compiled_experts_of_three_shapes_each_get_their_graphs(tiny_dir, tmp_path):
+    """Every compiled step enters dynamo through the same frame; three experts of different widths bring
+    three graphs each, past dynamo's default cap of 8 graphs a frame, and none is left eager."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import make_model
+
+    torch._dynamo.reset()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    graphs = counters["stats"]["unique_graphs"]
+    for hidden in (32, 48, 64):
+        make_model(tmp_path / f"h{hidden}", tokenizer, seed=hidden, hidden=hidden)
+        _expert(tmp_path / f"h{hidden}", "compiled")
+    assert counters["stats"]["unique_graphs"] - graphs == 3 * 3
+
+
 def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
     """A model the fast step cannot run decodes through transformers under `fast`; `compiled` refuses it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

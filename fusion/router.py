@@ -107,24 +107,35 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return features, normalizer
 
 
-def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`logit_statistics` given each row's best id (E, B), without the tie check: the features (B, 3E + E²),
-    the normalizers (E, B) and each row's runner-up logit less its best (E, B), 0 where the maximum ties."""
+def _softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both statistics read off the rows: logits (E, B, V) → the shifted rows y = z - max (E, B, V),
+    log Σe^y, the normalizer (logsumexp) and the entropy (E, B) each."""
     best = logits.amax(-1, keepdim=True)  # (E, B, 1)
     # y = z - max ≤ 0; -inf ids go to the floor, whose exp is exactly 0, so e^y · y stays 0
     shifted = (logits - best).clamp_(min=LOGPROB_FLOOR)  # (E, B, V)
     unnormalised = shifted.exp()  # (E, B, V)
     total = unnormalised.sum(-1)  # (E, B), in [1, V]
     log_total = total.log()
-    normalizer = best[..., 0] + log_total  # (E, B) logsumexp
     # log p = y - log Σe^y, so H = -Σ p log p = log Σe^y - Σ e^y · y / Σe^y
     entropy = log_total - torch.linalg.vecdot(unnormalised, shifted) / total  # (E, B)
-    top1_lp = -log_total  # (E, B): log p of the best id
+    return shifted, log_total, best[..., 0] + log_total, entropy
+
+
+def _features(logits: torch.Tensor, log_total: torch.Tensor, normalizer: torch.Tensor, entropy: torch.Tensor,
+              runner_up: torch.Tensor, top1_ids: torch.Tensor) -> torch.Tensor:
+    """The router's logit features from the rows' parts, each (E, B): (B, 3E + E²). -log Σe^y is the best
+    id's log p; the runner-up is its logit less the best's."""
+    return torch.cat([entropy.T, (-log_total).T.clamp(min=-30), (-runner_up).T.clamp(max=30),
+                      _agreement(logits, normalizer, top1_ids)], dim=-1)
+
+
+def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logit_statistics` given each row's best id (E, B), without the tie check: the features (B, 3E + E²),
+    the normalizers (E, B) and each row's runner-up logit less its best (E, B), 0 where the maximum ties."""
+    shifted, log_total, normalizer, entropy = _softmax_parts(logits)
     # the runner-up: the shifted row without its best id (a tied maximum leaves a 0 behind: margin 0)
     runner_up = shifted.scatter_(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
-    features = [entropy.T, top1_lp.T.clamp(min=-30), (-runner_up).T.clamp(max=30),
-                _agreement(logits, normalizer, top1_ids)]
-    return torch.cat(features, dim=-1), normalizer, runner_up  # (B, 3E + E²), (E, B), (E, B)
+    return _features(logits, log_total, normalizer, entropy, runner_up, top1_ids), normalizer, runner_up
 
 
 def _graph_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,22 +146,14 @@ def _graph_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     second id holding it. (`argmax` and overwriting the best id in a copy, as `_statistics` does
     eagerly, would make it carry index pairs through the loop and store the copy.)"""
     V = logits.shape[-1]
-    best = logits.amax(-1, keepdim=True)  # (E, B, 1)
-    shifted = (logits - best).clamp(min=LOGPROB_FLOOR)  # (E, B, V) ≤ 0, see `_statistics`
-    unnormalised = shifted.exp()
-    total = unnormalised.sum(-1)  # (E, B)
-    log_total = total.log()
-    normalizer = best[..., 0] + log_total
-    entropy = log_total - (unnormalised * shifted).sum(-1) / total
+    shifted, log_total, normalizer, entropy = _softmax_parts(logits)
     at_best = shifted == 0  # (E, B, V): the ids holding the maximum
     ids = torch.arange(V, device=logits.device, dtype=torch.float32)  # (V,)
     top1_ids = torch.where(at_best, ids, float(V)).amin(-1).long()  # (E, B)
     ties = at_best.float().sum(-1) > 1  # (E, B)
     below = torch.where(at_best, float("-inf"), shifted).amax(-1)  # (E, B) the runner-up less the best
     runner_up = torch.where(ties, 0.0, below)
-    features = [entropy.T, (-log_total).T.clamp(min=-30), (-runner_up).T.clamp(max=30),
-                _agreement(logits, normalizer, top1_ids)]
-    return torch.cat(features, dim=-1), normalizer, ties
+    return _features(logits, log_total, normalizer, entropy, runner_up, top1_ids), normalizer, ties
 
 
 def _agreement(logits: torch.Tensor, normalizer: torch.Tensor, top1_ids: torch.Tensor) -> torch.Tensor:

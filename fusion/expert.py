@@ -263,9 +263,9 @@ class LocalExpert:
         """Compile a compiled decode step's graphs now (or load them from inductor's cache), before the
         expert serves, on three scratch sessions released afterwards. Compiled lazily, they would stall
         the first batched step and the first single ones, and every stream stepping beside them (up to
-        two minutes each on a cold cache for SmolLM2 on 2 cores). Call it on
-        the thread that will step the expert (the compute thread): the graphs are compiled for its
-        thread count. The expert's counters are left as they were. → seconds taken."""
+        two minutes each on a cold cache for SmolLM2 on 2 cores). Call it on the thread that will step
+        the expert (the compute thread): the graphs are compiled for its thread count. The expert's
+        counters are left as they were. → seconds taken."""
         start = time.perf_counter()
         counters = (self.fast_decode_steps, dict(self.decode_batches), self.cache.hits, self.cache.misses,
                     self.cache.evictions)

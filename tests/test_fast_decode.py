@@ -153,8 +153,8 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
 
 def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch):
     """`decode: compiled` end to end: batched and single steps through buffer growths. Loading compiled
-    both graphs (any rows, one row) on scratch sessions, so serving compiles nothing more, and left no
-    session and no count behind."""
+    the step's graphs (any rows; one row over a batch row and over its own buffers) on scratch sessions,
+    so serving compiles nothing more, and left no session and no count behind."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fusion import sampler
 from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
@@ -528,8 +529,6 @@ def bench_sampling(service: FusionService, report: BenchReport, sessions: int = 
     """The sampler on real fused distributions: `sample` (on a CPU: top-k/top-p among each row's best
     ids) / the full-sort path, timed in alternation on the same logits, with the share of rows whose
     nucleus fit among the candidates."""
-    from fusion import sampler
-
     sampling = sampling or {"temperature": 0.8, "top_p": 0.9}
     fused_rows = run_on_compute_thread(_fused_distributions, service, sessions, steps, sampling)
     ours, full, fits = run_on_compute_thread(_sampling_times, fused_rows, SamplingParams(**sampling))
@@ -545,8 +544,6 @@ def _sampling_times(fused_rows: list[torch.Tensor], params: SamplingParams
                     ) -> tuple[list[float], list[float], list[bool]]:
     """On the compute thread (as the engine samples): `sample` and the full-sort path timed in
     alternation on each step's fused rows, and whether each row's nucleus fit among the candidates."""
-    from fusion import sampler
-
     ours, full, fits = [], [], []
     for fused in fused_rows:  # (B, V) each
         md = sampler.SamplingMetadata.build([params] * fused.shape[0], fused.shape[-1], {}, fused.device)

@@ -45,6 +45,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     return attn.reshape(batch, heads * dim)
 
 
+def attend_one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`attend`, except that one row's two products are sums over broadcasts, which inductor computes in
+    its own loops: as batched products each was an external call of ~40 µs (60 a step for SmolLM2), for
+    a few thousand multiply-adds. The query and the probabilities are stored once (`stored`), so the
+    rotation and the exponentials are not recomputed for every column. Rounds where `attend`'s bf16
+    products round. For compiled steps only; several rows take `attend`. Returns (1, H·D)."""
+    if q.shape[0] != 1:
+        return attend(q, k, v, keys, values, scale, mask)
+    heads, dim = q.shape[1:]
+    kv_heads = k.shape[1]
+    dtype = q.dtype
+    query = stored(q.view(1, kv_heads, heads // kv_heads, 1, dim).float())  # (1, H_kv, group, 1, D)
+    cached = (query * keys[:, :, None].float()).sum(-1).to(dtype).float()  # (1, H_kv, group, width)
+    if mask is not None:
+        cached = cached.masked_fill(~mask, float("-inf"))
+    own = (query[:, :, :, 0] * k[:, :, None, :].float()).sum(-1, keepdim=True).to(dtype).float()  # (1, H_kv, group, 1)
+    probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(dtype).float())
+    attn = (probs[..., :-1, None] * values[:, :, None].float()).sum(-2).to(dtype)  # (1, H_kv, group, D)
+    attn = attn + probs[..., -1:].to(dtype) * v[:, :, None, :]
+    return attn.reshape(1, heads * dim)
+
+
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input; each module's weight becomes a
     view of its rows of the fused one, so the model keeps working and memory holds one copy."""
@@ -74,6 +97,14 @@ def rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.view(heads, rows, group, -1).transpose(0, 1)
 
 
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """t itself. Under inductor, a view with explicit strides makes t a buffer written once: otherwise a
+    reduction that reads t inside its loop (a projection's sum reads its input row once per output)
+    recomputes the ops that made t (an RMS norm, attention's last sum) for every output. A one-row
+    projection read its weight at 16 GB/s with the norm recomputed and at 25-31 GB/s with it stored."""
+    return t.as_strided(t.shape, t.stride())
+
+
 def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, except that one row (x (1, K)) is written as the sum over K of weight ·
     x in float32. Compiled by inductor on a CPU, that sum is one vectorised pass over the weight: for
@@ -82,7 +113,8 @@ def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     `F.linear` (the sum would read the weight once per row). Returns (rows, N) in x's dtype."""
     if x.shape[0] != 1:
         return F.linear(x, weight, bias)
-    out = (weight.float() * x.float()).sum(-1)  # (N,) float32
+    row = stored(x.float())  # (1, K) float32
+    out = (weight.float() * row).sum(-1)  # (N,) float32
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)[None, :]  # (1, N)

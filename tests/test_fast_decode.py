@@ -12,7 +12,7 @@ from fusion.config import SamplingParams, parse_config
 from fusion.engine import GenerationRequest
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
-from fusion.decode_ops import linear_one_row
+from fusion.decode_ops import attend_one_row, linear_one_row
 from fusion.fast_decode import DecodeStep, FastDecoder, unsupported_reason
 from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
@@ -289,3 +289,32 @@ def test_linear_one_row_is_the_linear_product(dtype):
             for got in (linear_one_row(x, weight, b), compiled(x, weight, b)):
                 assert got.shape == (rows, 40) and got.dtype == dtype
                 torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_one_row_is_attention_written_out(dtype):
+    """The compiled steps' attention for one row: the query's grouped heads over masked cached columns and
+    its own new column, eagerly and compiled, against softmax(q·k / sqrt(D)) · v in float64 with each kv
+    head repeated for its group (within the dtype's rounding); several rows take `attend`."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, width = 6, 2, 8, 11
+    compiled = torch.compile(attend_one_row, dynamic=True)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for rows in (1, 2):
+        q, k, v = (torch.randn(rows, h, dim, generator=generator).to(dtype) for h in (heads, kv_heads, kv_heads))
+        keys, values = (torch.randn(rows, kv_heads, width, dim, generator=generator).to(dtype) for _ in range(2))
+        filled = torch.tensor([7, 4][:rows])
+        mask = (torch.arange(width)[None] < filled[:, None]).view(rows, 1, 1, width)
+        expected = []
+        for row in range(rows):
+            n = int(filled[row])
+            all_keys = torch.cat((keys[row, :, :n], k[row, :, None]), dim=1).double()  # (H_kv, n + 1, D)
+            all_values = torch.cat((values[row, :, :n], v[row, :, None]), dim=1).double()
+            all_keys, all_values = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (all_keys, all_values))
+            scores = (q[row].double()[:, None, :] * all_keys).sum(-1) * dim ** -0.5  # (H, n + 1)
+            expected.append((scores.softmax(-1)[:, :, None] * all_values).sum(1).reshape(heads * dim))
+        expected = torch.stack(expected)  # (rows, H·D)
+        for got in (attend_one_row(q, k, v, keys, values, dim ** -0.5, mask),
+                    compiled(q, k, v, keys, values, dim ** -0.5, mask)):
+            assert got.shape == (rows, heads * dim) and got.dtype == dtype
+            torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

@@ -219,13 +219,15 @@ class DecodeStep:
             # cache in 38-41 s against 8.5 s.
             forward, options = self.decoder, None
             if mode == "inductor" and decoder.embed.device.type == "cpu":
-                # One session's step (one row) reads each weight through inductor's own vectorised sum:
-                # SmolLM2-135M, bf16, 2 cores: 19-22 ms a step against 30-42 ms with F.linear compiled.
+                # One session's step (one row) reads each weight through inductor's own vectorised sum, and
+                # attends in inductor's loops: SmolLM2-135M, bf16, 2 cores, 12.6-16 ms a step (three
+                # kernels) against 30-42 ms with F.linear and batched products compiled.
                 forward = functools.partial(self.decoder, linear=linear_one_row, attention=attend_one_row)
-                # The step's ~100 kernels and 60 batched products called from generated C++ rather than
-                # Python: the same SmolLM2 step, two compilations alternating in one process, 16.8
-                # against 17.9 ms and 18.0 against 20.7 ms (medians of 8 rounds). Compiling takes longer
-                # (90 against 17 s the first time); from the on-disk cache it loads faster (5.5 against 7.4 s).
+                # The any-rows step's external calls (matrix products) made from generated C++ rather
+                # than Python. When the one-row step still had ~100 kernels and 60 batched products it
+                # ran 16.8 against 17.9 ms and 18.0 against 20.7 ms with it; with three kernels, 16.5
+                # against 16.4 (medians of 8 alternating rounds). Compiling takes longer the first time;
+                # from the on-disk cache it loads faster (5.5 against 7.4 s).
                 options = {"cpp_wrapper": True}
             self._run = torch.compile(forward, dynamic=True, mode=compile_mode, options=options)
             # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo

@@ -27,45 +27,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float, mask: torch.Tensor | None = None, times=None) -> torch.Tensor:
     """One new query per row over its cached columns and its own new key/value: q (B, H, D), k and v
     (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
     columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
     kv head), as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
-    Returns (B, H·D)."""
+    `times` computes the two products (`rows_times`; `one_row_times` in CPU-compiled steps). The query
+    and the probabilities are stored (`stored`), so products computed in inductor's own loops do not
+    recompute the rotation or the exponentials for every column. Returns (B, H·D)."""
+    times = times or rows_times
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
-    q = q.view(batch, kv_heads, heads // kv_heads, dim)
-    cached = rows_times(q, keys.transpose(-1, -2)).float()  # (B, H_kv, group, width)
+    q = stored(q.view(batch, kv_heads, heads // kv_heads, dim))
+    cached = times(q, keys.transpose(-1, -2)).float()  # (B, H_kv, group, width)
     if mask is not None:
         cached = cached.masked_fill(~mask, float("-inf"))
     own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
-    probs = torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(q.dtype)
-    attn = rows_times(probs[..., :-1], values) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+    probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(q.dtype))
+    attn = times(probs[..., :-1], values) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
     return attn.reshape(batch, heads * dim)
-
-
-def attend_one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """`attend`, except that one row's two products are sums over broadcasts, which inductor computes in
-    its own loops: as batched products each was an external call of ~40 µs (60 a step for SmolLM2), for
-    a few thousand multiply-adds. The query and the probabilities are stored once (`stored`), so the
-    rotation and the exponentials are not recomputed for every column. Rounds where `attend`'s bf16
-    products round. For compiled steps only; several rows take `attend`. Returns (1, H·D)."""
-    if q.shape[0] != 1:
-        return attend(q, k, v, keys, values, scale, mask)
-    heads, dim = q.shape[1:]
-    kv_heads = k.shape[1]
-    dtype = q.dtype
-    query = stored(q.view(1, kv_heads, heads // kv_heads, 1, dim).float())  # (1, H_kv, group, 1, D)
-    cached = (query * keys[:, :, None].float()).sum(-1).to(dtype).float()  # (1, H_kv, group, width)
-    if mask is not None:
-        cached = cached.masked_fill(~mask, float("-inf"))
-    own = (query[:, :, :, 0] * k[:, :, None, :].float()).sum(-1, keepdim=True).to(dtype).float()  # (1, H_kv, group, 1)
-    probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(dtype).float())
-    attn = (probs[..., :-1, None] * values[:, :, None].float()).sum(-2).to(dtype)  # (1, H_kv, group, D)
-    attn = attn + probs[..., -1:].to(dtype) * v[:, :, None, :]
-    return attn.reshape(1, heads * dim)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,6 +75,22 @@ def rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
     out = torch.matmul(a.transpose(0, 1).reshape(1, heads, rows * group, a.shape[-1]), b)  # (1, H, B·G, N)
     return out.view(heads, rows, group, -1).transpose(0, 1)
+
+
+def one_row_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`rows_times`, except that one row's product, a (1, H, G, K) @ b (1, H, K, N), is a float32 sum over
+    broadcasts rounded to a's dtype (where a bf16 product rounds), which inductor computes in its own
+    loops: as a batched product it was an external call of ~40 µs (60 a step for SmolLM2) for a few
+    thousand multiply-adds. The sum runs along K innermost where K is b's contiguous axis (the keys,
+    transposed): summed across the keys' rows instead, SmolLM2's step took 17.1 ms against 12.7 (runs
+    one after the other). Eagerly it would build the (H, G, K, N) product: for compiled steps only."""
+    if a.shape[0] != 1 or b.shape[0] != 1:
+        return rows_times(a, b)
+    if b.stride(-2) == 1:  # b (1, H, K, N) is a transposed (N, K) tensor
+        out = (a[..., None, :].float() * b.transpose(-1, -2)[:, :, None].float()).sum(-1)
+    else:
+        out = (a[..., :, None].float() * b[:, :, None].float()).sum(-2)
+    return out.to(a.dtype)  # (1, H, G, N)
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:

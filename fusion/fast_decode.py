@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.decode_ops import attend, attend_one_row, frozen, fuse_linears, linear_one_row, rotary, rotate
+from fusion.decode_ops import attend, frozen, fuse_linears, linear_one_row, one_row_times, rotary, rotate
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
@@ -147,7 +147,7 @@ class FastDecoder(nn.Module):
         values: list[torch.Tensor],
         mask: torch.Tensor,  # (B or 1, 1, 1, width) bool: the cached columns each row attends
         linear=F.linear,  # how every projection is computed (`linear_one_row` in CPU-compiled steps)
-        attention=attend,  # how each layer attends (`attend_one_row` in CPU-compiled steps)
+        times=None,  # attention's two products (`rows_times`; `one_row_times` in CPU-compiled steps)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next
@@ -171,7 +171,7 @@ class FastDecoder(nn.Module):
             v = v.view(batch, kv_heads, dim)
             new_keys.append(k)
             new_values.append(v)
-            attn = attention(q, k, v, keys[layer], values[layer], scale, mask)  # (B, H·D)
+            attn = attend(q, k, v, keys[layer], values[layer], scale, mask, times)  # (B, H·D)
             x = x + linear(attn, self.o_proj[layer])
             h = self._rmsnorm(x, self.post_norm[layer])
             gate, up = linear(h, self.gate_up[layer]).split(self.intermediate, dim=-1)
@@ -222,7 +222,7 @@ class DecodeStep:
                 # One session's step (one row) reads each weight through inductor's own vectorised sum, and
                 # attends in inductor's loops: SmolLM2-135M, bf16, 2 cores, 12.6-16 ms a step (three
                 # kernels) against 30-42 ms with F.linear and batched products compiled.
-                forward = functools.partial(self.decoder, linear=linear_one_row, attention=attend_one_row)
+                forward = functools.partial(self.decoder, linear=linear_one_row, times=one_row_times)
                 # The any-rows step's external calls (matrix products) made from generated C++ rather
                 # than Python. When the one-row step still had ~100 kernels and 60 batched products it
                 # ran 16.8 against 17.9 ms and 18.0 against 20.7 ms with it; with three kernels, 16.5

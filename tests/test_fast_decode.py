@@ -3,6 +3,8 @@ each whole history, and the engine's tokens through transformers' own decode for
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from fusion.config import SamplingParams, parse_config
 from fusion.engine import GenerationRequest
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
-from fusion.decode_ops import attend_one_row, linear_one_row
+from fusion.decode_ops import attend, linear_one_row, one_row_times, rows_times
 from fusion.fast_decode import DecodeStep, FastDecoder, unsupported_reason
 from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
@@ -292,13 +294,16 @@ def test_linear_one_row_is_the_linear_product(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_one_row_is_attention_written_out(dtype):
-    """The compiled steps' attention for one row: the query's grouped heads over masked cached columns and
-    its own new column, eagerly and compiled, against softmax(q·k / sqrt(D)) · v in float64 with each kv
-    head repeated for its group (within the dtype's rounding); several rows take `attend`."""
+@pytest.mark.parametrize("times", [rows_times, one_row_times])
+def test_attention_is_attention_written_out(dtype, times):
+    """The decode steps' attention, with batched products and with the compiled one-row step's sums, over
+    masked cached columns and the row's own new column, eagerly and compiled, against
+    softmax(q·k / sqrt(D)) · v in float64 with each kv head repeated for its group (within the dtype's
+    rounding); rows beyond one take batched products either way."""
     generator = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, width = 6, 2, 8, 11
-    compiled = torch.compile(attend_one_row, dynamic=True)
+    step = functools.partial(attend, times=times)
+    compiled = torch.compile(step, dynamic=True)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for rows in (1, 2):
         q, k, v = (torch.randn(rows, h, dim, generator=generator).to(dtype) for h in (heads, kv_heads, kv_heads))
@@ -314,7 +319,6 @@ def test_attend_one_row_is_attention_written_out(dtype):
             scores = (q[row].double()[:, None, :] * all_keys).sum(-1) * dim ** -0.5  # (H, n + 1)
             expected.append((scores.softmax(-1)[:, :, None] * all_values).sum(1).reshape(heads * dim))
         expected = torch.stack(expected)  # (rows, H·D)
-        for got in (attend_one_row(q, k, v, keys, values, dim ** -0.5, mask),
-                    compiled(q, k, v, keys, values, dim ** -0.5, mask)):
+        for got in (step(q, k, v, keys, values, dim ** -0.5, mask), compiled(q, k, v, keys, values, dim ** -0.5, mask)):
             assert got.shape == (rows, heads * dim) and got.dtype == dtype
             torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

@@ -94,11 +94,11 @@ def one_row_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:
-    """t itself. Under inductor, a view with explicit strides makes t a buffer written once: otherwise a
-    reduction that reads t inside its loop (a projection's sum reads its input row once per output)
-    recomputes the ops that made t (an RMS norm, attention's last sum) for every output. A one-row
-    projection read its weight at 16 GB/s with the norm recomputed and at 25-31 GB/s with it stored."""
-    return t.as_strided(t.shape, t.stride())
+    """t itself. Being compiled, a view with explicit strides, which makes inductor write t once as a
+    buffer: otherwise a reduction that reads t inside its loop (a projection's sum reads its input row
+    once per output) recomputes the ops that made t (an RMS norm, attention's last sum) for every output.
+    A one-row projection read its weight at 16 GB/s with the norm recomputed and at 25-31 GB/s stored."""
+    return t.as_strided(t.shape, t.stride()) if torch.compiler.is_compiling() else t
 
 
 def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

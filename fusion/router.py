@@ -419,6 +419,18 @@ def check_experts(payload: dict, experts: Sequence[Any], path: Path | str) -> No
             )
 
 
+def row_major(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with the strides a new tensor of its shape has (itself when it has them, else a copy).
+    Unlike `contiguous`, this also sets the strides of size-1 dimensions, which dynamo guards too."""
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    if tensor.stride() == tuple(reversed(strides)):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 FAIL_SAFE = True  # the default of `route`'s `fail_safe` (FamiliarityGate), chosen on out-of-template figures
 
 
@@ -487,7 +499,11 @@ class Route(FusionRule):
                 router = self.router = router.to(logits.device)
             allowed = weights > 0  # (E, B)
             if self._compiled is not None:
-                fused, effective, normalizer, tied = self._compiled(logits, context, allowed)
+                # In the layouts the step was compiled for: any other makes dynamo compile a graph in the
+                # middle of serving (seconds, every stream waiting). The engine's weights are a transpose
+                # and its logits a slice of the batch when rows drop out.
+                fused, effective, normalizer, tied = self._compiled(
+                    row_major(logits), row_major(context), row_major(allowed))
                 if not bool(tied):  # else the tied id must be topk's, as in training: the eager step
                     return FusedLogits(fused, effective, normalizer)
             return router.fuse(logits, context, allowed=allowed, hard=self.hard,

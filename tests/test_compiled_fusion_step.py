@@ -52,6 +52,28 @@ def test_compiled_step_equals_the_eager_step(hard, comp_rank):
         assert torch.equal(compiled.logits.argmax(-1), eager.logits.argmax(-1))
 
 
+def test_the_engines_layouts_compile_no_further_graph():
+    """Warm-up compiles the one-row and the any-rows graph; the layouts the engine hands the step (weights
+    built as a transpose, logits sliced when rows drop out, one row of either) then run those graphs, so
+    no step compiles while streams wait. The results stay the eager step's."""
+    from torch._dynamo.utils import counters
+
+    vocab = 1024
+    rule, logits, context, weights = _gated_route(vocab, hard=True, comp_rank=16)
+    logits[0, 1, 290] = logits[0, 1, 7] - 0.5  # no tied maximum
+    with one_thread():
+        rule.compile_step()
+    graphs = counters["stats"]["unique_graphs"]
+    transposed = weights.T.contiguous().T  # (E, B) with strides (1, E), as `torch.tensor(rows).T` is
+    for rows in (slice(0, 1), slice(1, 2), slice(0, 3), slice(1, 4), slice(0, 4)):
+        part, ctx, w = logits[:, rows], context[rows], transposed[:, rows]
+        with one_thread(), torch.no_grad():
+            compiled = rule.fuse(part, w, ctx)
+            eager = rule.router.fuse(part, ctx, w > 0, hard=True, fail_safe=True)
+        torch.testing.assert_close(compiled.logits, eager.logits, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_tied_maximum_takes_the_eager_step():
     vocab = 1024
     rule, logits, context, weights = _gated_route(vocab, hard=True, comp_rank=16)  # row 1: ids 7 and 290 tie

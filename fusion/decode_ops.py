@@ -26,8 +26,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (B, H, G, K) @ b (B or 1, H, K, N) -> (B, H, G, N). When b has one row shared by all B rows, the
+    rows join the group axis, so b is read as it is instead of being expanded into B copies."""
+    rows, heads, group, _ = a.shape
+    if b.shape[0] == rows:
+        return torch.matmul(a, b)
+    out = torch.matmul(a.transpose(0, 1).reshape(1, heads, rows * group, a.shape[-1]), b)  # (1, H, B·G, N)
+    return out.view(heads, rows, group, -1).transpose(0, 1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scale: float, mask: torch.Tensor | None = None, times=None) -> torch.Tensor:
+           scale: float, mask: torch.Tensor | None = None, times=rows_times) -> torch.Tensor:
     """One new query per row over its cached columns and its own new key/value: q (B, H, D), k and v
     (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
     columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
@@ -35,7 +45,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     `times` computes the two products (`rows_times`; `one_row_times` in CPU-compiled steps). The query
     and the probabilities are stored (`stored`), so products computed in inductor's own loops do not
     recompute the rotation or the exponentials for every column. Returns (B, H·D)."""
-    times = times or rows_times
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
     q = stored(q.view(batch, kv_heads, heads // kv_heads, dim))
@@ -65,16 +74,6 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
             lin.bias = nn.Parameter(bias.detach()[start:start + rows], requires_grad=False)
         start += rows
     return weight, bias
-
-
-def rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (B, H, G, K) @ b (B or 1, H, K, N) -> (B, H, G, N). When b has one row shared by all B rows, the
-    rows join the group axis, so b is read as it is instead of being expanded into B copies."""
-    rows, heads, group, _ = a.shape
-    if b.shape[0] == rows:
-        return torch.matmul(a, b)
-    out = torch.matmul(a.transpose(0, 1).reshape(1, heads, rows * group, a.shape[-1]), b)  # (1, H, B·G, N)
-    return out.view(heads, rows, group, -1).transpose(0, 1)
 
 
 def one_row_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

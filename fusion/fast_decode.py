@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.decode_ops import attend, frozen, fuse_linears, linear_one_row, one_row_times, rotary, rotate
+from fusion.decode_ops import attend, frozen, fuse_linears, linear_one_row, one_row_times, rotary, rotate, rows_times
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
@@ -147,7 +147,7 @@ class FastDecoder(nn.Module):
         values: list[torch.Tensor],
         mask: torch.Tensor,  # (B or 1, 1, 1, width) bool: the cached columns each row attends
         linear=F.linear,  # how every projection is computed (`linear_one_row` in CPU-compiled steps)
-        times=None,  # attention's two products (`rows_times`; `one_row_times` in CPU-compiled steps)
+        times=rows_times,  # attention's two products (`one_row_times` in CPU-compiled steps)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next

@@ -187,6 +187,9 @@ class Limits(_Strict):
     max_tokens: int = Field(default=1024, gt=0)
     max_concurrent_sessions: int = Field(default=64, gt=0)
     max_batch_size: int = Field(default=16, gt=0)
+    # How long an admitted request may wait for its first batch slot before it is refused (with a
+    # retry time); a request preempted for another tenant's share waits without this bound.
+    max_queue_wait_s: float = Field(default=30.0, gt=0)
     # Prompt tokens (per expert) one decode step computes for joining sessions: a long prompt is
     # prefilled in chunks between the running streams' steps instead of stalling them.
     prefill_chunk_tokens: int = Field(default=512, gt=0)

@@ -38,6 +38,7 @@ from fusion.errors import (
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
 from fusion.sampler import SamplingMetadata, sample, token_bias_row
+from fusion.tenancy import LOCAL, Tenant, VirtualClock
 from fusion.vocab import VocabAlignment
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class GenerationRequest:
     rule: FusionRule
     weights: list[float]  # one per expert
     request_id: str = field(default_factory=new_request_id)
+    tenant: Tenant = LOCAL  # whose share of the batch, the prefill budget and the score chunks it uses
     # Built once by `FusionEngine.admit`, read by every step:
     token_bias: torch.Tensor | None = None  # (V,) additive: banned ids -inf, logit_bias elsewhere
     stop_ids: frozenset[int] | None = None  # ids that end the request (EOS unless ignore_eos, stop ids)
@@ -484,6 +486,7 @@ class DecodeBatch:
     def __init__(self, engine: FusionEngine) -> None:
         self.engine = engine
         self.rows: list[_Row] = []
+        self._prefill_clock = VirtualClock()  # joining prompts share each step's prefill budget by tenant
 
     @property
     def active(self) -> int:
@@ -513,17 +516,32 @@ class DecodeBatch:
                 return True
         return False
 
+    def detach(self, request_id: str) -> _Row | None:
+        """Take a request out of the batch without freeing its sessions (preemption): its experts keep
+        its cache, so `attach` later resumes it where it stopped, recomputing only what was evicted."""
+        for i, row in enumerate(self.rows):
+            if row.request.request_id == request_id:
+                return self.rows.pop(i)
+        return None
+
+    def attach(self, row: _Row) -> None:
+        """Resume a detached request."""
+        self.rows.append(row)
+
     def cancel_all(self) -> None:
         while self.rows:
             self._finish(len(self.rows) - 1)
 
     def _finish(self, index: int) -> None:
-        row = self.rows.pop(index)
+        self.release(self.rows.pop(index).request.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a request's sessions on every expert (it has left the batch)."""
         for expert in self.engine.experts:
             try:
-                expert.release([row.request.request_id])
+                expert.release([request_id])
             except Exception:  # a dead remote replica has nothing left to free
-                logger.warning("could not release session %s on %s", row.request.request_id, expert.info.name)
+                logger.warning("could not release session %s on %s", request_id, expert.info.name)
 
     def _schedule(self) -> tuple[list[_Row], list[tuple[_Row, list[int]]]]:
         """This step's work: rows that sample (running ones, and joining ones whose rest of prompt fits
@@ -531,20 +549,24 @@ class DecodeBatch:
         length each expert reaches."""
         engine = self.engine
         budget = engine.limits.prefill_chunk_tokens
-        ready: list[_Row] = []
+        ready = [row for row in self.rows if row.prefilled is None]
+        joining = [row for row in self.rows if row.prefilled is not None]
         chunks: list[tuple[_Row, list[int]]] = []
-        for row in self.rows:
-            if row.prefilled is None:
-                ready.append(row)
-                continue
+        clock = self._prefill_clock
+        clock.activate(row.request.tenant.id for row in joining)
+        # The tenant given the least prefill per unit of weight goes first; a tenant's own prompts in order.
+        for row in sorted(joining, key=lambda r: clock.key(r.request.tenant.id)):
             prompts = row.request.prompt_ids
             remaining = max((len(p) - done for p, done, used in zip(prompts, row.prefilled, row.uses) if used),
                             default=0)
+            tenant = row.request.tenant
             if remaining <= budget:
                 budget -= remaining
                 ready.append(row)
+                clock.charge(tenant.id, remaining, tenant.weight)
             elif budget > 0:
                 chunks.append((row, [min(len(p), done + budget) for p, done in zip(prompts, row.prefilled)]))
+                clock.charge(tenant.id, budget, tenant.weight)
                 budget = 0
         return ready, chunks
 

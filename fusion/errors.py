@@ -25,8 +25,13 @@ class ResourceExhaustedError(FusionError):
 
 
 class ServiceBusyError(ResourceExhaustedError):
-    """The service has no free slot (max_concurrent_sessions) or is shutting down: the same request may
-    succeed later (HTTP answers 429 here, and 400 for a request past a size limit)."""
+    """The service has no free slot (max_concurrent_sessions), a key's window or share is used up for
+    now, or the service is shutting down: the same request may succeed later, after `retry_after_s`
+    when known (HTTP answers 429 with Retry-After here, and 400 for a request past a size limit)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ExpertUnavailableError(FusionError):

@@ -14,11 +14,13 @@ import asyncio
 import logging
 import queue
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 from typing import AsyncIterator, Iterator
 
 from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
 from fusion.errors import ServiceBusyError
+from fusion.tenancy import fair_pick, should_preempt
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class RequestHandle:
         self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
         self._lock = threading.Lock()
         self.cancelled = False
+        self.enqueued = 0.0  # monotonic time it first waited
+        self.row = None  # its decode state while preempted (sessions kept on every expert)
 
     @property
     def request_id(self) -> str:
@@ -89,18 +93,39 @@ class RequestHandle:
 
 
 class Scheduler:
-    def __init__(self, engine: FusionEngine, max_concurrent: int | None = None, max_batch_size: int | None = None):
+    """Admits waiting requests into one decode batch, shared between tenants by weight.
+
+    Each tenant waits in its own first-in-first-out queue. A free batch slot goes to the waiting tenant
+    with the fewest running requests per unit of weight (`fair_pick`); when the batch is full and a
+    tenant waits below its share while another runs above it, the other gives back its latest request
+    (`should_preempt`): that request leaves the batch with its sessions kept and resumes when a slot is
+    its tenant's again, so what it lost is time, never tokens. Alone, a tenant uses every slot.
+
+    Requests beyond `max_concurrent` (running + waiting) are refused at once; a request that waits
+    longer than `max_queue_wait_s` for its first slot is refused then, both with a retry time.
+    """
+
+    def __init__(self, engine: FusionEngine, max_concurrent: int | None = None, max_batch_size: int | None = None,
+                 max_queue_wait_s: float | None = None):
         self.engine = engine
         self.max_concurrent = max_concurrent or engine.limits.max_concurrent_sessions
         self.max_batch_size = max_batch_size or engine.limits.max_batch_size
+        self.max_queue_wait_s = max_queue_wait_s if max_queue_wait_s is not None else engine.limits.max_queue_wait_s
         self._batch = engine.new_batch()
-        self._waiting: deque[RequestHandle] = deque()
+        self._waiting: dict[str, deque[RequestHandle]] = {}  # per tenant, in arrival order
+        self._waiting_count = 0
         self._running: dict[str, RequestHandle] = {}
+        self._running_per_tenant: Counter[str] = Counter()
+        self._weights: dict[str, float] = {}
+        self._last_admitted: dict[str, int] = {}
+        self._admissions = 0
         self._cancelled: set[str] = set()
+        self._detached_cancelled: list[RequestHandle] = []  # preempted requests cancelled while waiting
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="fusion-scheduler", daemon=True)
         self.steps = 0
+        self.preemptions = 0
 
     # -- public -------------------------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -116,7 +141,11 @@ class Scheduler:
     @property
     def active(self) -> int:
         with self._cond:
-            return len(self._running) + len(self._waiting)
+            return len(self._running) + self._waiting_count
+
+    def running_by_tenant(self) -> dict[str, int]:
+        with self._cond:
+            return {t: n for t, n in self._running_per_tenant.items() if n}
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a validated request, or refuse it at once when the concurrency limit is reached."""
@@ -124,55 +153,147 @@ class Scheduler:
         with self._cond:
             if self._stopped:
                 raise ServiceBusyError("the server is shutting down")
-            if len(self._running) + len(self._waiting) >= self.max_concurrent:
+            if len(self._running) + self._waiting_count >= self.max_concurrent:
                 raise ServiceBusyError(
-                    f"too many concurrent sessions: the limit max_concurrent_sessions={self.max_concurrent} is reached"
-                )
-            self._waiting.append(handle)
+                    f"too many concurrent sessions: the limit max_concurrent_sessions={self.max_concurrent} is "
+                    "reached", retry_after_s=1.0)
+            self._enqueue(handle, front=False)
             self._cond.notify_all()
         return handle
 
     # -- internals ----------------------------------------------------------------------------
+    def _enqueue(self, handle: RequestHandle, front: bool) -> None:
+        tenant = handle.request.tenant
+        self._weights[tenant.id] = tenant.weight
+        queue_ = self._waiting.setdefault(tenant.id, deque())
+        if front:
+            queue_.appendleft(handle)
+        else:
+            handle.enqueued = time.monotonic()
+            queue_.append(handle)
+        self._waiting_count += 1
+
+    def _dequeue(self, tenant: str) -> RequestHandle:
+        queue_ = self._waiting[tenant]
+        handle = queue_.popleft()
+        if not queue_:
+            del self._waiting[tenant]
+        self._waiting_count -= 1
+        return handle
+
+    def _remove_waiting(self, handle: RequestHandle) -> bool:
+        queue_ = self._waiting.get(handle.request.tenant.id)
+        if queue_ is None or handle not in queue_:
+            return False
+        queue_.remove(handle)
+        if not queue_:
+            del self._waiting[handle.request.tenant.id]
+        self._waiting_count -= 1
+        return True
+
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cond:
-            if handle in self._waiting:
-                self._waiting.remove(handle)
-                handle._put(_DONE)
+            if self._remove_waiting(handle):
+                if handle.row is not None:  # preempted: its sessions are still held
+                    self._detached_cancelled.append(handle)
+                else:
+                    handle._put(_DONE)
             elif handle.request_id in self._running:
                 self._cancelled.add(handle.request_id)
             self._cond.notify_all()
 
+    def _leave(self, request_id: str) -> RequestHandle | None:
+        handle = self._running.pop(request_id, None)
+        if handle is not None:
+            self._running_per_tenant[handle.request.tenant.id] -= 1
+        return handle
+
+    def _join(self, handle: RequestHandle) -> bool:
+        try:
+            if handle.row is not None:
+                self._batch.attach(handle.row)
+                handle.row = None
+            else:
+                self._batch.add(handle.request)
+        except Exception as err:  # validated at admission; a late failure still reaches its caller
+            handle._put(ErrorEvent(handle.request_id, err))
+            return False
+        tenant = handle.request.tenant.id
+        self._running[handle.request_id] = handle
+        self._running_per_tenant[tenant] += 1
+        self._admissions += 1
+        self._last_admitted[tenant] = self._admissions
+        return True
+
+    def _preempt(self, tenant: str) -> bool:
+        """Move `tenant`'s latest running request back to the front of its queue, sessions kept."""
+        for request_id in reversed(list(self._running)):
+            handle = self._running[request_id]
+            if handle.request.tenant.id != tenant:
+                continue
+            row = self._batch.detach(request_id)
+            if row is None:
+                return False
+            self._leave(request_id)
+            handle.row = row
+            self._enqueue(handle, front=True)
+            self.preemptions += 1
+            return True
+        return False
+
+    def _expire(self, now: float) -> None:
+        """Refuse requests that waited past max_queue_wait_s for their first slot."""
+        for tenant in list(self._waiting):
+            for handle in list(self._waiting.get(tenant, ())):
+                if handle.row is not None:
+                    continue  # preempted after it started: it waits for its share, never refused
+                deadline = handle.enqueued + self.max_queue_wait_s
+                if deadline <= now:
+                    self._remove_waiting(handle)
+                    handle._put(ErrorEvent(handle.request_id, ServiceBusyError(
+                        f"no batch slot within max_queue_wait_s={self.max_queue_wait_s:g}: every slot is "
+                        "held by requests within their share", retry_after_s=1.0)))
+                    handle._put(_DONE)
+
     def _admit(self) -> list[str]:
-        """Under the lock: move waiting requests into the batch; return the cancelled requests, whose
-        sessions the loop frees after dropping the lock (a slow expert must not block `submit`)."""
+        """Under the lock: move waiting requests into the batch, fairly; return the cancelled requests,
+        whose sessions the loop frees after dropping the lock (a slow expert must not block `submit`)."""
         cancelled = []
         for request_id in self._cancelled:
-            handle = self._running.pop(request_id, None)
+            handle = self._leave(request_id)
             if handle is not None:
+                self._batch.detach(request_id)
                 cancelled.append(request_id)
                 handle._put(_DONE)
+        for handle in self._detached_cancelled:
+            cancelled.append(handle.request_id)
+            handle.row = None
+            handle._put(_DONE)
+        self._detached_cancelled.clear()
         self._cancelled.clear()
-        while self._waiting and len(self._running) < self.max_batch_size:
-            handle = self._waiting.popleft()
-            try:
-                self._batch.add(handle.request)
-            except Exception as err:  # validated at admission; a late failure still reaches its caller
-                handle._put(ErrorEvent(handle.request_id, err))
-                continue
-            self._running[handle.request_id] = handle
+        while self._waiting:
+            tenant = fair_pick(self._waiting, self._running_per_tenant, self._weights, self._last_admitted)
+            if len(self._running) >= self.max_batch_size:
+                victim = should_preempt(tenant, self._running_per_tenant, self._weights)
+                if victim is None or not self._preempt(victim):
+                    break
+            self._join(self._dequeue(tenant))
         return cancelled
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and not self._waiting and not self._running and not self._cancelled:
+                while not self._stopped:
+                    self._expire(time.monotonic())  # only waits behind running requests: checked every step
+                    if self._waiting_count or self._running or self._cancelled or self._detached_cancelled:
+                        break
                     self._cond.wait()
                 if self._stopped:
                     break
                 cancelled = self._admit()
                 idle = not self._running
             for request_id in cancelled:
-                self._batch.cancel(request_id)
+                self._batch.release(request_id)
             if idle:
                 continue
             try:
@@ -189,13 +310,19 @@ class Scheduler:
                         continue
                     handle._put(event)
                     if isinstance(event, ErrorEvent) or event.finish_reason is not None:
-                        self._running.pop(event.request_id, None)
+                        self._leave(event.request_id)
                         handle._put(_DONE)
         # Shutting down: end every stream.
         with self._cond:
-            for handle in list(self._running.values()) + list(self._waiting):
+            waiting = [h for queue_ in self._waiting.values() for h in queue_]
+            for handle in list(self._running.values()) + waiting:
                 handle._put(ErrorEvent(handle.request_id, ServiceBusyError("the server is shutting down")))
                 handle._put(_DONE)
             self._batch.cancel_all()
+            for handle in waiting + self._detached_cancelled:
+                if handle.row is not None:  # preempted: its sessions are still held
+                    self._batch.release(handle.request_id)
+            self._detached_cancelled.clear()
             self._running.clear()
             self._waiting.clear()
+            self._waiting_count = 0

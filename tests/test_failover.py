@@ -30,7 +30,7 @@ from services.expert_server import create_expert_server
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.remote_expert import MESSAGE_MARGIN_BYTES, RemoteExpert
 from tests.conftest import tiny_config_dict
-from tests.test_grpc import wait_until
+from tests.helpers import wait_until
 
 HISTORY = [5, 17, 42, 99, 3, 250, 8, 61]
 WAIT_S = 10.0

@@ -26,6 +26,7 @@ from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
 from tests.conftest import tiny_config_dict
+from tests.helpers import wait_until  # noqa: F401 (other modules import it from here)
 
 LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400}
 SOAK_SECONDS = float(os.environ.get("FUSION_GRPC_SOAK_S", "10"))  # the soak runs 30 s
@@ -45,15 +46,6 @@ def remote_config(tiny_dir, addresses: dict[str, list[str]], **extra):
 def expert_sessions(port: int) -> int:
     with grpc.insecure_channel(addr(port)) as channel:
         return expert_pb2_grpc.ExpertStub(channel).Info(expert_pb2.InfoRequest(), timeout=5).active_sessions
-
-
-def wait_until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import threading
 
 import pytest
 
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
-from fusion.errors import ResourceExhaustedError
+from fusion.errors import ResourceExhaustedError, ServiceBusyError
 from fusion.scheduler import Scheduler
+from fusion.tenancy import Tenant
+from tests.helpers import wait_until
 
 
 def make_requests(service, n):
@@ -81,3 +84,86 @@ def test_over_the_limit_is_refused(tiny_service):
     for h in handles:
         h.cancel()
     scheduler.stop()
+
+
+def _tenant_requests(service, tenant, n, max_tokens, first_prompt=0):
+    rule, weights = service.resolve_spec(None)
+    return [GenerationRequest([[5 + first_prompt + i, 17, 42]] * 3,
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.9,
+                                             seed=first_prompt + i),
+                              rule, weights, tenant=tenant)
+            for i in range(n)]
+
+
+def test_a_tenant_filling_the_batch_gives_a_newcomer_a_slot_at_once(tiny_service):
+    """Tenant A holds every batch slot and more waits; tenant B's request runs at the next step (A gives
+    back its latest request), and A's preempted requests still produce their solo tokens."""
+    team_a, team_b = Tenant("a"), Tenant("b")
+    a_requests = _tenant_requests(tiny_service, team_a, 4, 40)
+    b_request = _tenant_requests(tiny_service, team_b, 1, 5, first_prompt=10)[0]
+    solo = {r.request_id: [e.token_id for e in tiny_service.engine.generate(copy.copy(r))]
+            for r in a_requests + [b_request]}
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=8, max_batch_size=2).start()
+    try:
+        a_handles = [scheduler.submit(r) for r in a_requests]
+        first = next(iter(a_handles[0]._queue.get, None))  # A is decoding
+        assert first is not None and scheduler.running_by_tenant() == {"a": 2}
+        steps_before = scheduler.steps
+        b_tokens = [e.token_id for e in scheduler.submit(b_request)]
+        assert b_tokens == solo[b_request.request_id]
+        # B ran its 5 tokens in about 5 steps, while A's requests of 40 tokens were still far from done
+        assert scheduler.steps - steps_before <= 8
+        assert scheduler.preemptions >= 1
+        a_tokens = [[first.token_id] + [e.token_id for e in a_handles[0]]] + [
+            [e.token_id for e in h] for h in a_handles[1:]]
+        assert a_tokens == [solo[r.request_id] for r in a_requests]
+    finally:
+        scheduler.stop()
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
+
+
+def test_weights_split_the_batch(tiny_service):
+    """Both tenants keep more waiting than slots: slots split 3 : 1 by weight 3 : 1."""
+    heavy, light = Tenant("heavy", weight=3.0), Tenant("light", weight=1.0)
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=16, max_batch_size=4).start()
+    try:
+        handles = [scheduler.submit(r) for r in _tenant_requests(tiny_service, light, 4, 300)]
+        assert wait_until(lambda: scheduler.running_by_tenant() == {"light": 4})  # alone: every slot
+        handles += [scheduler.submit(r) for r in _tenant_requests(tiny_service, heavy, 4, 300, first_prompt=4)]
+        assert wait_until(lambda: scheduler.running_by_tenant() == {"heavy": 3, "light": 1})
+    finally:
+        for handle in handles:
+            handle.cancel()
+        scheduler.stop()
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
+
+
+def test_a_request_waiting_past_max_queue_wait_is_refused_with_a_retry_time(tiny_service):
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=4, max_batch_size=1, max_queue_wait_s=0.2).start()
+    try:
+        holding, waiting = _tenant_requests(tiny_service, Tenant("a"), 2, 2000)
+        held = scheduler.submit(holding)
+        refused = scheduler.submit(waiting)  # same tenant: nothing to preempt, so it waits
+        with pytest.raises(ServiceBusyError, match="max_queue_wait_s=0.2") as caught:
+            list(refused)
+        assert caught.value.retry_after_s > 0
+        held.cancel()
+        assert wait_until(lambda: scheduler.active == 0)
+    finally:
+        scheduler.stop()
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
+
+
+def test_a_preempted_request_cancelled_while_waiting_frees_its_sessions(tiny_service):
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=4, max_batch_size=1).start()
+    try:
+        a = scheduler.submit(_tenant_requests(tiny_service, Tenant("a"), 1, 2000)[0])
+        next(iter(a._queue.get, None))
+        b = scheduler.submit(_tenant_requests(tiny_service, Tenant("b"), 1, 2000, first_prompt=3)[0])
+        assert wait_until(lambda: scheduler.running_by_tenant() == {"b": 1})
+        a.cancel()  # a waits, preempted, with its sessions held
+        b.cancel()
+        assert wait_until(lambda: scheduler.active == 0)
+        assert wait_until(lambda: all(len(e.cache) == 0 for e in tiny_service.engine.experts))
+    finally:
+        scheduler.stop()

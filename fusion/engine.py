@@ -49,6 +49,17 @@ _request_counter = itertools.count()
 SCORE_CHUNK = 128
 
 
+FUSED_NOT_FINITE = ("the fused logits are not finite (NaN or inf) although every expert's are: the rule's "
+                    "arithmetic overflowed float32 with these weights")
+
+
+def nonfinite_rows(fused: torch.Tensor) -> set[int]:
+    """Rows of fused logits (B, V) with a NaN or +inf, or no finite value at all. One host sync."""
+    top = fused.amax(-1)  # (B,)
+    bad = top.isnan() | top.isinf()
+    return set(bad.nonzero()[:, 0].tolist()) if bool(bad.any()) else set()
+
+
 def new_request_id() -> str:
     return f"req-{time.time_ns():x}-{next(_request_counter)}"
 
@@ -270,12 +281,14 @@ class FusionEngine:
         continuation_ids: list[int],
         rule: FusionRule,
         weights: list[float],
+        run_chunk: Callable[..., list[float]] = run_on_compute_thread,
     ) -> list[float]:
         """Fused log-probability of each continuation id after each expert's prompt (teacher forcing).
 
-        Runs in chunks of `SCORE_CHUNK` positions, each its own job on the compute thread, so running
-        streams' decode steps interleave with a long score (waiting one chunk at most) and memory holds
-        one chunk's (E, chunk, V) logits; each expert's session cache carries the prefix between chunks."""
+        Runs in chunks of `SCORE_CHUNK` positions, each its own job given to `run_chunk` (the compute
+        thread; a service's scheduler gives each chunk its tenant's turn between decode steps), so
+        running streams' decode steps interleave with a long score and memory holds one chunk's
+        (E, chunk, V) logits; each expert's session cache carries the prefix between chunks."""
         probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
         self.validate(probe)
         if not continuation_ids:
@@ -296,8 +309,8 @@ class FusionEngine:
         try:
             for start in range(0, len(continuation_ids), SCORE_CHUNK):
                 end = min(len(continuation_ids), start + SCORE_CHUNK)
-                logprobs += run_on_compute_thread(self._score_chunk, session, prompt_ids, continuation_ids,
-                                                  start, end, uses, rule, weights, context[start:end])
+                logprobs += run_chunk(self._score_chunk, session, prompt_ids, continuation_ids,
+                                      start, end, uses, rule, weights, context[start:end])
         finally:
             for expert in self.experts:
                 expert.release([session])
@@ -318,7 +331,10 @@ class FusionEngine:
         logits = self.alignment.stack([t.to(self.device) for t in self._map_experts(run)]).float()  # (E, n, V)
         self._check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
         w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
-        log_probs = torch.log_softmax(rule.fuse(logits, w, context).logits.float(), dim=-1)  # (n, V)
+        fused = rule.fuse(logits, w, context).logits  # (n, V)
+        if nonfinite_rows(fused):
+            raise ExpertOutputError(FUSED_NOT_FINITE)
+        log_probs = torch.log_softmax(fused.float(), dim=-1)  # (n, V)
         ids = torch.tensor(continuation_ids[start:end], device=self.device)
         return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
 
@@ -658,11 +674,16 @@ class DecodeBatch:
             return events
         start = time.perf_counter()
         rows = step.rows
+        unusable = nonfinite_rows(step.fused)
         token_ids, logprobs, weights_host, probs_host, top = self._sample(step)
         engine.last_timings.fuse_sample_s = engine.last_timings.fuse_s + time.perf_counter() - start
 
         finished = []
         for b, row in enumerate(rows):
+            if b in unusable:  # finite experts, yet the rule's arithmetic overflowed: end it, never sample NaN
+                events.append(ErrorEvent(row.request.request_id, ExpertOutputError(FUSED_NOT_FINITE)))
+                finished.append(row.request.request_id)
+                continue
             token = token_ids[b]
             row.generated.append(token)
             if row.output_counts is not None:

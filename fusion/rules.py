@@ -23,6 +23,8 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+_FLOAT32 = torch.finfo(torch.float32)
+
 
 # Floor for log-probabilities of impossible tokens, whose probability is exactly 0 in float32: before a
 # signed combination (-inf times a negative weight would become +inf) and in entropies (0 · -inf would
@@ -114,11 +116,19 @@ class FusionRule:
         raise NotImplementedError
 
     def _check_count(self, weights: Sequence[float]) -> None:
+        """One weight per expert, each one float32 can hold: the steps compute in float32, where 1e300
+        is inf and 1e-300 is 0, and either turns every fused logit into NaN."""
         if len(weights) != len(self.expert_names):
             raise ValueError(
                 f"rule {self.name!r} needs {len(self.expert_names)} weights "
                 f"(one per expert {self.expert_names}), got {len(weights)}"
             )
+        for name, w in zip(self.expert_names, weights):
+            if math.isfinite(w) and w != 0 and not _FLOAT32.tiny <= abs(w) <= _FLOAT32.max:
+                raise ValueError(f"expert {name!r}'s weight {w} is outside float32's range: 0 or a magnitude "
+                                 f"from {_FLOAT32.tiny:.3g} to {_FLOAT32.max:.3g}")
+        if all(math.isfinite(w) for w in weights) and math.fsum(abs(w) for w in weights) > _FLOAT32.max:
+            raise ValueError(f"the weights' sum of magnitudes exceeds float32's range ({_FLOAT32.max:.3g})")
 
     def _expert_index(self, param: str, value: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(self.expert_names):

@@ -16,15 +16,19 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from typing import AsyncIterator, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
 from fusion.errors import ServiceBusyError
-from fusion.tenancy import fair_pick, should_preempt
+from fusion.compute import run_on_compute_thread
+from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
 
 logger = logging.getLogger(__name__)
 
 _DONE = object()
+T = TypeVar("T")
 
 
 class RequestHandle:
@@ -92,6 +96,14 @@ class RequestHandle:
             self.cancel()
 
 
+@dataclass
+class _SideJob:
+    tenant: Tenant
+    fn: Callable
+    args: tuple
+    future: Future
+
+
 class Scheduler:
     """Admits waiting requests into one decode batch, shared between tenants by weight.
 
@@ -119,6 +131,8 @@ class Scheduler:
         self._weights: dict[str, float] = {}
         self._last_admitted: dict[str, int] = {}
         self._admissions = 0
+        self._side: dict[str, deque[_SideJob]] = {}  # jobs run between steps (score chunks), per tenant
+        self._side_clock = VirtualClock()
         self._cancelled: set[str] = set()
         self._detached_cancelled: list[RequestHandle] = []  # preempted requests cancelled while waiting
         self._cond = threading.Condition()
@@ -146,6 +160,19 @@ class Scheduler:
     def running_by_tenant(self) -> dict[str, int]:
         with self._cond:
             return {t: n for t, n in self._running_per_tenant.items() if n}
+
+    def run_between_steps(self, tenant: Tenant, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the compute thread between two decode steps (blocking the caller): one such
+        job runs after each step, taken from the tenants in weighted fair order of the time their jobs
+        took, so a tenant's flood of scoring adds at most one chunk to a step and never queues ahead of
+        another tenant's work."""
+        job = _SideJob(tenant, fn, args, Future())
+        with self._cond:
+            if self._stopped:
+                raise ServiceBusyError("the server is shutting down")
+            self._side.setdefault(tenant.id, deque()).append(job)
+            self._cond.notify_all()
+        return job.future.result()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a validated request, or refuse it at once when the concurrency limit is reached."""
@@ -255,6 +282,29 @@ class Scheduler:
                         "held by requests within their share", retry_after_s=1.0)))
                     handle._put(_DONE)
 
+    def _next_side_job(self) -> _SideJob | None:
+        """Under the lock: the side job of the tenant whose jobs took the least time per unit of weight."""
+        if not self._side:
+            return None
+        self._side_clock.activate(self._side)
+        tenant = min(self._side, key=self._side_clock.key)
+        jobs = self._side[tenant]
+        job = jobs.popleft()
+        if not jobs:
+            del self._side[tenant]
+        return job
+
+    def _run_side(self, job: _SideJob) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        start = time.perf_counter()
+        try:
+            job.future.set_result(run_on_compute_thread(job.fn, *job.args))
+        except BaseException as err:  # the caller gets it; the loop goes on
+            job.future.set_exception(err)
+        with self._cond:
+            self._side_clock.charge(job.tenant.id, time.perf_counter() - start, job.tenant.weight)
+
     def _admit(self) -> list[str]:
         """Under the lock: move waiting requests into the batch, fairly; return the cancelled requests,
         whose sessions the loop frees after dropping the lock (a slow expert must not block `submit`)."""
@@ -285,15 +335,19 @@ class Scheduler:
             with self._cond:
                 while not self._stopped:
                     self._expire(time.monotonic())  # only waits behind running requests: checked every step
-                    if self._waiting_count or self._running or self._cancelled or self._detached_cancelled:
+                    if (self._waiting_count or self._running or self._cancelled or self._detached_cancelled
+                            or self._side):
                         break
                     self._cond.wait()
                 if self._stopped:
                     break
                 cancelled = self._admit()
                 idle = not self._running
+                side = self._next_side_job()
             for request_id in cancelled:
                 self._batch.release(request_id)
+            if side is not None:
+                self._run_side(side)
             if idle:
                 continue
             try:
@@ -326,3 +380,7 @@ class Scheduler:
             self._running.clear()
             self._waiting.clear()
             self._waiting_count = 0
+            for jobs in self._side.values():
+                for job in jobs:
+                    job.future.set_exception(ServiceBusyError("the server is shutting down"))
+            self._side.clear()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import math
 import re
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -47,6 +49,7 @@ from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
 from fusion.spelling import spelling_for
+from fusion.tenancy import LOCAL, Reservation, Tenant
 from fusion.text import (Message, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
                          end_of_turn_id)
 
@@ -60,6 +63,16 @@ ROUTE_NEEDS_ONE_TOKENIZER = ("the route rule needs experts of one tokenizer (its
 PREPARE_HINT = "run `fusion models fetch --all` (the default trio) or `fusion train-router` (your experts)"
 
 
+def utf8_size(text: str, field_name: str) -> int:
+    """The UTF-8 size of a request's text; a lone surrogate (JSON allows one escaped) is refused here,
+    before a tokenizer or a stop matcher meets it."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(f"{field_name}: not valid Unicode text: a lone surrogate "
+                                   f"(U+{ord(text[err.start]):04X}) at character {err.start}") from None
+
+
 # -- requests and events ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class FusionRequest:
@@ -70,6 +83,7 @@ class FusionRequest:
     spec: SpecOverrides | FusionSpec | None = None  # rule, params, weights, profile over the config's
     request_id: str | None = None  # the caller's id; it prefixes the service's own (unique) id
     plain: bool = False  # a text prompt continued as is: no chat template or system prompt (OpenAI's completions)
+    tenant: Tenant = LOCAL  # who asks: its share of every queue, its max_tokens cap and its token quota
 
 
 @dataclass
@@ -137,10 +151,25 @@ class ServiceDescription:
     active_requests: int
 
 
+class _Settlement:
+    """A request's token reservation and what it has used so far; settled once, when it ends."""
+
+    def __init__(self, reservation: Reservation | None, prompt_tokens: int) -> None:
+        self.reservation, self.used = reservation, prompt_tokens
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            reservation, self.reservation = self.reservation, None
+        if reservation is not None:
+            reservation.settle(self.used)
+
+
 class _AdmittedRequest:
     """What every stream of an admitted request reports about it."""
 
     request: GenerationRequest
+    settlement: _Settlement
 
     @property
     def request_id(self) -> str:
@@ -155,17 +184,20 @@ class RequestStream(_AdmittedRequest):
     """One admitted request's `TextEvent`s, read with `for` or `async for`. Leaving the loop early
     (or `cancel`) stops the request and frees its sessions on every expert."""
 
-    def __init__(self, request: GenerationRequest, handle: RequestHandle, text: TextStream) -> None:
+    def __init__(self, request: GenerationRequest, handle: RequestHandle, text: TextStream,
+                 settlement: _Settlement) -> None:
         self.request = request
         self._handle = handle
         self._text = text
+        self.settlement = settlement
         # A stream dropped without being read (or read halfway) must not decode on to max_tokens.
-        weakref.finalize(self, handle.cancel)
+        weakref.finalize(self, _end, handle, settlement)
 
     def cancel(self) -> None:
-        self._handle.cancel()
+        _end(self._handle, self.settlement)
 
     def _to_text(self, event: TokenEvent) -> TextEvent:
+        self.settlement.used = self.prompt_tokens + event.index + 1
         delta = self._text.push(event.token_id)
         reason = "stop" if self._text.stopped else event.finish_reason
         if reason is None:
@@ -195,13 +227,20 @@ class RequestStream(_AdmittedRequest):
             await events.aclose()  # cancels the request
 
 
+def _end(handle: RequestHandle, settlement: _Settlement) -> None:
+    handle.cancel()
+    settlement.close()
+
+
 class CrossRequestStream(_AdmittedRequest):
     """A request of experts with different tokenizers: `TextEvent`s, one per fused text piece, each
     step run on the compute thread. `event.token.token_id` is -1 (pieces are text, not ids of one
     vocabulary); logprob and attribution are the piece's."""
 
-    def __init__(self, service: FusionService, request: GenerationRequest, hold_back_prompt: bool) -> None:
+    def __init__(self, service: FusionService, request: GenerationRequest, hold_back_prompt: bool,
+                 settlement: _Settlement) -> None:
         self.request = request
+        self.settlement = settlement
         self._names = service.expert_names
         self._pieces = decode(service.cross, request.prompt_ids, request.sampling, request.rule, request.weights,
                               hold_back_prompt=hold_back_prompt)
@@ -214,8 +253,10 @@ class CrossRequestStream(_AdmittedRequest):
     def cancel(self) -> None:
         self._done = True
         self._pieces.close()
+        self.settlement.close()
 
     def _to_text(self, piece: TextPiece) -> TextEvent:
+        self.settlement.used = self.prompt_tokens + piece.index + 1
         self._text += self._decoder.decode(piece.piece, final=piece.finish_reason is not None)
         reason = piece.finish_reason
         visible = self._text
@@ -280,6 +321,11 @@ class FusionService:
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # Async callers' admissions and scores wait on pools of their own, so a flood of one never
+        # delays the other (nor anything on the event loop's default executor).
+        self._admission_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fusion-admit")
+        self._score_pool = ThreadPoolExecutor(max_workers=max(2, min(64, config.limits.max_concurrent_sessions)),
+                                              thread_name_prefix="fusion-score")
         self.cross: CrossTokenizerFusion | None = None
         if engine.mixed_tokenizers:  # fuse over text; each tokenizer's spelling is built once per process
             spellings = [spelling_for(tok, e.info.tokenizer_fingerprint, e.info.eos_token_ids)
@@ -344,6 +390,8 @@ class FusionService:
             scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.stop()
+        self._admission_pool.shutdown(wait=False, cancel_futures=True)
+        self._score_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     # -- the router trained for these experts ----------------------------------------------------
@@ -447,11 +495,23 @@ class FusionService:
             raise InvalidArgumentError(f"weights: {err}") from None
         return rule, weights
 
-    def sampling(self, overrides: Mapping[str, Any] | SamplingParams | None = None) -> SamplingParams:
-        """The request's sampling fields over the config's defaults, field by field."""
+    def sampling(self, overrides: Mapping[str, Any] | SamplingParams | None = None,
+                 tenant: Tenant = LOCAL) -> SamplingParams:
+        """The request's sampling fields over the config's defaults, field by field. A tenant's
+        max_tokens caps a request that does not ask, and refuses one that asks for more (a retry
+        could never succeed)."""
         if isinstance(overrides, SamplingParams):
-            return overrides
-        return parse_sampling(dict(overrides or {}), base=self.config.sampling)
+            params, asked = overrides, "max_tokens" in overrides.model_fields_set
+        else:
+            data = dict(overrides or {})
+            params, asked = parse_sampling(data, base=self.config.sampling), data.get("max_tokens") is not None
+        cap = tenant.max_tokens
+        if cap is not None and params.max_tokens > cap:
+            if asked:
+                raise InvalidArgumentError(f"max_tokens: {params.max_tokens} exceeds this API key's "
+                                           f"max_tokens_per_request={cap}")
+            params = params.model_copy(update={"max_tokens": cap})
+        return params
 
     def prompt_ids(self, prompt: str | Sequence[Message], *, plain: bool = False) -> list[list[int]]:
         """The prompt as each expert expects it (its own chat template and system prompt); `plain`: the
@@ -499,12 +559,14 @@ class FusionService:
         if request.request_id:
             self._check_request_id(request.request_id)
         rule, weights = self.resolve_spec(request.spec)
-        sampling = self.sampling(request.sampling)
+        sampling = self.sampling(request.sampling, request.tenant)
+        for i, stop in enumerate(sampling.stop):
+            utf8_size(stop, f"stop[{i}]")
         if self.cross is not None:
             self._check_cross_sampling(sampling)
         self.engine.check_sampling(sampling)
         prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
-        generation = GenerationRequest(prompt_ids, sampling, rule, weights)
+        generation = GenerationRequest(prompt_ids, sampling, rule, weights, tenant=request.tenant)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
             generation.request_id = f"{request.request_id}/{new_request_id()}"
         if self.cross is not None:
@@ -546,7 +608,7 @@ class FusionService:
         if not prompt:
             raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
         if isinstance(prompt, str):
-            size = len(prompt.encode("utf-8", "surrogatepass"))
+            size = utf8_size(prompt, "prompt")
         else:
             if len(prompt) > limits.max_messages:
                 raise ResourceExhaustedError(f"messages: {len(prompt)} messages exceed max_messages={limits.max_messages}")
@@ -556,7 +618,8 @@ class FusionService:
                     raise InvalidArgumentError(f"messages[{i}].role: must not be empty")
                 if not isinstance(message.get("content", ""), str):
                     raise InvalidArgumentError(f"messages[{i}].content: must be text")
-                size += len(message["role"]) + len(message.get("content", "").encode("utf-8", "surrogatepass"))
+                size += (utf8_size(message["role"], f"messages[{i}].role")
+                         + utf8_size(message.get("content", ""), f"messages[{i}].content"))
         if size > limits.max_prompt_bytes:
             raise ResourceExhaustedError(f"prompt: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
 
@@ -576,23 +639,32 @@ class FusionService:
                 self._scheduler = Scheduler(self.engine).start()
             return self._scheduler
 
-    def _open(self, generation: GenerationRequest) -> RequestStream:
-        handle = self._running_scheduler().submit(generation)
-        return RequestStream(generation, handle, TextStream(self.tokenizers[0], generation.sampling.stop))
+    def _open(self, request: FusionRequest, generation: GenerationRequest) -> RequestStream | CrossRequestStream:
+        """Reserve the request's tokens on its tenant's quota (prompt + max_tokens, before any work;
+        settled with what it used when it ends), then start it."""
+        prompt_tokens = len(generation.prompt_ids[0])
+        quota = request.tenant.quota
+        settlement = _Settlement(quota.reserve(prompt_tokens + generation.sampling.max_tokens) if quota else None,
+                                 prompt_tokens)
+        try:
+            if self.cross is not None:
+                return CrossRequestStream(self, generation, request.plain, settlement)
+            handle = self._running_scheduler().submit(generation)
+        except BaseException:
+            settlement.close()
+            raise
+        return RequestStream(generation, handle, TextStream(self.tokenizers[0], generation.sampling.stop), settlement)
 
     def submit(self, request: FusionRequest) -> RequestStream | CrossRequestStream:
         """Admit a request (or raise InvalidArgument / NotFound / ResourceExhausted) and stream it."""
-        generation = self.admit(request)
-        if self.cross is not None:
-            return CrossRequestStream(self, generation, hold_back_prompt=request.plain)
-        return self._open(generation)
+        return self._open(request, self.admit(request))
 
     async def submit_async(self, request: FusionRequest) -> RequestStream | CrossRequestStream:
-        """`submit` with admission in a worker thread, off the caller's event loop."""
-        generation = await asyncio.to_thread(self.admit, request)
-        if self.cross is not None:
-            return CrossRequestStream(self, generation, hold_back_prompt=request.plain)
-        return self._open(generation)
+        """`submit` with admission on the admission pool, off the caller's event loop (and apart from
+        the default executor, where scoring waits)."""
+        loop = asyncio.get_running_loop()
+        generation = await loop.run_in_executor(self._admission_pool, self.admit, request)
+        return self._open(request, generation)
 
     def complete(self, prompt: str | Sequence[Message], sampling: Mapping[str, Any] | SamplingParams | None = None,
                  spec: SpecOverrides | FusionSpec | None = None) -> Completion:
@@ -608,7 +680,8 @@ class FusionService:
         return result
 
     # -- scoring -----------------------------------------------------------------------------------
-    def score(self, prompt: str, continuation: str, spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:
+    def score(self, prompt: str, continuation: str, spec: SpecOverrides | FusionSpec | None = None,
+              tenant: Tenant = LOCAL) -> ScoreResult:
         """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template).
 
         The lm-evaluation-harness convention (`fusion.text.encode_pair`): the prompt's trailing
@@ -618,30 +691,46 @@ class FusionService:
         if not continuation:
             raise InvalidArgumentError("continuation: must not be empty")
         for name, text in (("prompt", prompt), ("continuation", continuation)):
-            size = len(text.encode("utf-8", "surrogatepass"))
+            size = utf8_size(text, name)
             if size > limits.max_prompt_bytes:
                 raise ResourceExhaustedError(f"{name}: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
         rule, weights = self.resolve_spec(spec)
         if self.cross is not None:
-            return self._score_text(prompt, continuation, rule, weights)
+            return self._score_text(prompt, continuation, rule, weights, tenant)
         prompt_ids, continuation_ids, scored = self.pair_ids(prompt, continuation)
         if not continuation_ids:
             raise InvalidArgumentError("continuation: encodes to no tokens after the prompt")
         if len(continuation_ids) > limits.max_score_tokens:
             raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
                                          f"max_score_tokens={limits.max_score_tokens}")
-        logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights)
+        tokens = len(prompt_ids[0]) + len(continuation_ids)
+        with self._reserved(tenant, tokens):
+            scheduler = self._running_scheduler()
+            logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights,
+                                         run_chunk=lambda fn, *args: scheduler.run_between_steps(tenant, fn, *args))
         return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
 
-    def _score_text(self, prompt: str, continuation: str, rule: FusionRule, weights: list[float]) -> ScoreResult:
+    @contextlib.contextmanager
+    def _reserved(self, tenant: Tenant, tokens: int) -> Iterator[None]:
+        """`tokens` held on the tenant's quota for the work within, then settled as used (work that
+        failed half-way was still done)."""
+        settlement = _Settlement(tenant.quota.reserve(tokens) if tenant.quota else None, tokens)
+        try:
+            yield
+        finally:
+            settlement.close()
+
+    def _score_text(self, prompt: str, continuation: str, rule: FusionRule, weights: list[float],
+                    tenant: Tenant = LOCAL) -> ScoreResult:
         """Experts of different tokenizers: the continuation's text pieces after the plain prompt, whose
         last id is held back so that it may merge with the continuation as each expert would spell it."""
         if len(continuation.encode("utf-8")) > self.config.limits.max_score_tokens * 8:
             raise ResourceExhaustedError(f"continuation: more than {self.config.limits.max_score_tokens * 8} bytes "
                                          f"(8 x max_score_tokens={self.config.limits.max_score_tokens})")
         prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
-        scored = run_on_compute_thread(score_text, self.cross, prompt_ids, continuation.encode("utf-8"),
-                                       [(rule, weights)], hold_back_prompt=True)
+        with self._reserved(tenant, len(prompt_ids[0]) + len(continuation.encode("utf-8"))):
+            scored = run_on_compute_thread(score_text, self.cross, prompt_ids, continuation.encode("utf-8"),
+                                           [(rule, weights)], hold_back_prompt=True)
         pieces = [p.decode("utf-8", "replace") for p in scored.pieces if p is not None]
         return ScoreResult([], scored.logprobs[0], len(prompt_ids[0]), continuation, pieces)
 
@@ -687,8 +776,11 @@ class FusionService:
         return [context for context, _, _ in pairs], continuation_ids, scored
 
     async def score_async(self, prompt: str, continuation: str,
-                          spec: SpecOverrides | FusionSpec | None = None) -> ScoreResult:
-        return await asyncio.to_thread(self.score, prompt, continuation, spec)
+                          spec: SpecOverrides | FusionSpec | None = None, tenant: Tenant = LOCAL) -> ScoreResult:
+        """`score` on the scoring pool, off the caller's event loop; its chunks take the tenant's turns
+        between decode steps."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._score_pool, self.score, prompt, continuation, spec, tenant)
 
     # -- description -------------------------------------------------------------------------------
     def describe(self) -> ServiceDescription:

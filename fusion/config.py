@@ -216,6 +216,12 @@ class Limits(_Strict):
     # Step call (a coordinator splits its calls to fit). Beyond them: RESOURCE_EXHAUSTED naming it.
     # A coordinator takes its streams plus max_concurrent_rpcs other calls.
     max_concurrent_rpcs: int = Field(default=128, gt=0)
+    # The HTTP API's edge: open connections (past it the longest idle one is closed), the time a
+    # connection has to send a request's headers, to send its body, and to stay idle after a response.
+    max_http_connections: int = Field(default=4096, gt=0)
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    http_keep_alive_s: float = Field(default=5.0, gt=0)
     max_queued_steps: int = Field(default=1024, gt=0)
     max_sessions_per_step: int = Field(default=256, gt=0)
 

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ from services.http_server import HttpApi, start_http_server
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.remote_expert import RemoteExpert
-from services.security import KeyGate, charge_tokens, fusion_interceptors, server_credentials
+from services.security import KeyGate, current_tenant, fusion_interceptors, server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import stream_errors, unary_errors
 from services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto
@@ -105,9 +106,8 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     @stream_errors
     async def Generate(self, request: fusion_pb2.GenerateRequest, context):
         received = time.perf_counter()
-        stream = await self.service.submit_async(request_from_proto(request))
+        stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()))
         self.metrics.prompt_tokens.inc(stream.prompt_tokens)
-        charge_tokens(stream.prompt_tokens)  # to the API key's tokens_per_minute (a no-op without keys)
         timer = self.metrics.stream(received)
         async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
             async for event in events:
@@ -117,8 +117,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     @unary_errors
     async def Score(self, request: fusion_pb2.ScoreRequest, context) -> fusion_pb2.ScoreResponse:
         spec = spec_overrides_from_proto(request.spec) if request.HasField("spec") else None
-        result = await self.service.score_async(request.prompt, request.continuation, spec)
-        charge_tokens(result.prompt_tokens + len(result.token_ids))
+        result = await self.service.score_async(request.prompt, request.continuation, spec, current_tenant())
         response = fusion_pb2.ScoreResponse(
             token_ids=result.token_ids, logprobs=result.logprobs, total_logprob=result.total_logprob,
             pieces=result.pieces,
@@ -190,9 +189,11 @@ async def _serve_http(running: RunningServer, service: FusionService, metrics: C
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     api = HttpApi(service, metrics, gate, serving=serving)
-    http = await start_http_server(api.app(), address, config.security)
+    http = await start_http_server(api.app(), address, config.security, config.limits)
     running.http_port = http.port
+    running.http = http
     running.on_shutdown(http.stop)
+    running.on_stop(api.close)
 
 
 def run_coordinator(

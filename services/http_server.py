@@ -25,9 +25,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -37,9 +39,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
-from fusion.config import SecurityConfig
+from fusion.config import Limits, SecurityConfig
 from fusion.errors import FusionError
 from fusion.service import FusionService, RequestStream, TextEvent, Usage
+from services.http_edge import RESERVED_FDS, ConnectionBook, bounded_protocol, raise_open_files_limit
 from services.metrics import CoordinatorMetrics
 from services.openai_wire import (
     ApiError,
@@ -54,7 +57,7 @@ from services.openai_wire import (
     usage,
 )
 from services.security import ApiKey, KeyGate, KeyStream, Refusal, api_key_from_headers, warn_if_plaintext
-from services.status import http_status_for
+from services.status import http_status_for, retry_after_s
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,12 @@ class HttpApi:
         self.model_name = model_name
         self.serving = serving
         self.created = int(time.time())
+        # Bodies are parsed and planned here, off the event loop; apart from admission's pool, so
+        # a flood of large bodies delays neither admission nor the streams.
+        self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fusion-http-parse")
+
+    def close(self) -> None:
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="logit-fusion", docs_url=None, redoc_url=None, openapi_url=None)
@@ -246,10 +255,8 @@ class HttpApi:
         generation: _Generation | None = None
         try:
             record = await self._authenticate(request, "ChatCompletions" if kind == "chat" else "Completions")
-            body = await self._read_json(request)
-            limits = self.service.config.limits
-            plan = plan_request(kind, body, served=self.model_name, profiles=self.service.config.profiles,
-                                max_choices=limits.max_concurrent_sessions)
+            body = await self._read_body(request)
+            plan = await asyncio.get_running_loop().run_in_executor(self._parse_pool, self._plan, kind, body)
             generation = await self._open(plan, record)
             generation.watch(request)
             if not plan.stream:
@@ -275,36 +282,33 @@ class HttpApi:
             raise
 
     async def _open(self, plan: Plan, record: ApiKey | None) -> _Generation:
-        """Admit one stream per choice (the key's limits first); all or none."""
+        """Admit one stream per choice, each in one of the key's slots and as the key's tenant (its
+        tokens reserved at admission); all or none."""
         tickets: list[KeyStream] = []
         streams: list[RequestStream] = []
+        tenant = self.gate.tenant(record) if record is not None else None
         try:
             if record is not None:
                 for _ in plan.requests:
-                    tickets.append(self.gate.open_stream(record, plan.max_tokens))
+                    tickets.append(self.gate.open_stream(record))
             for fusion_request in plan.requests:
+                if tenant is not None:
+                    fusion_request = replace(fusion_request, tenant=tenant)
                 stream = await self.service.submit_async(fusion_request)
                 streams.append(stream)
                 self.metrics.prompt_tokens.inc(stream.prompt_tokens)
-                if record is not None:  # to the key's tokens_per_minute, as gRPC charges a stream's prompt
-                    self.gate.charge(record, stream.prompt_tokens)
         except BaseException:
             _Generation(streams, tickets).close()
             raise
         return _Generation(streams, tickets)
 
     async def _metered(self, generation: _Generation, received: float) -> AsyncIterator[tuple[int, TextEvent]]:
-        """The events, timed into the metrics and counted against the key's window (a Refusal cuts)."""
+        """The events, timed into the metrics."""
         timers = [self.metrics.stream(received) for _ in generation.streams]
         async with contextlib.aclosing(generation.events()) as events:
             async for choice, event in events:
                 timers[choice].token()
-                ticket = generation.tickets[choice] if generation.tickets else None
-                if ticket is not None and (over := ticket.admit_token()) is not None:
-                    raise over
                 yield choice, event
-                if ticket is not None and (over := ticket.after_token(event.finish_reason is not None)) is not None:
-                    raise over
 
     def _text_of(self, token_id: int) -> str:
         return self.service.token_text(token_id)
@@ -405,43 +409,71 @@ class HttpApi:
         self.gate.count_request(record, method)
         return record
 
-    async def _read_json(self, request: Request) -> Any:
-        limit = self.service.config.limits.max_request_bytes
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, size-checked before and while it is read, within `limits.http_body_timeout_s`."""
+        limits = self.service.config.limits
+        limit = limits.max_request_bytes
         declared = request.headers.get("content-length", "")
         too_large = ApiError(413, f"the request body exceeds max_request_bytes={limit}", None, "request_too_large")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
         try:
-            return json.loads(body)
+            async with asyncio.timeout(limits.http_body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within http_body_timeout_s="
+                                f"{limits.http_body_timeout_s:g}", None, "request_timeout") from None
+        return bytes(body)
+
+    def _plan(self, kind: Kind, body: bytes) -> Plan:
+        """Parse and plan a body (on the parsing pool, off the event loop)."""
+        limits = self.service.config.limits
+        try:
+            data = json.loads(body)
+        except RecursionError:
+            raise ApiError(400, "the request body nests too deeply") from None
         except ValueError as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+        if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > limits.max_messages:
+            # a bound on the work of validating them, before it: the service checks the same limit
+            raise ApiError(400, f"messages: {len(data['messages'])} messages exceed max_messages={limits.max_messages}",
+                           "messages")
+        try:
+            return plan_request(kind, data, served=self.model_name, profiles=self.service.config.profiles,
+                                max_choices=limits.max_concurrent_sessions)
+        except RecursionError:
+            raise ApiError(400, "the request body nests too deeply") from None
 
     def _api_error(self, err: Exception, renames: dict[str, str]) -> ApiError:
         if isinstance(err, ApiError):
             return err
         if isinstance(err, Refusal):
-            return ApiError(err.http_status, err.message, None, err.reason)
+            return ApiError(err.http_status, err.message, None, err.reason, err.retry_after_s)
         status, message = http_status_for(err)
         if status == 500 and not isinstance(err, FusionError):
             logger.error("HTTP request failed", exc_info=err)
         param, message = client_field(message, renames) if status < 500 else (None, message)
-        return ApiError(status, message, param, _ERROR_CODES.get(status))
+        return ApiError(status, message, param, _ERROR_CODES.get(status), retry_after_s(err))
 
     def _error_response(self, request: Request, err: Exception, renames: dict[str, str]) -> Response:
         error = self._api_error(err, renames)
-        return self._respond(request, JSONResponse(error.body(), status_code=error.status))
+        retry = error.retry_after_s
+        headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
+        return self._respond(request, JSONResponse(error.body(), status_code=error.status, headers=headers))
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         return self._respond(request, JSONResponse(error.body(), status_code=exc.status_code))
 
     def _respond(self, request: Request, response: Response) -> Response:
-        self.metrics.http_requests.labels(path=request.url.path, status=str(response.status_code)).inc()
+        # The route's template, never the path a client sent: a bounded set of label values.
+        route = request.scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"
+        self.metrics.http_requests.labels(path=path, status=str(response.status_code)).inc()
         return response
 
 
@@ -458,6 +490,7 @@ class HttpServer:
     server: uvicorn.Server
     task: asyncio.Task
     port: int
+    connections: ConnectionBook
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting; requests in flight (streams too) may finish for `grace` seconds."""
@@ -477,14 +510,24 @@ def _bind(address: str) -> socket.socket:
         raise FusionError(f"cannot listen on {address}: {getattr(err, 'strerror', None) or err}") from None
 
 
-async def start_http_server(app: FastAPI, address: str, security: SecurityConfig | None = None) -> HttpServer:
+async def start_http_server(app: FastAPI, address: str, security: SecurityConfig | None = None,
+                            limits: Limits | None = None) -> HttpServer:
     """Serve `app` on `address` ("host:0" picks a free port) on the running event loop; over TLS when
-    the config's security section has a `tls` section (the gRPC server's certificate), else plaintext."""
+    the config's security section has a `tls` section (the gRPC server's certificate), else plaintext.
+    Connections are bounded by `limits` (`services.http_edge`)."""
     sock = _bind(address)
     tls = security.tls if security is not None and not security.plaintext else None
     if tls is None:
         warn_if_plaintext(address, "the HTTP API")
+    limits = limits or Limits()
+    open_files = raise_open_files_limit()
+    max_connections = max(16, min(limits.max_http_connections, open_files - RESERVED_FDS))
+    if max_connections < limits.max_http_connections:
+        logger.warning("max_http_connections=%d lowered to %d: the process may open %d files",
+                       limits.max_http_connections, max_connections, open_files)
+    book = ConnectionBook(max_connections, limits.http_header_timeout_s)
     config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                            http=bounded_protocol(book), timeout_keep_alive=max(1, int(limits.http_keep_alive_s)),
                             ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -494,4 +537,4 @@ async def start_http_server(app: FastAPI, address: str, security: SecurityConfig
             task.result()
             raise FusionError(f"the HTTP API did not start on {address}")
         await asyncio.sleep(0.01)
-    return HttpServer(server, task, sock.getsockname()[1])
+    return HttpServer(server, task, sock.getsockname()[1], book)

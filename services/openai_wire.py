@@ -41,9 +41,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape; `param` names the request field it refuses."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # a 429's Retry-After
 
     def body(self) -> dict[str, Any]:
         kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")

@@ -56,8 +56,8 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter
 
 from fusion.config import Limits, SecurityConfig
-from fusion.errors import ConfigError
-from services.protos import fusion_pb2
+from fusion.errors import ConfigError, InvalidArgumentError, ServiceBusyError
+from fusion.tenancy import LOCAL, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +226,25 @@ def expert_channel_metadata(security: SecurityConfig | None) -> list[tuple[str, 
     return [(EXPERT_SECRET_HEADER, secret)] if secret else []
 
 
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+async def abort_with_retry(context, code: grpc.StatusCode, message: str, retry_after_s: float | None) -> None:
+    """Abort the call; with a retry time, gRPC's retry pushback trailer says when to try again."""
+    if retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(max(1, math.ceil(retry_after_s * 1000)))),))
+    await context.abort(code, message)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
+              retry_after_s: float | None = None) -> grpc.RpcMethodHandler:
     """The same method (same deserialisers), answering only `code`."""
 
     async def unary(request, context):
-        await context.abort(code, message)
+        await abort_with_retry(context, code, message, retry_after_s)
 
     async def stream(request, context):
-        await context.abort(code, message)
+        await abort_with_retry(context, code, message, retry_after_s)
         yield  # pragma: no cover - makes this an async generator
 
     if handler.unary_unary is not None:
@@ -289,6 +300,7 @@ class KeyLimits:
     max_concurrent_streams: int | None = None
     tokens_per_minute: int | None = None
     max_tokens_per_request: int | None = None
+    weight: float | None = None  # the key's share of every queue against other waiting keys (default 1)
 
 
 @dataclass(frozen=True)
@@ -368,7 +380,7 @@ def key_id_of(key: str) -> str | None:
     return key_id if sep and key_id else None
 
 
-_LIMIT_FIELDS = {"max_concurrent_streams", "tokens_per_minute", "max_tokens_per_request"}
+_LIMIT_FIELDS = {"max_concurrent_streams", "tokens_per_minute", "max_tokens_per_request", "weight"}
 
 
 def parse_keys(data: Any, source: str) -> dict[str, ApiKey]:
@@ -388,8 +400,11 @@ def parse_keys(data: Any, source: str) -> dict[str, ApiKey]:
         if not isinstance(limits, dict) or set(limits) - _LIMIT_FIELDS:
             raise ConfigError(f"{where}.limits: expected some of {sorted(_LIMIT_FIELDS)}, got {limits!r}")
         for name, value in limits.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ConfigError(f"{where}.limits.{name}: must be a positive integer, got {value!r}")
+            kinds = (int, float) if name == "weight" else int
+            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) or not 0 < value < 1e6):
+                raise ConfigError(f"{where}.limits.{name}: must be a positive {'number' if name == 'weight' else 'integer'}"
+                                  f" below 1e6, got {value!r}" if name == "weight" else
+                                  f"{where}.limits.{name}: must be a positive integer, got {value!r}")
         keys[str(key_id)] = ApiKey(str(key_id), entry["hash"], bool(entry.get("revoked", False)), KeyLimits(**limits))
     return keys
 
@@ -537,6 +552,8 @@ class ApiKeyStore:
 
 # -- per-key usage and limits: the transport-neutral gate ----------------------------------------
 # Failed authentication, per key id: a burst of wrong secrets, then one every 1 / rate seconds.
+# What a refusal for a key's slots suggests to wait: a slot frees when a call ends, which no one knows.
+STREAM_RETRY_S = 1.0
 FAILURE_BURST_PER_KEY = 5
 FAILURES_PER_S_PER_KEY = 0.2
 # Legacy PBKDF2 verifications of wrong keys, over all ids: a burst, then this rate.
@@ -552,11 +569,10 @@ class KeyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("fusion_key_requests", "Authenticated requests, by API key id and method",
                                 ["key_id", "method"], registry=registry)
-        self.tokens = Counter("fusion_key_tokens", "Tokens generated, by API key id", ["key_id"], registry=registry)
+        self.tokens = Counter("fusion_key_tokens", "Tokens charged to tokens_per_minute (prompts, generated and "
+                              "scored tokens), by API key id", ["key_id"], registry=registry)
         self.refusals = Counter("fusion_key_refusals", "Refused requests, by API key id ('-': no valid key) and reason",
                                 ["key_id", "reason"], registry=registry)
-        self.charged = Counter("fusion_key_prompt_tokens", "Prompt (and scored) tokens charged to "
-                               "tokens_per_minute, by API key id", ["key_id"], registry=registry)
         self.slow_verifications = Counter("fusion_key_slow_verifications",
                                           "Legacy PBKDF2 key verifications run (bounded and rate-limited)",
                                           registry=registry)
@@ -568,7 +584,7 @@ class _Usage:
     most WINDOW_S + 1 entries per key, whether or not the key has a tokens_per_minute limit."""
 
     streams: int = 0
-    tokens: deque = field(default_factory=deque)  # (monotonic time of the bucket's first token, count)
+    tokens: deque = field(default_factory=deque)  # [monotonic time of the bucket's first token, count]
     window_total: int = 0
 
     def tokens_in_window(self, now: float) -> int:
@@ -576,14 +592,31 @@ class _Usage:
             self.window_total -= self.tokens.popleft()[1]
         return self.window_total
 
-    def add_tokens(self, now: float, count: int) -> None:
+    def add_tokens(self, now: float, count: int) -> list:
+        """Count `count` tokens now; the bucket they went into."""
         if self.tokens and now - self.tokens[-1][0] < 1.0:  # the current one-second bucket
-            start, total = self.tokens[-1]
-            self.tokens[-1] = (start, total + count)
+            self.tokens[-1][1] += count
         else:
-            self.tokens.append((now, count))
+            self.tokens.append([now, count])
         self.window_total += count
         self.tokens_in_window(now)  # trims what left the window
+        return self.tokens[-1] if self.tokens else [now, 0]
+
+    def give_back(self, bucket: list, count: int, now: float) -> None:
+        """Take `count` tokens out of `bucket` if it is still in the window (else they left already)."""
+        self.tokens_in_window(now)
+        if count > 0 and any(b is bucket for b in self.tokens):
+            bucket[1] -= count
+            self.window_total -= count
+
+    def wait_until_free(self, tokens: int, now: float) -> float:
+        """Seconds until `tokens` of the window's tokens have left it."""
+        freed = 0
+        for start, count in self.tokens:
+            freed += count
+            if freed >= tokens:
+                return max(0.0, start + WINDOW_S - now)
+        return WINDOW_S
 
 
 class TokenBucket:
@@ -656,31 +689,13 @@ class SlowVerifier:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class _Charge:
-    """Where `charge_tokens` sends the tokens of the call in progress (closed when the call ends)."""
-
-    __slots__ = ("gate", "record", "open")
-
-    def __init__(self, gate: KeyGate, record: ApiKey) -> None:
-        self.gate, self.record, self.open = gate, record, True
-
-    def __call__(self, count: int) -> None:
-        if self.open and count > 0:
-            self.gate.charge(self.record, count)
+_CALLER: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("fusion_key_tenant", default=None)
 
 
-_CHARGE: contextvars.ContextVar[_Charge | None] = contextvars.ContextVar("fusion_key_charge", default=None)
-
-
-def charge_tokens(count: int) -> None:
-    """Charge `count` tokens that the current call consumed without streaming them (its prompt; a
-    scored prompt and continuation) to its API key's tokens_per_minute window. A no-op without API
-    keys or outside a gated call. The gate marks the call's key around the handler
-    (`KeyGate.charging`, a context variable of the call's task), so a servicer calls this once it
-    knows the count, with no key in its signature."""
-    charge = _CHARGE.get()
-    if charge is not None:
-        charge(count)
+def current_tenant() -> Tenant:
+    """The tenant of the gRPC call in progress (its API key, set by `ApiKeyInterceptor` around the
+    handler, in the call's task); the local tenant without API keys."""
+    return _CALLER.get() or LOCAL
 
 
 UNAUTHENTICATED, RESOURCE_EXHAUSTED = "unauthenticated", "resource_exhausted"
@@ -690,11 +705,12 @@ _HTTP_CODES = {UNAUTHENTICATED: 401, RESOURCE_EXHAUSTED: 429}
 
 class Refusal(Exception):
     """Why the gate refuses a call: `status` is UNAUTHENTICATED or RESOURCE_EXHAUSTED (as a gRPC code:
-    `grpc_code`; as an HTTP status: `http_status`); `reason` labels the refusal metric."""
+    `grpc_code`; as an HTTP status: `http_status`); `reason` labels the refusal metric;
+    `retry_after_s`, when a retry can succeed, says when."""
 
-    def __init__(self, status: str, message: str, reason: str) -> None:
+    def __init__(self, status: str, message: str, reason: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.reason = status, message, reason
+        self.status, self.message, self.reason, self.retry_after_s = status, message, reason, retry_after_s
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -715,37 +731,62 @@ def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
 
 
 class KeyStream:
-    """One admitted stream of a key: counts its tokens against the key's window and says when the
-    window is used up. `close` (idempotent) frees its slot."""
+    """One admitted call of a key (a stream or a Score): holds one of its slots until `close`
+    (idempotent)."""
 
     def __init__(self, gate: KeyGate, record: ApiKey, usage: _Usage) -> None:
         self.gate, self.record, self.usage = gate, record, usage
         self._open = True
 
-    def admit_token(self) -> Refusal | None:
-        """Before sending a token: None (send it; it is counted), or the refusal that cuts the stream
-        because the key's window is already used up (by this stream or the key's other calls)."""
-        limit = self.record.limits.tokens_per_minute
-        now = self.gate.clock()
-        if limit is not None and self.usage.tokens_in_window(now) >= limit:
-            return self.gate.refuse(self.record, "tokens_per_minute",
-                                    f"limit {limit} reached mid-stream; the stream is cut")
-        self.usage.add_tokens(now, 1)
-        self.gate.metrics.tokens.labels(key_id=self.record.key_id).inc()
-        return None
-
-    def after_token(self, final: bool) -> Refusal | None:
-        """After sending a token: the refusal that cuts the stream now if the window is used up and
-        more would follow (saves computing a token that would not be sent)."""
-        limit = self.record.limits.tokens_per_minute
-        if final or limit is None or self.usage.tokens_in_window(self.gate.clock()) < limit:
-            return None
-        return self.gate.refuse(self.record, "tokens_per_minute", f"limit {limit} reached mid-stream; the stream is cut")
-
     def close(self) -> None:
         if self._open:
             self._open = False
             self.gate._stream_closed(self.record.key_id, self.usage)
+
+
+class KeyReservation:
+    """Tokens a key's window holds for one request, added to the second they were reserved in; `settle`
+    gives back what the request did not use."""
+
+    def __init__(self, gate: KeyGate, record: ApiKey, usage: _Usage, bucket: list, tokens: int) -> None:
+        self.gate, self.record, self.usage, self.bucket, self.tokens = gate, record, usage, bucket, tokens
+
+    def settle(self, used: int) -> None:
+        used = max(0, min(used, self.tokens))
+        with self.gate.lock:
+            self.usage.give_back(self.bucket, self.tokens - used, self.gate.clock())
+        self.gate.metrics.tokens.labels(key_id=self.record.key_id).inc(used)
+
+
+class KeyQuota:
+    """A key's tokens_per_minute as the runtime's `Quota`: a request reserves what it may use (its
+    prompt and max_tokens; a Score its prompt and continuation) before any work."""
+
+    def __init__(self, gate: KeyGate, record: ApiKey) -> None:
+        self.gate, self.record = gate, record
+
+    def reserve(self, tokens: int) -> KeyReservation:
+        gate, record = self.gate, self.record
+        limit = record.limits.tokens_per_minute
+        with gate.lock:
+            usage = gate.usage(record.key_id)
+            now = gate.clock()
+            if limit is not None:
+                if tokens > limit:
+                    gate.metrics.refusals.labels(key_id=record.key_id, reason="tokens_per_minute").inc()
+                    raise InvalidArgumentError(
+                        f"max_tokens: the request needs {tokens} tokens (prompt + max_tokens) and API key "
+                        f"{record.key_id!r} has tokens_per_minute={limit}: ask for fewer tokens")
+                used = usage.tokens_in_window(now)
+                if used + tokens > limit:
+                    wait = usage.wait_until_free(used + tokens - limit, now)
+                    gate.metrics.refusals.labels(key_id=record.key_id, reason="tokens_per_minute").inc()
+                    raise ServiceBusyError(
+                        f"API key {record.key_id!r}: tokens_per_minute {limit} would be exceeded ({used} used in "
+                        f"the last {WINDOW_S:g} s, this request needs {tokens}); retry in {math.ceil(wait)} s",
+                        retry_after_s=wait)
+            bucket = usage.add_tokens(now, tokens)
+        return KeyReservation(gate, record, usage, bucket, tokens)
 
 
 class KeyGate:
@@ -782,6 +823,7 @@ class KeyGate:
         self.failure_burst, self.failures_per_s = failure_burst, failures_per_s
         self._slow = TokenBucket(slow_per_s, slow_burst, clock())
         self._usage: dict[str, _Usage] = {}
+        self.lock = threading.Lock()  # windows are reserved from admission threads and settled anywhere
         self._failures: dict[str, TokenBucket] = {}
         self._verified: dict[str, tuple[bytes, str]] = {}  # key id -> (sha256 of its key, the hash it matched)
         self._generation = store.generation
@@ -832,7 +874,7 @@ class KeyGate:
     def _too_many_failures(self, key_id: str, wait_s: float, scope: str) -> Refusal:
         self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="auth_rate_limited").inc()
         return Refusal(RESOURCE_EXHAUSTED, f"too many failed attempts {scope} (key id {key_id!r}); retry in "
-                       f"{max(1, math.ceil(wait_s))} s", "auth_rate_limited")
+                       f"{max(1, math.ceil(wait_s))} s", "auth_rate_limited", max(wait_s, 0.001))
 
     def _failures_of(self, key_id: str, now: float) -> TokenBucket:
         bucket = self._failures.get(key_id)
@@ -883,7 +925,7 @@ class KeyGate:
             self._slow.give_back()
             self.metrics.refusals.labels(key_id=_ANONYMOUS, reason="auth_busy").inc()
             raise Refusal(RESOURCE_EXHAUSTED, "key verification is busy (a legacy-hashed key); retry shortly",
-                          "auth_busy")
+                          "auth_busy", STREAM_RETRY_S)
         self.metrics.slow_verifications.inc()
         if valid:
             bucket.give_back()
@@ -896,63 +938,63 @@ class KeyGate:
     def count_request(self, record: ApiKey, method: str) -> None:
         self.metrics.requests.labels(key_id=record.key_id, method=method).inc()
 
-    def refuse(self, record: ApiKey, limit: str, message: str) -> Refusal:
+    def refuse(self, record: ApiKey, limit: str, message: str, retry_after_s: float | None = None) -> Refusal:
         self.metrics.refusals.labels(key_id=record.key_id, reason=limit).inc()
-        return Refusal(RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit)
+        return Refusal(RESOURCE_EXHAUSTED, f"API key {record.key_id!r}: {limit} {message}", limit, retry_after_s)
 
-    def charge(self, record: ApiKey, count: int) -> None:
-        """Count `count` consumed tokens (a prompt, a scored text) in the key's window. A prompt larger
-        than what is left of the window is still served up to here; a stream is then cut before its
-        first token, and the key's next calls wait for the window to slide."""
-        if record.key_id in self._known or record.key_id in self._usage:
-            self.usage(record.key_id).add_tokens(self.clock(), count)
-            self.metrics.charged.labels(key_id=record.key_id).inc(count)
+    def tenant(self, record: ApiKey) -> Tenant:
+        """The key as the runtime sees it: its weight, its per-request cap and its token quota."""
+        limits = record.limits
+        return Tenant(record.key_id, float(limits.weight or 1.0), limits.max_tokens_per_request,
+                      KeyQuota(self, record))
 
     @contextlib.contextmanager
-    def charging(self, record: ApiKey) -> Iterator[None]:
-        """Within: `charge_tokens` charges `record`'s key (the handler runs in the same task)."""
-        charge = _Charge(self, record)
-        token = _CHARGE.set(charge)
+    def calling_as(self, record: ApiKey) -> Iterator[None]:
+        """Within: `current_tenant()` is `record`'s key (the handler runs in the same task)."""
+        token = _CALLER.set(self.tenant(record))
         try:
             yield
         finally:
-            charge.open = False
             with contextlib.suppress(ValueError):  # a stream closed from another context (a finalizer)
-                _CHARGE.reset(token)
+                _CALLER.reset(token)
 
     def check_rate(self, record: ApiKey) -> None:
-        """Raises Refusal while the key's tokens_per_minute window is used up."""
+        """Raises Refusal, with the time until tokens leave it, while the key's window is used up."""
         limit = record.limits.tokens_per_minute
         if limit is not None:
-            used = self.usage(record.key_id).tokens_in_window(self.clock())
+            usage, now = self.usage(record.key_id), self.clock()
+            used = usage.tokens_in_window(now)
             if used >= limit:
+                wait = usage.wait_until_free(used - limit + 1, now)
                 raise self.refuse(record, "tokens_per_minute", f"limit {limit} reached ({used} tokens in the "
-                                  "last 60 s); retry later")
+                                  f"last {WINDOW_S:g} s); retry in {math.ceil(wait)} s", retry_after_s=wait)
 
-    def open_stream(self, record: ApiKey, requested_max_tokens: int | None) -> KeyStream:
-        """Admit a stream of the key (None: the default max_tokens), or raise Refusal naming the limit."""
+    def open_stream(self, record: ApiKey) -> KeyStream:
+        """Admit a call of the key (a stream or a Score) into one of its slots, or raise Refusal naming
+        the limit. Its tokens are reserved at admission (`KeyQuota`), once they are known."""
         limits = record.limits
-        requested = self.default_max_tokens if requested_max_tokens is None else requested_max_tokens
-        if limits.max_tokens_per_request is not None and requested > limits.max_tokens_per_request:
-            raise self.refuse(record, "max_tokens_per_request",
-                              f"is {limits.max_tokens_per_request}, the request asks {requested}")
         self.check_rate(record)
         usage = self.usage(record.key_id)
         if limits.max_concurrent_streams is not None and usage.streams >= limits.max_concurrent_streams:
             raise self.refuse(record, "max_concurrent_streams",
-                              f"limit {limits.max_concurrent_streams} reached; wait for a stream to end")
+                              f"limit {limits.max_concurrent_streams} reached; wait for a call to end",
+                              retry_after_s=STREAM_RETRY_S)
         if self.streams_per_key is not None and usage.streams >= self.streams_per_key:
             raise self.refuse(record, "key_share",
                               f"{self.key_share:g} of max_concurrent_sessions {self.max_concurrent_sessions} "
-                              f"allows {self.streams_per_key} streams per key and {usage.streams} are open; "
-                              "wait for one to end")
+                              f"allows {self.streams_per_key} calls per key and {usage.streams} are open; "
+                              "wait for one to end", retry_after_s=STREAM_RETRY_S)
         usage.streams += 1
         return KeyStream(self, record, usage)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """The gRPC adapter of a `KeyGate`: every call of `service` (health and reflection stay open)
-    is authenticated and held to the key's limits; refusals become status codes."""
+    is authenticated; Generate and Score each hold one of the key's slots while they run, and the
+    handler runs as the key's tenant (`current_tenant`), whose quota the service reserves tokens on
+    at admission. Refusals become status codes, with a retry pushback where a retry can succeed."""
+
+    SLOTTED = ("Generate", "Score")
 
     def __init__(self, gate: KeyGate, service: str) -> None:
         self.gate = gate
@@ -966,54 +1008,45 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         try:
             record = await self.gate.authenticate(api_key_from_headers(_metadata(handler_call_details)))
         except Refusal as refusal:
-            return _refusing(handler, refusal.grpc_code, refusal.message)
-        self.gate.count_request(record, method[len(self._prefix):])
+            return _refusing(handler, refusal.grpc_code, refusal.message, refusal.retry_after_s)
+        name = method[len(self._prefix):]
+        self.gate.count_request(record, name)
+        slotted = name in self.SLOTTED
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._metered_stream(handler.unary_stream, record))
+            return handler._replace(unary_stream=self._stream(handler.unary_stream, record, slotted))
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._checked_unary(handler.unary_unary, record))
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, record, slotted))
         return handler
 
-    def _checked_unary(self, behaviour, record: ApiKey):
+    def _unary(self, behaviour, record: ApiKey, slotted: bool):
         async def unary(request, context):
             try:
-                self.gate.check_rate(record)
+                ticket = self.gate.open_stream(record) if slotted else None
             except Refusal as refusal:
-                await context.abort(refusal.grpc_code, refusal.message)
-            with self.gate.charging(record):
-                return await behaviour(request, context)
+                await abort_with_retry(context, refusal.grpc_code, refusal.message, refusal.retry_after_s)
+            try:
+                with self.gate.calling_as(record):
+                    return await behaviour(request, context)
+            finally:
+                if ticket is not None:
+                    ticket.close()
 
         return unary
 
-    @staticmethod
-    def _requested_max_tokens(request) -> int | None:
-        if not isinstance(request, fusion_pb2.GenerateRequest):
-            return 0  # not a message: MalformedRequestInterceptor answers INVALID_ARGUMENT
-        sampling = request.sampling
-        return sampling.max_tokens if sampling.HasField("max_tokens") else None
-
-    def _metered_stream(self, behaviour, record: ApiKey):
+    def _stream(self, behaviour, record: ApiKey, slotted: bool):
         async def stream(request, context):
             try:
-                ticket = self.gate.open_stream(record, self._requested_max_tokens(request))
+                ticket = self.gate.open_stream(record) if slotted else None
             except Refusal as refusal:
-                await context.abort(refusal.grpc_code, refusal.message)
-            over = None
+                await abort_with_retry(context, refusal.grpc_code, refusal.message, refusal.retry_after_s)
             try:
-                with self.gate.charging(record):
+                with self.gate.calling_as(record):
                     async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
                         async for response in responses:
-                            over = ticket.admit_token()
-                            if over is not None:
-                                break
                             yield response
-                            over = ticket.after_token(final=bool(getattr(response, "finish_reason", "")))
-                            if over is not None:
-                                break
             finally:
-                ticket.close()
-            if over is not None:
-                await context.abort(over.grpc_code, over.message)
+                if ticket is not None:
+                    ticket.close()
 
         return stream
 

@@ -69,6 +69,7 @@ class RunningServer:
     metrics: ServerMetrics
     metrics_port: int | None = None
     http_port: int | None = None  # the coordinator's HTTP API, when it serves one
+    http: Any = None  # the coordinator's HttpServer (its connection book), when it serves one
     _closers: list[Callable[[], Any]] = field(default_factory=list)
     _stoppers: list[Callable[[float | None], Awaitable[None]]] = field(default_factory=list)
     _stopped: bool = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 
 import grpc
 
@@ -99,8 +100,16 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, err: Exception)
     code, message = status_for(err)
     if code == grpc.StatusCode.INTERNAL and not isinstance(err, FusionError):
         logger.error("%s failed", method, exc_info=err)
+    retry = retry_after_s(err)
+    if retry is not None:  # a busy service or a key's window: gRPC's retry pushback says when
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(max(1, math.ceil(retry * 1000)))),))
     await context.abort(code, message)  # raises AbortError
     return code
+
+
+def retry_after_s(err: BaseException) -> float | None:
+    """When a retry of the refused request may succeed (None: not known, or never)."""
+    return getattr(err, "retry_after_s", None) if isinstance(err, ServiceBusyError) else None
 
 
 def _aborted_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -425,11 +425,15 @@ def test_key_limits_are_shared_with_grpc_and_are_429(keyed):
         assert wait_until(lambda: server.servicer.service.active == 0)
         assert client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=2).usage
     with client_for(http_port, keys["small"]) as client:
-        # The prompt (~19 tokens) and the tokens sent count; the stream is cut where the window is used up.
-        with pytest.raises(openai.APIError, match="tokens_per_minute"):
-            list(client.chat.completions.create(model="fusion", messages=CHAT, stream=True, **LONG))
-        with pytest.raises(openai.RateLimitError, match="tokens_per_minute"):
+        # The prompt (43 tokens) and max_tokens are reserved up front: 400 never fits 60 a minute (400),
+        # 10 fits once, and then the window is used up until its tokens leave it (429 with Retry-After).
+        with pytest.raises(openai.BadRequestError, match="tokens_per_minute"):
+            client.chat.completions.create(model="fusion", messages=CHAT, stream=True, **LONG)
+        assert client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=10,
+                                              extra_body={"ignore_eos": True}).usage.completion_tokens == 10
+        with pytest.raises(openai.RateLimitError, match="tokens_per_minute") as caught:
             client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=2)
+        assert 1 <= int(caught.value.response.headers["retry-after"]) <= 61
     assert wait_until(lambda: server.servicer.service.active == 0)
 
 

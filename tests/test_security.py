@@ -26,6 +26,7 @@ from services.expert_server import create_expert_server
 from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
 from services.security import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
 from tests.conftest import tiny_config_dict
+from tests.helpers import wait_until
 
 LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400}
 UNAUTH, EXHAUSTED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -277,7 +278,7 @@ def test_bad_keys_file_is_named(tmp_path, entry, message):
 KEY_LIMITS = {
     "one-stream": {"max_concurrent_streams": 1},
     "free": {},
-    "rate": {"tokens_per_minute": 60},
+    "rate": {"tokens_per_minute": 90},
     "prompt-rate": {"tokens_per_minute": 30},
     "short": {"max_tokens_per_request": 4},
     "gone": {},
@@ -395,70 +396,95 @@ def run_stream(port: int, key: str, prompt: str = "hello", **sampling):
     return got, None
 
 
-def test_tokens_per_minute(keyed, monkeypatch):
-    """A key's window counts its prompt and generated tokens: a stream crossing the limit is cut there."""
+def pushback_ms(error: grpc.RpcError) -> int | None:
+    """gRPC's retry pushback trailer of a refusal, in milliseconds (None: not sent)."""
+    trailers = dict(error.trailing_metadata() or ())
+    return int(trailers["grpc-retry-pushback-ms"]) if "grpc-retry-pushback-ms" in trailers else None
+
+
+def test_tokens_per_minute_are_reserved_before_the_work(keyed, monkeypatch):
+    """A stream reserves its prompt + max_tokens on the key's window before any work and gives back what
+    it did not use; one that does not fit is refused up front with a retry time, never cut half-way."""
     _, port, keys = keyed
     limit = KEY_LIMITS["rate"]["tokens_per_minute"]
     md = [("x-api-key", keys["rate"])]
-    first, error = run_stream(port, keys["rate"], max_tokens=6)
+    first, error = run_stream(port, keys["rate"], max_tokens=6, temperature=0.0)
     assert error is None and len(first) == 6
     prompt = first[-1].usage.prompt_tokens  # the chat-templated "hello"
-    assert 0 < prompt and 2 * prompt + 6 < limit
-    # the next stream's prompt is charged, then it is cut where the window reaches the limit
-    got, error = run_stream(port, keys["rate"], max_tokens=40)
-    assert error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
-    assert len(got) == limit - 2 * prompt - 6
-    # refused up front while the window is full; other keys are unaffected
-    assert generate_code(port, md) == EXHAUSTED
-    assert generate_code(port, [("x-api-key", keys["free"])]) == 3
+    assert 0 < prompt and prompt + 6 + prompt + 12 < limit < prompt + 6 + prompt + 60
+    # prompt + 60 no longer fits the window: refused before its first token, with when to retry
+    got, error = run_stream(port, keys["rate"], max_tokens=60)
+    assert got == [] and error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
+    assert 0 < pushback_ms(error) <= 61_000
+    # a stream that stops early gives back its unused reservation: it asked for 12 tokens
+    stop_id = first[3].token_id
+    stopped_after = [r.token_id for r in first].index(stop_id) + 1
+    got, error = run_stream(port, keys["rate"], max_tokens=12, temperature=0.0, stop_token_ids=[stop_id])
+    assert error is None and len(got) == stopped_after
+    left = limit - (prompt + 6) - (prompt + stopped_after) - prompt
+    assert generate_code(port, md, max_tokens=left) == left  # exactly what is left fits
+    assert generate_code(port, md, max_tokens=1) == EXHAUSTED  # up front now
+    assert generate_code(port, [("x-api-key", keys["free"])]) == 3  # other keys are unaffected
     with FusionClient(addr(port), timeout=30, api_key=keys["rate"]) as client:
         with pytest.raises(Exception, match="tokens_per_minute"):
             client.score("a", "b")
     # the window slides: tokens older than the window no longer count
     monkeypatch.setattr(security, "WINDOW_S", 0.5)
     threading.Event().wait(0.6)
+    # more than the whole window can ever hold: INVALID_ARGUMENT, a retry would never succeed
+    assert generate_code(port, md, max_tokens=limit + 1) == grpc.StatusCode.INVALID_ARGUMENT
     assert generate_code(port, md) == 3
 
 
-def test_prompt_tokens_count_against_tokens_per_minute(keyed):
-    """Generate charges the prompt's tokens, Score its prompt and continuation: a stream whose prompt
-    uses up the rest of the window is cut before its first token."""
+def test_score_reserves_its_tokens_and_holds_a_slot(keyed):
+    """Score reserves its prompt and continuation tokens before it runs, and takes one of the key's
+    call slots while it runs (so a key's Scores count against max_concurrent_streams and key_share)."""
     server, port, keys = keyed
     key_id, key = "prompt-rate", keys["prompt-rate"]
     limit = KEY_LIMITS[key_id]["tokens_per_minute"]
 
     def charged() -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-        line = f'fusion_key_prompt_tokens_total{{key_id="{key_id}"}}'
+        line = f'fusion_key_tokens_total{{key_id="{key_id}"}}'
         return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line))
 
     got, error = run_stream(port, key, max_tokens=2)
     assert error is None and len(got) == 2
     prompt = got[-1].usage.prompt_tokens
-    assert charged() == prompt and prompt + 2 < limit
+    assert charged() == prompt + 2
     with FusionClient(addr(port), timeout=30, api_key=key) as client:
         scored = client.score("a b", " c")
-    score_tokens = charged() - prompt
+    score_tokens = charged() - prompt - 2
     assert score_tokens > len(scored.token_ids)  # the prompt's tokens too
-    used = prompt + 2 + score_tokens
-    assert used < limit <= used + prompt  # room for tokens, but not after this prompt
+    assert prompt + 2 + score_tokens + prompt + 10 > limit
     got, error = run_stream(port, key, max_tokens=10)
     assert got == [] and error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
-    assert generate_code(port, [("x-api-key", key)]) == EXHAUSTED  # up front now
-    security.charge_tokens(1_000)  # outside a call: nothing to charge
+    one = keys["one-stream"]
+    with FusionClient(addr(port), timeout=60, api_key=one) as client:
+        held = client.generate("hi", {"max_tokens": 400, "ignore_eos": True})
+        next(held)  # the key's one slot
+        with pytest.raises(Exception, match="max_concurrent_streams"):
+            client.score("a", "b")
+        held.close()
+        assert wait_until(lambda: server.servicer.service.active == 0)
+        assert client.score("a", "b").token_ids
 
 
-def test_max_tokens_per_request(keyed):
+def test_max_tokens_per_request_caps_or_refuses(keyed):
+    """A request without max_tokens is capped to the key's max_tokens_per_request; one that asks for
+    more is INVALID_ARGUMENT (a retry can never succeed)."""
     _, port, keys = keyed
     md = [("x-api-key", keys["short"])]
     assert generate_code(port, md, max_tokens=4) == 4
     with grpc.insecure_channel(addr(port)) as channel:
         stub = fusion_pb2_grpc.FusionStub(channel)
-        for sampling in (fusion_pb2.SamplingParams(max_tokens=5), fusion_pb2.SamplingParams()):  # unset: 128
-            with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(fusion_pb2.GenerateRequest(prompt="hi", sampling=sampling), metadata=md,
-                                   timeout=30))
-            assert caught.value.code() == EXHAUSTED and "max_tokens_per_request" in caught.value.details()
+        request = fusion_pb2.GenerateRequest(prompt="hi", sampling=fusion_pb2.SamplingParams(max_tokens=5))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, metadata=md, timeout=30))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_tokens_per_request=4" in caught.value.details() and pushback_ms(caught.value) is None
+        unset = fusion_pb2.GenerateRequest(prompt="hi", sampling=fusion_pb2.SamplingParams(ignore_eos=True))
+        assert len(list(stub.Generate(unset, metadata=md, timeout=30))) == 4
 
 
 def test_per_key_metrics(keyed):
@@ -875,7 +901,7 @@ def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
                 list(stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=30))
             details = caught.value.details()
             assert caught.value.code() == EXHAUSTED and "key_share" in details, details
-            assert "0.5 of max_concurrent_sessions 4 allows 2 streams per key" in details
+            assert "0.5 of max_concurrent_sessions 4 allows 2 calls per key" in details
             assert generate_code(port, [("x-api-key", keys["team-b"])]) == 3  # the other key is served
             for stream in streams:
                 stream.cancel()

@@ -75,7 +75,7 @@ class ExpertReplica:
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_expert_server(
             local, limits_config, f"{settings.host}:0", security=self._security,
-            worker=compute_executor()))  # the replica's process: its compute thread (fusion.compute)
+            worker=compute_executor(), insecure=settings.insecure))  # the replica's process: its compute thread (fusion.compute)
         if settings.metrics_port is not None:
             self._serve_metrics(settings.metrics_port, settings.host)
         self.address = f"{advertised_host(settings.host)}:{port}"

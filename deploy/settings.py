@@ -95,7 +95,10 @@ class DeploymentOptions(_Strict):
 class DeployArgs(_Strict):
     config: str | dict[str, Any]  # a fusion config: a YAML path, or the config itself
     cache_dir: str | None = None  # model cache for `builtin:` refs (default: $FUSION_CACHE_DIR or XDG)
-    host: str = "0.0.0.0"  # interface the replicas' gRPC servers bind
+    # Interface the replicas' gRPC servers bind: loopback for one machine; a cluster binds 0.0.0.0 and
+    # needs the config's expert secret or client certificates, or insecure_experts on a trusted network.
+    host: str = "127.0.0.1"
+    insecure_experts: bool = False
     port: int = Field(default=50051, ge=0, le=65535)  # the coordinator's Fusion port; 0 picks a free one
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # coordinator /metrics
     http_port: int | None = Field(default=None, ge=0, le=65535)  # the coordinator's OpenAI-compatible HTTP API
@@ -145,7 +148,7 @@ class DeployArgs(_Strict):
 
     def expert_runtime(self) -> ExpertRuntime:
         return ExpertRuntime(cache_dir=self.cache_dir, host=self.host, metrics_port=self.expert_metrics_port,
-                             heartbeat_s=self.heartbeat_s, grace_s=self.grace_s)
+                             heartbeat_s=self.heartbeat_s, grace_s=self.grace_s, insecure=self.insecure_experts)
 
     def coordinator_runtime(self) -> CoordinatorRuntime:
         return CoordinatorRuntime(cache_dir=self.cache_dir, host=self.host, port=self.port,
@@ -156,7 +159,8 @@ class DeployArgs(_Strict):
 # What a replica is constructed with, and nothing more.
 class ExpertRuntime(_Strict):
     cache_dir: str | None = None
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
+    insecure: bool = False
     metrics_port: int | None = None
     heartbeat_s: float = 2.0
     grace_s: float = 20.0
@@ -164,7 +168,7 @@ class ExpertRuntime(_Strict):
 
 class CoordinatorRuntime(_Strict):
     cache_dir: str | None = None
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
     http_port: int | None = None

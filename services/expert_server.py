@@ -36,7 +36,7 @@ from fusion.errors import FusionError, InvalidArgumentError, ResourceExhaustedEr
 from fusion.expert import LocalExpert, StepRequest
 from services.metrics import ExpertMetrics
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.security import expert_interceptors, server_credentials
+from services.security import check_expert_exposure, expert_interceptors, server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import unary_errors
 from services.wire import encode_tensor, info_to_proto, wire_dtype
@@ -378,10 +378,13 @@ async def create_expert_server(
     metrics_host: str = "0.0.0.0",
     security: SecurityConfig | None = None,
     worker: ThreadPoolExecutor | None = None,
+    insecure: bool = False,
 ) -> tuple[RunningServer, int]:
     """Serve `expert` on `address`; returns (server, bound port). Call on the serving event loop.
     `security` (the config's section) sets TLS, client certificates and the coordinator's secret;
-    `worker` runs the model work (see `ExpertServicer`)."""
+    beyond loopback one of them is required unless `insecure`. `worker` runs the model work (see
+    `ExpertServicer`)."""
+    check_expert_exposure(security, address, insecure)
     limits = limits or Limits()
     metrics = ExpertMetrics()
     servicer = ExpertServicer(expert, limits, metrics, worker)
@@ -406,14 +409,17 @@ def run_expert_server(
     host: str = "0.0.0.0",
     metrics_port: int | None = None,
     grace: float = 30.0,
+    insecure: bool = False,
 ) -> None:
     """Load expert `name` of `config` and serve it until SIGTERM/SIGINT (the `fusion serve-expert` command)."""
+    check_expert_exposure(config.security, f"{host}:{port}", insecure)  # before minutes of loading
     expert_config = config.expert(name)
     expert = LocalExpert.load(expert_config, resolve_model(expert_config.model))
 
     async def main() -> None:
         running, bound = await create_expert_server(expert, config.limits, f"{host}:{port}", metrics_port, host,
-                                                    security=config.security, worker=compute_executor())
+                                                    security=config.security, worker=compute_executor(),
+                                                    insecure=insecure)
         print(f"expert {name!r} serving on {host}:{bound}", file=sys.stderr, flush=True)
         await serve_until_signalled(running, grace)
 

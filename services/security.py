@@ -282,6 +282,20 @@ class ExpertSecretInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def check_expert_exposure(security: SecurityConfig | None, address: str, insecure: bool) -> None:
+    """An Expert service that would answer anyone beyond loopback is refused unless `insecure`: on a
+    shared network any caller could step, score and release sessions (a 44 MB Release froze a live
+    stream for seconds)."""
+    host = address.rpartition(":")[0].strip("[]")
+    guarded = security is not None and (expert_secret(security) is not None or (
+        security.tls is not None and not security.plaintext and security.tls.require_client_auth))
+    if guarded or insecure or is_loopback(host):
+        return
+    raise ConfigError(f"the Expert service would answer any caller on {address}: set security.expert_secret_env "
+                      "(or expert_secret_file, or tls.require_client_auth), listen on loopback, or pass --insecure "
+                      "(deploy args: insecure_experts: true) on a network you trust")
+
+
 def expert_interceptors(security: SecurityConfig | None, service: str) -> list[grpc.aio.ServerInterceptor]:
     if security is None:
         return []

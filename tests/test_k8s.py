@@ -75,6 +75,8 @@ def test_kinds_and_api_versions(docs):
         ("v1", "Service"),
         ("monitoring.coreos.com/v1", "PodMonitor"),
         ("policy/v1", "PodDisruptionBudget"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
     ])
     for d in docs:
         assert d["metadata"]["name"] and d["metadata"]["labels"]["app.kubernetes.io/name"] == "logit-fusion"
@@ -136,7 +138,7 @@ def test_coordinator_group_port_probe_and_resource(service, serve_config, settin
     # One probe for both APIs: the HTTP /health answers 200 only while the gRPC health of the Fusion
     # service reports SERVING (services.coordinator).
     probe = c["readinessProbe"]["httpGet"]
-    assert probe == {"path": "/health", "port": "http-fusion"}
+    assert probe == {"path": "/health", "port": "http-fusion", "scheme": "HTTPS"}  # the tls section is on
     assert "grpc" not in c["readinessProbe"]
     # The custom resource that pins one coordinator replica to each pod of this group.
     offered = yaml.safe_load(yaml.safe_load(coordinator["rayStartParams"]["resources"]))
@@ -206,3 +208,39 @@ def test_rayservice_validates_against_kuberay_crd():
     out = subprocess.run([sys.executable, str(VALIDATOR), str(VALIDATOR.parent / "ray.io_rayservices.yaml"),
                           str(MANIFEST)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_security_is_on_with_secrets_from_kubernetes(service, serve_config, settings):
+    """TLS, API keys and the expert secret, each read from a Secret the pods mount or map to env."""
+    security = settings.fusion_config().security
+    assert not security.plaintext and security.tls is not None
+    assert security.api_keys_env == "FUSION_API_KEYS" and security.expert_secret_env == "FUSION_EXPERT_SECRET"
+    assert settings.host == "0.0.0.0" and not settings.insecure_experts
+    for name, env_names in (("coordinator", {"FUSION_API_KEYS", "FUSION_EXPERT_SECRET"}),
+                            ("gpu", {"FUSION_EXPERT_SECRET"})):
+        spec = group(service, name)["template"]["spec"]
+        c = container(group(service, name))
+        from_secrets = {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        assert env_names <= from_secrets
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        tls_volume = volumes[mounts["/etc/fusion/tls"]]
+        assert tls_volume["secret"]["secretName"] == "logit-fusion-tls"
+        for path in (security.tls.cert_file, security.tls.key_file, security.tls.ca_file):
+            assert path.startswith("/etc/fusion/tls/")
+    probe = container(group(service, "coordinator"))["readinessProbe"]["httpGet"]
+    assert probe["scheme"] == "HTTPS"
+
+
+def test_network_policies_keep_experts_and_head_inside(docs, service):
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    internal = policies["logit-fusion-internal"]
+    selected = {e["key"]: set(e["values"]) for e in internal["podSelector"]["matchExpressions"]}
+    assert selected["app.kubernetes.io/component"] == {"head", "expert"}
+    for rule in internal["ingress"]:  # every way in names who may come: the cluster's pods or monitoring
+        assert rule.get("from"), rule
+    coordinator = policies["logit-fusion-coordinator"]
+    open_rule = [r for r in coordinator["ingress"] if "from" not in r]
+    assert [sorted(p["port"] for p in r["ports"]) for r in open_rule] == [["grpc-fusion", "http-fusion"]]
+    named = set(ports(container(group(service, "coordinator"))))
+    assert {"grpc-fusion", "http-fusion", "fusion-metrics"} <= named

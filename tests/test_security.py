@@ -926,3 +926,19 @@ def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
         parse_config(tiny_config_dict(tiny_dir, limits={"key_share": 0}))
     with pytest.raises(ConfigError, match="key_share"):
         parse_config(tiny_config_dict(tiny_dir, limits={"key_share": 1.5}))
+
+
+def test_an_expert_server_beyond_loopback_needs_a_guard(loop, tiny_config, tmp_path, monkeypatch):
+    """No secret and no client certificates: refused on a non-loopback address unless insecure."""
+    expert = LocalExpert.load(tiny_config.expert("a"))
+    with pytest.raises(ConfigError, match="would answer any caller on 0.0.0.0:0.*--insecure"):
+        loop.run(create_expert_server(expert, tiny_config.limits, "0.0.0.0:0", security=SecurityConfig()))
+    server, port = loop.run(create_expert_server(expert, tiny_config.limits, "0.0.0.0:0", security=SecurityConfig(),
+                                                 insecure=True))
+    loop.run(server.stop(0))
+    monkeypatch.setenv("FUSION_TEST_EXPERT_SECRET", "s3cret")
+    guarded = SecurityConfig(expert_secret_env="FUSION_TEST_EXPERT_SECRET")
+    server, port = loop.run(create_expert_server(expert, tiny_config.limits, "0.0.0.0:0", security=guarded))
+    loop.run(server.stop(0))
+    server, port = loop.run(create_expert_server(expert, tiny_config.limits, "127.0.0.1:0"))  # loopback: fine
+    loop.run(server.stop(0))

@@ -316,8 +316,10 @@ def serve_expert(
     expert: str = typer.Option(..., "--expert", "-e", help="Name of the config's expert to serve."),
     config_path: Optional[Path] = ConfigOption,
     port: int = typer.Option(50061, "--port", help="gRPC port of the Expert service."),
-    host: str = typer.Option("0.0.0.0", "--host"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on; beyond loopback the config's "
+                             "security needs an expert secret or client certificates (or --insecure)."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
+    insecure: bool = typer.Option(False, "--insecure", help="Answer any caller beyond loopback (a trusted network)."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Serve one expert of the config over gRPC (one replica)."""
@@ -327,7 +329,7 @@ def serve_expert(
 
         config = read_config(config_path)
         run_expert_server(config, expert, model_resolver(cache_dir(cache), prepare=False), port=port, host=host,
-                          metrics_port=metrics_port)
+                          metrics_port=metrics_port, insecure=insecure)
 
     run_guarded(run)
 

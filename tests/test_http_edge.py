@@ -1,0 +1,158 @@
+"""The HTTP API's edge (`services/http_edge.py` and the body handling of `services/http_server.py`):
+bounded connections, header and body timeouts, hostile bodies and bounded metric labels, against a
+real coordinator on loopback ports (in-process tiny experts) with raw sockets and the `openai` client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from fusion.config import parse_config
+from services.coordinator import create_coordinator_server
+from services.protos import fusion_pb2, fusion_pb2_grpc
+from tests.conftest import tiny_config_dict
+from tests.helpers import wait_until
+
+EDGE = {"max_prompt_tokens": 256, "max_tokens": 64, "max_http_connections": 32, "http_header_timeout_s": 0.5,
+        "http_body_timeout_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def server(loop, tiny_dir):
+    config = parse_config(tiny_config_dict(tiny_dir, limits=EDGE))
+    running, _ = loop.run(create_coordinator_server(config, metrics_port=0, metrics_host="127.0.0.1",
+                                                    http_address="127.0.0.1:0"))
+    yield running
+    loop.run(running.stop(0))
+
+
+def get(port: int, path: str, timeout: float = 5) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1024) == b""
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_past_the_cap_make_room_for_health(server):
+    """Four times the cap of connections that send nothing: the longest idle are closed, /health answers."""
+    port = server.http_port
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4 * EDGE["max_http_connections"])]
+    try:
+        start = time.perf_counter()
+        status, body = get(port, "/health")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        assert time.perf_counter() - start < 1.0
+        book = server.http.connections
+        assert book.evicted >= 3 * EDGE["max_http_connections"] - 1
+        assert book.open <= EDGE["max_http_connections"]
+        assert closed_by_server(idle[0], 2.0)  # the oldest went first
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(server):
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert closed_by_server(sock, 3.0)
+    assert server.http.connections.timed_out >= 1
+
+
+def test_a_body_that_never_arrives_is_408(server):
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\"")
+        sock.settimeout(5)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and b"http_body_timeout_s" in reply
+
+
+def test_unknown_paths_add_no_metric_series(server):
+    def metrics() -> bytes:
+        return get(server.metrics_port, "/metrics")[1]
+
+    for i in range(50):
+        assert get(server.http_port, f"/no/such/path/{i}")[0] == 404
+    before = metrics()
+    for i in range(50, 300):
+        get(server.http_port, f"/no/such/path/{i}")
+    after = metrics()
+    assert b"/no/such/path" not in after
+    assert b'path="unmatched"' in after
+    assert abs(len(after) - len(before)) <= 0.01 * len(before)
+
+
+@pytest.mark.parametrize("body, field", [
+    (b'{"model": "fusion", "messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+    (b'{"model": "fusion", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', "stop[0]"),
+    (b'{"model": "fusion", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", None),
+    (b'{"model": "fusion", "messages": [{"role": "user", "content": "hi"}], "fusion": {"weights": {"a": 1e300}}}',
+     "fusion.weights"),
+    (b'{"model": "fusion", "messages": [{"role": "user", "content": "hi"}], "fusion": {"weights": {"a": 1e-300}}}',
+     "fusion.weights"),
+    (b'{"model": "fusion", "messages": [' + b",".join([b'{"role": "user", "content": "x"}'] * 5000) + b"]}",
+     "messages"),
+], ids=["lone-surrogate", "surrogate-stop", "deep-json", "huge-weight", "tiny-weight", "too-many-messages"])
+def test_hostile_bodies_are_400_naming_the_field(server, body, field):
+    status, answer = post(server.http_port, "/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field or (field is None and answer["error"]["param"] is None), answer
+    status, _ = get(server.http_port, "/health")
+    assert status == 200
+
+
+def test_weights_outside_float32_are_invalid_argument_over_grpc(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        for weight in (1e300, 1e-300, -1e39):
+            spec = fusion_pb2.FusionSpec(rule="logit_arithmetic", weights={"a": 1.0, "b": weight})
+            spec.params.update({"lead": "a"})
+            request = fusion_pb2.GenerateRequest(prompt="hi", spec=spec)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(request, timeout=30))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "float32" in caught.value.details()
+
+
+def test_streams_go_on_while_connections_flood(server):
+    """A stream over the official client finishes while idle connections come and go past the cap."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model="fusion", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=30, stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(100)]
+    try:
+        rest = list(stream)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert first.choices[0].delta.role == "assistant" and rest[-1].choices[0].finish_reason == "length"
+    assert wait_until(lambda: server.servicer.service.active == 0)

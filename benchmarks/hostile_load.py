@@ -1,5 +1,14 @@
 """Isolation under hostile load, on loopback: do well-behaved streams notice?
 
+`--suite tenants`: can one team starve another? Team B streams one request at a time (time to first
+token, inter-token gaps) alone, then while team A runs each attack in a process of its own: 32 long
+streams (exactly its key_share), 200 (most refused), 48 concurrent Scores of long continuations, and
+one 4 MB chat body of 120,000 messages at a time over HTTP. Then 20 concurrent Scores on a key of 2
+calls and 200 tokens a minute, /metrics' size after 10,000 random paths, /health's time with 20,000
+idle connections open, the coordinator's RSS over `--rss-tokens` tokens and the sessions left.
+
+`--suite faults` (the default):
+
 Two experts of SmolLM2-135M's shape (random weights, `--layers` layers, a 49,152-id vocabulary, bf16)
 run as `fusion serve-expert` subprocesses: expert `a` on three replicas, expert `b` on one. A
 `fusion serve` coordinator (API keys on) fuses them. Two phases of `--duration` seconds each:
@@ -52,11 +61,14 @@ PROMPTS = ["the quick brown fox", "count to ten: 1 2 3", "what is 12 + 30 ?", "t
 
 
 def start(args: list[str], env: dict) -> tuple[subprocess.Popen, int]:
-    """A `fusion` subprocess; its bound port, read from the line it prints when serving."""
+    """A `fusion` subprocess; its bound port, read from the line it prints when serving (and its HTTP
+    port as `proc.http_port`, when it serves one)."""
     proc = subprocess.Popen([sys.executable, "-m", "fusion.tools.cli", *args], stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stderr:
         match = re.search(r"serving on \S+:(\d+)", line)
+        http = re.search(r"HTTP API on \S+:(\d+)", line)
+        proc.http_port = int(http.group(1)) if http else None
         if match:
             threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep draining
             return proc, int(match.group(1))
@@ -238,14 +250,292 @@ def sessions_left(ports: list[int]) -> dict[int, int]:
     return left
 
 
+# -- tenants: can one team starve another? ------------------------------------------------------------
+class TeamB(threading.Thread):
+    """Team B streams one request at a time; records time to first token, inter-token gaps, errors."""
+
+    def __init__(self, address: str, key: str, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.client = FusionClient(address, api_key=key, timeout=300)
+        self.stop = stop
+        self.ttft: list[float] = []
+        self.gaps: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            last = time.perf_counter()
+            first = True
+            try:
+                for _ in self.client.generate(PROMPTS[n % len(PROMPTS)], {"max_tokens": 24, "ignore_eos": True,
+                                                                           "temperature": 0.8, "seed": n}):
+                    now = time.perf_counter()
+                    (self.ttft if first else self.gaps).append(now - last)
+                    first, last = False, now
+            except Exception as err:
+                self.errors.append(f"{type(err).__name__}: {str(err)[:160]}")
+        self.client.close()
+
+
+def _team_a_streams(address: str, key: str, stop: threading.Event, outcomes: Counter, _: str) -> None:
+    """One of team A's streamers: long streams back to back; a refusal is retried at once."""
+    generate = grpc.insecure_channel(address).unary_stream(f"/{FUSION_SERVICE}/Generate")
+    payload = fusion_pb2.GenerateRequest(prompt="the quick brown fox", sampling=fusion_pb2.SamplingParams(
+        max_tokens=4000, ignore_eos=True)).SerializeToString()
+    while not stop.is_set():
+        try:
+            for _ in generate(payload, metadata=[("authorization", f"Bearer {key}")], timeout=60):
+                if stop.is_set():
+                    break
+            outcomes["stream:OK"] += 1
+        except grpc.RpcError as err:
+            outcomes[f"stream:{err.code().name}"] += 1
+            time.sleep(0.01)
+
+
+def _team_a_scores(address: str, key: str, stop: threading.Event, outcomes: Counter, _: str) -> None:
+    score = grpc.insecure_channel(address).unary_unary(f"/{FUSION_SERVICE}/Score")
+    payload = fusion_pb2.ScoreRequest(prompt="hi", continuation="the cat sat on the mat " * 300).SerializeToString()
+    while not stop.is_set():
+        try:
+            score(payload, metadata=[("authorization", f"Bearer {key}")], timeout=120)
+            outcomes["score:OK"] += 1
+        except grpc.RpcError as err:
+            outcomes[f"score:{err.code().name}"] += 1
+            time.sleep(0.01)
+
+
+def _team_a_big_bodies(http: str, key: str, stop: threading.Event, outcomes: Counter, _: str) -> None:
+    """One 4 MB chat body (120,000 messages) at a time."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "fusion", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "hi"}] * 120_000}).encode()[: 4 * 1024 * 1024 - 1]
+    body = body[: body.rindex(b"}") + 1] + b"]}"  # still 120k messages, under 4 MiB
+    while not stop.is_set():
+        request = urllib.request.Request(f"http://{http}/v1/chat/completions", data=body, headers={
+            "authorization": f"Bearer {key}", "content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                outcomes[f"big_body:{reply.status}"] += 1
+        except urllib.error.HTTPError as err:
+            outcomes[f"big_body:{err.code}"] += 1
+        except OSError as err:
+            outcomes[f"big_body:{type(err).__name__}"] += 1
+
+
+TEAM_A = {"streams_32": (_team_a_streams, 32), "streams_200": (_team_a_streams, 200),
+          "scores_48": (_team_a_scores, 48), "big_bodies": (_team_a_big_bodies, 1)}
+
+
+def team_a_process(target: str, key: str, attack: str, duration: float, results) -> None:
+    work, threads_n = TEAM_A[attack]
+    stop, outcomes = threading.Event(), Counter()
+    threads = [threading.Thread(target=work, args=(target, key, stop, outcomes, attack), daemon=True)
+               for _ in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    time.sleep(duration)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    results.put(dict(outcomes))
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return 1000 * values[int(q * (len(values) - 1))] if values else float("nan")
+
+
+def tenant_phase(address: str, http: str, keys: dict, attack: str | None, duration: float) -> dict:
+    stop = threading.Event()
+    team_b = TeamB(address, keys["team-b"], stop)
+    results = multiprocessing.get_context("spawn").Queue()
+    attacker = None
+    if attack is not None:
+        attacker = multiprocessing.get_context("spawn").Process(
+            target=team_a_process, args=(http if attack == "big_bodies" else address, keys["team-a"], attack,
+                                         duration, results), daemon=True)
+        attacker.start()
+        time.sleep(min(5.0, duration / 6))  # team A is at full load before team B starts
+    team_b.start()
+    time.sleep(duration)
+    stop.set()
+    team_b.join(300)
+    outcomes = results.get(timeout=300) if attacker is not None else {}
+    if attacker is not None:
+        attacker.join(60)
+    return {"attack": attack, "requests": len(team_b.ttft), "errors": team_b.errors,
+            "ttft_p50_ms": percentile(team_b.ttft, 0.5), "ttft_p95_ms": percentile(team_b.ttft, 0.95),
+            "itl_p50_ms": percentile(team_b.gaps, 0.5), "itl_p95_ms": percentile(team_b.gaps, 0.95),
+            "team_a": outcomes}
+
+
+def score_quota(address: str, metrics_port: int, key: str) -> dict:
+    """20 concurrent Score calls on a key limited to 2 calls and 200 tokens a minute."""
+    import urllib.request
+
+    outcomes: Counter = Counter()
+    score = grpc.insecure_channel(address).unary_unary(f"/{FUSION_SERVICE}/Score")
+    payload = fusion_pb2.ScoreRequest(prompt="hi", continuation="the cat sat on the mat " * 6).SerializeToString()
+
+    def one() -> None:
+        try:
+            score(payload, metadata=[("authorization", f"Bearer {key}")], timeout=120)
+            outcomes["OK"] += 1
+        except grpc.RpcError as err:
+            outcomes[err.code().name] += 1
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    used = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('fusion_key_tokens_total{key_id="limited"}'))
+    return {"outcomes": dict(outcomes), "tokens_charged": used, "tokens_per_minute": 200}
+
+
+def edge_checks(http: str, metrics_port: int, idle: int, paths: int) -> dict:
+    """/metrics size before and after `paths` random paths; /health's time with `idle` idle connections."""
+    import resource
+    import socket
+    import urllib.error
+    import urllib.request
+
+    def metrics_size() -> int:
+        return len(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read())
+
+    before = metrics_size()
+    for i in range(paths):
+        try:
+            urllib.request.urlopen(f"http://{http}/random/{os.urandom(8).hex()}/{i}", timeout=10)
+        except urllib.error.HTTPError:
+            pass
+    after = metrics_size()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    host, port = http.rsplit(":", 1)
+    held, failed = [], 0
+    for _ in range(idle):
+        try:
+            held.append(socket.create_connection((host, int(port)), timeout=5))
+        except OSError:
+            failed += 1
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(f"http://{http}/health", timeout=10) as reply:
+            health = reply.status
+    except OSError as err:
+        health = type(err).__name__
+    health_s = time.perf_counter() - started
+    for sock in held:
+        sock.close()
+    return {"metrics_bytes_before": before, "metrics_bytes_after": after, "random_paths": paths,
+            "metrics_growth": (after - before) / before, "idle_connections": len(held), "connect_failures": failed,
+            "health_status": health, "health_s": health_s}
+
+
+def tenants_suite(args) -> dict:
+    env = {**os.environ, "FUSION_BENCH_SECRET": "bench-secret", "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        print("building two synthetic experts ...", file=sys.stderr, flush=True)
+        models = {name: build_expert(root / name, args.layers) for name in ("a", "b")}
+        keys_file = root / "keys.yaml"
+        keys = {"team-a": create_key(keys_file, "team-a"), "team-b": create_key(keys_file, "team-b"),
+                "limited": create_key(keys_file, "limited", limits={"max_concurrent_streams": 2,
+                                                                    "tokens_per_minute": 200})}
+        config = {
+            "experts": [{"name": n, "model": str(p), "dtype": "bfloat16", "chat_template": False}
+                        for n, p in models.items()],
+            "fusion": {"rule": "mixture"},
+            "sampling": {"max_tokens": 24},
+            "limits": {"max_tokens": 8192, "max_concurrent_sessions": 64, "max_batch_size": 16, "key_share": 0.5},
+            "security": {"expert_secret_env": "FUSION_BENCH_SECRET", "api_keys_file": str(keys_file)},
+        }
+        expert_config = root / "experts.yaml"
+        expert_config.write_text(yaml.safe_dump(config))
+        try:
+            for name in ("a", "b"):
+                proc, port = start(["serve-expert", "--config", str(expert_config), "--expert", name, "--port", "0"],
+                                   env)
+                procs.append(proc)
+                next(e for e in config["experts"] if e["name"] == name)["addresses"] = [f"127.0.0.1:{port}"]
+            coordinator_config = root / "coordinator.yaml"
+            coordinator_config.write_text(yaml.safe_dump(config))
+            coordinator, port = start(["serve", "--config", str(coordinator_config), "--port", "0", "--host",
+                                       "127.0.0.1", "--http-port", "0", "--metrics-port", str(args.metrics_port)], env)
+            procs.append(coordinator)
+            address = f"127.0.0.1:{port}"
+            http = f"127.0.0.1:{coordinator.http_port}"
+            results: dict = {"duration_s": args.duration, "layers": args.layers, "phases": []}
+            for attack in [None, *TEAM_A]:
+                print(f"team B alone{'' if attack is None else ' while team A runs ' + attack} ...",
+                      file=sys.stderr, flush=True)
+                results["phases"].append(tenant_phase(address, http, keys, attack, args.duration))
+            print("Score under a key's limits ...", file=sys.stderr, flush=True)
+            results["score_quota"] = score_quota(address, args.metrics_port, keys["limited"])
+            print("the HTTP edge ...", file=sys.stderr, flush=True)
+            results["edge"] = edge_checks(http, args.metrics_port, args.idle_connections, args.random_paths)
+            if args.rss_tokens:
+                print(f"rss: {args.rss_tokens} tokens ...", file=sys.stderr, flush=True)
+                results["rss"] = rss_growth(address, keys["team-b"], coordinator.pid, args.rss_tokens, 8)
+            results["sessions_left"] = sessions_left([int(e["addresses"][0].rsplit(":", 1)[1])
+                                                      for e in config["experts"]])
+            results["coordinator_alive"] = coordinator.poll() is None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    quiet = results["phases"][0]
+    print(f"team B (one stream at a time, {args.duration:.0f} s per phase):")
+    print("| team A | B's requests | TTFT p50 / p95 ms | ITL p50 / p95 ms | TTFT p95 / quiet | ITL p95 / quiet | "
+          "B's errors | team A got |")
+    for phase_ in results["phases"]:
+        phase_["ttft_p95_ratio"] = phase_["ttft_p95_ms"] / quiet["ttft_p95_ms"]
+        phase_["itl_p95_ratio"] = phase_["itl_p95_ms"] / quiet["itl_p95_ms"]
+        print(f"| {phase_['attack'] or 'nothing'} | {phase_['requests']} | {phase_['ttft_p50_ms']:.0f} / "
+              f"{phase_['ttft_p95_ms']:.0f} | {phase_['itl_p50_ms']:.0f} / {phase_['itl_p95_ms']:.0f} | "
+              f"{phase_['ttft_p95_ratio']:.2f} | {phase_['itl_p95_ratio']:.2f} | {len(phase_['errors'])} | "
+              f"{phase_['team_a']} |")
+    print(f"Score on a key of 2 calls and 200 tokens/min, 20 at once: {results['score_quota']}")
+    print(f"edge: {results['edge']}")
+    if "rss" in results:
+        print(f"rss: {results['rss']['rss_before_mb']:.1f} -> {results['rss']['rss_after_mb']:.1f} MB over "
+              f"{results['rss']['tokens']} tokens")
+    print(f"sessions left: {results['sessions_left']}; coordinator alive: {results['coordinator_alive']}")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=["faults", "tenants"], default="faults",
+                        help="faults: hostile requests and failing replicas; tenants: team A against team B.")
+    parser.add_argument("--metrics-port", type=int, default=19090, help="tenants: the coordinator's /metrics port.")
+    parser.add_argument("--idle-connections", type=int, default=20_000, help="tenants: idle HTTP connections held.")
+    parser.add_argument("--random-paths", type=int, default=10_000, help="tenants: random HTTP paths requested.")
     parser.add_argument("--duration", type=float, default=60.0, help="Seconds of each phase.")
     parser.add_argument("--clients", type=int, default=8, help="Well-behaved streaming clients.")
     parser.add_argument("--layers", type=int, default=2, help="Layers of each synthetic expert.")
     parser.add_argument("--rss-tokens", type=int, default=100_000, help="Tokens of the RSS phase (0: skip).")
     parser.add_argument("--json", type=Path, help="Write the results here.")
     args = parser.parse_args()
+    if args.suite == "tenants":
+        results = tenants_suite(args)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
 
     env = {**os.environ, "FUSION_BENCH_SECRET": "bench-secret", "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen] = []

@@ -60,15 +60,12 @@ def fair_pick(waiting: Iterable[str], running: Mapping[str, int], weights: Mappi
 
 def should_preempt(waiting_tenant: str, running: Mapping[str, int], weights: Mapping[str, float]) -> str | None:
     """The running tenant that should give `waiting_tenant` a slot: the most loaded one per unit of
-    weight, if it stays more loaded than `waiting_tenant` would be after the move (so a slot never
-    bounces back)."""
+    weight, if it is more loaded now than `waiting_tenant` would be with the slot. The reverse move
+    would then need the opposite inequality, so a slot never bounces back."""
     after = (running.get(waiting_tenant, 0) + 1) / weights[waiting_tenant]
     victim, load = None, after
     for tenant, count in running.items():
-        if tenant == waiting_tenant or count == 0:
-            continue
-        mine = (count - 1) / weights[tenant]
-        if mine >= after and count / weights[tenant] > load:
+        if tenant != waiting_tenant and count and count / weights[tenant] > load:
             victim, load = tenant, count / weights[tenant]
     return victim
 

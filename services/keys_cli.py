@@ -30,6 +30,8 @@ def create(
     max_concurrent_streams: Optional[int] = typer.Option(None, "--max-concurrent-streams", min=1),
     tokens_per_minute: Optional[int] = typer.Option(None, "--tokens-per-minute", min=1),
     max_tokens_per_request: Optional[int] = typer.Option(None, "--max-tokens-per-request", min=1),
+    weight: Optional[float] = typer.Option(None, "--weight", min=0.001, help="The key's share of every queue "
+                                           "against other waiting keys (default 1)."),
     reissue: bool = typer.Option(False, "--reissue", help="Give an existing id a new key (the old one stops "
                                  "working; its limits stay unless given)."),
     pepper_env: Optional[str] = PepperEnvOption,
@@ -43,7 +45,7 @@ def create(
     from services.security import create_key, key_pepper
 
     limits = {"max_concurrent_streams": max_concurrent_streams, "tokens_per_minute": tokens_per_minute,
-              "max_tokens_per_request": max_tokens_per_request}
+              "max_tokens_per_request": max_tokens_per_request, "weight": weight}
     try:
         pepper = key_pepper(SecurityConfig(api_keys_pepper_env=pepper_env, api_keys_pepper_file=pepper_file))
         key = create_key(file, key_id, limits=limits, reissue=reissue, pepper=pepper)

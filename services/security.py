@@ -13,16 +13,21 @@
   current format (until then, legacy entries verify through the bounded path below). Writes
   replace the file atomically (temporary file, then os.replace).
 - `KeyGate` is the per-key gate with no transport in it: it authenticates a key and enforces the
-  key's limits: concurrent streams, its share of the service's slots (`limits.key_share` of
-  `max_concurrent_sessions`, so one key never takes every slot while another waits), tokens per
-  minute (prompt and generated tokens over a sliding 60 s window; servicers report a prompt's
-  tokens with `charge_tokens`) and max tokens per request. Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
+  key's limits: concurrent calls (Generate and Score each hold a slot), its share of the service's
+  slots (`limits.key_share` of `max_concurrent_sessions`, so one key never takes every slot while
+  another waits). `KeyGate.tenant` gives the runtime the key as a `Tenant`: its weight in every
+  queue, its max tokens per request, and its tokens per minute as a quota on which the service
+  reserves a request's tokens at admission (`KeyQuota`, a sliding 60 s window; settled with what the
+  request used). Keyed hashes are checked inline in microseconds; wrong secrets are rate-limited per
   key id, and legacy PBKDF2 checks also globally, refused before any hashing past the rate and run
   on their own bounded executor. Its per-key state is bounded by the configured keys.
   `ApiKeyInterceptor`, its gRPC adapter, reads `authorization: Bearer <key>` or `x-api-key: <key>`
   on every Fusion method (health and reflection stay open for probes). Refusals: UNAUTHENTICATED,
-  or RESOURCE_EXHAUSTED naming the limit (or too many failed attempts). The HTTP API
-  (`services.http_server`) calls the same gate and answers `Refusal.http_status` (401, 429).
+  or RESOURCE_EXHAUSTED naming the limit (or too many failed attempts) with a retry pushback. The
+  HTTP API (`services.http_server`) calls the same gate and answers `Refusal.http_status` (401, 429
+  with Retry-After).
+- `check_expert_exposure`: an Expert server beyond loopback needs the secret or client certificates,
+  unless told `insecure`.
 - Expert service: `ExpertSecretInterceptor` accepts only callers sending the shared secret in
   `x-fusion-expert-secret` (compared in constant time); with `tls.require_client_auth` the TLS
   handshake itself refuses callers without a client certificate signed by the CA.
@@ -414,11 +419,13 @@ def parse_keys(data: Any, source: str) -> dict[str, ApiKey]:
         if not isinstance(limits, dict) or set(limits) - _LIMIT_FIELDS:
             raise ConfigError(f"{where}.limits: expected some of {sorted(_LIMIT_FIELDS)}, got {limits!r}")
         for name, value in limits.items():
-            kinds = (int, float) if name == "weight" else int
-            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) or not 0 < value < 1e6):
-                raise ConfigError(f"{where}.limits.{name}: must be a positive {'number' if name == 'weight' else 'integer'}"
-                                  f" below 1e6, got {value!r}" if name == "weight" else
-                                  f"{where}.limits.{name}: must be a positive integer, got {value!r}")
+            if value is None:
+                continue
+            if name == "weight":  # a share, relative to other keys' weights
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1e-3 <= value <= 1e3:
+                    raise ConfigError(f"{where}.limits.weight: must be a number from 0.001 to 1000, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{where}.limits.{name}: must be a positive integer, got {value!r}")
         keys[str(key_id)] = ApiKey(str(key_id), entry["hash"], bool(entry.get("revoked", False)), KeyLimits(**limits))
     return keys
 
@@ -452,7 +459,7 @@ def write_keys_file(path: str | Path, data: Mapping[str, Any]) -> None:
         raise
 
 
-def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, int | None] | None = None,
+def create_key(path: str | Path, key_id: str, *, limits: Mapping[str, float | None] | None = None,
                reissue: bool = False, pepper: bytes = DEFAULT_PEPPER) -> str:
     """Add key `key_id` to the keys file (created if missing, mode 0600); returns the key, which is
     stored only as its keyed hash. Refuses to replace an existing id unless `reissue`: then the id

@@ -225,6 +225,7 @@ class RequestStream(_AdmittedRequest):
                     return
         finally:
             await events.aclose()  # cancels the request
+            self.settlement.close()
 
 
 def _end(handle: RequestHandle, settlement: _Settlement) -> None:

@@ -297,7 +297,8 @@ def _team_a_streams(address: str, key: str, stop: threading.Event, outcomes: Cou
 
 def _team_a_scores(address: str, key: str, stop: threading.Event, outcomes: Counter, _: str) -> None:
     score = grpc.insecure_channel(address).unary_unary(f"/{FUSION_SERVICE}/Score")
-    payload = fusion_pb2.ScoreRequest(prompt="hi", continuation="the cat sat on the mat " * 300).SerializeToString()
+    # 1,701 tokens: under max_score_tokens (2,048), so each call is real work, 14 chunks of it
+    payload = fusion_pb2.ScoreRequest(prompt="hi", continuation="the cat sat on the mat " * 100).SerializeToString()
     while not stop.is_set():
         try:
             score(payload, metadata=[("authorization", f"Bearer {key}")], timeout=120)
@@ -400,44 +401,73 @@ def score_quota(address: str, metrics_port: int, key: str) -> dict:
     return {"outcomes": dict(outcomes), "tokens_charged": used, "tokens_per_minute": 200}
 
 
-def edge_checks(http: str, metrics_port: int, idle: int, paths: int) -> dict:
-    """/metrics size before and after `paths` random paths; /health's time with `idle` idle connections."""
+def hold_idle_connections(http: str, count: int, ready, release) -> None:
+    """Open `count` connections that send nothing and hold them until `release` is set (a process of
+    its own: one process may open only so many files)."""
     import resource
     import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    host, port = http.rsplit(":", 1)
+    held, failed = [], 0
+    for _ in range(count):
+        try:
+            held.append(socket.create_connection((host, int(port)), timeout=5))
+        except OSError:
+            failed += 1
+    ready.put((len(held), failed))
+    release.wait(120)
+    for sock in held:
+        sock.close()
+
+
+def edge_checks(http: str, metrics_port: int, idle: int, paths: int) -> dict:
+    """/metrics' size before and after `paths` random paths (and after the first, which adds the one
+    `unmatched` series); /health's time with `idle` idle connections open (held by other processes)."""
     import urllib.error
     import urllib.request
 
     def metrics_size() -> int:
         return len(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read())
 
-    before = metrics_size()
-    for i in range(paths):
+    def random_path(i: int) -> None:
         try:
             urllib.request.urlopen(f"http://{http}/random/{os.urandom(8).hex()}/{i}", timeout=10)
         except urllib.error.HTTPError:
             pass
+
+    before = metrics_size()
+    random_path(0)
+    after_one = metrics_size()
+    for i in range(1, paths):
+        random_path(i)
     after = metrics_size()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    host, port = http.rsplit(":", 1)
-    held, failed = [], 0
-    for _ in range(idle):
-        try:
-            held.append(socket.create_connection((host, int(port)), timeout=5))
-        except OSError:
-            failed += 1
+    context = multiprocessing.get_context("spawn")
+    ready, release = context.Queue(), context.Event()
+    per_process = 8000  # under the usual open-files limits
+    holders = [context.Process(target=hold_idle_connections, args=(http, min(per_process, idle - k), ready, release),
+                               daemon=True) for k in range(0, idle, per_process)]
+    for holder in holders:
+        holder.start()
+    held = failed = 0
+    for _ in holders:
+        got, lost = ready.get(timeout=300)
+        held, failed = held + got, failed + lost
     started = time.perf_counter()
     try:
         with urllib.request.urlopen(f"http://{http}/health", timeout=10) as reply:
             health = reply.status
     except OSError as err:
-        health = type(err).__name__
+        health = f"{type(err).__name__}: {err}"
     health_s = time.perf_counter() - started
-    for sock in held:
-        sock.close()
-    return {"metrics_bytes_before": before, "metrics_bytes_after": after, "random_paths": paths,
-            "metrics_growth": (after - before) / before, "idle_connections": len(held), "connect_failures": failed,
-            "health_status": health, "health_s": health_s}
+    release.set()
+    for holder in holders:
+        holder.join(60)
+    return {"metrics_bytes_before": before, "metrics_bytes_after_one_path": after_one, "metrics_bytes_after": after,
+            "random_paths": paths, "metrics_growth": (after - before) / before,
+            "metrics_growth_after_the_first_path": (after - after_one) / after_one,
+            "idle_connections": held, "connect_failures": failed, "health_status": health, "health_s": health_s}
 
 
 def tenants_suite(args) -> dict:

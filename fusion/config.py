@@ -222,6 +222,9 @@ class Limits(_Strict):
     http_header_timeout_s: float = Field(default=10.0, gt=0)
     http_body_timeout_s: float = Field(default=30.0, gt=0)
     http_keep_alive_s: float = Field(default=5.0, gt=0)
+    # Bytes of large bodies (over 64 KiB) one key may have parsed per second: parsing holds the GIL,
+    # so a flood of large bodies would stall every stream (a valid chat body is at most a few MB).
+    http_parse_bytes_per_s: int = Field(default=4 * 1024 * 1024, gt=0)
     max_queued_steps: int = Field(default=1024, gt=0)
     max_sessions_per_step: int = Field(default=256, gt=0)
 

@@ -56,7 +56,8 @@ from services.openai_wire import (
     plan_request,
     usage,
 )
-from services.security import ApiKey, KeyGate, KeyStream, Refusal, api_key_from_headers, warn_if_plaintext
+from services.security import (ApiKey, KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers,
+                               warn_if_plaintext)
 from services.status import http_status_for, retry_after_s
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ _OBJECTS = {"chat": ("chatcmpl", "chat.completion", "chat.completion.chunk"),
 
 PLAYGROUND_DIR = Path(__file__).parent / "playground"
 # The playground's files: what the page loads, with its content type; nothing else is served from there.
+# Bodies above this are parsed only within their key's http_parse_bytes_per_s (`HttpApi._parse_turn`).
+LARGE_BODY_BYTES = 64 * 1024
 _PLAYGROUND_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
                      "playground.css": "text/css; charset=utf-8"}
 # The page loads only its own files and talks only to this server.
@@ -189,6 +192,7 @@ class HttpApi:
         # Bodies are parsed and planned here, off the event loop; apart from admission's pool, so
         # a flood of large bodies delays neither admission nor the streams.
         self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fusion-http-parse")
+        self._parse_budgets: dict[str, TokenBucket] = {}  # large bodies' bytes per second, per key
 
     def close(self) -> None:
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
@@ -256,6 +260,7 @@ class HttpApi:
         try:
             record = await self._authenticate(request, "ChatCompletions" if kind == "chat" else "Completions")
             body = await self._read_body(request)
+            await self._parse_turn(body, record)
             plan = await asyncio.get_running_loop().run_in_executor(self._parse_pool, self._plan, kind, body)
             generation = await self._open(plan, record)
             generation.watch(request)
@@ -428,6 +433,29 @@ class HttpApi:
             raise ApiError(408, f"the request body did not arrive within http_body_timeout_s="
                                 f"{limits.http_body_timeout_s:g}", None, "request_timeout") from None
         return bytes(body)
+
+    async def _parse_turn(self, body: bytes, record: ApiKey | None) -> None:
+        """Wait for the key's turn to parse a large body. Parsing holds the GIL for its whole length
+        (a 4 MB body of small objects: ~25 ms), stalling every stream's thread, so each key may have
+        only `limits.http_parse_bytes_per_s` of large bodies parsed; past what it can wait for within
+        http_body_timeout_s, a 429 with a retry time."""
+        if len(body) <= LARGE_BODY_BYTES:
+            return
+        limits = self.service.config.limits
+        key_id = record.key_id if record is not None else ""
+        bucket = self._parse_budgets.get(key_id)
+        if bucket is None:  # one per configured key (the gate knows no others) and one without keys
+            bucket = self._parse_budgets[key_id] = TokenBucket(limits.http_parse_bytes_per_s,
+                                                              limits.max_request_bytes, time.monotonic())
+        waited = 0.0
+        while not bucket.take(time.monotonic(), len(body)):
+            wait = bucket.wait_s(time.monotonic(), len(body))
+            if waited + wait > limits.http_body_timeout_s:
+                raise ApiError(429, f"large request bodies are parsed at most http_parse_bytes_per_s="
+                                    f"{limits.http_parse_bytes_per_s} per key; retry in {math.ceil(wait)} s",
+                               None, "server_busy", wait)
+            await asyncio.sleep(wait)
+            waited += wait
 
     def _plan(self, kind: Kind, body: bytes) -> Plan:
         """Parse and plan a body (on the parsing pool, off the event loop)."""

@@ -652,22 +652,22 @@ class TokenBucket:
         self.tokens = min(float(self.burst), self.tokens + max(0.0, now - self.stamp) * self.rate)
         self.stamp = now
 
-    def available(self, now: float) -> bool:
+    def available(self, now: float, count: float = 1.0) -> bool:
         self._refill(now)
-        return self.tokens >= 1.0
+        return self.tokens >= count
 
-    def take(self, now: float) -> bool:
-        if not self.available(now):
+    def take(self, now: float, count: float = 1.0) -> bool:
+        if not self.available(now, count):
             return False
-        self.tokens -= 1.0
+        self.tokens -= count
         return True
 
     def give_back(self) -> None:
         self.tokens = min(float(self.burst), self.tokens + 1.0)
 
-    def wait_s(self, now: float) -> float:
+    def wait_s(self, now: float, count: float = 1.0) -> float:
         self._refill(now)
-        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+        return 0.0 if self.tokens >= count else (count - self.tokens) / self.rate
 
 
 class SlowVerifier:

@@ -161,3 +161,26 @@ def test_streams_go_on_while_connections_flood(server):
             sock.close()
     assert first.choices[0].delta.role == "assistant" and rest[-1].choices[0].finish_reason == "length"
     assert wait_until(lambda: server.servicer.service.active == 0)
+
+
+def test_large_bodies_wait_for_their_keys_parse_budget(loop, tiny_dir):
+    """Bodies over 64 KiB are parsed within http_parse_bytes_per_s: a third 100 KB body right after two
+    waits past http_body_timeout_s and gets 429 with a Retry-After; a small body goes straight through."""
+    limits = EDGE | {"max_request_bytes": 200_000, "http_parse_bytes_per_s": 50_000}
+    config = parse_config(tiny_config_dict(tiny_dir, limits=limits))
+    running, _ = loop.run(create_coordinator_server(config, http_address="127.0.0.1:0"))
+    try:
+        large = json.dumps({"model": "fusion", "max_tokens": 1,
+                            "messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
+        statuses = [post(running.http_port, "/v1/chat/completions", large)[0] for _ in range(2)]
+        assert statuses == [400, 400]  # parsed, then refused by max_prompt_tokens
+        request = urllib.request.Request(f"http://127.0.0.1:{running.http_port}/v1/chat/completions", data=large,
+                                         headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 429 and 1 <= int(caught.value.headers["Retry-After"]) <= 5
+        assert "http_parse_bytes_per_s" in json.loads(caught.value.read())["error"]["message"]
+        small = json.dumps({"model": "fusion", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert post(running.http_port, "/v1/chat/completions", small.encode())[0] == 200
+    finally:
+        loop.run(running.stop(0))

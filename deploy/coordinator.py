@@ -1,6 +1,6 @@
 """The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients and,
 with `http_port`, the OpenAI-compatible HTTP API on its own port (uvicorn in the replica, not Serve's
-HTTP proxy: README, "The HTTP API on Ray Serve").
+HTTP proxy: docs/deployment.md, "The HTTP API on Ray Serve").
 
 At start it waits until every expert has a registered replica of the version its config names
 (same model, dtype, device; see `deploy.registry`), then builds the service with one

@@ -104,7 +104,7 @@ FRESH_STYLES = (
 )
 
 
-# A third set, written for comparing routers trained on wider phrasings (README), before any of its
+# A third set, written for comparing routers trained on wider phrasings (docs/quality.md), before any of its
 # results was seen; it informs no default either. `fusion eval` does not ask it (its time goes to the
 # first two); `benchmarks/operator_reading.py` does.
 NOVEL_EXPRESSIONS: dict[str, tuple[str, ...]] = {

@@ -281,14 +281,15 @@ class FusionEngine:
         continuation_ids: list[int],
         rule: FusionRule,
         weights: list[float],
-        run_chunk: Callable[..., list[float]] = run_on_compute_thread,
+        run_chunk: Callable[[Callable[[int], list[float]]], list[float]] | None = None,
     ) -> list[float]:
         """Fused log-probability of each continuation id after each expert's prompt (teacher forcing).
 
-        Runs in chunks of `SCORE_CHUNK` positions, each its own job given to `run_chunk` (the compute
-        thread; a service's scheduler gives each chunk its tenant's turn between decode steps), so
-        running streams' decode steps interleave with a long score and memory holds one chunk's
-        (E, chunk, V) logits; each expert's session cache carries the prefix between chunks."""
+        Runs in chunks, each its own job: `run_chunk(job)` runs `job(positions)`, which scores the next
+        `positions` ids at most (default: `SCORE_CHUNK` each on the compute thread; a service's
+        scheduler runs each chunk between decode steps, sized to what a step can wait for), so running
+        streams' decode steps interleave with a long score and memory holds one chunk's (E, chunk, V)
+        logits; each expert's session cache carries the prefix between chunks."""
         probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
         self.validate(probe)
         if not continuation_ids:
@@ -306,11 +307,17 @@ class FusionEngine:
         session = f"score-{new_request_id()}"
         context = teacher_forced_context(prompt_ids[0], continuation_ids, self.device)  # (n, K)
         logprobs: list[float] = []
+
+        def next_chunk(positions: int) -> list[float]:
+            start = len(logprobs)
+            end = min(len(continuation_ids), start + max(1, min(positions, SCORE_CHUNK)))
+            return self._score_chunk(session, prompt_ids, continuation_ids, start, end, uses, rule, weights,
+                                     context[start:end])
+
+        run = run_chunk or (lambda job: run_on_compute_thread(job, SCORE_CHUNK))
         try:
-            for start in range(0, len(continuation_ids), SCORE_CHUNK):
-                end = min(len(continuation_ids), start + SCORE_CHUNK)
-                logprobs += run_chunk(self._score_chunk, session, prompt_ids, continuation_ids,
-                                      start, end, uses, rule, weights, context[start:end])
+            while len(logprobs) < len(continuation_ids):
+                logprobs += run(next_chunk)
         finally:
             for expert in self.experts:
                 expert.release([session])

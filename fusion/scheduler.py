@@ -18,9 +18,9 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator, TypeVar
+from typing import AsyncIterator, Callable, Iterator
 
-from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
+from fusion.engine import SCORE_CHUNK, ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
 from fusion.errors import ServiceBusyError
 from fusion.compute import run_on_compute_thread
 from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
@@ -28,7 +28,6 @@ from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
 logger = logging.getLogger(__name__)
 
 _DONE = object()
-T = TypeVar("T")
 
 
 class RequestHandle:
@@ -96,11 +95,20 @@ class RequestHandle:
             self.cancel()
 
 
+# While requests decode, a job run between two steps (a score chunk) is sized to take about this
+# share of a step: what another tenant's inter-token time may grow by for it.
+SIDE_JOB_SHARE = 0.4
+SIDE_JOB_MAX_POSITIONS = SCORE_CHUNK  # with nothing decoding, chunks run whole
+
+
+def _smoothed(previous: float | None, value: float, weight: float = 0.2) -> float:
+    return value if previous is None else (1 - weight) * previous + weight * value
+
+
 @dataclass
 class _SideJob:
     tenant: Tenant
-    fn: Callable
-    args: tuple
+    fn: Callable[[int], list]
     future: Future
 
 
@@ -133,6 +141,8 @@ class Scheduler:
         self._admissions = 0
         self._side: dict[str, deque[_SideJob]] = {}  # jobs run between steps (score chunks), per tenant
         self._side_clock = VirtualClock()
+        self._step_s: float | None = None  # a decode step's time, smoothed
+        self._position_s: float | None = None  # a side job's time per position, smoothed
         self._cancelled: set[str] = set()
         self._detached_cancelled: list[RequestHandle] = []  # preempted requests cancelled while waiting
         self._cond = threading.Condition()
@@ -161,12 +171,14 @@ class Scheduler:
         with self._cond:
             return {t: n for t, n in self._running_per_tenant.items() if n}
 
-    def run_between_steps(self, tenant: Tenant, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` on the compute thread between two decode steps (blocking the caller): one such
+    def run_between_steps(self, tenant: Tenant, job: Callable[[int], list]) -> list:
+        """`job(positions)` on the compute thread between two decode steps (blocking the caller); it
+        does at most `positions` positions of work and returns one result per position done. One such
         job runs after each step, taken from the tenants in weighted fair order of the time their jobs
-        took, so a tenant's flood of scoring adds at most one chunk to a step and never queues ahead of
-        another tenant's work."""
-        job = _SideJob(tenant, fn, args, Future())
+        took. While requests decode, `positions` is sized so that a job takes about
+        SIDE_JOB_SHARE of a decode step, so a tenant's flood of scoring never stretches another's
+        inter-token time by more than that; with nothing decoding, jobs run whole, back to back."""
+        job = _SideJob(tenant, job, Future())
         with self._cond:
             if self._stopped:
                 raise ServiceBusyError("the server is shutting down")
@@ -294,16 +306,27 @@ class Scheduler:
             del self._side[tenant]
         return job
 
-    def _run_side(self, job: _SideJob) -> None:
+    def _side_positions(self, decoding: bool) -> int:
+        if not decoding or self._step_s is None or self._position_s is None:
+            return SIDE_JOB_MAX_POSITIONS
+        return max(1, min(SIDE_JOB_MAX_POSITIONS, int(SIDE_JOB_SHARE * self._step_s / self._position_s)))
+
+    def _run_side(self, job: _SideJob, decoding: bool) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
         start = time.perf_counter()
+        done = 0
         try:
-            job.future.set_result(run_on_compute_thread(job.fn, *job.args))
+            result = run_on_compute_thread(job.fn, self._side_positions(decoding))
+            done = len(result)
+            job.future.set_result(result)
         except BaseException as err:  # the caller gets it; the loop goes on
             job.future.set_exception(err)
+        took = time.perf_counter() - start
+        if done:
+            self._position_s = _smoothed(self._position_s, took / done)
         with self._cond:
-            self._side_clock.charge(job.tenant.id, time.perf_counter() - start, job.tenant.weight)
+            self._side_clock.charge(job.tenant.id, took, job.tenant.weight)
 
     def _admit(self) -> list[str]:
         """Under the lock: move waiting requests into the batch, fairly; return the cancelled requests,
@@ -347,15 +370,17 @@ class Scheduler:
             for request_id in cancelled:
                 self._batch.release(request_id)
             if side is not None:
-                self._run_side(side)
+                self._run_side(side, decoding=not idle)
             if idle:
                 continue
+            started = time.perf_counter()
             try:
                 events = self._batch.step()
             except Exception as err:  # a bug must not kill the loop: fail the batch, keep serving
                 logger.exception("decode step failed")
                 events = [ErrorEvent(rid, err) for rid in list(self._running)]
                 self._batch.cancel_all()
+            self._step_s = _smoothed(self._step_s, time.perf_counter() - started)
             self.steps += 1
             with self._cond:
                 for event in events:

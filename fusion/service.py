@@ -708,7 +708,7 @@ class FusionService:
         with self._reserved(tenant, tokens):
             scheduler = self._running_scheduler()
             logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights,
-                                         run_chunk=lambda fn, *args: scheduler.run_between_steps(tenant, fn, *args))
+                                         run_chunk=lambda job: scheduler.run_between_steps(tenant, job))
         return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
 
     @contextlib.contextmanager

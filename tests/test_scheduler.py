@@ -167,3 +167,34 @@ def test_a_preempted_request_cancelled_while_waiting_frees_its_sessions(tiny_ser
         assert wait_until(lambda: all(len(e.cache) == 0 for e in tiny_service.engine.experts))
     finally:
         scheduler.stop()
+
+
+def test_score_chunks_between_steps_equal_a_plain_score(tiny_service):
+    """A score run between a stream's decode steps, in chunks sized to the steps (a few positions each),
+    gives the log-probabilities of a plain score; the stream's tokens are unchanged."""
+    rule, weights = tiny_service.resolve_spec(None)
+    prompt_ids, continuation = [[5, 17, 42, 9]] * 3, [(7 * k + 3) % 200 for k in range(1, 300)]
+    plain = tiny_service.engine.score(prompt_ids, continuation, rule, weights)
+    chunked = tiny_service.engine.score(prompt_ids, continuation, rule, weights, run_chunk=lambda job: job(3))
+    assert chunked == pytest.approx(plain, abs=1e-4)
+    stream = _tenant_requests(tiny_service, Tenant("a"), 1, 60)[0]
+    solo = [e.token_id for e in tiny_service.engine.generate(copy.copy(stream))]
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=4).start()
+    try:
+        handle = scheduler.submit(stream)
+        first = next(iter(handle._queue.get, None))  # decoding
+        chunks = []
+
+        def run_chunk(job):
+            result = scheduler.run_between_steps(Tenant("b"), job)
+            chunks.append(len(result))
+            return result
+
+        between = tiny_service.engine.score(prompt_ids, continuation, rule, weights, run_chunk=run_chunk)
+        tokens = [first.token_id] + [e.token_id for e in handle]
+    finally:
+        scheduler.stop()
+    assert between == pytest.approx(plain, abs=1e-4)
+    assert sum(chunks) == len(continuation) and len(chunks) > 1
+    assert tokens == solo
+    assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)

@@ -32,6 +32,8 @@ REGISTRY_DEPLOYMENT = "registry"
 def expert_version(config: ExpertConfig) -> str:
     """A short hash of what decides the expert's logits (not its weight, replicas or placement)."""
     decisive = {k: getattr(config, k) for k in ("name", "model", "gguf_file", "dtype", "device")}
+    if config.adapter is not None:  # (absent otherwise: versions of configs without adapters stay as they were)
+        decisive["adapter"] = config.adapter
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -29,6 +29,8 @@ class ExpertConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     model: str = Field(min_length=1)
     gguf_file: str | None = None
+    # A PEFT adapter (LoRA) over `model`: a local folder or a hub id, merged into the weights at load.
+    adapter: str | None = Field(default=None, min_length=1)
     dtype: DType = "bfloat16"
     device: str = "cpu"
     system_prompt: str | None = None

@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from fusion.adapters import apply_adapter
 from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError
@@ -164,7 +165,8 @@ def load_tokenizer(config: ExpertConfig, model_path: str):
 
 
 def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
-    """Load through the real transformers path: a local folder, a hub id, or a GGUF file in a folder."""
+    """Load through the real transformers path: a local folder, a hub id, or a GGUF file in a folder;
+    with the config's PEFT `adapter` merged in."""
     from transformers import AutoModelForCausalLM
 
     looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
@@ -178,6 +180,8 @@ def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
     except (OSError, ValueError, EnvironmentError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise AssetError(f"expert {config.name!r}: cannot load model {model_path!r}: {first_line}") from None
+    if config.adapter is not None:
+        model = apply_adapter(model, config.adapter, config.name)
     model.to(config.device).eval()
     return model, tokenizer
 

@@ -192,6 +192,10 @@ class Limits(_Strict):
     # How long an admitted request may wait for its first batch slot before it is refused (with a
     # retry time); a request preempted for another tenant's share waits without this bound.
     max_queue_wait_s: float = Field(default=30.0, gt=0)
+    # How long one chunk of a Score may hold the compute thread while no request decodes: a request
+    # arriving then waits at most about this before its prefill (while requests decode, a chunk
+    # takes a fraction of a step instead). Longer chunks score a little faster alone.
+    score_slice_s: float = Field(default=0.01, gt=0)
     # Prompt tokens (per expert) one decode step computes for joining sessions: a long prompt is
     # prefilled in chunks between the running streams' steps instead of stalling them.
     prefill_chunk_tokens: int = Field(default=512, gt=0)

@@ -98,7 +98,7 @@ class RequestHandle:
 # While requests decode, a job run between two steps (a score chunk) is sized to take about this
 # share of a step: what another tenant's inter-token time may grow by for it.
 SIDE_JOB_SHARE = 0.4
-SIDE_JOB_MAX_POSITIONS = SCORE_CHUNK  # with nothing decoding, chunks run whole
+SIDE_JOB_MAX_POSITIONS = SCORE_CHUNK
 
 
 def _smoothed(previous: float | None, value: float, weight: float = 0.2) -> float:
@@ -131,6 +131,7 @@ class Scheduler:
         self.max_concurrent = max_concurrent or engine.limits.max_concurrent_sessions
         self.max_batch_size = max_batch_size or engine.limits.max_batch_size
         self.max_queue_wait_s = max_queue_wait_s if max_queue_wait_s is not None else engine.limits.max_queue_wait_s
+        self.score_slice_s = engine.limits.score_slice_s
         self._batch = engine.new_batch()
         self._waiting: dict[str, deque[RequestHandle]] = {}  # per tenant, in arrival order
         self._waiting_count = 0
@@ -177,7 +178,8 @@ class Scheduler:
         job runs after each step, taken from the tenants in weighted fair order of the time their jobs
         took. While requests decode, `positions` is sized so that a job takes about
         SIDE_JOB_SHARE of a decode step, so a tenant's flood of scoring never stretches another's
-        inter-token time by more than that; with nothing decoding, jobs run whole, back to back."""
+        inter-token time by more than that; with nothing decoding, about `limits.score_slice_s`, so
+        a request arriving then waits no longer than that for its prefill."""
         job = _SideJob(tenant, job, Future())
         with self._cond:
             if self._stopped:
@@ -307,9 +309,12 @@ class Scheduler:
         return job
 
     def _side_positions(self, decoding: bool) -> int:
-        if not decoding or self._step_s is None or self._position_s is None:
-            return SIDE_JOB_MAX_POSITIONS
-        return max(1, min(SIDE_JOB_MAX_POSITIONS, int(SIDE_JOB_SHARE * self._step_s / self._position_s)))
+        """Positions for the next side job: about SIDE_JOB_SHARE of a decode step while requests decode,
+        else about `score_slice_s` (what a request arriving now may wait before its prefill)."""
+        if self._position_s is None:
+            return 1 if decoding else SIDE_JOB_MAX_POSITIONS  # the first job measures the cost of one
+        budget = SIDE_JOB_SHARE * self._step_s if decoding and self._step_s is not None else self.score_slice_s
+        return max(1, min(SIDE_JOB_MAX_POSITIONS, int(budget / self._position_s)))
 
     def _run_side(self, job: _SideJob, decoding: bool) -> None:
         if not job.future.set_running_or_notify_cancel():

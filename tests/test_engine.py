@@ -644,3 +644,29 @@ def test_a_lost_expert_fails_only_the_rows_that_consult_it(tiny_service):
     assert experts[1].calls == calls + 1  # one failed call, no retries of a lost expert
     assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
     engine.close()
+
+
+def test_fused_logits_that_overflow_end_the_request_with_the_cause(tiny_service):
+    """Finite experts, weights float32 can hold, yet logit arithmetic with weights of 1e38 overflows:
+    the request ends with an error naming the cause (never a token sampled from NaN), its batch-mates
+    go on, and a score refuses the same way."""
+    engine = tiny_service.engine
+    names = tiny_service.expert_names
+    rule = make_rule("logit_arithmetic", {"lead": names[0]}, names)
+    huge = GenerationRequest([[5, 17, 42]] * 3, SamplingParams(max_tokens=4, ignore_eos=True), rule, [1e38, 1e38, 0.0])
+    rule_ok, weights_ok = tiny_service.resolve_spec(None)
+    fine = GenerationRequest([[5, 17, 42]] * 3, SamplingParams(max_tokens=4, ignore_eos=True), rule_ok, weights_ok)
+    batch = engine.new_batch()
+    for request in (huge, fine):
+        engine.admit(request)
+        batch.add(request)
+    events = batch.step()
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert [e.request_id for e in errors] == [huge.request_id]
+    assert isinstance(errors[0].error, ExpertOutputError) and "overflowed float32" in str(errors[0].error)
+    assert [e.request_id for e in events if not isinstance(e, ErrorEvent)] == [fine.request_id]
+    while batch.active:
+        assert not any(isinstance(e, ErrorEvent) for e in batch.step())
+    with pytest.raises(ExpertOutputError, match="overflowed float32"):
+        engine.score([[5, 17, 42]] * 3, [9, 11], rule, [1e38, 1e38, 0.0])
+    assert all(len(e.cache) == 0 for e in engine.experts)

@@ -151,6 +151,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="fusion-scheduler", daemon=True)
         self.steps = 0
         self.preemptions = 0
+        self.side_jobs = 0
 
     # -- public -------------------------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -319,6 +320,7 @@ class Scheduler:
     def _run_side(self, job: _SideJob, decoding: bool) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
+        self.side_jobs += 1
         start = time.perf_counter()
         done = 0
         try:
@@ -371,12 +373,12 @@ class Scheduler:
                     break
                 cancelled = self._admit()
                 idle = not self._running
-                side = self._next_side_job()
+                side = self._next_side_job() if idle else None
             for request_id in cancelled:
                 self._batch.release(request_id)
-            if side is not None:
-                self._run_side(side, decoding=not idle)
             if idle:
+                if side is not None:
+                    self._run_side(side, decoding=False)
                 continue
             started = time.perf_counter()
             try:
@@ -396,6 +398,9 @@ class Scheduler:
                     if isinstance(event, ErrorEvent) or event.finish_reason is not None:
                         self._leave(event.request_id)
                         handle._put(_DONE)
+                side = self._next_side_job()
+            if side is not None:  # after the step: a request admitted just now steps first
+                self._run_side(side, decoding=True)
         # Shutting down: end every stream.
         with self._cond:
             waiting = [h for queue_ in self._waiting.values() for h in queue_]

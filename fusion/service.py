@@ -40,7 +40,7 @@ from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
 from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
-from fusion.errors import AssetError, ConfigError, InvalidArgumentError, ResourceExhaustedError
+from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, ExpertInfo, LocalExpert
 from fusion.fast_decode import configure_compile_cache
 from fusion.models import default_cache_dir
@@ -71,6 +71,10 @@ def utf8_size(text: str, field_name: str) -> int:
     except UnicodeEncodeError as err:
         raise InvalidArgumentError(f"{field_name}: not valid Unicode text: a lone surrogate "
                                    f"(U+{ord(text[err.start]):04X}) at character {err.start}") from None
+
+
+class ScoreAbandoned(FusionError):
+    """A score whose caller went away (cancelled, past its deadline) stops at its next chunk."""
 
 
 # -- requests and events ----------------------------------------------------------------------
@@ -682,7 +686,7 @@ class FusionService:
 
     # -- scoring -----------------------------------------------------------------------------------
     def score(self, prompt: str, continuation: str, spec: SpecOverrides | FusionSpec | None = None,
-              tenant: Tenant = LOCAL) -> ScoreResult:
+              tenant: Tenant = LOCAL, abandoned: threading.Event | None = None) -> ScoreResult:
         """Fused log-probabilities of `continuation` after `prompt`, plain text (no chat template).
 
         The lm-evaluation-harness convention (`fusion.text.encode_pair`): the prompt's trailing
@@ -705,10 +709,15 @@ class FusionService:
             raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
                                          f"max_score_tokens={limits.max_score_tokens}")
         tokens = len(prompt_ids[0]) + len(continuation_ids)
+        scheduler = self._running_scheduler()
+
+        def run_chunk(job):
+            if abandoned is not None and abandoned.is_set():  # the caller went away: stop, free the sessions
+                raise ScoreAbandoned("the caller abandoned the score")
+            return scheduler.run_between_steps(tenant, job)
+
         with self._reserved(tenant, tokens):
-            scheduler = self._running_scheduler()
-            logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights,
-                                         run_chunk=lambda job: scheduler.run_between_steps(tenant, job))
+            logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights, run_chunk=run_chunk)
         return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
 
     @contextlib.contextmanager
@@ -781,7 +790,13 @@ class FusionService:
         """`score` on the scoring pool, off the caller's event loop; its chunks take the tenant's turns
         between decode steps."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._score_pool, self.score, prompt, continuation, spec, tenant)
+        abandoned = threading.Event()
+        try:
+            return await loop.run_in_executor(self._score_pool, self.score, prompt, continuation, spec, tenant,
+                                              abandoned)
+        except asyncio.CancelledError:  # its chunks stop at the next one; its sessions are freed
+            abandoned.set()
+            raise
 
     # -- description -------------------------------------------------------------------------------
     def describe(self) -> ServiceDescription:

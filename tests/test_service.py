@@ -10,6 +10,7 @@ import pytest
 from fusion.config import FusionSpec, SpecOverrides
 from fusion.errors import InvalidArgumentError, NotFoundError
 from fusion.service import FusionRequest
+from tests.helpers import wait_until
 
 
 def test_admission_layers_the_request_over_the_config(tiny_service):
@@ -93,3 +94,29 @@ def test_a_stream_dropped_unread_is_cancelled(tiny_service):
         time.sleep(0.05)
     assert tiny_service.active == 0 and all(e.active_sessions == 0 for e in tiny_service.experts)
     assert tiny_service._scheduler.steps - steps < 100  # stopped, not run to its 400 tokens
+
+
+def test_an_abandoned_score_stops_and_frees_its_sessions(tiny_service):
+    """A Score whose caller is cancelled (a client gone, a deadline passed) stops at its next chunk and
+    frees its sessions, instead of scoring on for nobody."""
+    stream = tiny_service.submit(FusionRequest("hi", {"max_tokens": 400, "ignore_eos": True}))
+    events = iter(stream)
+    next(events)  # decoding: score chunks are a fraction of a step each
+
+    scheduler = tiny_service._running_scheduler()
+
+    async def abandon() -> int:
+        task = asyncio.ensure_future(tiny_service.score_async("a", " b c d e f g h" * 25))
+        assert await asyncio.to_thread(wait_until, lambda: scheduler.side_jobs >= 3)  # scoring, chunk by chunk
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return scheduler.side_jobs
+
+    at_cancel = asyncio.run(abandon())
+    try:
+        assert wait_until(lambda: all(len(e.cache) == 1 for e in tiny_service.engine.experts), timeout=10)
+        assert scheduler.side_jobs - at_cancel <= 2  # the chunk running then, at most one more: not the rest
+    finally:
+        stream.cancel()
+    assert wait_until(lambda: all(len(e.cache) == 0 for e in tiny_service.engine.experts), timeout=10)

@@ -281,6 +281,8 @@ class SecurityConfig(_Strict):
     api_keys_env: str | None = None
     expert_secret_env: str | None = None
     expert_secret_file: str | None = None
+    # Origins whose browser apps may call the HTTP API (CORS), e.g. ["https://app.example.com"].
+    allowed_origins: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod

@@ -188,7 +188,7 @@ async def _serve_http(running: RunningServer, service: FusionService, metrics: C
         reply = await running.health.Check(health_pb2.HealthCheckRequest(service=FUSION_SERVICE), None)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    api = HttpApi(service, metrics, gate, serving=serving)
+    api = HttpApi(service, metrics, gate, serving=serving, allowed_origins=config.security.allowed_origins)
     http = await start_http_server(api.app(), address, config.security, config.limits)
     running.http_port = http.port
     running.http = http

@@ -26,18 +26,21 @@ import contextlib
 import json
 import logging
 import math
+import re
 import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from fusion.config import Limits, SecurityConfig
 from fusion.errors import FusionError
@@ -71,6 +74,7 @@ _OBJECTS = {"chat": ("chatcmpl", "chat.completion", "chat.completion.chunk"),
 
 PLAYGROUND_DIR = Path(__file__).parent / "playground"
 # The playground's files: what the page loads, with its content type; nothing else is served from there.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")  # a client's x-request-id we echo back
 # Bodies above this are parsed only within their key's http_parse_bytes_per_s (`HttpApi._parse_turn`).
 LARGE_BODY_BYTES = 64 * 1024
 _PLAYGROUND_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
@@ -180,12 +184,42 @@ class _Choice:
     offset: int = 0  # completions' text_offset of the next token
 
 
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`: the client's own when it sent a usable one, else a new one
+    (the openai SDKs expose it as `_request_id`). Pure ASGI: streams and disconnects pass untouched."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = (given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}").encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _prompt_chars(plan: Plan, choice: int) -> int:
+    """Where a completion's text starts in OpenAI's `text_offset`: after its prompt's characters."""
+    prompt = plan.requests[choice].prompt
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
 class HttpApi:
     """The routes over one service; `gate` is the coordinator's KeyGate (None: no API keys)."""
 
     def __init__(self, service: FusionService, metrics: CoordinatorMetrics, gate: KeyGate | None = None, *,
-                 model_name: str = MODEL_NAME, serving: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 model_name: str = MODEL_NAME, serving: Callable[[], Awaitable[bool]] | None = None,
+                 allowed_origins: Sequence[str] = ()) -> None:
         self.service, self.metrics, self.gate = service, metrics, gate
+        self.allowed_origins = tuple(allowed_origins)
         self.model_name = model_name
         self.serving = serving
         self.created = int(time.time())
@@ -200,6 +234,7 @@ class HttpApi:
     def app(self) -> FastAPI:
         app = FastAPI(title="logit-fusion", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -209,6 +244,11 @@ class HttpApi:
         app.add_api_route("/playground/", self.playground, methods=["GET"])
         app.add_api_route("/playground/{name}", self.playground_file, methods=["GET"])
         app.add_exception_handler(HTTPException, self._http_exception)  # unknown paths, wrong methods
+        app.add_middleware(RequestIdMiddleware)
+        if self.allowed_origins:  # browser apps on these origins may call the API (preflights answered)
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.allowed_origins), allow_methods=["GET", "POST"],
+                               allow_headers=["authorization", "content-type", "x-api-key", "x-request-id"],
+                               expose_headers=["x-request-id", "retry-after"], max_age=600)
         return app
 
     # -- routes -------------------------------------------------------------------------------------
@@ -221,14 +261,26 @@ class HttpApi:
             await self._authenticate(request, "Models")
         except Exception as err:
             return self._error_response(request, err, {})
-        profiles = self.service.config.profiles
-        data = []
-        for model in model_ids(self.model_name, profiles):
-            profile = model.partition(":")[2] or None
-            weights = profiles[profile] if profile else {e.name: e.weight for e in self.service.config.experts}
-            data.append({"id": model, "object": "model", "created": self.created, "owned_by": "logit-fusion",
-                         "fusion": {"profile": profile, "weights": weights}})
+        data = [self._model(model) for model in model_ids(self.model_name, self.service.config.profiles)]
         return self._respond(request, JSONResponse({"object": "list", "data": data}))
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        """`GET /v1/models/{id}` (the openai SDKs' `models.retrieve`)."""
+        try:
+            await self._authenticate(request, "Models")
+            if model_id not in model_ids(self.model_name, self.service.config.profiles):
+                raise ApiError(404, f"model: {model_id!r} is not served here; GET /v1/models lists what is",
+                               "model", "model_not_found")
+        except Exception as err:
+            return self._error_response(request, err, {})
+        return self._respond(request, JSONResponse(self._model(model_id)))
+
+    def _model(self, model: str) -> dict[str, Any]:
+        profiles = self.service.config.profiles
+        profile = model.partition(":")[2] or None
+        weights = profiles[profile] if profile else {e.name: e.weight for e in self.service.config.experts}
+        return {"id": model, "object": "model", "created": self.created, "owned_by": "logit-fusion",
+                "fusion": {"profile": profile, "weights": weights}}
 
     async def describe(self, request: Request) -> Response:
         try:
@@ -346,7 +398,8 @@ class HttpApi:
                 entry = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": choice.finish_reason}
             else:
-                logprobs = completion_logprobs(choice.tokens, self._text_of, 0) if plan.logprobs else None
+                logprobs = (completion_logprobs(choice.tokens, self._text_of, _prompt_chars(plan, i))
+                            if plan.logprobs else None)
                 entry = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
             if plan.attribution:
                 entry["fusion"] = {"tokens": [attribution(t) for t in choice.tokens]}
@@ -377,7 +430,7 @@ class HttpApi:
     async def _chunks(self, generation: _Generation, plan: Plan, received: float) -> AsyncIterator[bytes]:
         """The stream's events: one chunk per token (and choice), the usage chunk if asked, [DONE]."""
         head = self._head(generation, plan, stream=True)
-        choices = [_Choice() for _ in plan.requests]
+        choices = [_Choice(offset=_prompt_chars(plan, i)) for i in range(len(plan.requests))]
         async with contextlib.aclosing(self._metered(generation, received)) as events:
             async for i, event in events:
                 choice = choices[i]

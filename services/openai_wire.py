@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -54,7 +54,9 @@ class ApiError(Exception):
 
 # -- request bodies --------------------------------------------------------------------------------
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI ignores fields it does not know
+    # OpenAI ignores fields it does not know, and refuses values of the wrong JSON type ("5" or true
+    # for an integer, "yes" for a boolean): strict, except where JSON itself forces strings.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FusionExtension(BaseModel):
@@ -80,13 +82,13 @@ class _Request(_Lenient):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's bounds
+    top_p: float | None = Field(default=None, ge=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None  # OpenAI's keys are token ids as strings
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[Annotated[int, Field(strict=False)], float] | None = None  # keys: token ids as JSON strings
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     # vLLM's extras that the sampler has
     top_k: int | None = None  # vLLM's -1 (and 0) disable it

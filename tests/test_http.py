@@ -181,7 +181,7 @@ def test_logprobs_with_top_alternatives(client, tiny_service):
     completion = client.completions.create(model="fusion", prompt="hello world", max_tokens=6, logprobs=2)
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
-    assert logprobs.text_offset[0] == 0 and all(len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == len("hello world") and all(len(top) <= 2 for top in logprobs.top_logprobs)
     streamed = list(client.completions.create(model="fusion", prompt="hello world", max_tokens=6, logprobs=2,
                                               stream=True))
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == logprobs.tokens

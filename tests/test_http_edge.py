@@ -20,13 +20,14 @@ from services.protos import fusion_pb2, fusion_pb2_grpc
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
 
+ORIGIN = "https://app.example"
 EDGE = {"max_prompt_tokens": 256, "max_tokens": 64, "max_http_connections": 32, "http_header_timeout_s": 0.5,
         "http_body_timeout_s": 0.5}
 
 
 @pytest.fixture(scope="module")
 def server(loop, tiny_dir):
-    config = parse_config(tiny_config_dict(tiny_dir, limits=EDGE))
+    config = parse_config(tiny_config_dict(tiny_dir, limits=EDGE, security={"allowed_origins": [ORIGIN]}))
     running, _ = loop.run(create_coordinator_server(config, metrics_port=0, metrics_host="127.0.0.1",
                                                     http_address="127.0.0.1:0"))
     yield running
@@ -184,3 +185,80 @@ def test_large_bodies_wait_for_their_keys_parse_budget(loop, tiny_dir):
         assert post(running.http_port, "/v1/chat/completions", small.encode())[0] == 200
     finally:
         loop.run(running.stop(0))
+
+
+# -- what OpenAI's clients and browsers expect at the edge -----------------------------------------------
+def client_of(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0)
+
+
+def test_models_retrieve(server):
+    client = client_of(server)
+    assert client.models.retrieve("fusion").id == "fusion"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("nope")
+    assert caught.value.body["param"] == "model"
+
+
+def test_every_response_carries_a_request_id(server):
+    client = client_of(server)
+    reply = client.chat.completions.create(model="fusion", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert reply._request_id and reply._request_id.startswith("req-")
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/models",
+                                     headers={"x-request-id": "trace-42"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.headers["x-request-id"] == "trace-42"
+    assert get(server.http_port, "/no/such/path")[0] == 404  # errors too
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/health", timeout=10) as answer:
+        assert answer.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "5"), ("max_tokens", True), ("stream", "yes"), ("n", "2"), ("temperature", 3.0),
+    ("top_p", 1.5), ("presence_penalty", -3), ("seed", 1.5),
+])
+def test_values_of_the_wrong_type_or_past_openais_bounds_are_400(server, field, value):
+    body = {"model": "fusion", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    status, answer = post(server.http_port, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == field, answer
+
+
+def test_logit_bias_keys_are_token_ids_as_strings(server):
+    body = {"model": "fusion", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logit_bias": {"5": -100}}
+    assert post(server.http_port, "/v1/chat/completions", json.dumps(body).encode())[0] == 200
+
+
+def test_completion_text_offsets_start_after_the_prompt(server):
+    client = client_of(server)
+    prompt = "the quick brown fox"
+    for stream in (False, True):
+        reply = client.completions.create(model="fusion", prompt=prompt, max_tokens=4, logprobs=1, stream=stream,
+                                          extra_body={"ignore_eos": True})
+        choices = [c.choices[0] for c in reply] if stream else reply.choices
+        offsets = [o for c in choices for o in c.logprobs.text_offset]
+        tokens = [t for c in choices for t in c.logprobs.tokens]
+        assert offsets[0] == len(prompt)
+        assert offsets == [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_cors_for_the_allowed_origins_only(server):
+    def preflight(origin: str):
+        request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/chat/completions", method="OPTIONS",
+                                         headers={"origin": origin, "access-control-request-method": "POST",
+                                                  "access-control-request-headers": "authorization,content-type"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status, answer.headers
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers
+
+    status, headers = preflight(ORIGIN)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    status, headers = preflight("https://elsewhere.example")
+    assert headers.get("access-control-allow-origin") is None
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/models", headers={"origin": ORIGIN})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.headers["access-control-allow-origin"] == ORIGIN
+        assert "x-request-id" in answer.headers["access-control-expose-headers"]

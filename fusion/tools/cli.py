@@ -296,6 +296,9 @@ def serve(
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
     http_port: Optional[int] = typer.Option(None, "--http-port", help="Serve the OpenAI-compatible HTTP API "
                                             "here too (same process and service)."),
+    allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="An origin whose browser apps may "
+                                              "call the HTTP API (CORS); repeat for more. Adds to the config's "
+                                              "security.allowed_origins."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Serve the Fusion gRPC service (experts with addresses in the config are remote) and, with
@@ -305,6 +308,10 @@ def serve(
         from services.coordinator import run_coordinator
 
         config = read_config(config_path)
+        if allowed_origins:
+            security = config.security.model_copy(
+                update={"allowed_origins": [*config.security.allowed_origins, *allowed_origins]})
+            config = config.model_copy(update={"security": security})
         run_coordinator(config, model_resolver(cache_dir(cache), prepare=False), port=port, host=host,
                         metrics_port=metrics_port, cache_dir=cache_dir(cache), http_port=http_port)
 

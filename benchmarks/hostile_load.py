@@ -159,20 +159,24 @@ HOSTILE_KINDS = ["stop_strings", "64MiB_prompt", "outgrows_context", "bad_router
                  "wrong_keys"]
 
 
-def hostile_process(address: str, key: str, duration: float, results) -> None:
-    """Every hostile client, in a process of its own (so its threads never hold the measuring
-    clients' GIL); puts the outcome counts on `results`."""
-    stop = threading.Event()
-    outcomes: Counter = Counter()
-    threads = [threading.Thread(target=hostile_requests, args=(address, key, stop, outcomes, kind), daemon=True)
-               for kind in HOSTILE_KINDS]
+def run_clients(work, address: str, key: str, tags: list[str], duration: float, join_s: float) -> dict:
+    """One thread per tag running `work(address, key, stop, outcomes, tag)` for `duration` seconds;
+    the outcome counts."""
+    stop, outcomes = threading.Event(), Counter()
+    threads = [threading.Thread(target=work, args=(address, key, stop, outcomes, tag), daemon=True) for tag in tags]
     for thread in threads:
         thread.start()
     time.sleep(duration)
     stop.set()
     for thread in threads:
-        thread.join(120)
-    results.put(dict(outcomes))
+        thread.join(join_s)
+    return dict(outcomes)
+
+
+def hostile_process(address: str, key: str, duration: float, results) -> None:
+    """Every hostile client, in a process of its own (so its threads never hold the measuring
+    clients' GIL); puts the outcome counts on `results`."""
+    results.put(run_clients(hostile_requests, address, key, HOSTILE_KINDS, duration, 120))
 
 
 def phase(address: str, keys: dict, duration: float, clients: int, hostile: bool,
@@ -334,16 +338,7 @@ TEAM_A = {"streams_32": (_team_a_streams, 32), "streams_200": (_team_a_streams, 
 
 def team_a_process(target: str, key: str, attack: str, duration: float, results) -> None:
     work, threads_n = TEAM_A[attack]
-    stop, outcomes = threading.Event(), Counter()
-    threads = [threading.Thread(target=work, args=(target, key, stop, outcomes, attack), daemon=True)
-               for _ in range(threads_n)]
-    for thread in threads:
-        thread.start()
-    time.sleep(duration)
-    stop.set()
-    for thread in threads:
-        thread.join(30)
-    results.put(dict(outcomes))
+    results.put(run_clients(work, target, key, [attack] * threads_n, duration, 30))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -470,25 +465,44 @@ def edge_checks(http: str, metrics_port: int, idle: int, paths: int) -> dict:
             "idle_connections": held, "connect_failures": failed, "health_status": health, "health_s": health_s}
 
 
+def synthetic_config(root: Path, layers: int, keys_file: Path, limits: dict) -> dict:
+    """The benchmark's config: two synthetic experts (built under `root`), mixture fusion, API keys
+    from `keys_file`, the experts' secret from FUSION_BENCH_SECRET."""
+    print("building two synthetic experts ...", file=sys.stderr, flush=True)
+    models = {name: build_expert(root / name, layers) for name in ("a", "b")}
+    return {
+        "experts": [{"name": n, "model": str(p), "dtype": "bfloat16", "chat_template": False}
+                    for n, p in models.items()],
+        "fusion": {"rule": "mixture"},
+        "sampling": {"max_tokens": 24},
+        "limits": limits,
+        "security": {"expert_secret_env": "FUSION_BENCH_SECRET", "api_keys_file": str(keys_file)},
+    }
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a black-holed replica must hear the terminate
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def tenants_suite(args) -> dict:
     env = {**os.environ, "FUSION_BENCH_SECRET": "bench-secret", "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        print("building two synthetic experts ...", file=sys.stderr, flush=True)
-        models = {name: build_expert(root / name, args.layers) for name in ("a", "b")}
         keys_file = root / "keys.yaml"
         keys = {"team-a": create_key(keys_file, "team-a"), "team-b": create_key(keys_file, "team-b"),
                 "limited": create_key(keys_file, "limited", limits={"max_concurrent_streams": 2,
                                                                     "tokens_per_minute": 200})}
-        config = {
-            "experts": [{"name": n, "model": str(p), "dtype": "bfloat16", "chat_template": False}
-                        for n, p in models.items()],
-            "fusion": {"rule": "mixture"},
-            "sampling": {"max_tokens": 24},
-            "limits": {"max_tokens": 8192, "max_concurrent_sessions": 64, "max_batch_size": 16, "key_share": 0.5},
-            "security": {"expert_secret_env": "FUSION_BENCH_SECRET", "api_keys_file": str(keys_file)},
-        }
+        config = synthetic_config(root, args.layers, keys_file, {"max_tokens": 8192, "max_concurrent_sessions": 64,
+                                                                 "max_batch_size": 16, "key_share": 0.5})
         expert_config = root / "experts.yaml"
         expert_config.write_text(yaml.safe_dump(config))
         try:
@@ -520,14 +534,7 @@ def tenants_suite(args) -> dict:
                                                       for e in config["experts"]])
             results["coordinator_alive"] = coordinator.poll() is None
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(procs)
     quiet = results["phases"][0]
     print(f"team B (one stream at a time, {args.duration:.0f} s per phase):")
     print("| team A | B's requests | TTFT p50 / p95 ms | ITL p50 / p95 ms | TTFT p95 / quiet | ITL p95 / quiet | "
@@ -571,18 +578,10 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        print("building two synthetic experts ...", file=sys.stderr, flush=True)
-        models = {name: build_expert(root / name, args.layers) for name in ("a", "b")}
         keys_file = root / "keys.yaml"
         keys = {"good": create_key(keys_file, "good"), "hostile": create_key(keys_file, "hostile")}
-        config = {
-            "experts": [{"name": n, "model": str(p), "dtype": "bfloat16", "chat_template": False}
-                        for n, p in models.items()],
-            "fusion": {"rule": "mixture"},
-            "sampling": {"max_tokens": 24},
-            "limits": {"max_tokens": 8192, "max_concurrent_sessions": 32, "max_batch_size": 16},
-            "security": {"expert_secret_env": "FUSION_BENCH_SECRET", "api_keys_file": str(keys_file)},
-        }
+        config = synthetic_config(root, args.layers, keys_file,
+                                  {"max_tokens": 8192, "max_concurrent_sessions": 32, "max_batch_size": 16})
         expert_config = root / "experts.yaml"
         expert_config.write_text(yaml.safe_dump(config))
         try:
@@ -622,15 +621,7 @@ def main() -> None:
             results["sessions_freed_after_s"] = round(time.monotonic() - resumed, 1)
             results["coordinator_alive"] = coordinator.poll() is None
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGCONT)
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(procs)
 
     quiet, hostile = results["quiet"], results["hostile"]
     ratio = hostile["p95_itl_ms"] / quiet["p95_itl_ms"]

@@ -99,6 +99,7 @@ class RequestHandle:
 # share of a step: what another tenant's inter-token time may grow by for it.
 SIDE_JOB_SHARE = 0.4
 SIDE_JOB_MAX_POSITIONS = SCORE_CHUNK
+SIDE_JOB_MIN_POSITIONS = 32
 
 
 def _smoothed(previous: float | None, value: float, weight: float = 0.2) -> float:
@@ -144,6 +145,8 @@ class Scheduler:
         self._side_clock = VirtualClock()
         self._step_s: float | None = None  # a decode step's time, smoothed
         self._position_s: float | None = None  # a side job's time per position, smoothed
+        self._side_s = 0.0  # how long the last side job took
+        self._decode_since_side = 0.0  # decode time since then
         self._cancelled: set[str] = set()
         self._detached_cancelled: list[RequestHandle] = []  # preempted requests cancelled while waiting
         self._cond = threading.Condition()
@@ -177,10 +180,10 @@ class Scheduler:
         """`job(positions)` on the compute thread between two decode steps (blocking the caller); it
         does at most `positions` positions of work and returns one result per position done. One such
         job runs after each step, taken from the tenants in weighted fair order of the time their jobs
-        took. While requests decode, `positions` is sized so that a job takes about
-        SIDE_JOB_SHARE of a decode step, so a tenant's flood of scoring never stretches another's
-        inter-token time by more than that; with nothing decoding, about `limits.score_slice_s`, so
-        a request arriving then waits no longer than that for its prefill."""
+        took. While requests decode, side jobs get at most half the compute thread's time and each is
+        sized to about SIDE_JOB_SHARE of a decode step; with nothing decoding, to about
+        `limits.score_slice_s`, so a request arriving then waits about that for its prefill (both
+        at least SIDE_JOB_MIN_POSITIONS)."""
         job = _SideJob(tenant, job, Future())
         with self._cond:
             if self._stopped:
@@ -311,11 +314,13 @@ class Scheduler:
 
     def _side_positions(self, decoding: bool) -> int:
         """Positions for the next side job: about SIDE_JOB_SHARE of a decode step while requests decode,
-        else about `score_slice_s` (what a request arriving now may wait before its prefill)."""
+        else about `score_slice_s` (what a request arriving now may wait before its prefill); never
+        fewer than SIDE_JOB_MIN_POSITIONS, below which a chunk's fixed cost (a forward that reads every
+        weight, the experts' calls) would dominate and a long score would take many times longer."""
         if self._position_s is None:
-            return 1 if decoding else SIDE_JOB_MAX_POSITIONS  # the first job measures the cost of one
+            return SIDE_JOB_MIN_POSITIONS
         budget = SIDE_JOB_SHARE * self._step_s if decoding and self._step_s is not None else self.score_slice_s
-        return max(1, min(SIDE_JOB_MAX_POSITIONS, int(budget / self._position_s)))
+        return max(SIDE_JOB_MIN_POSITIONS, min(SIDE_JOB_MAX_POSITIONS, int(budget / self._position_s)))
 
     def _run_side(self, job: _SideJob, decoding: bool) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -330,6 +335,7 @@ class Scheduler:
         except BaseException as err:  # the caller gets it; the loop goes on
             job.future.set_exception(err)
         took = time.perf_counter() - start
+        self._side_s, self._decode_since_side = took, 0.0
         if done:
             self._position_s = _smoothed(self._position_s, took / done)
         with self._cond:
@@ -387,7 +393,9 @@ class Scheduler:
                 logger.exception("decode step failed")
                 events = [ErrorEvent(rid, err) for rid in list(self._running)]
                 self._batch.cancel_all()
-            self._step_s = _smoothed(self._step_s, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self._step_s = _smoothed(self._step_s, took)
+            self._decode_since_side += took
             self.steps += 1
             with self._cond:
                 for event in events:
@@ -398,7 +406,9 @@ class Scheduler:
                     if isinstance(event, ErrorEvent) or event.finish_reason is not None:
                         self._leave(event.request_id)
                         handle._put(_DONE)
-                side = self._next_side_job()
+                # Side jobs get at most half the time while requests decode: one runs once the steps
+                # since the last one took as long as it did.
+                side = self._next_side_job() if self._decode_since_side >= self._side_s else None
             if side is not None:  # after the step: a request admitted just now steps first
                 self._run_side(side, decoding=True)
         # Shutting down: end every stream.

@@ -48,7 +48,7 @@ from fusion.router import Route, expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
-from fusion.spelling import spelling_for
+from fusion.spelling import spelling_for, token_bytes_of
 from fusion.tenancy import LOCAL, Reservation, Tenant
 from fusion.text import (Message, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
                          end_of_turn_id)
@@ -323,6 +323,7 @@ class FusionService:
         self._auto_router: Path | None = None
         self._rules = lru_cache(maxsize=64)(self._built_rule)
         self._token_texts = lru_cache(maxsize=1 << 16)(self._decode_token)
+        self._bytes_table: list[bytes] | None = None  # id -> its bytes (`token_bytes`)
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -531,6 +532,20 @@ class FusionService:
         """One id's text on its own, special tokens included (the first expert's tokenizer: the experts
         share one); what OpenAI-style logprobs show per token. Cached."""
         return self._token_texts(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One id's own bytes as its tokenizer spells them: a token holding part of a character (a byte
+        of byte-level BPE, a byte-fallback piece) gives its bytes, not U+FFFD's; a special token, its
+        text's. The table is built once, on first use."""
+        with self._lock:
+            if self._bytes_table is None:
+                try:
+                    self._bytes_table = token_bytes_of(self.tokenizers[0])
+                except ConfigError:  # a decoder spelling.py cannot read: the decoded text's bytes
+                    self._bytes_table = []
+        table = self._bytes_table
+        raw = table[token_id] if 0 <= token_id < len(table) else b""
+        return raw or self.token_text(token_id).encode("utf-8")
 
     def _decode_token(self, token_id: int) -> str:
         if token_id < 0:  # a text piece of experts with different tokenizers: no id of one vocabulary

@@ -188,6 +188,7 @@ async def _serve_http(running: RunningServer, service: FusionService, metrics: C
         reply = await running.health.Check(health_pb2.HealthCheckRequest(service=FUSION_SERVICE), None)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    await asyncio.to_thread(service.token_bytes, 0)  # the id -> bytes table logprobs read, built off the loop
     api = HttpApi(service, metrics, gate, serving=serving, allowed_origins=config.security.allowed_origins)
     http = await start_http_server(api.app(), address, config.security, config.limits)
     running.http_port = http.port

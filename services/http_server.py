@@ -22,6 +22,7 @@ one process, one service.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import logging
@@ -182,6 +183,7 @@ class _Choice:
     usage: Usage | None = None
     started: bool = False  # a stream sent its first chunk
     offset: int = 0  # completions' text_offset of the next token
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: utf8_decoder())  # counts those characters
 
 
 class RequestIdMiddleware:
@@ -204,6 +206,10 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 def _prompt_chars(plan: Plan, choice: int) -> int:
@@ -367,8 +373,8 @@ class HttpApi:
                 timers[choice].token()
                 yield choice, event
 
-    def _text_of(self, token_id: int) -> str:
-        return self.service.token_text(token_id)
+    def _bytes_of(self, token_id: int) -> bytes:
+        return self.service.token_bytes(token_id)
 
     def _head(self, generation: _Generation, plan: Plan, stream: bool) -> dict[str, Any]:
         prefix, obj, chunk_obj = _OBJECTS[plan.kind]
@@ -393,13 +399,13 @@ class HttpApi:
         for i, choice in enumerate(choices):
             text = "".join(choice.text)
             if plan.kind == "chat":
-                logprobs = ({"content": [chat_logprob(t, self._text_of) for t in choice.tokens]}
+                logprobs = ({"content": [chat_logprob(t, self._bytes_of) for t in choice.tokens]}
                             if plan.logprobs else None)
                 entry = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": choice.finish_reason}
             else:
-                logprobs = (completion_logprobs(choice.tokens, self._text_of, _prompt_chars(plan, i))
-                            if plan.logprobs else None)
+                logprobs = (completion_logprobs(choice.tokens, self._bytes_of, _prompt_chars(plan, i),
+                                                utf8_decoder())[0] if plan.logprobs else None)
                 entry = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
             if plan.attribution:
                 entry["fusion"] = {"tokens": [attribution(t) for t in choice.tokens]}
@@ -415,12 +421,12 @@ class HttpApi:
             return None
         if plan.kind == "chat":
             delta = {"content": event.text} if choice.started else {"role": "assistant", "content": event.text}
-            logprobs = {"content": [chat_logprob(token, self._text_of)]} if plan.logprobs else None
+            logprobs = {"content": [chat_logprob(token, self._bytes_of)]} if plan.logprobs else None
             entry = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": event.finish_reason}
         else:
-            logprobs = completion_logprobs([token], self._text_of, choice.offset) if plan.logprobs else None
-            if logprobs is not None:
-                choice.offset += len(logprobs["tokens"][0])
+            logprobs = None
+            if plan.logprobs:
+                logprobs, choice.offset = completion_logprobs([token], self._bytes_of, choice.offset, choice.decoder)
             entry = {"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
         if plan.attribution:
             entry["fusion"] = {"tokens": [attribution(token)]}

@@ -18,6 +18,7 @@ the name the client sent (`top_logprobs` for the sampler's `logprobs`, `fusion.w
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 from dataclasses import dataclass, field
@@ -345,28 +346,39 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
-def chat_logprob(token: TokenEvent, text_of: Callable[[int], str]) -> dict[str, Any]:
-    """One entry of a chat choice's `logprobs.content`."""
+def token_string(raw: bytes) -> str:
+    """A token as OpenAI shows it: its text, or `bytes:\\xNN...` when its bytes are not whole UTF-8
+    characters (part of a character: each such token stays distinct, none is U+FFFD)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def chat_logprob(token: TokenEvent, bytes_of: Callable[[int], bytes]) -> dict[str, Any]:
+    """One entry of a chat choice's `logprobs.content`: `bytes` are the token's own bytes."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = text_of(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        raw = bytes_of(token_id)
+        return {"token": token_string(raw), "logprob": _finite(logprob), "bytes": list(raw)}
 
     return {**entry(token.token_id, token.logprob), "top_logprobs": [entry(t, lp) for t, lp in token.top_logprobs]}
 
 
-def completion_logprobs(tokens: list[TokenEvent], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
-    """A completion choice's `logprobs` for `tokens`, whose text starts at `offset`."""
-    texts = [text_of(t.token_id) for t in tokens]
+def completion_logprobs(tokens: list[TokenEvent], bytes_of: Callable[[int], bytes], offset: int,
+                        decoder: codecs.IncrementalDecoder) -> tuple[dict[str, Any], int]:
+    """A completion choice's `logprobs` for `tokens`, whose text starts at character `offset`, and the
+    offset after them. `decoder` (UTF-8, kept across a choice's calls) counts the characters each token
+    completes, so `text_offset` indexes the text as it decodes."""
     offsets = []
-    for text in texts:
+    for t in tokens:
         offsets.append(offset)
-        offset += len(text)
+        offset += len(decoder.decode(bytes_of(t.token_id)))
     return {
-        "tokens": texts,
+        "tokens": [token_string(bytes_of(t.token_id)) for t in tokens],
         "token_logprobs": [_finite(t.logprob) for t in tokens],
-        "top_logprobs": [{text_of(i): _finite(lp) for i, lp in t.top_logprobs} for t in tokens],
+        "top_logprobs": [{token_string(bytes_of(i)): _finite(lp) for i, lp in t.top_logprobs} for t in tokens],
         "text_offset": offsets,
-    }
+    }, offset
 
 
 def attribution(token: TokenEvent) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from fusion.service import FusionRequest  # noqa: E402
 from services.client import FusionClient  # noqa: E402
 from services.coordinator import create_coordinator_server  # noqa: E402
 from services.expert_server import create_expert_server  # noqa: E402
+from services.openai_wire import token_string  # noqa: E402
 from services.security import create_key  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
 from tests.test_grpc import addr, expert_sessions, experts, wait_until  # noqa: E402,F401 (experts: a fixture)
@@ -166,10 +167,11 @@ def test_logprobs_with_top_alternatives(client, tiny_service):
     content = reply.choices[0].logprobs.content
     assert len(content) == len(local.events)
     for entry, event in zip(content, local.events):
-        assert entry.token == tiny_service.token_text(event.token_id)
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.token == token_string(tiny_service.token_bytes(event.token_id))
+        assert entry.bytes == list(tiny_service.token_bytes(event.token_id))
         assert entry.logprob == pytest.approx(event.logprob, abs=1e-5)
-        assert [t.token for t in entry.top_logprobs] == [tiny_service.token_text(t) for t, _ in event.top_logprobs]
+        assert [t.token for t in entry.top_logprobs] == [token_string(tiny_service.token_bytes(t))
+                                                         for t, _ in event.top_logprobs]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for _, lp in event.top_logprobs], abs=1e-5)
         assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
     # Without top_logprobs: each token's own logprob only.

@@ -232,14 +232,16 @@ def test_logit_bias_keys_are_token_ids_as_strings(server):
 def test_completion_text_offsets_start_after_the_prompt(server):
     client = client_of(server)
     prompt = "the quick brown fox"
+    seen = []
     for stream in (False, True):
-        reply = client.completions.create(model="fusion", prompt=prompt, max_tokens=4, logprobs=1, stream=stream,
-                                          extra_body={"ignore_eos": True})
+        reply = client.completions.create(model="fusion", prompt=prompt, max_tokens=8, logprobs=1, stream=stream,
+                                          extra_body={"ignore_eos": True}, temperature=0.0)
         choices = [c.choices[0] for c in reply] if stream else reply.choices
         offsets = [o for c in choices for o in c.logprobs.text_offset]
-        tokens = [t for c in choices for t in c.logprobs.tokens]
-        assert offsets[0] == len(prompt)
-        assert offsets == [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        text = "".join(c.text for c in choices)
+        assert offsets[0] == len(prompt) and offsets == sorted(offsets) and offsets[-1] <= len(prompt) + len(text)
+        seen.append(offsets)
+    assert seen[0] == seen[1]  # streamed or not, the same offsets
 
 
 def test_cors_for_the_allowed_origins_only(server):
@@ -262,3 +264,34 @@ def test_cors_for_the_allowed_origins_only(server):
     with urllib.request.urlopen(request, timeout=10) as answer:
         assert answer.headers["access-control-allow-origin"] == ORIGIN
         assert "x-request-id" in answer.headers["access-control-expose-headers"]
+
+
+def test_tokens_holding_part_of_a_character_keep_their_own_bytes(server):
+    """Byte-level BPE has a token for each byte: alone, a byte of a multi-byte character is no text.
+    Its logprob entries show its own bytes (`bytes:\\xNN`), distinct from every other such token, never
+    U+FFFD; whole characters stay text, and offsets count decoded characters."""
+    from services.openai_wire import completion_logprobs, token_string
+    from services.http_server import utf8_decoder
+    from fusion.engine import TokenEvent
+
+    service = server.servicer.service
+    partial = [i for i in range(service.engine.vocab_size)
+               if len(service.token_bytes(i)) == 1 and service.token_bytes(i)[0] >= 0x80][:3]
+    assert len(partial) == 3 and all(service.token_text(i) == "\ufffd" for i in partial)
+    strings = [token_string(service.token_bytes(i)) for i in partial]
+    assert len(set(strings)) == 3 and all(s.startswith("bytes:\\x") for s in strings)
+    events = [TokenEvent("r", k, i, -1.0, [(j, -2.0) for j in partial], []) for k, i in enumerate(partial)]
+    logprobs, end = completion_logprobs(events, service.token_bytes, 10, utf8_decoder())
+    assert logprobs["tokens"] == strings and all(len(top) == 3 for top in logprobs["top_logprobs"])
+    # é is c3 a9: two tokens, one character, offset moving once it is whole
+    e_acute = [next(i for i in range(service.engine.vocab_size) if service.token_bytes(i) == bytes([b]))
+               for b in "é".encode()]
+    two = [TokenEvent("r", k, i, -1.0, [], []) for k, i in enumerate(e_acute)]
+    logprobs, end = completion_logprobs(two, service.token_bytes, 0, utf8_decoder())
+    assert logprobs["text_offset"] == [0, 0] and end == 1
+    client = client_of(server)
+    reply = client.chat.completions.create(model="fusion", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, logprobs=True, top_logprobs=5)
+    for entry in reply.choices[0].logprobs.content:
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token or entry.token.startswith("bytes:")
+        assert "\ufffd" not in entry.token

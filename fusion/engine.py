@@ -53,10 +53,16 @@ FUSED_NOT_FINITE = ("the fused logits are not finite (NaN or inf) although every
                     "arithmetic overflowed float32 with these weights")
 
 
+def nonfinite(logits: torch.Tensor) -> torch.Tensor:
+    """(...,) bool over logits (..., V): a NaN or +inf, or no finite value at all. One pass: the max is
+    NaN if any is NaN, +inf if any is, -inf only if all are."""
+    top = logits.amax(-1)
+    return top.isnan() | top.isinf()
+
+
 def nonfinite_rows(fused: torch.Tensor) -> set[int]:
-    """Rows of fused logits (B, V) with a NaN or +inf, or no finite value at all. One host sync."""
-    top = fused.amax(-1)  # (B,)
-    bad = top.isnan() | top.isinf()
+    """Rows of fused logits (B, V) that are `nonfinite`. One host sync."""
+    bad = nonfinite(fused)  # (B,)
     return set(bad.nonzero()[:, 0].tolist()) if bool(bad.any()) else set()
 
 
@@ -490,8 +496,7 @@ class FusionEngine:
     ) -> list[tuple[int, str]]:
         """Rows (with the expert's name) whose logits hold NaN, +inf, or no finite value. One host sync.
         `consulted` (E,) bool limits the check to experts that were run."""
-        top = logits.amax(-1)  # (E, B): NaN if any is NaN, +inf if any is, -inf only if all are
-        bad = top.isnan() | top.isinf()  # one pass over the logits instead of three
+        bad = nonfinite(logits)  # (E, B)
         if consulted is not None:
             bad &= consulted[:, None]
         if not bool(bad.any()):

@@ -1,11 +1,12 @@
 """Continuous batching for many concurrent callers over one engine.
 
 A background thread owns a `DecodeBatch`: between steps it admits waiting requests (up to
-`max_batch_size` rows) and drops cancelled ones, then has the process's compute thread
-(`fusion.compute`) step every active row at once. Requests arrive validated (`FusionService.admit`).
-Each caller gets a `RequestHandle` to read its events from, synchronously or with `async for`. Requests beyond
-`max_concurrent` (running + waiting) are refused with `ServiceBusyError`, never queued
-without bound.
+`max_batch_size` rows, shared between tenants by weight: `Scheduler`) and drops cancelled ones, then
+has the process's compute thread (`fusion.compute`) step every active row at once; between steps it
+runs the side jobs callers hand it (score chunks). Requests arrive validated (`FusionService.admit`).
+Each caller gets a `RequestHandle` to read its events from, synchronously or with `async for`.
+Requests beyond `max_concurrent` (running + waiting) are refused with `ServiceBusyError`, never
+queued without bound.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
+from fusion.compute import run_on_compute_thread
 from fusion.engine import SCORE_CHUNK, ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
 from fusion.errors import ServiceBusyError
-from fusion.compute import run_on_compute_thread
 from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ class Scheduler:
             self._running_per_tenant[handle.request.tenant.id] -= 1
         return handle
 
-    def _join(self, handle: RequestHandle) -> bool:
+    def _join(self, handle: RequestHandle) -> None:
         try:
             if handle.row is not None:
                 self._batch.attach(handle.row)
@@ -262,13 +263,12 @@ class Scheduler:
                 self._batch.add(handle.request)
         except Exception as err:  # validated at admission; a late failure still reaches its caller
             handle._put(ErrorEvent(handle.request_id, err))
-            return False
+            return
         tenant = handle.request.tenant.id
         self._running[handle.request_id] = handle
         self._running_per_tenant[tenant] += 1
         self._admissions += 1
         self._last_admitted[tenant] = self._admissions
-        return True
 
     def _preempt(self, tenant: str) -> bool:
         """Move `tenant`'s latest running request back to the front of its queue, sessions kept."""

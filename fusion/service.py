@@ -162,6 +162,11 @@ class _Settlement:
         self.reservation, self.used = reservation, prompt_tokens
         self._lock = threading.Lock()
 
+    @classmethod
+    def reserve(cls, tenant: Tenant, tokens: int, used: int) -> _Settlement:
+        """`tokens` held on the tenant's quota (none without one), `used` counted so far."""
+        return cls(tenant.quota.reserve(tokens) if tenant.quota else None, used)
+
     def close(self) -> None:
         with self._lock:
             reservation, self.reservation = self.reservation, None
@@ -537,13 +542,15 @@ class FusionService:
         """One id's own bytes as its tokenizer spells them: a token holding part of a character (a byte
         of byte-level BPE, a byte-fallback piece) gives its bytes, not U+FFFD's; a special token, its
         text's. The table is built once, on first use."""
-        with self._lock:
-            if self._bytes_table is None:
-                try:
-                    self._bytes_table = token_bytes_of(self.tokenizers[0])
-                except ConfigError:  # a decoder spelling.py cannot read: the decoded text's bytes
-                    self._bytes_table = []
-        table = self._bytes_table
+        table = self._bytes_table  # read on every logprob entry: locked only while it is built
+        if table is None:
+            with self._lock:
+                if self._bytes_table is None:
+                    try:
+                        self._bytes_table = token_bytes_of(self.tokenizers[0])
+                    except ConfigError:  # a decoder spelling.py cannot read: the decoded text's bytes
+                        self._bytes_table = []
+                table = self._bytes_table
         raw = table[token_id] if 0 <= token_id < len(table) else b""
         return raw or self.token_text(token_id).encode("utf-8")
 
@@ -663,9 +670,7 @@ class FusionService:
         """Reserve the request's tokens on its tenant's quota (prompt + max_tokens, before any work;
         settled with what it used when it ends), then start it."""
         prompt_tokens = len(generation.prompt_ids[0])
-        quota = request.tenant.quota
-        settlement = _Settlement(quota.reserve(prompt_tokens + generation.sampling.max_tokens) if quota else None,
-                                 prompt_tokens)
+        settlement = _Settlement.reserve(request.tenant, prompt_tokens + generation.sampling.max_tokens, prompt_tokens)
         try:
             if self.cross is not None:
                 return CrossRequestStream(self, generation, request.plain, settlement)
@@ -739,7 +744,7 @@ class FusionService:
     def _reserved(self, tenant: Tenant, tokens: int) -> Iterator[None]:
         """`tokens` held on the tenant's quota for the work within, then settled as used (work that
         failed half-way was still done)."""
-        settlement = _Settlement(tenant.quota.reserve(tokens) if tenant.quota else None, tokens)
+        settlement = _Settlement.reserve(tenant, tokens, tokens)
         try:
             yield
         finally:

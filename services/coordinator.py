@@ -155,8 +155,7 @@ async def create_coordinator_server(
     service.add_step_observer(metrics.observe_step)
     servicer = FusionServicer(service, metrics)
     try:  # one gate for both servers: a key's streams, tokens and refusals count across them
-        gate = KeyGate.from_config(config.security, metrics.registry, default_max_tokens=config.sampling.max_tokens,
-                                   limits=config.limits)
+        gate = KeyGate.from_config(config.security, metrics.registry, limits=config.limits)
         running = await start_server(
             servicer, fusion_pb2_grpc.add_FusionServicer_to_server, FUSION_SERVICE, metrics,
             # Clients send requests, not logits: their messages are capped at max_request_bytes.

@@ -482,13 +482,16 @@ class HttpApi:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         body = bytearray()
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise too_large
+
         try:
-            async with asyncio.timeout(limits.http_body_timeout_s):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > limit:
-                        raise too_large
-        except TimeoutError:
+            await asyncio.wait_for(read(), limits.http_body_timeout_s)
+        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
             raise ApiError(408, f"the request body did not arrive within http_body_timeout_s="
                                 f"{limits.http_body_timeout_s:g}", None, "request_timeout") from None
         return bytes(body)
@@ -519,17 +522,16 @@ class HttpApi:
     def _plan(self, kind: Kind, body: bytes) -> Plan:
         """Parse and plan a body (on the parsing pool, off the event loop)."""
         limits = self.service.config.limits
-        try:
-            data = json.loads(body)
-        except RecursionError:
-            raise ApiError(400, "the request body nests too deeply") from None
-        except ValueError as err:
-            raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-        if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > limits.max_messages:
-            # a bound on the work of validating them, before it: the service checks the same limit
-            raise ApiError(400, f"messages: {len(data['messages'])} messages exceed max_messages={limits.max_messages}",
-                           "messages")
-        try:
+        try:  # parsing and validating both recurse with the body's nesting
+            try:
+                data = json.loads(body)
+            except ValueError as err:
+                raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+            messages = data.get("messages") if isinstance(data, dict) else None
+            if isinstance(messages, list) and len(messages) > limits.max_messages:
+                # a bound on the work of validating them, before it: the service checks the same limit
+                raise ApiError(400, f"messages: {len(messages)} messages exceed max_messages={limits.max_messages}",
+                               "messages")
             return plan_request(kind, data, served=self.model_name, profiles=self.service.config.profiles,
                                 max_choices=limits.max_concurrent_sessions)
         except RecursionError:

@@ -63,6 +63,7 @@ from prometheus_client import CollectorRegistry, Counter
 from fusion.config import Limits, SecurityConfig
 from fusion.errors import ConfigError, InvalidArgumentError, ServiceBusyError
 from fusion.tenancy import LOCAL, Tenant
+from services.status import abort_with_retry
 
 logger = logging.getLogger(__name__)
 
@@ -229,16 +230,6 @@ def expert_secret(security: SecurityConfig) -> str | None:
 def expert_channel_metadata(security: SecurityConfig | None) -> list[tuple[str, str]]:
     secret = expert_secret(security) if security is not None else None
     return [(EXPERT_SECRET_HEADER, secret)] if secret else []
-
-
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-
-
-async def abort_with_retry(context, code: grpc.StatusCode, message: str, retry_after_s: float | None) -> None:
-    """Abort the call; with a retry time, gRPC's retry pushback trailer says when to try again."""
-    if retry_after_s is not None:
-        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(max(1, math.ceil(retry_after_s * 1000)))),))
-    await context.abort(code, message)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
@@ -827,14 +818,13 @@ class KeyGate:
     Every per-key map (usage, failure buckets, verified legacy keys) holds only ids of the store's
     keys and is pruned when the keys file changes: wrong keys, however many, add no state."""
 
-    def __init__(self, store: ApiKeyStore, registry: CollectorRegistry, *, default_max_tokens: int,
+    def __init__(self, store: ApiKeyStore, registry: CollectorRegistry, *,
                  max_concurrent_sessions: int | None = None, key_share: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, verifier: SlowVerifier | None = None,
                  failure_burst: int = FAILURE_BURST_PER_KEY, failures_per_s: float = FAILURES_PER_S_PER_KEY,
                  slow_burst: int = SLOW_VERIFY_BURST, slow_per_s: float = SLOW_VERIFIES_PER_S) -> None:
         self.store = store
         self.metrics = KeyMetrics(registry)
-        self.default_max_tokens = default_max_tokens
         self.max_concurrent_sessions, self.key_share = max_concurrent_sessions, key_share
         # limits.key_share: the streams one key may hold of the service's slots (at least one)
         self.streams_per_key = (None if max_concurrent_sessions is None
@@ -852,15 +842,15 @@ class KeyGate:
 
     @classmethod
     def from_config(cls, security: SecurityConfig | None, registry: CollectorRegistry, *,
-                    default_max_tokens: int, limits: Limits | None = None) -> KeyGate | None:
+                    limits: Limits | None = None) -> KeyGate | None:
         """The gate of the config's keys (None without keys); `limits` gives key_share of
         max_concurrent_sessions."""
         store = ApiKeyStore.from_config(security)
         if store is None:
             return None
         limits = limits or Limits()
-        return cls(store, registry, default_max_tokens=default_max_tokens,
-                   max_concurrent_sessions=limits.max_concurrent_sessions, key_share=limits.key_share)
+        return cls(store, registry, max_concurrent_sessions=limits.max_concurrent_sessions,
+                   key_share=limits.key_share)
 
     def close(self) -> None:
         self.verifier.close()

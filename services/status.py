@@ -30,6 +30,8 @@ from fusion.errors import (
 
 logger = logging.getLogger(__name__)
 
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
 # Checked in order: the first matching class wins (ConfigError and InvalidArgumentError are ValueErrors).
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
@@ -100,11 +102,16 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, err: Exception)
     code, message = status_for(err)
     if code == grpc.StatusCode.INTERNAL and not isinstance(err, FusionError):
         logger.error("%s failed", method, exc_info=err)
-    retry = retry_after_s(err)
-    if retry is not None:  # a busy service or a key's window: gRPC's retry pushback says when
-        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(max(1, math.ceil(retry * 1000)))),))
-    await context.abort(code, message)  # raises AbortError
+    await abort_with_retry(context, code, message, retry_after_s(err))  # raises AbortError
     return code
+
+
+async def abort_with_retry(context, code: grpc.StatusCode, message: str, retry_after_s: float | None) -> None:
+    """Abort the call; with a retry time (a busy service, a key's window or slots), gRPC's retry
+    pushback trailer says when to try again."""
+    if retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(max(1, math.ceil(retry_after_s * 1000)))),))
+    await context.abort(code, message)
 
 
 def retry_after_s(err: BaseException) -> float | None:

@@ -850,7 +850,7 @@ def test_gate_state_stays_bounded_under_wrong_keys(loop, tmp_path, pbkdf2_runs):
                                     for key_id, key in legacy_keys.items()})
     fresh = create_key(path, "fresh")
     registry = CollectorRegistry()
-    gate = security.KeyGate(ApiKeyStore(path=path), registry, default_max_tokens=8, slow_burst=3, slow_per_s=0.001)
+    gate = security.KeyGate(ApiKeyStore(path=path), registry, slow_burst=3, slow_per_s=0.001)
 
     async def attempt(key):
         try:
@@ -917,8 +917,8 @@ def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
     from prometheus_client import CollectorRegistry
 
     def share(sessions: int, fraction: float) -> int:
-        gate = security.KeyGate(ApiKeyStore(path=path), CollectorRegistry(), default_max_tokens=8,
-                                max_concurrent_sessions=sessions, key_share=fraction)
+        gate = security.KeyGate(ApiKeyStore(path=path), CollectorRegistry(), max_concurrent_sessions=sessions,
+                                key_share=fraction)
         return gate.streams_per_key
 
     assert (share(4, 0.5), share(1, 0.5), share(10, 0.3), share(64, 1.0), share(3, 0.1)) == (2, 1, 3, 64, 1)

@@ -498,7 +498,7 @@ class HttpApi:
 
     async def _parse_turn(self, body: bytes, record: ApiKey | None) -> None:
         """Wait for the key's turn to parse a large body. Parsing holds the GIL for its whole length
-        (a 4 MB body of small objects: ~25 ms), stalling every stream's thread, so each key may have
+        (measured in docs/tenancy.md), stalling every stream's thread, so each key may have
         only `limits.http_parse_bytes_per_s` of large bodies parsed; past what it can wait for within
         http_body_timeout_s, a 429 with a retry time."""
         if len(body) <= LARGE_BODY_BYTES:

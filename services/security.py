@@ -280,7 +280,7 @@ class ExpertSecretInterceptor(grpc.aio.ServerInterceptor):
 
 def check_expert_exposure(security: SecurityConfig | None, address: str, insecure: bool) -> None:
     """An Expert service that would answer anyone beyond loopback is refused unless `insecure`: on a
-    shared network any caller could step, score and release sessions (a 44 MB Release froze a live
+    shared network any caller could step, score and release sessions (one large Release froze a live
     stream for seconds)."""
     host = address.rpartition(":")[0].strip("[]")
     guarded = security is not None and (expert_secret(security) is not None or (

@@ -29,8 +29,12 @@ class ExpertConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     model: str = Field(min_length=1)
     gguf_file: str | None = None
-    # A PEFT adapter (LoRA) over `model`: a local folder or a hub id, merged into the weights at load.
+    # A PEFT adapter (LoRA) over `model`: a local folder, a hub id or `builtin:NAME` (shipped).
     adapter: str | None = Field(default=None, min_length=1)
+    # Experts naming the same base (model, GGUF file, dtype, device, decode) load it once and run their
+    # rows of a step as one batch, each row with its own adapter (fusion.shared_base). False: this
+    # expert loads its own copy with its adapter merged into the weights.
+    share_base: bool = True
     dtype: DType = "bfloat16"
     device: str = "cpu"
     system_prompt: str | None = None

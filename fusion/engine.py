@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -167,7 +168,14 @@ class FusionEngine:
         ]
         # In-process CPU experts all compute on the one compute thread (fusion.compute), so they run one
         # after another from the stepping thread; remote and GPU experts overlap on the pool.
-        self._inline = [isinstance(e, LocalExpert) and e.device.type == "cpu" for e in self.experts]
+        in_process = [getattr(e, "shared_base", e) for e in self.experts]
+        self._inline = [isinstance(e, LocalExpert) and e.device.type == "cpu" for e in in_process]
+        # Experts that are adapters over one loaded base (fusion.shared_base): their rows of a step run as
+        # one batch. Index -> the indices of its group (itself alone when it shares no base).
+        by_base: dict[int, list[int]] = {}
+        for index, expert in enumerate(self.experts):
+            by_base.setdefault(id(in_process[index]), []).append(index)
+        self._group_of = {i: members for members in by_base.values() for i in members}
         self.last_timings = StepTimings()
         # Called with each decode step's timings, on the stepping thread (metrics are one observer).
         self.step_observers: list[Callable[[StepTimings], None]] = []
@@ -412,14 +420,23 @@ class FusionEngine:
         """Step every expert on the sessions that consult it. (E, B, V) logits (zeros where not consulted
         or failed) and the rows whose expert call failed, by batch row: a failure fails only its rows."""
         timings = self.last_timings
+        joint: dict[int, tuple[list[int], torch.Tensor | None, dict[int, Exception], float]] = {}
+        joint_lock = threading.Lock()
 
         def run(index: int) -> tuple[torch.Tensor | None, dict[int, Exception]]:
             row_idx = [b for b, job in enumerate(jobs) if job.histories[index] is not None]
             if not row_idx:
                 return None, {}
-            start = time.perf_counter()
-            kept, out, errors = self._step_isolating(index, jobs, row_idx)  # out: (len(kept), V_e)
-            timings.per_expert_s[self.names[index]] = time.perf_counter() - start
+            if len(self._group_of[index]) > 1:  # the first member to run steps the whole group
+                with joint_lock:
+                    if index not in joint:
+                        joint.update(self._step_group(self._group_of[index], jobs))
+                    kept, out, errors, seconds = joint.pop(index)
+                timings.per_expert_s[self.names[index]] = seconds
+            else:
+                start = time.perf_counter()
+                kept, out, errors = self._step_isolating(index, jobs, row_idx)  # out: (len(kept), V_e)
+                timings.per_expert_s[self.names[index]] = time.perf_counter() - start
             if out is None:
                 return None, errors
             if len(kept) == len(jobs):
@@ -439,6 +456,32 @@ class FusionEngine:
             for o, _ in outputs
         ]
         return self.alignment.stack(filled).float(), failed
+
+    def _step_group(self, members: list[int], jobs: list[_StepJob]
+                    ) -> dict[int, tuple[list[int], torch.Tensor | None, dict[int, Exception], float]]:
+        """One step of experts sharing a base (`members`): their rows in one batch. Per member: the rows
+        stepped, their logits, the failed rows' errors and its share of the time. When the joint step
+        fails, each member is stepped on its own (`_step_isolating`), so a failure lands only on the rows
+        that cause it."""
+        parts = [(i, [b for b, job in enumerate(jobs) if job.histories[i] is not None]) for i in members]
+        parts = [(i, rows) for i, rows in parts if rows]
+        start = time.perf_counter()
+        try:
+            requests = [(self.experts[i], [StepRequest(jobs[b].session_id, jobs[b].histories[i]) for b in rows])
+                        for i, rows in parts]
+            outs = self.experts[parts[0][0]].shared_base.step_members(requests)  # per member (b_i, V)
+        except Exception as err:
+            logger.warning("experts %s failed a joint step (%s); stepping them one by one",
+                           [self.names[i] for i, _ in parts], type(err).__name__)
+        else:
+            share = (time.perf_counter() - start) / len(parts)
+            return {i: (rows, out, {}, share) for (i, rows), out in zip(parts, outs)}
+        results = {}
+        for i, rows in parts:
+            begin = time.perf_counter()
+            kept, out, errors = self._step_isolating(i, jobs, rows)
+            results[i] = (kept, out, errors, time.perf_counter() - begin)
+        return results
 
     def _step_isolating(self, index: int, jobs: list[_StepJob], row_idx: list[int]
                         ) -> tuple[list[int], torch.Tensor | None, dict[int, Exception]]:

@@ -211,6 +211,9 @@ class LocalExpert:
             and getattr(model.config, "_attn_implementation", None) == "sdpa"
         )
         self._fast_step = self._decode_step(config, model)  # None: decode steps run transformers' forward
+        # The adapter of each row of the next forward, for experts whose rows run different adapters over
+        # one base (fusion.shared_base); None: no adapters.
+        self._rows_now: torch.Tensor | None = None
         self.fast_decode_steps = 0  # decode steps (single or batched) that ran `_fast_step`
         width = model.get_output_embeddings().weight.shape[0]
         self.info = ExpertInfo(
@@ -325,7 +328,8 @@ class LocalExpert:
                     rows[i] = self._forward_tail(requests[i].session_id, token_ids, 1)[-1]
                 elif group:
                     try:
-                        logits = batched_forward([entry for _, entry, _ in group], [t for _, _, t in group])
+                        logits = batched_forward([entry for _, entry, _ in group], [t for _, _, t in group],
+                                                 [requests[i].session_id for i, _, _ in group])
                     except Exception:
                         for i, _, _ in group:  # half-updated caches must not be reused
                             self.cache.release(requests[i].session_id)
@@ -372,6 +376,7 @@ class LocalExpert:
                                        f"{self.info.max_positions} positions")
         with self._lock, torch.no_grad(), single_team(self.device):
             base_logits = self._advance(session_id, token_ids)  # (V,); the cache now holds token_ids
+            self._select_rows([session_id])
             entry = self.cache.get(session_id)
             grown = list(dict.fromkeys(tuple(e) for e in extensions if e))  # distinct, in order
             if grown:
@@ -407,7 +412,7 @@ class LocalExpert:
             # one id per row after the session's own columns: one fast step reads them once, unexpanded
             self.fast_decode_steps += 1
             logits, keys, values = decode_after_shared_history(self._fast_step, kv.layers, [e[0] for e in longest],
-                                                               start)
+                                                               start, self._rows_now)
             self.cache.record(hits=start * len(longest), misses=len(longest))
             return _Extensions(token_ids, base_logits, grown, rows, None, logits, 1, (keys, values))  # rows: 0..R-1
         ids = torch.zeros(len(longest), width, dtype=torch.long, device=self.device)  # (R, width), right-padded
@@ -556,7 +561,11 @@ class LocalExpert:
             return False
         return self._plain_cache
 
-    def _prefill_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
+    def _select_rows(self, session_ids: list[str]) -> None:
+        """Before a forward whose batch rows are these sessions' (in order): nothing here; an expert whose
+        rows run different adapters sets `_rows_now` (fusion.shared_base)."""
+
+    def _prefill_batch(self, entries: list, histories: list[list[int]], sessions: list[str]) -> torch.Tensor:
         """One forward for B new prompts of different lengths, left-padded (padding masked out, positions
         counted from each prompt's first id); each session keeps its own unpadded slice of the keys and
         values. Returns (B, V) float32: the logits after each prompt's last id."""
@@ -567,6 +576,7 @@ class LocalExpert:
             ids[row, longest - len(history):] = torch.tensor(history, device=self.device)
         mask = self._left_padded_mask(lengths, longest)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, longest)
+        self._select_rows(sessions)
         batched = new_cache(self.model.config, spare=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batched,
                          use_cache=True, logits_to_keep=1)
@@ -579,7 +589,7 @@ class LocalExpert:
         self.cache.record(hits=0, misses=sum(lengths))
         return out.logits[:, -1].float()
 
-    def _decode_batch(self, entries: list, histories: list[list[int]]) -> torch.Tensor:
+    def _decode_batch(self, entries: list, histories: list[list[int]], sessions: list[str]) -> torch.Tensor:
         """One forward for B sessions of different lengths, left-padded into one batch (padding masked
         out). The batch is the expert's `Cohort`: built (one copy of each cache) when the sessions
         differ from the last batched step's, reused in place when they are the same; either way each
@@ -598,6 +608,7 @@ class LocalExpert:
         order = sorted(range(len(entries)), key=rows.__getitem__)  # request index of each batch row
         lengths = cohort.lengths()  # (B,) cached ids per batch row
         new_ids = [histories[i][-1] for i in order]  # batch-row order
+        self._select_rows([sessions[i] for i in order])
         if self._fast_step is None:
             mask = self._decode_mask([n + 1 for n in lengths], cohort.frontier + 1)  # cached ids + the new one
         try:
@@ -625,6 +636,7 @@ class LocalExpert:
         """Run the uncached suffix of `token_ids`; return logits of its last `num_logits` positions (n, V)."""
         token_ids = list(token_ids)
         self._check_ids(token_ids)
+        self._select_rows([session_id])
         entry = self.cache.get(session_id)
         reuse = self.cache.reusable_length(entry, token_ids)
         # Logits are needed for the last `num_logits` positions, so those must be recomputed.
@@ -654,4 +666,4 @@ class LocalExpert:
     def _fast_forward(self, layers: list[GrowingLayer], new_ids: list[int], lengths: list[int]) -> torch.Tensor:
         """One decode step through the fast step over these cache layers (see `decode_on_layers`)."""
         self.fast_decode_steps += 1
-        return decode_on_layers(self._fast_step, layers, new_ids, lengths)
+        return decode_on_layers(self._fast_step, layers, new_ids, lengths, self._rows_now)

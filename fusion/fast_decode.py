@@ -126,6 +126,15 @@ class FastDecoder(nn.Module):
             self.post_norm.append(frozen(layer.post_attention_layernorm.weight))
         self.has_qkv_bias = len(self.qkv_bias) > 0
         self.intermediate = self.down[0].shape[1]
+        self.adapters = None  # a `fusion.multi_lora.MultiAdapter` over these weights: rows add its deltas
+
+    def _adapted(self, y: torch.Tensor, x: torch.Tensor, layer: int, name: str, rows: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """y (the base projection of x) plus the rows' adapter deltas for fused projection `name`."""
+        if rows is None or self.adapters is None:
+            return y
+        stack = self.adapters.fused(layer, name)
+        return y if stack is None else y + stack(x, rows)
 
     @staticmethod
     def can_read(layers: list) -> bool:
@@ -146,6 +155,7 @@ class FastDecoder(nn.Module):
         keys: list[torch.Tensor],  # per layer (B or 1, H_kv, width, D), read only: cached columns (and spare ones)
         values: list[torch.Tensor],
         mask: torch.Tensor,  # (B or 1, 1, 1, width) bool: the cached columns each row attends
+        adapter_rows: torch.Tensor | None = None,  # (B,) long: each row's adapter (see `adapters`)
         linear=F.linear,  # how every projection is computed (`linear_one_row` in CPU-compiled steps)
         times=rows_times,  # attention's two products (`one_row_times` in CPU-compiled steps)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,6 +175,7 @@ class FastDecoder(nn.Module):
         for layer in range(len(self.qkv)):
             h = self._rmsnorm(x, self.input_norm[layer])
             qkv = linear(h, self.qkv[layer], self.qkv_bias[layer] if self.has_qkv_bias else None)
+            qkv = self._adapted(qkv, h, layer, "qkv", adapter_rows)
             q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
             q = rotate(q.view(batch, heads, dim), cos, sin)
             k = rotate(k.view(batch, kv_heads, dim), cos, sin)
@@ -172,10 +183,12 @@ class FastDecoder(nn.Module):
             new_keys.append(k)
             new_values.append(v)
             attn = attend(q, k, v, keys[layer], values[layer], scale, mask, times)  # (B, H·D)
-            x = x + linear(attn, self.o_proj[layer])
+            x = x + self._adapted(linear(attn, self.o_proj[layer]), attn, layer, "o", adapter_rows)
             h = self._rmsnorm(x, self.post_norm[layer])
-            gate, up = linear(h, self.gate_up[layer]).split(self.intermediate, dim=-1)
-            x = x + linear(F.silu(gate) * up, self.down[layer])
+            gate, up = self._adapted(linear(h, self.gate_up[layer]), h, layer, "gate_up", adapter_rows
+                                     ).split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+            x = x + self._adapted(linear(act, self.down[layer]), act, layer, "down", adapter_rows)
         logits = linear(self._rmsnorm(x, self.norm), self.lm_head).float()
         return logits, torch.stack(new_keys), torch.stack(new_values)
 
@@ -258,14 +271,16 @@ class DecodeStep:
         return out
 
 
-def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths: list[int]) -> torch.Tensor:
+def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths: list[int],
+                     adapter_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step over `GrowingLayer`s whose B rows all end at one column (the frontier); row b
     holds `lengths[b]` ids, right-aligned at it (a step that reads whole layers: one row, any layers it
-    reads). Appends each row's new keys and values. (B, V) float32."""
+    reads). Appends each row's new keys and values. `adapter_rows` (B,): each row's adapter, for a step
+    over several adapters (`FastDecoder.adapters`). (B, V) float32."""
     if step.reads_whole_layers:
         if len(new_ids) != 1:
             raise ValueError(f"{type(step.decoder).__name__} steps one history at a time, got {len(new_ids)}")
-        logits, new_keys, new_values = decode_after_shared_history(step, layers, new_ids, lengths[0])
+        logits, new_keys, new_values = decode_after_shared_history(step, layers, new_ids, lengths[0], adapter_rows)
         for layer, keys, values in zip(layers, new_keys, new_values):
             layer.update(keys[:, :, None], values[:, :, None])
         return logits
@@ -286,13 +301,15 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
         [layer._key_buffer[:, :, :width] for layer in layers],
         [layer._value_buffer[:, :, :width] for layer in layers],
         mask.view(batch, 1, 1, width),
+        *(() if adapter_rows is None else (adapter_rows,)),
     )  # (B, V), (layers, B, H_kv, D) x2
     for layer, keys, values in zip(layers, new_keys, new_values):
         layer.update(keys[:, :, None], values[:, :, None])
     return logits
 
 
-def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[int], position: int
+def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[int], position: int,
+                                adapter_rows: torch.Tensor | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """B different next ids after the one history of `position` ids that one-row cache layers hold (ones
     `step.decoder.can_read`), each a row of one step reading those layers' columns unexpanded. Appends
@@ -301,6 +318,8 @@ def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[in
     device = layers[0].keys.device
     ids, positions = torch.tensor(new_ids, device=device), torch.full((len(new_ids),), position, device=device)
     if step.reads_whole_layers:
+        if adapter_rows is not None:
+            raise ValueError(f"{type(step.decoder).__name__} steps run no adapters")
         return step(ids, positions, [layer.keys for layer in layers], [layer.values for layer in layers])
     frontier = layers[0].get_seq_length()
     width = frontier if step.mode == "off" else layers[0].capacity
@@ -311,4 +330,5 @@ def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[in
         [layer._key_buffer[:, :, :width] for layer in layers],
         [layer._value_buffer[:, :, :width] for layer in layers],
         mask,
+        *(() if adapter_rows is None else (adapter_rows,)),
     )

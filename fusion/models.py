@@ -133,6 +133,26 @@ def resolve_model(ref: str, cache_dir: Path) -> str:
     return str(target)
 
 
+ADAPTERS_DIR = Path(__file__).parent / "adapters"  # the LoRA adapters shipped with the project
+BUILTIN_ADAPTERS = {
+    "arith-lora": "arithmetic with column working: a LoRA fine-tune of SmolLM2-135M-Instruct",
+    "python-lora": "Python code: a LoRA fine-tune of SmolLM2-135M-Instruct on the standard library",
+}
+
+
+def resolve_adapter(ref: str) -> str:
+    """`builtin:NAME` → the shipped adapter's folder; any other ref (a folder, a hub id) unchanged."""
+    if not ref.startswith(BUILTIN_PREFIX):
+        return ref
+    name = ref.removeprefix(BUILTIN_PREFIX)
+    if name not in BUILTIN_ADAPTERS:
+        raise AssetError(f"unknown builtin adapter {name!r}; known: {', '.join(sorted(BUILTIN_ADAPTERS))}")
+    folder = ADAPTERS_DIR / name
+    if not (folder / "adapter_config.json").is_file():
+        raise AssetError(f"builtin adapter {name!r} is missing from {folder} (an incomplete install?)")
+    return str(folder)
+
+
 def model_resolver(cache_dir: str | Path | None = None) -> Callable[[str], str]:
     """`resolve_model` bound to a cache (default: `default_cache_dir()`), for loaders that take a resolver."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()

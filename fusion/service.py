@@ -41,9 +41,10 @@ from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, Spec
 from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError, ResourceExhaustedError
-from fusion.expert import Expert, ExpertInfo, LocalExpert
+from fusion.expert import Expert, ExpertInfo
+from fusion.shared_base import load_local_experts
 from fusion.fast_decode import configure_compile_cache
-from fusion.models import default_cache_dir
+from fusion.models import default_cache_dir, resolve_adapter
 from fusion.router import Route, expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
@@ -364,8 +365,8 @@ class FusionService:
         """Load every expert in-process (the local build), unless experts and tokenizers are given."""
         if experts is None:
             compile_cache = Path(cache_dir) / "compiled" if cache_dir is not None else None
-            loaded = [LocalExpert.load(e, resolve_model(e.model), compile_cache) for e in config.experts]
-            experts, tokenizers = loaded, [e.tokenizer for e in loaded]
+            experts = load_local_experts(config.experts, resolve_model, resolve_adapter, compile_cache)
+            tokenizers = [e.tokenizer for e in experts]
         if tokenizers is None:
             raise ValueError("tokenizers are required with externally built experts")
         devices = {e.info.device for e in experts}

@@ -400,7 +400,7 @@ def test_batched_decode_matches_one_by_one(tiny_dir):
     joins = {"s1": 0, "s2": 0, "s3": 2}  # s3 joins at step 2, its prefill beside the others' decode
     batch_sizes = []
     decode_batch = batched._decode_batch
-    batched._decode_batch = lambda entries, hist: batch_sizes.append(len(entries)) or decode_batch(entries, hist)
+    batched._decode_batch = lambda entries, hist, sessions: batch_sizes.append(len(entries)) or decode_batch(entries, hist, sessions)
     for step in range(6):
         active = [s for s in histories if joins[s] <= step]
         requests = [StepRequest(s, histories[s]) for s in active]
@@ -468,7 +468,7 @@ def test_batched_prefill_matches_one_by_one(tiny_dir):
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9, 10, 11, 12], "s4": [7]}
     calls = []
     prefill = batched._prefill_batch
-    batched._prefill_batch = lambda entries, hist: calls.append(len(entries)) or prefill(entries, hist)
+    batched._prefill_batch = lambda entries, hist, sessions: calls.append(len(entries)) or prefill(entries, hist, sessions)
     for step in range(4):
         requests = [StepRequest(s, h) for s, h in histories.items()]
         got = batched.step(requests)

@@ -117,6 +117,43 @@ NOVEL_FRAMES = ("I'd love to know {e}.", "{e} - any thoughts?", "Tell me what {e
 NOVEL_STYLES = ("Grandma wants to know: {q}", "{q} Don't rush.", "Exam prep. {q}", "{q} Thanks heaps!")
 
 
+# Word problems: whole questions in which the numbers are things counted, per split like the
+# templates above. A "-" word problem is asked only when the difference is not negative (nobody
+# sells 40 of 12 pens); other questions go to the templates.
+WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?",
+          "A bus carries {a} people and {b} more get on. How many people are on the bus?",
+          "There are {a} red balls and {b} blue balls in a bag. How many balls are in the bag?",
+          "Mia read {a} pages on Monday and {b} pages on Tuesday. How many pages did she read in all?"),
+    "-": ("A shop had {a} pens and sold {b}. How many pens are left?",
+          "Tom had {a} stickers and gave {b} to his friend. How many stickers does Tom have now?",
+          "A tank holds {a} litres and {b} litres leak out. How many litres remain?",
+          "There were {a} birds on a tree and {b} flew away. How many birds are still on the tree?"),
+    "*": ("There are {a} boxes with {b} pencils in each. How many pencils are there in total?",
+          "A farmer plants {a} rows of {b} trees. How many trees does he plant?",
+          "Each ticket costs {b} dollars. How much do {a} tickets cost?",
+          "A book has {a} chapters of {b} pages each. How many pages does it have?"),
+}
+HELD_OUT_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Lena saved {a} coins last month and {b} coins this month. What is her total now?",
+          "A library got {a} new novels and {b} new comics. How many new books arrived?"),
+    "-": ("A baker made {a} rolls and {b} were eaten at lunch. How many rolls are still there?",
+          "Out of {a} seats in the hall, {b} are taken. How many seats are free?"),
+    "*": ("A crate has {a} layers, each with {b} eggs. How many eggs fit in the crate?",
+          "If one parcel weighs {b} kilograms, what do {a} such parcels weigh together?"),
+}
+FRESH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Our team scored {a} points in the first half and {b} in the second. What was the final score?",),
+    "-": ("The ferry left with {a} cars and dropped {b} at the first stop. How many cars are on board?",),
+    "*": ("{a} children each bring {b} marbles to school. How many marbles are there altogether?",),
+}
+NOVEL_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A hiker walks {a} km one day and {b} km the next. How far did she walk?",),
+    "-": ("Of {a} emails in the inbox, {b} were deleted. How many emails stay?",),
+    "*": ("A theatre sells {a} rows with {b} seats per row. How many seats does it sell?",),
+}
+
+
 def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
                imperatives: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     return {op: tuple(f.replace("{e}", e) for f in frames for e in expressions[op]) + imperatives.get(op, ())
@@ -129,6 +166,9 @@ FRESH_TEMPLATES = _templates(FRESH_FRAMES, FRESH_EXPRESSIONS, {})
 NOVEL_TEMPLATES = _templates(NOVEL_FRAMES, NOVEL_EXPRESSIONS, {})
 PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES),
              "fresh": (FRESH_TEMPLATES, FRESH_STYLES), "novel": (NOVEL_TEMPLATES, NOVEL_STYLES)}
+WORD_PHRASINGS = {"train": WORD_PROBLEMS, "held_out": HELD_OUT_WORD_PROBLEMS, "fresh": FRESH_WORD_PROBLEMS,
+                  "novel": NOVEL_WORD_PROBLEMS}
+WORD_SHARE = 0.2  # of questions whose problem suits a word problem
 
 # Training draws from wider lists than the in-template evaluation asks in: more wordings of each
 # operation, polite and indirect frames, instructions about the answer's form, and openers and
@@ -292,11 +332,17 @@ def answer_text(p: Problem) -> str:
     return f"{p.canonical}: {work}. So the answer is {p.value}."
 
 
+def suits_word_problem(p: Problem) -> bool:
+    return p.op != "-" or p.a >= p.b
+
+
 def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> str:
     """A question for `p` in a random template and instruction style of the `phrasing` split ("train":
     the only one any training draws from; "held_out" and "fresh": two sets of unseen templates and
     styles)."""
     templates, styles = PHRASINGS[phrasing]
+    if rng.random() < WORD_SHARE and suits_word_problem(p):
+        return rng.choice(WORD_PHRASINGS[phrasing][p.op]).format(a=p.a, b=p.b)
     question = rng.choice(templates[p.op]).format(a=p.a, b=p.b)
     text = rng.choice(styles).replace("{q}", question)
     if rng.random() < 0.15:  # casual lower case
@@ -307,6 +353,9 @@ def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> st
 def training_question(p: Problem, rng: random.Random) -> str:
     """A question for `p` as training sees it: any training template and style (the in-template ones
     and the wider lists), sometimes with an opener or a closer around it."""
+    if rng.random() < WORD_SHARE and suits_word_problem(p):
+        text = rng.choice(WORD_PROBLEMS[p.op]).format(a=p.a, b=p.b)
+        return rng.choice(EXTRA_STYLES[:6]).replace("{q}", text) if rng.random() < 0.3 else text
     question = rng.choice(TRAINING_TEMPLATES[p.op]).format(a=p.a, b=p.b)
     text = rng.choice(TRAINING_STYLES).replace("{q}", question)
     if rng.random() < 0.25:

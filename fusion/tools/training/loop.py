@@ -105,8 +105,9 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
     """Train `model` (a *ForCausalLM with tied or untied lm_head) in place; return a summary."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen bases train nothing
+    decay = [p for n, p in trained if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in trained if p.dim() < 2 or "embed" in n]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=settings.lr,
@@ -134,7 +135,7 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
             loss = sampled_cross_entropy(hidden[mask], weight, batch.labels[mask], settings.negatives, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0)
         opt.step()
         step += 1
         prefix = 0 if batch.prefix_ids is None else batch.prefix_ids.numel()

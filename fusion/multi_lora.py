@@ -1,0 +1,210 @@
+"""Several LoRA adapters over one base model, applied per batch row in one forward.
+
+Experts that are the same base plus different PEFT adapters (and the base itself) decode as rows of
+one batch over one copy of the base weights: on a CPU or a GPU at small batch a decode step is bound
+by reading the weights, so three experts' rows cost little more than one. Each row names its
+adapter (`AdapterStack.rows`, -1: the plain base); every adapted projection adds
+
+    delta = ((x @ down) * own_columns) @ up        x (B, [S,] in), down (in, K·r), up (K·r, out)
+
+where `down` and `up` hold the K adapters' A and B matrices side by side (the scaling folded into
+`up`) and `own_columns` (B, K·r) keeps only the row's own adapter's r columns: two plain matrix
+products per projection whatever the mix of adapters, no gather, and the same shapes every step.
+
+The adapters load through peft's own path (`PeftConfig.from_pretrained` and `load_peft_weights`: a
+local folder or a hub id). Plain LoRA on linear layers only; other PEFT methods (DoRA, biases,
+modules to save) load merged instead (`share_base: false`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fusion.errors import AssetError
+
+logger = logging.getLogger(__name__)
+
+BASE = -1  # the row index of the plain base (no adapter)
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One adapted projection of one adapter: A (r, in), B (out, r) and the scaling alpha / r."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def load_lora(adapter: str, expert_name: str) -> dict[str, LoraPair]:
+    """The adapter at `adapter` (folder or hub id) as {module path in the base model: LoraPair}."""
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+
+    try:
+        config = PeftConfig.from_pretrained(adapter)
+        weights = load_peft_weights(adapter, device="cpu")
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise AssetError(f"expert {expert_name!r}: cannot load adapter {adapter!r}: {first_line}") from None
+    unsupported = _unsupported(config)
+    if unsupported:
+        raise AssetError(f"expert {expert_name!r}: adapter {adapter!r} uses {unsupported}, which runs only merged "
+                         "into its own copy of the base (share_base: false)")
+    scale = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
+    pairs: dict[str, LoraPair] = {}
+    pattern = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight$")
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        found = pattern.match(key)
+        if found is None:
+            raise AssetError(f"expert {expert_name!r}: adapter {adapter!r} holds {key!r}, not a LoRA matrix")
+        halves.setdefault(found.group(1), {})[found.group(2)] = tensor
+    for module, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise AssetError(f"expert {expert_name!r}: adapter {adapter!r} lacks lora_A or lora_B of {module}")
+        pairs[module] = LoraPair(pair["A"], pair["B"], scale)
+    return pairs
+
+
+def _unsupported(config) -> str | None:
+    if getattr(config, "peft_type", None) is not None and str(config.peft_type).split(".")[-1] != "LORA":
+        return f"peft type {config.peft_type}"
+    if getattr(config, "use_dora", False):
+        return "DoRA"
+    if getattr(config, "bias", "none") != "none" or getattr(config, "lora_bias", False):
+        return "biases"
+    if getattr(config, "modules_to_save", None):
+        return "modules_to_save"
+    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
+        return "per-module ranks"
+    if getattr(config, "fan_in_fan_out", False):
+        return "fan_in_fan_out"
+    return None
+
+
+class AdapterRows:
+    """The adapter of each row of the forward about to run: (B,) long, shared by every projection."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.rows = torch.full((1,), BASE, dtype=torch.long, device=device)
+
+    def set(self, rows: list[int]) -> None:
+        self.rows = torch.tensor(rows, dtype=torch.long, device=self.rows.device)
+
+
+class AdapterStack(nn.Module):
+    """The K adapters of one projection (or of several fused ones), side by side (module docstring)."""
+
+    def __init__(self, down: torch.Tensor, up: torch.Tensor, owner: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("down", down, persistent=False)  # (in, K·r)
+        self.register_buffer("up", up, persistent=False)  # (K·r, out), scaled
+        self.register_buffer("owner", owner, persistent=False)  # (K·r,) long: the adapter of each column
+
+    @classmethod
+    def of(cls, per_adapter: list[list[LoraPair | None]], widths: list[int], in_features: int,
+           dtype: torch.dtype, device) -> AdapterStack:
+        """`per_adapter[k][j]`: adapter k's pair for fused part j (None: not adapted); part j is `widths[j]`
+        outputs wide. Each adapter's parts get ranks side by side and a block-diagonal `up`."""
+        downs, ups, owners = [], [], []
+        total_out = sum(widths)
+        for k, parts in enumerate(per_adapter):
+            for j, pair in enumerate(parts):
+                if pair is None:
+                    continue
+                r = pair.a.shape[0]
+                if pair.a.shape[1] != in_features or pair.b.shape != (widths[j], r):
+                    raise AssetError(f"adapter matrices of shapes {tuple(pair.a.shape)} and {tuple(pair.b.shape)} "
+                                     f"do not fit a projection of {in_features} -> {widths[j]}")
+                up = torch.zeros(r, total_out, dtype=torch.float32)
+                start = sum(widths[:j])
+                up[:, start:start + widths[j]] = pair.b.float().t() * pair.scale
+                downs.append(pair.a.float().t())
+                ups.append(up)
+                owners.append(torch.full((r,), k, dtype=torch.long))
+        return cls(torch.cat(downs, 1).to(device=device, dtype=dtype), torch.cat(ups, 0).to(device=device, dtype=dtype),
+                   torch.cat(owners).to(device))
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The delta for x (B, in) or (B, S, in), row b adapted by adapter rows[b] (B,) (BASE: none)."""
+        if rows.shape[0] != x.shape[0]:
+            rows = rows.expand(x.shape[0])  # one session's rows (a lookahead): one adapter for all
+        own = (rows[:, None] == self.owner[None, :]).to(x.dtype)  # (B, K·r)
+        if x.dim() == 3:
+            own = own[:, None, :]
+        return ((x @ self.down) * own) @ self.up
+
+
+class MultiLoraLinear(nn.Module):
+    """A base `nn.Linear` plus its `AdapterStack`, reading the rows' adapters from a shared AdapterRows."""
+
+    def __init__(self, base: nn.Linear, stack: AdapterStack, rows: AdapterRows) -> None:
+        super().__init__()
+        self.base = base
+        self.stack = stack
+        self._rows = rows  # shared, not a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:  # code that reads a projection's weight sees the base's
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.stack(x, self._rows.rows)
+
+
+# The projections fused in the fast decode step (fusion.fast_decode), in the order of their outputs.
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"), "o": ("o_proj",),
+         "down": ("down_proj",)}
+
+
+class MultiAdapter:
+    """K adapters installed over one base model, per row: the model's adapted linears become
+    `MultiLoraLinear`s (transformers' forward: prefill, chunks), and `fused(layer, name)` gives the
+    stacks the fast decode step adds to its fused projections."""
+
+    def __init__(self, model, adapters: list[dict[str, LoraPair]], names: list[str]) -> None:
+        if not adapters:
+            raise ValueError("MultiAdapter needs at least one adapter")
+        self.names = names
+        param = next(model.parameters())
+        self.rows = AdapterRows(param.device)
+        self._fused: dict[tuple[int, str], AdapterStack] = {}
+        modules = dict(model.named_modules())
+        adapted = sorted({path for a in adapters for path in a})
+        unknown = [p for p in adapted if not isinstance(modules.get(p), nn.Linear)]
+        if unknown:
+            raise AssetError(f"adapter {names[0] if len(names) == 1 else names}: {unknown[0]!r} is not a linear "
+                             "layer of the base model (another base?)")
+        for path in adapted:
+            linear = modules[path]
+            stack = AdapterStack.of([[a.get(path)] for a in adapters], [linear.out_features], linear.in_features,
+                                    param.dtype, param.device)
+            parent_path, _, child = path.rpartition(".")
+            setattr(modules[parent_path], child, MultiLoraLinear(linear, stack, self.rows))
+        for index, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{index}."
+            parts = {"q_proj": "self_attn.", "k_proj": "self_attn.", "v_proj": "self_attn.", "o_proj": "self_attn.",
+                     "gate_proj": "mlp.", "up_proj": "mlp.", "down_proj": "mlp."}
+            for name, members in FUSED.items():
+                paths = [prefix + parts[m] + m for m in members]
+                if not any(p in a for a in adapters for p in paths):
+                    continue
+                linears = [modules[p] for p in paths]
+                self._fused[(index, name)] = AdapterStack.of(
+                    [[a.get(p) for p in paths] for a in adapters], [lin.out_features for lin in linears],
+                    linears[0].in_features, param.dtype, param.device)
+        logger.info("%d adapters over one base: %d projections adapted", len(adapters), len(adapted))
+
+    def fused(self, layer: int, name: str) -> AdapterStack | None:
+        """The stack for fused projection `name` ("qkv", "gate_up", "o", "down") of decoder layer `layer`."""
+        return self._fused.get((layer, name))

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from fusion.adapters import apply_adapter
+from fusion.adapter_merge import apply_adapter
 from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import ExpertConfig
 from fusion.errors import AssetError, InvalidArgumentError

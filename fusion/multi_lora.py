@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fusion.errors import AssetError
+from fusion.models import resolve_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def load_lora(adapter: str, expert_name: str) -> dict[str, LoraPair]:
     from peft import PeftConfig
     from peft.utils import load_peft_weights
 
+    adapter = resolve_adapter(adapter)
     try:
         config = PeftConfig.from_pretrained(adapter)
         weights = load_peft_weights(adapter, device="cpu")

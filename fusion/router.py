@@ -403,13 +403,21 @@ def load_router(path: Path) -> tuple[Router, dict]:
 
 
 def check_experts(payload: dict, experts: Sequence[Any], path: Path | str) -> None:
-    """Refuse a router trained with other experts (by count, order and fingerprint)."""
+    """Refuse a router trained with other experts (by count, order and fingerprint). A router shipped with
+    the project (identity "config": found by the hash of the config's expert refs, `fusion.models.
+    shipped_router`) is checked by names and tokenizers: its experts are files shipped or pinned by hash
+    with it, and their behaviour fingerprint may differ in its last bits between CPUs."""
     names = [e.info.name for e in experts]
     if len(payload["fingerprints"]) != len(experts):
         raise ConfigError(
             f"router {path} was trained for {len(payload['fingerprints'])} experts {payload['experts']}, "
             f"the config has {len(experts)} {names}"
         )
+    if payload.get("identity") == "config":
+        tokenizers = [e.info.tokenizer_fingerprint for e in experts]
+        if names != list(payload["experts"]) or tokenizers != list(payload["tokenizers"]):
+            raise ConfigError(f"router {path} was shipped for experts {payload['experts']}, not {names}")
+        return
     for name, trained, expert in zip(payload["experts"], payload["fingerprints"], experts):
         actual = expert_fingerprint(expert)
         if actual != trained:

@@ -15,7 +15,8 @@ scores each request on the process's compute thread, one text piece per step (no
 yet), with the training-free rules; `route` needs experts of one tokenizer.
 
 Loading never trains: a `route` rule with `router: auto` needs the router trained for these experts
-(`fusion models fetch --all` or `fusion train-router`); without it the service refuses to start.
+(shipped with the project for the default trio, else made by `fusion train-router`); without it the
+service refuses to start.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentE
 from fusion.expert import Expert, ExpertInfo
 from fusion.shared_base import load_local_experts
 from fusion.fast_decode import configure_compile_cache
-from fusion.models import default_cache_dir, resolve_adapter
+from fusion.models import default_cache_dir, shipped_router
 from fusion.router import Route, expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
@@ -61,7 +62,7 @@ AUTO_ROUTER = "auto"
 ROUTE_NEEDS_ONE_TOKENIZER = ("the route rule needs experts of one tokenizer (its router reads token ids); these "
                              "experts' tokenizers differ, so they fuse over text with weighted_logits, mixture, "
                              "confidence or logit_arithmetic")  # `route` rule path: the router trained for exactly these experts, in the cache
-PREPARE_HINT = "run `fusion models fetch --all` (the default trio) or `fusion train-router` (your experts)"
+PREPARE_HINT = "run `fusion train-router` for these experts (the default trio's router ships with the project)"
 
 
 def utf8_size(text: str, field_name: str) -> int:
@@ -345,11 +346,11 @@ class FusionService:
             self.cross = CrossTokenizerFusion(engine.experts, spellings, CrossParams(**config.cross_tokenizer))
             if config.fusion.rule == "route":
                 raise ConfigError(f"fusion.rule: {ROUTE_NEEDS_ONE_TOKENIZER}")
-        if require_router and self.uses_auto_router and not self.auto_router_path().is_file():
+        if require_router and self.uses_auto_router and not self.auto_router_checkpoint().is_file():
             raise AssetError(f"fusion.params.router: auto: no router is trained for experts {self.expert_names} "
                              f"yet ({self.auto_router_path()}); {PREPARE_HINT}")
         if config.fusion_step == "compiled" and config.fusion.rule == "route" and (
-                not self.uses_auto_router or self.auto_router_path().is_file()):
+                not self.uses_auto_router or self.auto_router_checkpoint().is_file()):
             self.resolve_spec(None)  # builds the config's rule, which compiles its step (`_make_rule`)
 
     @classmethod
@@ -365,7 +366,7 @@ class FusionService:
         """Load every expert in-process (the local build), unless experts and tokenizers are given."""
         if experts is None:
             compile_cache = Path(cache_dir) / "compiled" if cache_dir is not None else None
-            experts = load_local_experts(config.experts, resolve_model, resolve_adapter, compile_cache)
+            experts = load_local_experts(config.experts, resolve_model, compile_cache)
             tokenizers = [e.tokenizer for e in experts]
         if tokenizers is None:
             raise ValueError("tokenizers are required with externally built experts")
@@ -412,8 +413,16 @@ class FusionService:
         fusion = self.config.fusion
         return fusion.rule == "route" and AUTO_ROUTER in (fusion.params.get("router"), fusion.params.get("path"))
 
+    def auto_router_checkpoint(self) -> Path:
+        """The router `router: auto` reads: one trained here for these experts (`auto_router_path`), else
+        the one shipped for exactly these config experts (builtin models and adapters), else the missing
+        `auto_router_path`."""
+        trained = self.auto_router_path()
+        return trained if trained.is_file() else (shipped_router(self.config.experts) or trained)
+
     def auto_router_path(self) -> Path:
-        """Where `router: auto` finds this trio's router: keyed by the experts' names and behaviour."""
+        """Where `router: auto` finds a router trained here for these experts (`fusion train-router`
+        writes it): keyed by the experts' names and behaviour."""
         if self._auto_router is None:
             fingerprints = [expert_fingerprint(e) for e in self.engine.experts]
             key = hashlib.sha256(json.dumps([self.expert_names, fingerprints]).encode()).hexdigest()[:16]
@@ -472,7 +481,7 @@ class FusionService:
         if name is None and path is not None:
             name = AUTO_ROUTER if path == AUTO_ROUTER else None
         if name == AUTO_ROUTER:
-            checkpoint = self.auto_router_path()
+            checkpoint = self.auto_router_checkpoint()
             if not checkpoint.is_file():
                 raise InvalidArgumentError(f"fusion.params.router: no router is trained for these experts yet; "
                                            f"{PREPARE_HINT}")

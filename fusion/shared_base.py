@@ -125,7 +125,6 @@ def base_key(config: ExpertConfig, model_path: str) -> tuple:
 
 
 def load_local_experts(configs: Sequence[ExpertConfig], resolve_model: Callable[[str], str],
-                       resolve_adapter: Callable[[str], str] = lambda ref: ref,
                        compile_cache_dir: Path | None = None) -> list[Expert]:
     """The in-process experts of `configs`, in order: members sharing a base load it once."""
     paths = [resolve_model(c.model) for c in configs]
@@ -138,14 +137,12 @@ def load_local_experts(configs: Sequence[ExpertConfig], resolve_model: Callable[
     experts: list[Expert | None] = [None] * len(configs)
     for members in shared:
         group_configs = [configs[i] for i in members]
-        adapters = [resolve_adapter(c.adapter) if c.adapter is not None else None for c in group_configs]
+        adapters = [c.adapter for c in group_configs]
         group = load_shared_base(group_configs, paths[members[0]], adapters, compile_cache_dir)
         for i, member in zip(members, group.members):
             experts[i] = member
     for i, config in enumerate(configs):
         if experts[i] is None:
-            if config.adapter is not None:
-                config = config.model_copy(update={"adapter": resolve_adapter(config.adapter)})
             experts[i] = LocalExpert.load(config, paths[i], compile_cache_dir)
     return experts  # type: ignore[return-value]
 

@@ -1,4 +1,4 @@
-"""`fusion/adapters.py`: an expert that is a base plus a PEFT LoRA adapter, loaded through peft's own
+"""`fusion/adapter_merge.py`: an expert that is a base plus a PEFT LoRA adapter, loaded through peft's own
 path from a folder, against the merged weights computed by hand and against peft's unmerged model."""
 
 from __future__ import annotations

@@ -95,15 +95,14 @@ def test_present_folder_is_reused_without_fetching(tmp_path, monkeypatch):
 
 
 def test_list_models_reports_presence_and_size(tmp_path):
-    folder = tmp_path / "models" / "python-specialist"
+    folder = tmp_path / "models" / "gemma3-270m"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"x" * 100)
     rows = {r["name"]: r for r in list_models(tmp_path)}
-    assert set(rows) == {"smollm2-135m-instruct", "gemma3-270m", "arith-specialist", "python-specialist"}
-    assert rows["python-specialist"]["present"] and rows["python-specialist"]["size"] == 100
-    assert not rows["arith-specialist"]["present"] and rows["arith-specialist"]["size"] == 0
-    assert rows["smollm2-135m-instruct"]["kind"] == "fetched"
-    assert rows["arith-specialist"]["kind"] == "trained"
+    assert set(rows) == {"smollm2-135m-instruct", "gemma3-270m"}
+    assert rows["gemma3-270m"]["present"] and rows["gemma3-270m"]["size"] == 100
+    assert not rows["smollm2-135m-instruct"]["present"] and rows["smollm2-135m-instruct"]["size"] == 0
+    assert {r["kind"] for r in rows.values()} == {"fetched"}
 
 
 

@@ -7,8 +7,11 @@ import re
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from peft import LoraConfig, get_peft_model
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from fusion.config import parse_config
+from fusion.shared_base import load_local_experts
 from fusion.tools.training import train_expert
 from fusion.tools.training.arithmetic import (
     FRAMES,
@@ -37,8 +40,9 @@ from fusion.tools.training.arithmetic import (
     random_problem,
     training_problem,
 )
+from fusion.tools.training.borrowed import BorrowedEmbedding
+from fusion.tools.training.lora import ADAPTER_MANIFEST, TARGET_MODULES, sha256_of_files
 from fusion.tools.training.loop import LoopSettings, sampled_cross_entropy, train_loop
-from fusion.tools.training.model import BorrowedEmbedding, ModelShape, base_input_embeddings, build_model
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -47,7 +51,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-TINY = ModelShape(hidden=32, layers=1, heads=2, intermediate=64, max_positions=512)
 
 
 @pytest.fixture(autouse=True)
@@ -315,13 +318,26 @@ def test_stream_masks_everything_but_the_answer(tokenizer_dir):
         assert "system" not in text and "user" not in text
 
 
-def test_loss_falls_over_a_few_dozen_steps(tokenizer_dir):
+def tiny_llama(tok, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                         bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                         # embeddings wide enough that a frozen tied table can give confident logits
+                         initializer_range=0.5)
+    return LlamaForCausalLM(config)
+
+
+def test_lora_loss_falls_over_a_few_dozen_steps_and_the_base_stays_frozen(tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = build_model(tok, TINY, seed=0)
-    settings = LoopSettings(steps=40, batch_size=16, lr=1e-2, warmup_steps=5, log_every_s=1e9)
-    result = train_loop(model, ArithmeticStream(tok, seed=0), settings, seed=0)
+    model = get_peft_model(tiny_llama(tok, seed=0), LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    settings = LoopSettings(steps=40, batch_size=16, lr=1e-2, warmup_steps=5, log_every_s=1e9, negatives=0)
+    result = train_loop(model.base_model.model, ArithmeticStream(tok, seed=0), settings, seed=0)
     assert result.steps == 40
-    assert result.final_loss < 0.6 * result.initial_loss
+    assert result.final_loss < 0.8 * result.initial_loss
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
 
 
 def test_sampled_softmax_estimates_the_full_softmax():
@@ -337,10 +353,10 @@ def test_sampled_softmax_estimates_the_full_softmax():
 
 @pytest.fixture(scope="module")
 def base_dir(tokenizer_dir, tmp_path_factory):
-    """A base model (the generalist whose embeddings the arithmetic specialist borrows) on the tokenizer."""
+    """A tiny base model on the tokenizer, saved with it (what the specialists are adapters over)."""
     out = tmp_path_factory.mktemp("base")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    build_model(tok, ModelShape(hidden=24, layers=1, heads=2, intermediate=48, max_positions=512), seed=3).save_pretrained(out)
+    tiny_llama(tok, seed=3).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
@@ -357,58 +373,47 @@ def test_borrowed_embedding_bakes_into_a_plain_table():
     assert [n for n, _ in borrowed.named_parameters()] == ["proj.weight"]  # the table itself stays frozen
 
 
-def test_fitted_projection_reproduces_the_trained_table_on_drawn_ids():
-    torch.manual_seed(0)
-    table, trained = torch.randn(400, 24), torch.randn(400, 16)
-    rows = torch.tensor([0, 5, 9, 17, 100, 250, 399])  # fewer than the table's width: exact
-    borrowed = BorrowedEmbedding.fitted(table, trained, rows)
-    assert torch.allclose(borrowed(rows), trained[rows], atol=1e-4)
-    other = torch.tensor([1, 2, 300])  # ids training never drew go through the same projection
-    assert torch.allclose(borrowed(other), table[other] @ borrowed.proj.weight.T)
-
-
-def test_train_expert_saves_a_loadable_expert(base_dir, tmp_path):
-    out = train_expert("arithmetic", tmp_path / "arith", base_dir=base_dir, steps=2, seed=0, shape=TINY,
-                       reading_steps=2)
-    meta = json.loads((out / "fusion_expert.json").read_text())
-    assert meta["kind"] == "arithmetic" and meta["steps"] == 2 and meta["seed"] == 0
-    assert {"final_loss", "initial_loss", "train_seconds", "shape"} <= set(meta) and meta["reading"]["steps"] == 2
-    model = AutoModelForCausalLM.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
-    assert model.config.vocab_size == len(tok) and not model.config.tie_word_embeddings
-    # Every row of its input table is the base model's row through one projection (seen in training or not).
-    base = base_input_embeddings(base_dir, len(tok))  # [V, 24]
-    mine = model.get_input_embeddings().weight.detach().float()  # [V, 32]
-    proj = torch.linalg.lstsq(base, mine).solution  # [24, 32]
-    assert torch.allclose(base @ proj, mine, atol=2e-2 * float(mine.abs().max()))
-    assert tok.chat_template == CHAT_TEMPLATE
-    assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+def test_train_expert_saves_a_peft_adapter_with_its_manifest(base_dir, tmp_path):
+    out = train_expert("arithmetic", tmp_path / "arith", base_dir=base_dir, steps=2, seed=0, base_ref="org/tiny")
+    manifest = json.loads((out / ADAPTER_MANIFEST).read_text())
+    assert manifest["kind"] == "arithmetic" and manifest["recipe"]["steps"] == 2 and manifest["seed"] == 0
+    assert manifest["base_model"] == "org/tiny" and manifest["base_sha256"] == sha256_of_files(base_dir)
+    assert len(manifest["data_sha256"]) == 64 and manifest["train_seconds"]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/tiny"
+    # It loads through peft's path over the base, merged or per row, and changes the base's logits.
+    config = parse_config({"experts": [
+        {"name": "base", "model": str(base_dir), "dtype": "float32"},
+        {"name": "arith", "model": str(base_dir), "dtype": "float32", "adapter": str(out)}]}).experts
+    base, arith = load_local_experts(config, str)
+    merged = load_local_experts([config[1].model_copy(update={"share_base": False})], str)[0]
+    ids = tok_ids(base_dir, "What is 2 x 3?")
+    with_adapter = arith.score("s", ids, 3)
+    assert torch.allclose(with_adapter, merged.score("s", ids, 3), atol=1e-4)
+    assert not torch.allclose(with_adapter, base.score("s", ids, 3), atol=1e-4)
     assert not list(tmp_path.glob(".arith*"))  # no staging leftovers
 
 
-def test_training_is_deterministic(tokenizer_dir):
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    settings = LoopSettings(steps=3, batch_size=8, log_every_s=1e9)
-    weights = []
-    for _ in range(2):
-        model = build_model(tok, TINY, seed=7)
-        train_loop(model, ArithmeticStream(tok, seed=7), settings, seed=7)
-        weights.append(model.state_dict())
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+def tok_ids(folder, text: str) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(folder)
+    return tok(chat_prompt(tok, text), add_special_tokens=False)["input_ids"]
 
 
-def test_borrowing_needs_a_base_model(tokenizer_dir, tmp_path):
-    with pytest.raises(ValueError, match="no safetensors file holds input embeddings"):
-        train_expert("arithmetic", tmp_path / "arith", base_dir=tokenizer_dir, steps=1, seed=0, shape=TINY,
-                     reading_steps=1)
+def test_training_is_deterministic(base_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    outs = [train_expert("arithmetic", tmp_path / f"run{k}", base_dir=base_dir, steps=2, seed=7) for k in range(2)]
+    first, second = (load_file(str(o / "adapter_model.safetensors")) for o in outs)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    manifests = [json.loads((o / ADAPTER_MANIFEST).read_text()) for o in outs]
+    assert manifests[0]["data_sha256"] == manifests[1]["data_sha256"]
 
 
-def test_python_expert_trains_on_stdlib(tokenizer_dir, tmp_path):
-    out = train_expert("python", tmp_path / "py", base_dir=tokenizer_dir, steps=3, seed=0, shape=TINY)
-    meta = json.loads((out / "fusion_expert.json").read_text())
-    assert meta["kind"] == "python" and meta["steps"] == 3
+def test_python_expert_trains_on_stdlib(base_dir, tmp_path):
+    out = train_expert("python", tmp_path / "py", base_dir=base_dir, steps=2, seed=0)
+    manifest = json.loads((out / ADAPTER_MANIFEST).read_text())
+    assert manifest["kind"] == "python" and manifest["recipe"]["steps"] == 2
 
 
-def test_unknown_kind(tokenizer_dir, tmp_path):
+def test_unknown_kind(base_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown expert kind 'poetry'"):
-        train_expert("poetry", tmp_path, base_dir=tokenizer_dir, steps=1)
+        train_expert("poetry", tmp_path, base_dir=base_dir, steps=1)

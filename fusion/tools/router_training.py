@@ -16,23 +16,26 @@ The default mix draws from each domain's training split; evaluation texts are he
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from fusion.compute import run_on_compute_thread
+from fusion.models import ROUTERS_DIR, experts_key
 from fusion.service import FusionService
 from fusion.router import FamiliarityGate, Router, RouterShape, expert_fingerprint, save_router
 from fusion.rules import teacher_forced_context
 from fusion.text import TextSample
 from fusion.tools.progress import progress_line
-from fusion.tools.training.model import BorrowedEmbedding
+from fusion.tools.training.borrowed import BorrowedEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +189,59 @@ def file_samples(paths: Sequence[Path], seed: int, window_chars: int = 1500) -> 
         yield samples[rng.randrange(len(samples))]
 
 
+class hashed_samples:
+    """The training texts, hashed as they are drawn: the data hash of a router's manifest."""
+
+    def __init__(self, texts: Iterator[TextSample | str]) -> None:
+        self.texts = texts
+        self.sha = hashlib.sha256()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TextSample | str:
+        sample = next(self.texts)
+        parts = [sample] if isinstance(sample, str) else [sample.prompt or "", sample.text]
+        self.sha.update(json.dumps(parts).encode())
+        return sample
+
+    def hexdigest(self) -> str:
+        return self.sha.hexdigest()
+
+
+def ship_router(trained: Path, service: FusionService, figures: dict | None = None) -> Path:
+    """Copy a router trained for the service's config experts into the project (`fusion.models.ROUTERS_DIR`)
+    as the one `router: auto` finds for exactly those config experts: its matrices in bf16 (half the
+    bytes), checked by names and tokenizers (`fusion.router.check_experts`), with a manifest beside it."""
+    payload = torch.load(trained, map_location="cpu", weights_only=True)
+    payload["state_dict"] = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v
+                             for k, v in payload["state_dict"].items()}
+    payload["identity"] = "config"
+    payload["tokenizers"] = [e.info.tokenizer_fingerprint for e in service.engine.experts]
+    config_experts = service.config.experts
+    dest = ROUTERS_DIR / f"router-{experts_key(config_experts)}.pt"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload, dest)
+    metadata = json.loads(payload["metadata"])
+    manifest = {
+        "experts": [[e.name, e.model, e.adapter] for e in config_experts],
+        "recipe": metadata.get("settings"),
+        "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
+                    f"--minutes {(metadata.get('settings') or {}).get('minutes')} --comp-l2 "
+                    f"{(metadata.get('settings') or {}).get('comp_l2')}"),
+        "seed": metadata.get("seed"),
+        "data_sha256": metadata.get("data_sha256"),
+        "texts": metadata.get("texts"), "steps": metadata.get("steps"),
+        "first_loss": metadata.get("first_loss"), "last_loss": metadata.get("last_loss"),
+        "train_seconds": {"cpu" if not torch.cuda.is_available() else "gpu": round(metadata.get("seconds", 0), 1)},
+        "sha256": hashlib.sha256(dest.read_bytes()).hexdigest(),
+        "eval": figures or {},
+    }
+    dest.with_suffix(".json").write_text(json.dumps(manifest, indent=2) + "\n")
+    logger.info("router shipped as %s", dest)
+    return dest
+
+
 def train_router(
     service: FusionService,
     out: Path,
@@ -211,7 +267,7 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     if table is not None:
         router.embed = BorrowedEmbedding(table, shape.embed_dim, std=1.0)  # nn.Embedding's scale
     optimiser = torch.optim.AdamW(router.parameters(), lr=settings.lr, weight_decay=0.0)
-    texts = texts or default_training_samples(settings.seed)
+    texts = hashed_samples(texts or default_training_samples(settings.seed))
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
     n_texts = steps = 0
@@ -248,7 +304,8 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     seconds = time.perf_counter() - start
     save_router(router, out, engine.names, fingerprints, {
         "texts": n_texts, "steps": steps, "first_loss": first_loss, "last_loss": last_loss, "seconds": seconds,
-        "seed": settings.seed, "borrowed_embeddings": table is not None,
+        "seed": settings.seed, "borrowed_embeddings": table is not None, "data_sha256": texts.hexdigest(),
+        "settings": asdict(settings),
     })
     logger.info("router saved to %s (%d texts, %d steps, loss %.3f → %.3f)", out, n_texts, steps, first_loss,
                 last_loss)

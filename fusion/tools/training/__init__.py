@@ -1,5 +1,5 @@
-"""Train small specialist experts on an existing model's tokenizer (see `train_expert`)."""
+"""Train the builtin specialists as LoRA adapters over SmolLM2-135M-Instruct (see `train_expert`)."""
 
-from fusion.tools.training.experts import RECIPES, train_expert
+from fusion.tools.training.experts import ADAPTER_NAMES, RECIPES, train_expert
 
-__all__ = ["RECIPES", "train_expert"]
+__all__ = ["ADAPTER_NAMES", "RECIPES", "train_expert"]

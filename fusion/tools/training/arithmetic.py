@@ -104,9 +104,9 @@ FRESH_STYLES = (
 )
 
 
-# A third set, written for comparing routers trained on wider phrasings (docs/quality.md), before any of its
-# results was seen; it informs no default either. `fusion eval` does not ask it (its time goes to the
-# first two); `benchmarks/operator_reading.py` does.
+# A third set, written before any of its results was seen; it informs no default either. `fusion eval`
+# does not ask it by default (its time goes to the first two): it is a reserve for checking the first
+# two sets' figures again once they have informed choices.
 NOVEL_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} and {b} added up", "{a} along with {b}", "{b} tacked onto {a}"),
     "-": ("{a} having lost {b}", "{a} after spending {b}", "{a} with {b} subtracted"),
@@ -130,7 +130,7 @@ WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
           "A tank holds {a} litres and {b} litres leak out. How many litres remain?",
           "There were {a} birds on a tree and {b} flew away. How many birds are still on the tree?"),
     "*": ("There are {a} boxes with {b} pencils in each. How many pencils are there in total?",
-          "A farmer plants {a} rows of {b} trees. How many trees does he plant?",
+          "A farmer plants {a} lines with {b} trees in each line. How many trees does he plant?",
           "Each ticket costs {b} dollars. How much do {a} tickets cost?",
           "A book has {a} chapters of {b} pages each. How many pages does it have?"),
 }

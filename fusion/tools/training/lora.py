@@ -78,11 +78,13 @@ def train_lora(
     seed: int = 0,
     steps: int | None = None,
     minutes: float | None = None,
+    base_ref: str | None = None,
     evaluate: Callable[[object, object], dict] | None = None,
 ) -> Path:
     """Train a LoRA adapter for `kind` over the base at `base_dir`; save it (PEFT format) into `out_dir`.
 
-    Deterministic given `seed` and `steps` on one machine. `evaluate(model, tokenizer)` (optional) runs
+    Deterministic given `seed` and `steps` on one machine. `base_ref` is the base the adapter names
+    (`base_model_name_or_path`; default: the folder's name). `evaluate(model, tokenizer)` (optional) runs
     on the trained model and its figures go into the manifest.
     """
     from peft import LoraConfig, get_peft_model
@@ -95,6 +97,7 @@ def train_lora(
     config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
                         target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
+    peft_model.peft_config["default"].base_model_name_or_path = base_ref or base_dir.name
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     steps = recipe.steps if steps is None and minutes is None else steps
     settings = LoopSettings(steps=steps, minutes=minutes, **{"negatives": 0, **recipe.loop})
@@ -109,7 +112,7 @@ def train_lora(
         "recipe": {"rank": recipe.rank, "alpha": recipe.alpha, "target_modules": list(TARGET_MODULES),
                    "steps": result.steps, **asdict(settings)},
         "seed": seed,
-        "base_model": base_dir.name,
+        "base_model": base_ref or base_dir.name,
         "base_sha256": sha256_of_files(base_dir),
         "data_sha256": stream.hexdigest(),
         "trainable_parameters": trainable,

@@ -60,3 +60,33 @@ def test_step_suite_on_experts_of_different_tokenizers(tiny_dir):
         assert not any(e.cache for e in service.engine.experts)  # its sessions were released
     finally:
         service.close()
+
+
+def test_suites_on_experts_sharing_a_base(tiny_dir, tmp_path):
+    """Adapters over one base: the fused step is held to the base's own step (a plain copy of the base,
+    loaded once), and the base's weights are counted once."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fusion.config import parse_config
+    from fusion.service import FusionService
+    from tests.conftest import tiny_config_dict
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir / "a")
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+                   ).save_pretrained(tmp_path / "lora")
+    data = tiny_config_dict(tiny_dir, names=("a",))
+    data["experts"].append({**data["experts"][0], "name": "a_lora", "adapter": str(tmp_path / "lora")})
+    service = FusionService.from_config(parse_config(data))
+    try:
+        report = bench.BenchReport()
+        bench.bench_step(service, report, steps=2, rounds=1)
+        bench.bench_decode(service, report, steps=2, rounds=1, compiled=False)
+        bench.bench_memory(service, report)
+        figures = report.figures
+        for name in ("fused_step_over_base_step", "fused_step_over_plain_forward", "decode_fast_over_transformers"):
+            assert math.isfinite(figures[name]) and figures[name] > 0, name
+        assert [k for k in figures if k.startswith("weights_mb.")] == ["weights_mb.a+a_lora"]
+        assert service.experts[0].active_sessions == 0 and service.experts[1].active_sessions == 0
+    finally:
+        service.close()

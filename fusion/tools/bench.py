@@ -46,6 +46,32 @@ def machine_description() -> str:
             f"{torch.get_num_threads()} threads, cuda={'yes' if torch.cuda.is_available() else 'no'}")
 
 
+_REFERENCES: dict[int, LocalExpert] = {}  # id(shared base) -> a plain copy of its base model
+
+
+def plain_experts(service: FusionService) -> list[tuple[int, LocalExpert]]:
+    """(index of the expert, a model to time plainly) per in-process expert: the expert itself, or for
+    experts that are adapters over one base (fusion.shared_base) one plain copy of that base, loaded
+    once, under the first member's index (the base's own forward is the reference their step is held
+    to)."""
+    out, seen = [], set()
+    for index, expert in enumerate(service.engine.experts):
+        group = getattr(expert, "shared_base", None)
+        if isinstance(expert, LocalExpert):
+            out.append((index, expert))
+        elif group is not None and id(group) not in seen:
+            seen.add(id(group))
+            if id(group) not in _REFERENCES:
+                config = expert.config.model_copy(update={"name": "base", "adapter": None, "share_base": False})
+                _REFERENCES[id(group)] = LocalExpert.load(config, group.info.model)
+            out.append((index, _REFERENCES[id(group)]))
+    return out
+
+
+def shares_a_base(service: FusionService) -> bool:
+    return any(getattr(e, "shared_base", None) is not None for e in service.engine.experts)
+
+
 def _prompt_ids(service: FusionService) -> list[list[int]]:
     return service.prompt_ids(BENCH_PROMPT)
 
@@ -207,6 +233,9 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
     if service.cross is not None:
         _bench_cross_step(service, report, steps, rounds)
         return
+    if shares_a_base(service):
+        _bench_shared_base_step(service, report, steps, rounds)
+        return
     experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]
     prompts = _prompt_ids(service)
     plain_sums, runtime_sums, fused, fuse = [], [], [], []
@@ -244,6 +273,35 @@ def bench_step(service: FusionService, report: BenchReport, steps: int = 24, rou
     report.add("fusion_sampling_over_one_forward", fuse_ms / one_forward,
                f"fusion + sampling / one forward ({experts[0].info.name}): {fuse_ms / one_forward:.4f}  "
                "(goal <= 0.02)")
+
+
+def _bench_shared_base_step(service: FusionService, report: BenchReport, steps: int, rounds: int) -> None:
+    """Experts that are adapters over one base: the fused step (their rows in one batch, fusion, sampling)
+    against one plain forward of the base, transformers' own and this runtime's decode step, per round
+    side by side."""
+    index, base = plain_experts(service)[0]
+    prompt = _prompt_ids(service)[index]
+    fused, fuse, plain, runtime = [], [], [], []
+    for r in range(rounds):
+        logger.info("step benchmark round %d/%d", r + 1, rounds)
+        plain.append(plain_forward_ms(base, prompt, steps))
+        runtime.append(runtime_step_ms(base, prompt, steps))
+        step_ms, fuse_ms, _ = fused_step_ms(service, steps)
+        fused.append(step_ms)
+        fuse.append(fuse_ms)
+    fused_ms, fuse_ms = statistics.median(fused), statistics.median(fuse)
+    plain_ms, runtime_ms = statistics.median(plain), statistics.median(runtime)
+    n = len(service.engine.experts)
+    report.add("plain_forward_ms.base", plain_ms, f"plain decode forward of the shared base: {plain_ms:.1f} ms")
+    report.add("runtime_step_ms.base", runtime_ms, f"the runtime's decode step of the base alone: {runtime_ms:.1f} ms")
+    report.add("fused_step_ms", fused_ms, f"fused decode step ({n} experts over one base): {fused_ms:.1f} ms")
+    report.add("fused_step_over_base_step", fused_ms / runtime_ms,
+               f"fused step / the base's own decode step: {fused_ms / runtime_ms:.3f}  (goal <= 1.2; {n} separate "
+               f"models would cost about {n})")
+    report.add("fused_step_over_plain_forward", fused_ms / plain_ms,
+               f"fused step / one plain transformers forward of the base: {fused_ms / plain_ms:.3f}")
+    report.add("fusion_sampling_ms", fuse_ms, f"fusion + sampling: {fuse_ms:.2f} ms at vocabulary "
+               f"{service.engine.vocab_size}")
 
 
 def _bench_cross_step(service: FusionService, report: BenchReport, steps: int, rounds: int) -> None:
@@ -293,8 +351,7 @@ def bench_decode(service: FusionService, report: BenchReport, steps: int = 16, r
     bandwidth measured in this run): transformers' eager forward, the fast step (fusion.fast_decode)
     eager and, with `compiled`, through torch.compile, timed in alternation on the same history. Also
     the compilation's start-up cost, cold and again from inductor's on-disk cache."""
-    expert = next(e for e in service.engine.experts if isinstance(e, LocalExpert))
-    index = service.engine.experts.index(expert)
+    index, expert = plain_experts(service)[0]
     reason = unsupported_reason(expert.model)
     if reason is not None:
         logger.warning("decode suite: %s has no fast decode step (%s)", expert.info.name, reason)
@@ -385,7 +442,7 @@ def bench_generate(service: FusionService, report: BenchReport, max_tokens: int 
     prompts = _prompt_ids(service)
     request = FusionRequest(BENCH_PROMPT, {"max_tokens": max_tokens, "ignore_eos": True})
     list(service.submit(request))  # warm-up
-    experts = [(i, e) for i, e in enumerate(service.engine.experts) if isinstance(e, LocalExpert)]
+    experts = plain_experts(service)
     gen_config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                   pad_token_id=0)
 
@@ -482,7 +539,7 @@ def bench_long_context(service: FusionService, report: BenchReport, sessions: in
     """Batched decode at long context: the expert runtime's step (sessions batched from their own
     in-place caches) / transformers' own batched decode through one DynamicCache, on the same batch
     of the first local expert. The two decode in alternation, so machine drift hits both alike."""
-    expert = next(e for e in service.engine.experts if isinstance(e, LocalExpert))
+    _, expert = plain_experts(service)[0]
     if expert.info.max_positions:
         context = min(context, expert.info.max_positions - steps - 1)
     ours, theirs = run_on_compute_thread(_long_context_steps, expert, sessions, context, steps)
@@ -574,11 +631,22 @@ def _fused_distributions(service: FusionService, sessions: int, steps: int, samp
 
 
 def bench_memory(service: FusionService, report: BenchReport) -> None:
+    """Weights held per loaded model: an expert's own, or once for experts sharing a base (with their
+    adapters' stacked matrices)."""
+    seen = set()
     for expert in service.engine.experts:
-        if isinstance(expert, LocalExpert):
-            size = sum(p.numel() * p.element_size() for p in expert.model.parameters())
-            report.add(f"weights_mb.{expert.info.name}", size / 2**20,
-                       f"weights, {expert.info.name}: {size / 2**20:.1f} MiB ({expert.info.dtype})")
+        loaded = getattr(expert, "shared_base", expert)
+        if not isinstance(loaded, LocalExpert) or id(loaded) in seen:
+            continue
+        seen.add(id(loaded))
+        tensors = {p.data_ptr(): p for p in loaded.model.parameters()}  # each storage once (tied embeddings)
+        multi = getattr(loaded, "multi", None)
+        if multi is not None:  # the adapters' stacked matrices
+            tensors.update({b.data_ptr(): b for m in loaded.model.modules() if type(m).__name__ == "AdapterStack"
+                            for b in m.buffers()})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        report.add(f"weights_mb.{loaded.info.name}", size / 2**20,
+                   f"weights, {loaded.info.name}: {size / 2**20:.1f} MiB ({loaded.info.dtype})")
 
 
 def plot(figures: dict[str, Any], path) -> None:

@@ -132,6 +132,28 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it (vLLM's rule): logits / 1e-40 overflow
 
 
+class StructuredOutput(_Strict):
+    """Output constrained to a grammar, as one token mask on the fused distribution (fusion.structured):
+    exactly one of a JSON Schema, any JSON object, a regular expression, a choice of strings, or a
+    grammar in Lark syntax (llguidance's dialect). vLLM's `structured_outputs` fields."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutput":
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, json_object, regex, choice, grammar; got {given or 'none'}")
+        if self.choice is not None and any(not c for c in self.choice):
+            raise ValueError("choice: the strings must not be empty")
+        return self
+
+
 class SamplingParams(_Strict):
     """Per-request sampling parameters (vLLM semantics; 0 disables top_k, 1.0 disables top_p).
 
@@ -153,6 +175,7 @@ class SamplingParams(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int = Field(default=0, ge=0, le=20)  # top alternatives returned per token
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     @classmethod
@@ -214,6 +237,9 @@ class Limits(_Strict):
     max_messages: int = Field(default=256, gt=0)
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_chars: int = Field(default=256, gt=0)  # per stop string
+    # Bytes of a request's structured-output spec (schema, regex, choices or grammar), checked before
+    # it is compiled; compiling stays within llguidance's own limits on grammar size and work per step.
+    max_grammar_bytes: int = Field(default=64 * 1024, gt=0)
     max_stop_token_ids: int = Field(default=64, ge=0)
     max_logit_bias: int = Field(default=1024, ge=0)  # entries of logit_bias
     max_banned_token_ids: int = Field(default=4096, ge=0)

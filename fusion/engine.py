@@ -39,6 +39,7 @@ from fusion.errors import (
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
 from fusion.sampler import SamplingMetadata, sample, token_bias_row
+from fusion.structured import GrammarMatcher, apply_masks
 from fusion.tenancy import LOCAL, Tenant, VirtualClock
 from fusion.vocab import VocabAlignment
 
@@ -82,6 +83,7 @@ class GenerationRequest:
     # Built once by `FusionEngine.admit`, read by every step:
     token_bias: torch.Tensor | None = None  # (V,) additive: banned ids -inf, logit_bias elsewhere
     stop_ids: frozenset[int] | None = None  # ids that end the request (EOS unless ignore_eos, stop ids)
+    grammar: GrammarMatcher | None = None  # sampling.structured, compiled (FusionService.admit): masks each step
 
 
 @dataclass
@@ -741,12 +743,13 @@ class DecodeBatch:
                 continue
             token = token_ids[b]
             row.generated.append(token)
+            grammar_done = row.request.grammar is not None and row.request.grammar.advance(token)
             if row.output_counts is not None:
                 row.output_counts[token] += 1
                 row.seen[token] = True
             params = row.request.sampling
             reason = None
-            if token in row.request.stop_ids:
+            if token in row.request.stop_ids or grammar_done:
                 reason = "stop"
             elif len(row.generated) >= params.max_tokens:
                 reason = "length"
@@ -792,6 +795,7 @@ class DecodeBatch:
             zeros = torch.zeros(engine.vocab_size, device=engine.device)
             counts = torch.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
             seen = torch.stack([r.seen if r.seen is not None else zeros.bool() for r in rows])
+        apply_masks(fused, [(b, r.request.grammar) for b, r in enumerate(rows) if r.request.grammar is not None])
         out = sample(fused, md, counts, seen)
 
         # Attribution: each expert's own probability of the chosen token.

@@ -44,6 +44,7 @@ from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, St
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, ExpertInfo
 from fusion.shared_base import load_local_experts
+from fusion.structured import GrammarCompiler
 from fusion.fast_decode import configure_compile_cache
 from fusion.models import default_cache_dir, shipped_router
 from fusion.router import Route, expert_fingerprint
@@ -331,6 +332,9 @@ class FusionService:
         self._rules = lru_cache(maxsize=64)(self._built_rule)
         self._token_texts = lru_cache(maxsize=1 << 16)(self._decode_token)
         self._bytes_table: list[bytes] | None = None  # id -> its bytes (`token_bytes`)
+        # Structured output's grammars, compiled over the experts' shared tokenizer (its view built on first use).
+        self.grammars = GrammarCompiler(self.tokenizers[0], engine.vocab_size, tuple(sorted(engine.eos_token_ids)),
+                                        config.limits.max_grammar_bytes)
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -604,6 +608,8 @@ class FusionService:
         self.engine.check_sampling(sampling)
         prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
         generation = GenerationRequest(prompt_ids, sampling, rule, weights, tenant=request.tenant)
+        if sampling.structured is not None:
+            generation.grammar = self.grammars.matcher(sampling.structured)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
             generation.request_id = f"{request.request_id}/{new_request_id()}"
         if self.cross is not None:
@@ -619,6 +625,9 @@ class FusionService:
                                            "differ (use stop strings)")
         if sampling.logprobs:
             raise InvalidArgumentError("logprobs: top alternatives are ids of one vocabulary, not available when "
+                                       "the experts' tokenizers differ")
+        if sampling.structured is not None:
+            raise InvalidArgumentError("structured: a grammar masks the ids of one vocabulary; not available when "
                                        "the experts' tokenizers differ")
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             if getattr(sampling, name) != (1.0 if name == "repetition_penalty" else 0.0):

@@ -143,7 +143,8 @@ def spec_overrides(rule: Optional[str], profile: Optional[str], weights: Optiona
 
 def load_service(config: FusionConfig, cache: Path, *, router: bool = True):
     """The local build of `config`, preparing what is missing first, explicitly and with progress:
-    builtin models (fetched or trained) and, with `router`, the `router: auto` router."""
+    builtin models (fetched) and, with `router`, a `router: auto` router for experts that have none
+    shipped (the default trio's ships with the project: nothing trains for it)."""
     from fusion.service import FusionService
 
     service = FusionService.from_config(config, resolve_model=model_resolver(cache, prepare=True), cache_dir=cache,
@@ -422,8 +423,8 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 def train_expert(
     kind: str = typer.Argument(..., help="arithmetic or python"),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
-    ship: bool = typer.Option(False, "--ship", help="Write it into the project as the builtin adapter the default "
-                              "config uses (how the shipped adapters are made)."),
+    ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the builtin adapter the "
+                              "default config uses, with its manifest (how the shipped adapters are made)."),
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Training time budget."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Exact number of steps (default: the recipe's)."),
     seed: int = typer.Option(0, "--seed"),
@@ -438,14 +439,20 @@ def train_expert(
 
         if kind not in ADAPTER_NAMES:
             fail(f"kind: expected one of {sorted(ADAPTER_NAMES)}, got {kind!r}")
-        if ship and out is not None:
-            fail("--ship and --out: give one")
         root = cache_dir(cache)
         base = Path(assets.prepare_model("builtin:smollm2-135m-instruct", root))
         name = ADAPTER_NAMES[kind]
-        target = ADAPTERS_DIR / name if ship else out or root / "adapters" / name
+        target = out or root / "adapters" / name
         typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps,
                              base_ref=SMOLLM2_HUB_ID)))
+        if ship:
+            from fusion.tools.training.lora import ship_adapter
+
+            pin = assets.SMOLLM2_WHEEL
+            command = f"fusion train-expert {kind} --ship --seed {seed}" + (f" --steps {steps}" if steps else "")
+            shipped = ship_adapter(target, ADAPTERS_DIR / name, command=command,
+                                   base_pin={"wheel": pin.requirement, "sha256": pin.sha256, "member": pin.member})
+            typer.echo(f"shipped as {shipped}")
 
     run_guarded(run)
 

@@ -342,9 +342,9 @@ def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample 
 
 
 def prepare_router(service: FusionService, settings: RouterTrainSettings | None = None) -> Path:
-    """Train the service's `router: auto` router unless the cache has it (default: the built-in mix,
-    450 texts; about 8 minutes for the default trio on 2 CPU cores)."""
-    path = service.auto_router_path()
+    """Train the service's `router: auto` router unless one is shipped for its experts or the cache has it
+    (default: the built-in mix, 450 texts; minutes on 2 CPU cores)."""
+    path = service.auto_router_checkpoint()
     if not path.is_file():
         settings = settings or RouterTrainSettings(minutes=30.0, max_texts=450)
         logger.info("training the router for experts %s once (%d texts); it is cached at %s",

@@ -130,3 +130,27 @@ def train_lora(
         (tmp / ADAPTER_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info("saved %s adapter to %s", kind, out_dir)
     return Path(out_dir)
+
+
+def ship_adapter(trained: Path, dest: Path, *, command: str, base_pin: dict | None = None,
+                 figures: dict | None = None) -> Path:
+    """Copy a trained adapter folder to `dest` (the package's `fusion/adapters/NAME`), its manifest
+    completed with the SHA-256 of each shipped file, the command that reproduces it, the pinned base
+    (`base_pin`: the wheel it is fetched from) and eval figures (when given; else kept)."""
+    trained, dest = Path(trained), Path(dest)
+    manifest = json.loads((trained / ADAPTER_MANIFEST).read_text())
+    with staged_dir(dest, replace=True) as tmp:
+        files = {}
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            data = (trained / name).read_bytes()
+            (tmp / name).write_bytes(data)
+            files[name] = hashlib.sha256(data).hexdigest()
+        manifest.update({"files": files, "command": command})
+        if base_pin is not None:
+            manifest["base_pin"] = base_pin
+        if figures is not None:
+            manifest["eval"] = figures
+        (tmp / ADAPTER_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    logger.info("shipped %s as %s", trained, dest)
+    return dest
+

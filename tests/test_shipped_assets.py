@@ -1,0 +1,111 @@
+"""The trained files the default trio needs ship with the project (fusion/adapters/, fusion/routers/): each
+matches its manifest, the default config finds them, loading trains nothing, and on the real SmolLM2
+they still answer their checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from fusion.config import FusionSpec, load_config
+from fusion.models import ADAPTERS_DIR, BUILTIN_ADAPTERS, ROUTERS_DIR, shipped_router
+from fusion.router import load_router
+from fusion.service import FusionService
+from fusion.tools.assets import SMOLLM2_WHEEL
+from fusion.tools.cli import DEFAULT_CONFIG
+from fusion.tools.training import ADAPTER_NAMES, RECIPES
+from fusion.tools.training.arithmetic import extract_answer, make_questions
+from fusion.tools.training.lora import ADAPTER_MANIFEST
+from fusion.tools.training.python_code import stdlib_files
+
+MAX_SHIPPED_BYTES = 16 * 2**20
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_shipped_files_are_small_and_match_their_manifests():
+    total = 0
+    for kind, name in ADAPTER_NAMES.items():
+        assert name in BUILTIN_ADAPTERS
+        folder = ADAPTERS_DIR / name
+        manifest = json.loads((folder / ADAPTER_MANIFEST).read_text())
+        assert manifest["kind"] == kind and manifest["format"] == "peft-lora"
+        for file, digest in manifest["files"].items():
+            assert sha256(folder / file) == digest, file
+        recipe = RECIPES[kind]
+        assert manifest["recipe"]["rank"] == recipe.rank and manifest["recipe"]["steps"] == recipe.steps
+        assert {k: manifest["recipe"][k] for k in recipe.loop} == recipe.loop
+        assert manifest["base_pin"]["sha256"] == SMOLLM2_WHEEL.sha256
+        assert manifest["command"].startswith(f"fusion train-expert {kind} --ship")
+        assert len(manifest["data_sha256"]) == 64 and manifest["train_seconds"] and manifest["eval"]
+        total += sum((folder / f).stat().st_size for f in manifest["files"])
+    router = shipped_router(load_config(DEFAULT_CONFIG).experts)
+    assert router is not None and router.parent == ROUTERS_DIR
+    manifest = json.loads(router.with_suffix(".json").read_text())
+    assert manifest["sha256"] == sha256(router)
+    config_experts = load_config(DEFAULT_CONFIG).experts
+    assert manifest["experts"] == [[e.name, e.model, e.adapter] for e in config_experts]
+    assert manifest["command"].startswith("fusion train-router --ship") and manifest["eval"]
+    _, payload = load_router(router)
+    assert payload["identity"] == "config" and payload["experts"] == [e.name for e in config_experts]
+    total += router.stat().st_size
+    assert total <= MAX_SHIPPED_BYTES
+
+
+@pytest.fixture(scope="module")
+def default_trio(smollm2_dir, tmp_path_factory):
+    """The default config over the real SmolLM2, from an empty cache: nothing may train."""
+    import fusion.tools.router_training as router_training
+    import fusion.tools.training.lora as lora
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loading the default trio must not train anything")
+
+    saved = (lora.train_lora, router_training.train_router)
+    lora.train_lora = router_training.train_router = refuse
+    try:
+        config = load_config(DEFAULT_CONFIG)
+        service = FusionService.from_config(config, resolve_model=lambda ref: str(smollm2_dir),
+                                            cache_dir=tmp_path_factory.mktemp("empty-cache"))
+    finally:
+        lora.train_lora, router_training.train_router = saved
+    yield service
+    service.close()
+
+
+def test_the_default_trio_loads_the_shipped_files_over_one_base(default_trio):
+    assert default_trio.auto_router_checkpoint() == shipped_router(default_trio.config.experts)
+    bases = {id(getattr(e, "shared_base", e)) for e in default_trio.experts}
+    assert len(bases) == 1  # three experts, one copy of SmolLM2
+
+
+def test_the_default_trio_answers_arithmetic(default_trio):
+    completion = default_trio.complete("What is 47 + 38?", {"max_tokens": 96})
+    assert extract_answer(completion.text) == 85
+
+
+def test_the_arithmetic_adapter_answers_unseen_wordings(default_trio):
+    """Held-out problems in phrasings no training saw, the adapter alone (greedy): a check that the
+    shipped weights are the trained ones, with room for a tie broken differently by another CPU."""
+    questions = make_questions(6, seed=11, phrasing="held_out")
+    alone = FusionSpec(rule="single", params={"expert": "arith"})
+    right = 0
+    for question, answer in questions:
+        completion = default_trio.complete(question, {"max_tokens": 160}, spec=alone)
+        right += extract_answer(completion.text) == answer
+    assert right >= 5, right
+
+
+def test_the_python_adapter_predicts_unseen_stdlib_code_better_than_its_base(default_trio):
+    files = stdlib_files(held_out=True)[:2]  # files training never drew
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    pieces = [(t[len(t) // 2 - 600:len(t) // 2], t[len(t) // 2:len(t) // 2 + 600]) for t in texts]
+    nats = {}
+    for name in ("smollm2", "code"):
+        spec = FusionSpec(rule="single", params={"expert": name})
+        nats[name] = -sum(default_trio.score(prompt, code, spec).total_logprob for prompt, code in pieces)
+    assert nats["code"] < 0.97 * nats["smollm2"], nats

@@ -7,6 +7,7 @@ though the expert returns them as float32, so sending them as bf16 is exact and 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Sequence
 
@@ -97,7 +98,42 @@ def _set_fields(message) -> dict[str, Any]:
 
 def sampling_overrides(message: fusion_pb2.SamplingParams) -> dict[str, Any]:
     """Sampling fields the request set, by SamplingParams name (validated later, over the defaults)."""
-    return _set_fields(message)
+    out = _set_fields(message)
+    if message.HasField("structured"):
+        out["structured"] = structured_from_proto(message.structured)
+    return out
+
+
+def structured_from_proto(message: fusion_pb2.StructuredOutput) -> dict[str, Any]:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgumentError("sampling.structured: set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(message.json_schema)
+        except json.JSONDecodeError as err:
+            raise InvalidArgumentError(f"sampling.structured.json_schema: not JSON ({err})") from None
+        if not isinstance(schema, dict):
+            raise InvalidArgumentError("sampling.structured.json_schema: must be a JSON object")
+        return {"json_schema": schema}
+    if kind == "choice":
+        return {"choice": list(message.choice.values)}
+    return {kind: getattr(message, kind)}
+
+
+def structured_to_proto(structured: dict[str, Any]) -> fusion_pb2.StructuredOutput:
+    message = fusion_pb2.StructuredOutput()
+    if structured.get("json_schema") is not None:
+        message.json_schema = json.dumps(structured["json_schema"])
+    elif structured.get("json_object"):
+        message.json_object = True
+    elif structured.get("choice") is not None:
+        message.choice.values.extend(structured["choice"])
+    else:
+        for kind in ("regex", "grammar"):
+            if structured.get(kind) is not None:
+                setattr(message, kind, structured[kind])
+    return message
 
 
 def _plain_number(value: Any) -> Any:
@@ -167,6 +203,10 @@ def sampling_to_proto(sampling: dict[str, Any] | SamplingParams | None) -> fusio
     if unknown:
         raise InvalidArgumentError(f"sampling: unknown field(s) {unknown}; known: {sorted(known)}")
     fields = {k: v for k, v in fields.items() if v is not None}
+    if "structured" in fields:
+        structured = fields["structured"]
+        fields["structured"] = structured_to_proto(structured if isinstance(structured, dict)
+                                                   else structured.model_dump())
     try:
         return fusion_pb2.SamplingParams(**fields)
     except (TypeError, ValueError) as err:

@@ -142,3 +142,22 @@ def test_every_command_has_help():
                     ["bench", "--help"], ["train-router", "--help"]):
         out = fusion(*command)
         assert out.returncode == 0 and "Usage" in out.stdout, command
+
+
+def test_generate_constrained_to_a_schema_file_and_a_choice(config_file, tmp_path):
+    schema = {"type": "object", "properties": {"size": {"enum": ["small", "large"]}}, "required": ["size"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    out = fusion("generate", "hello world", "--config", str(config_file), "--max-tokens", "24", "--json",
+                 "--json-schema", str(path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(json.loads(out.stdout)["text"])["size"] in ("small", "large")
+    out = fusion("generate", "hello world", "--config", str(config_file), "--max-tokens", "8", "--json",
+                 "--choice", "yes", "--choice", "no")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["text"] in ("yes", "no")
+    out = fusion("generate", "hi", "--config", str(config_file), "--regex", "a+", "--choice", "x")
+    assert out.returncode != 0 and "--regex, --choice: give one way" in out.stderr
+    out = fusion("generate", "hi", "--config", str(config_file), "--regex", "(a")
+    assert out.returncode != 0 and "structured:" in out.stderr and "Traceback" not in out.stderr

@@ -96,6 +96,10 @@ CASES = {
                                      weights={"a": 1.5, "b": -0.5})),
     "chat": ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
              {"max_tokens": 16, "ignore_eos": True}, None),
+    "structured-schema": ("what is 12 + 35 ?", {"max_tokens": 32, "structured": {"json_schema": {
+        "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}}}, None),
+    "structured-choice": ("hello", {"max_tokens": 8, "temperature": 0.8, "seed": 5,
+                                    "structured": {"choice": ["fox", "dog", "lazy dog"]}}, None),
 }
 
 
@@ -168,6 +172,12 @@ BAD_GENERATE = {
     "message without role": (dict(messages=[fusion_pb2.ChatMessage(content="x")]), INVALID, "messages[0].role"),
     "prompt over the limit": (dict(prompt="the quick brown fox " * 100), EXHAUSTED, "max_prompt_tokens"),
     "max_tokens over the limit": (dict(prompt="hi", sampling=S(max_tokens=5000)), EXHAUSTED, "max_tokens"),
+    "bad regex": (dict(prompt="hi", sampling=S(structured=fusion_pb2.StructuredOutput(regex="(unclosed"))),
+                  INVALID, "structured"),
+    "schema not JSON": (dict(prompt="hi", sampling=S(structured=fusion_pb2.StructuredOutput(json_schema="{x"))),
+                        INVALID, "structured.json_schema"),
+    "empty structured": (dict(prompt="hi", sampling=S(structured=fusion_pb2.StructuredOutput())), INVALID,
+                         "structured"),
 }
 
 

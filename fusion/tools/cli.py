@@ -182,6 +182,13 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with per-token attribution."),
     show_experts: bool = typer.Option(False, "--show-experts", help="Colour each token by its top contributor."),
     server: Optional[str] = typer.Option(None, "--server", help="Ask a running coordinator at HOST:PORT."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Constrain the answer to this JSON Schema "
+                                              "(a file, or the schema's JSON text)."),
+    json_object: bool = typer.Option(False, "--json-object", help="Constrain the answer to a JSON object."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the answer to this regular expression."),
+    choice: Optional[list[str]] = typer.Option(None, "--choice", help="Constrain the answer to one of these "
+                                               "strings (repeatable)."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain the answer to this Lark grammar file."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Stream the fused answer to PROMPT."""
@@ -195,6 +202,9 @@ def generate(
     }
 
     def run() -> None:
+        structured = structured_option(json_schema, json_object, regex, choice, grammar)
+        if structured is not None:
+            overrides["structured"] = structured
         config = read_config(config_path)
         spec = spec_overrides(rule, profile, weights, params)
         if server:
@@ -211,6 +221,29 @@ def generate(
         _print_stream(events, names, as_json=as_json, show_experts=show_experts)
 
     run_guarded(run)
+
+
+def structured_option(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
+                      grammar: Path | None) -> dict | None:
+    """The `structured` sampling field from generate's options (None: none given)."""
+    given = {"--json-schema": json_schema, "--json-object": json_object or None, "--regex": regex,
+             "--choice": choice or None, "--grammar": grammar}
+    named = [name for name, value in given.items() if value is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        fail(f"{', '.join(named)}: give one way to constrain the answer")
+    if json_schema is not None:
+        text = Path(json_schema).read_text(encoding="utf-8") if Path(json_schema).is_file() else json_schema
+        try:
+            return {"json_schema": json.loads(text)}
+        except json.JSONDecodeError as err:
+            fail(f"--json-schema: neither a file nor JSON ({err})")
+    if grammar is not None:
+        if not grammar.is_file():
+            fail(f"--grammar: no such file: {grammar}")
+        return {"grammar": grammar.read_text(encoding="utf-8")}
+    return {"json_object": True} if json_object else {"regex": regex} if regex is not None else {"choice": choice}
 
 
 def _print_stream(events, names, *, as_json: bool, show_experts: bool) -> None:

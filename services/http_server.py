@@ -57,7 +57,9 @@ from services.openai_wire import (
     client_field,
     completion_logprobs,
     model_ids,
+    new_call_id,
     plan_request,
+    tool_call_of,
     usage,
 )
 from services.security import (ApiKey, KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers,
@@ -401,8 +403,11 @@ class HttpApi:
             if plan.kind == "chat":
                 logprobs = ({"content": [chat_logprob(t, self._bytes_of) for t in choice.tokens]}
                             if plan.logprobs else None)
-                entry = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": choice.finish_reason}
+                message, finish = {"role": "assistant", "content": text}, choice.finish_reason
+                call = tool_call_of(text, new_call_id()) if plan.tool_call and finish == "stop" else None
+                if call is not None:
+                    message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+                entry = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 logprobs = (completion_logprobs(choice.tokens, self._bytes_of, _prompt_chars(plan, i),
                                                 utf8_decoder())[0] if plan.logprobs else None)
@@ -419,6 +424,8 @@ class HttpApi:
         if choice.started and not event.text and event.finish_reason is None and not (
                 plan.logprobs or plan.attribution):
             return None
+        if plan.kind == "chat" and plan.tool_call:
+            return self._tool_call_chunk(plan, i, event, choice)
         if plan.kind == "chat":
             delta = {"content": event.text} if choice.started else {"role": "assistant", "content": event.text}
             logprobs = {"content": [chat_logprob(token, self._bytes_of)]} if plan.logprobs else None
@@ -430,6 +437,29 @@ class HttpApi:
             entry = {"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
         if plan.attribution:
             entry["fusion"] = {"tokens": [attribution(token)]}
+        choice.started = True
+        return entry
+
+    def _tool_call_chunk(self, plan: Plan, i: int, event: TextEvent, choice: _Choice) -> dict[str, Any] | None:
+        """A tool call streams as one delta with the whole call once it is complete (its JSON is only a call
+        when it parses); tokens before it send nothing but their logprobs, when asked."""
+        choice.text.append(event.text)
+        delta: dict[str, Any] = {} if choice.started else {"role": "assistant", "content": None}
+        finish = event.finish_reason
+        if finish is not None:
+            text = "".join(choice.text)
+            call = tool_call_of(text, new_call_id()) if finish == "stop" else None
+            if call is not None:
+                delta["tool_calls"] = [{"index": 0, **call}]
+                finish = "tool_calls"
+            else:
+                delta["content"] = text
+        elif not plan.logprobs and not plan.attribution and choice.started:
+            return None
+        logprobs = {"content": [chat_logprob(event.token, self._bytes_of)]} if plan.logprobs else None
+        entry = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if plan.attribution:
+            entry["fusion"] = {"tokens": [attribution(event.token)]}
         choice.started = True
         return entry
 

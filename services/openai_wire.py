@@ -7,7 +7,10 @@ request; a completion's prompt is continued as is (no chat template), a chat's m
 each expert's template. Fields OpenAI has and the sampler has too keep OpenAI's meaning; vLLM's extras that the
 sampler has (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`) are accepted;
 unknown fields are ignored, as OpenAI ignores them; fields that ask for what this service cannot do
-(tools, JSON output, echo, ...) are refused with a 400 naming the field. Fusion controls travel in an
+(audio, echo, ...) are refused with a 400 naming the field. Structured output (`response_format`,
+vLLM's `structured_outputs`) and tool calls (`tools` with `tool_choice` "required" or a named function)
+become one grammar over the fused distribution (`fusion.structured`): a tool call is a JSON object
+{"name", "arguments"} constrained to the tools' schemas, answered as `tool_calls`. Fusion controls travel in an
 extension object, `"fusion": {"rule", "params", "weights", "profile", "attribution"}`, and `model` may
 name a weight profile (`fusion:<profile>` or the profile's own name).
 
@@ -19,8 +22,10 @@ the name the client sent (`top_logprobs` for the sampler's `logprobs`, `fusion.w
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal, Mapping
 
@@ -33,6 +38,7 @@ from fusion.service import FusionRequest
 Kind = Literal["chat", "completions"]
 MAX_USER_CHARS = 256  # OpenAI's `user`: an end-user id the client may send; accepted and not used
 MIN_LOGPROB = -9999.0  # what a -inf logprob is sent as (JSON has no infinity; vLLM sends the same)
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -77,6 +83,51 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extension: one of these constrains the output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Request(_Lenient):
     model: str | None = None
     n: int | None = Field(default=None, ge=1)
@@ -97,6 +148,7 @@ class _Request(_Lenient):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     fusion: FusionExtension | None = None
 
 
@@ -105,10 +157,22 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class ToolCallFunction(_Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(_Request):
@@ -116,6 +180,10 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request):
@@ -130,11 +198,8 @@ def _absent(value: Any, body: Mapping[str, Any]) -> bool:
 # Fields that ask for what this service cannot do: refused unless their value asks for nothing.
 UNSUPPORTED: dict[Kind, dict[str, Callable[[Any, Mapping[str, Any]], bool]]] = {
     "chat": {
-        "tools": _absent,
         "functions": _absent,
-        "tool_choice": lambda v, body: v is None or v == "none",
         "function_call": lambda v, body: v is None or v == "none",
-        "response_format": lambda v, body: v is None or (isinstance(v, dict) and v.get("type") == "text"),
         "audio": _absent,
         "modalities": lambda v, body: v is None or v == ["text"],
         "prediction": _absent,
@@ -200,6 +265,7 @@ class Plan:
     logprobs: bool  # return each token's logprob (and the top alternatives the sampler gives)
     attribution: bool
     max_tokens: int | None  # as requested (None: the config's default), for per-key limits
+    tool_call: bool = False  # the answer is a tool call: {"name", "arguments"} JSON, sent as `tool_calls`
     renames: dict[str, str] = field(default_factory=dict)  # the service's field name -> the client's
 
 
@@ -235,6 +301,98 @@ def _spec(request: ChatRequest | CompletionRequest, model_profile: str | None) -
     return SpecOverrides(rule=ext.rule, params=ext.params, weights=ext.weights, profile=profile)
 
 
+TOOL_CHOICE_AUTO = ("tool_choice: 'auto' (the default when tools are given) is not supported: these experts do not "
+                    "decide reliably whether to call a tool; send tool_choice 'required' or name a function")
+
+
+def _structured(request: ChatRequest | CompletionRequest) -> tuple[str | None, dict[str, Any] | None, bool]:
+    """The request field that asks for structured output (response_format, tools or structured_outputs; at
+    most one), the `structured` sampling field it becomes, and whether the answer is a tool call."""
+    asked: list[tuple[str, dict[str, Any], bool]] = []
+    if isinstance(request, ChatRequest):
+        fmt = request.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}, False))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ApiError(400, "response_format.json_schema: required with type json_schema",
+                               "response_format.json_schema")
+            asked.append(("response_format", {"json_schema": fmt.json_schema.schema_}, False))
+        tools = _tool_call_schema(request)
+        if tools is not None:
+            asked.append(("tools", {"json_schema": tools}, True))
+    if request.structured_outputs is not None:
+        asked.append(("structured_outputs", _structured_outputs(request.structured_outputs), False))
+    if len(asked) > 1:
+        raise ApiError(400, f"{asked[1][0]}: give one of response_format, tools and structured_outputs, not "
+                       f"{asked[0][0]} too", asked[1][0])
+    return asked[0] if asked else (None, None, False)
+
+
+def _structured_outputs(ext: StructuredOutputs) -> dict[str, Any]:
+    given = {name: value for name, value in (("json_schema", ext.json_), ("json_object", ext.json_object or None),
+                                             ("regex", ext.regex), ("choice", ext.choice),
+                                             ("grammar", ext.grammar)) if value is not None}
+    if len(given) != 1:
+        raise ApiError(400, "structured_outputs: give exactly one of json, json_object, regex, choice, grammar",
+                       "structured_outputs")
+    if isinstance(given.get("json_schema"), str):
+        try:
+            given["json_schema"] = json.loads(given["json_schema"])
+        except json.JSONDecodeError as err:
+            raise ApiError(400, f"structured_outputs.json: not JSON ({err})", "structured_outputs.json") from None
+    return given
+
+
+def _tool_call_schema(request: ChatRequest) -> dict[str, Any] | None:
+    """The JSON Schema of the tool call the request asks for (None: no tool call)."""
+    choice = request.tool_choice
+    if not request.tools:
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            raise ApiError(400, "tool_choice: needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise ApiError(400, TOOL_CHOICE_AUTO, "tool_choice", "unsupported")
+    functions = {tool.function.name: tool.function for tool in request.tools}
+    if len(functions) != len(request.tools):
+        raise ApiError(400, "tools: function names must be distinct", "tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in functions:
+            raise ApiError(400, f"tool_choice.function.name: {choice.function.name!r} is not one of the tools "
+                           f"{sorted(functions)}", "tool_choice.function.name")
+        functions = {choice.function.name: functions[choice.function.name]}
+    calls = [{"type": "object", "properties": {"name": {"const": name},
+                                               "arguments": fn.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, fn in functions.items()]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def _tools_message(tools: list[Tool]) -> str:
+    """What the experts are told about the tools (the grammar does the rest)."""
+    described = [{"name": t.function.name, **({"description": t.function.description} if t.function.description else {}),
+                  "parameters": t.function.parameters or {"type": "object"}} for t in tools]
+    return ('Call one of these functions, answering {"name": ..., "arguments": {...}}:\n'
+            + json.dumps(described, separators=(",", ":")))
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_of(text: str, call_id: str) -> dict[str, Any] | None:
+    """An answer's tool call in OpenAI's shape (None: the text is not a whole call, e.g. cut by max_tokens)."""
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return {"id": call_id, "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}
+
+
 def _prompts(request: ChatRequest | CompletionRequest) -> list:
     if isinstance(request, CompletionRequest):
         prompts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
@@ -243,13 +401,18 @@ def _prompts(request: ChatRequest | CompletionRequest) -> list:
         return prompts
     messages = []
     for i, message in enumerate(request.messages):
-        if message.tool_calls:
-            raise ApiError(400, f"messages[{i}].tool_calls: not supported by this server", f"messages[{i}].tool_calls",
-                           "unsupported")
         role = "system" if message.role == "developer" else message.role
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role: {message.role!r} is not supported (system, developer, user, "
-                           "assistant)", f"messages[{i}].role", "unsupported")
+                           "assistant, tool)", f"messages[{i}].role", "unsupported")
+        if message.tool_calls and role != "assistant":
+            raise ApiError(400, f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                           f"messages[{i}].tool_calls")
+        if message.tool_calls:  # the experts' chat templates know no tool roles: calls and results as text
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments, i)}
+                     for c in message.tool_calls]
+            messages.append({"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)})
+            continue
         content = message.content
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -257,8 +420,24 @@ def _prompts(request: ChatRequest | CompletionRequest) -> list:
                     raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported (got type "
                                    f"{part.type!r})", f"messages[{i}].content[{j}]", "unsupported")
             content = "\n".join(part.text for part in content)
+        if role == "tool":
+            role, content = "user", f"Result of tool call {message.tool_call_id or ''}: {content or ''}"
         messages.append({"role": role, "content": content or ""})
+    if request.tools and request.tool_choice != "none":
+        tools = _tools_message(request.tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{tools}"}
+        else:
+            messages.insert(0, {"role": "system", "content": tools})
     return [messages]
+
+
+def _arguments(arguments: str, i: int) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise ApiError(400, f"messages[{i}].tool_calls: function arguments must be JSON text",
+                       f"messages[{i}].tool_calls") from None
 
 
 def _sampling(request: ChatRequest | CompletionRequest) -> tuple[dict[str, Any], int | None]:
@@ -294,6 +473,9 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
     profile = profile_of_model(request.model, served, profiles)
     spec = _spec(request, profile)
     sampling, max_tokens = _sampling(request)
+    source, structured, tool_call = _structured(request)
+    if structured is not None:
+        sampling["structured"] = structured
     prompts = _prompts(request)
     n = request.n or 1
     if n * len(prompts) > max_choices:
@@ -310,6 +492,8 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
             prompt_index.append(p)
     renames = {"spec": "fusion", "rule": "fusion.rule", "params": "fusion.params", "weights": "fusion.weights",
                "profile": "model" if profile is not None else "fusion.profile"}
+    if source is not None:
+        renames["structured"] = source
     if kind == "chat":
         renames |= {"prompt": "messages", "logprobs": "top_logprobs"}
         if request.max_completion_tokens is not None:
@@ -321,7 +505,7 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=chat_logprobs or (kind == "completions" and request.logprobs is not None),
         attribution=bool(request.fusion and request.fusion.attribution),
-        max_tokens=max_tokens, renames=renames,
+        max_tokens=max_tokens, renames=renames, tool_call=tool_call,
     )
 
 

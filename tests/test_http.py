@@ -13,7 +13,10 @@ import os
 import re
 import urllib.error
 import urllib.request
+from typing import Literal
 
+import jsonschema
+import pydantic
 import pytest
 
 openai = pytest.importorskip("openai", reason="the HTTP tests use the official client: pip install openai")
@@ -29,7 +32,7 @@ from services.security import create_key  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
 from tests.test_grpc import addr, expert_sessions, experts, wait_until  # noqa: E402,F401 (experts: a fixture)
 
-LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400, "max_request_bytes": 64 * 1024}
+LIMITS = {"max_prompt_tokens": 1024, "max_tokens": 400, "max_request_bytes": 64 * 1024}
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 12 + 35 ?"}]
 LONG = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}  # a stream that runs until it is stopped
 
@@ -226,6 +229,80 @@ def test_fusion_extension_rules_and_profiles(client, tiny_service):
     assert {a["expert"]: a["weight"] for a in profile_weights[0]} == {"a": 1.0, "b": 0.0, "c": 0.0}
 
 
+class Colour(pydantic.BaseModel):
+    name: Literal["red", "green", "blue"]
+    bright: bool
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Oslo"]}},
+                                                "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_response_format_json_schema_parses_into_the_model(client, tiny_service):
+    """`parse` sends response_format json_schema (strict) and reads the answer back as the pydantic model;
+    the answer is the service's own under the same grammar."""
+    completion = client.chat.completions.parse(model="fusion", messages=CHAT, max_tokens=40, response_format=Colour,
+                                               extra_body={"fusion": {"attribution": True}})
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Colour)
+    local = tiny_service.complete(CHAT, {"max_tokens": 40, "structured": {
+        "json_schema": openai.lib._pydantic.to_strict_json_schema(Colour)}})
+    assert token_ids(completion.choices[0]) == local.token_ids
+    reply = client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=40,
+                                           response_format={"type": "json_object"})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_structured_outputs_extension(client):
+    reply = client.completions.create(model="fusion", prompt="the quick brown", max_tokens=8,
+                                      extra_body={"structured_outputs": {"choice": ["fox", "dog"]}})
+    assert reply.choices[0].text in ("fox", "dog")
+    reply = client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=8,
+                                           extra_body={"structured_outputs": {"regex": "[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{2}", reply.choices[0].message.content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_comes_back_as_tool_calls(client, stream):
+    kwargs = dict(model="fusion", messages=CHAT, max_tokens=64, tools=[WEATHER, CLOCK], tool_choice="required")
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = message.message.tool_calls, message.finish_reason
+        assert message.message.content is None
+    assert finish == "tool_calls" and len(calls) == 1
+    call = calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    arguments = json.loads(call.function.arguments)
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}[call.function.name]
+    jsonschema.validate(arguments, schema)
+
+
+def test_a_named_tool_and_tool_results_in_the_history(client):
+    history = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "time", "arguments": json.dumps({"zone": "UTC"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    reply = client.chat.completions.create(model="fusion", messages=history, max_tokens=64, tools=[WEATHER],
+                                           tool_choice={"type": "function", "function": {"name": "weather"}})
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    plain = client.chat.completions.create(model="fusion", messages=history, max_tokens=4, tools=[WEATHER],
+                                           tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None
+
+
 def test_same_tokens_as_grpc(coordinator, client):
     sampling = {"max_tokens": 16, "temperature": 0.8, "seed": 3, "stop": ["zz"]}
     spec = SpecOverrides(rule="mixture", weights={"a": 1.0, "c": 1.0})
@@ -247,9 +324,16 @@ BAD = {
     "logit_bias": (dict(logit_bias={"5": 500}), 400, "logit_bias"),
     "stop": (dict(stop=[""]), 400, "stop[0]"),
     "n": (dict(n=0), 400, "n"),
-    "tools": (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    "response_format": (dict(response_format={"type": "json_object"}), 400, "response_format"),
-    "message role": (dict(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role"),
+    "tool_choice auto": (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice"),
+    "named tool not given": (dict(tools=[{"type": "function", "function": {"name": "f"}}],
+                                  tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+                             "tool_choice.function.name"),
+    "bad schema": (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}), 400, "response_format"),
+    "two constraints": (dict(response_format={"type": "json_object"},
+                             extra_body={"structured_outputs": {"regex": "a+"}}), 400, "structured_outputs"),
+    "bad regex": (dict(extra_body={"structured_outputs": {"regex": "(a"}}), 400, "structured_outputs"),
+    "message role": (dict(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
     "image part": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
                    400, "messages[0].content[0]"),
     "no messages": (dict(messages=[]), 400, "messages"),

@@ -132,6 +132,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it (vLLM's rule): logits / 1e-40 overflow
 
 
+MAX_LOGPROBS = 20  # top alternatives a token's log-probability may come with (OpenAI's bound)
+
+
 class StructuredOutput(_Strict):
     """Output constrained to a grammar, as one token mask on the fused distribution (fusion.structured):
     exactly one of a JSON Schema, any JSON object, a regular expression, a choice of strings, or a
@@ -174,7 +177,7 @@ class SamplingParams(_Strict):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int = Field(default=0, ge=0, le=20)  # top alternatives returned per token
+    logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)  # top alternatives returned per token
     structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

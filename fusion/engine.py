@@ -298,6 +298,8 @@ class FusionEngine:
         rule: FusionRule,
         weights: list[float],
         run_chunk: Callable[[Callable[[int], list[float]]], list[float]] | None = None,
+        alternatives: list[tuple[list[int], list[float], int]] | None = None,
+        top: int = 0,
     ) -> list[float]:
         """Fused log-probability of each continuation id after each expert's prompt (teacher forcing).
 
@@ -305,7 +307,9 @@ class FusionEngine:
         `positions` ids at most (default: `SCORE_CHUNK` each on the compute thread; a service's
         scheduler runs each chunk between decode steps, sized to what a step can wait for), so running
         streams' decode steps interleave with a long score and memory holds one chunk's (E, chunk, V)
-        logits; each expert's session cache carries the prefix between chunks."""
+        logits; each expert's session cache carries the prefix between chunks. With `top` > 0, the `top`
+        likeliest ids of each position, their log-probabilities and the scored id's rank (1: likeliest)
+        are appended to `alternatives`."""
         probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
         self.validate(probe)
         if not continuation_ids:
@@ -328,7 +332,7 @@ class FusionEngine:
             start = len(logprobs)
             end = min(len(continuation_ids), start + max(1, min(positions, SCORE_CHUNK)))
             return self._score_chunk(session, prompt_ids, continuation_ids, start, end, uses, rule, weights,
-                                     context[start:end])
+                                     context[start:end], alternatives if top else None, top)
 
         run = run_chunk or (lambda job: run_on_compute_thread(job, SCORE_CHUNK))
         try:
@@ -339,8 +343,8 @@ class FusionEngine:
                 expert.release([session])
         return logprobs
 
-    def _score_chunk(self, session, prompt_ids, continuation_ids, start, end, uses, rule, weights, context
-                     ) -> list[float]:
+    def _score_chunk(self, session, prompt_ids, continuation_ids, start, end, uses, rule, weights, context,
+                     alternatives: list | None = None, top: int = 0) -> list[float]:
         """Log-probabilities of continuation ids [start, end): each expert scores them after its prompt
         and the continuation before `start` (cached in `session` by the previous chunk)."""
         n = end - start
@@ -359,7 +363,12 @@ class FusionEngine:
             raise ExpertOutputError(FUSED_NOT_FINITE)
         log_probs = torch.log_softmax(fused.float(), dim=-1)  # (n, V)
         ids = torch.tensor(continuation_ids[start:end], device=self.device)
-        return log_probs.gather(-1, ids[:, None])[:, 0].tolist()
+        chosen = log_probs.gather(-1, ids[:, None])  # (n, 1)
+        if alternatives is not None:
+            best = log_probs.topk(min(top, log_probs.shape[-1]), dim=-1)  # (n, top)
+            ranks = (log_probs > chosen).sum(-1) + 1  # (n,): 1 = the likeliest
+            alternatives.extend(zip(best.indices.tolist(), best.values.tolist(), ranks.tolist()))
+        return chosen[:, 0].tolist()
 
     def continuation_logits(
         self, prompt_ids: list[list[int]], continuation_ids: list[int], uses: Sequence[bool] | None = None

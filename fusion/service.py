@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 from fusion.compute import run_on_compute_thread, single_team
-from fusion.config import FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec, parse_sampling
+from fusion.config import (MAX_LOGPROBS, FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec,
+                           parse_sampling)
 from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError, ResourceExhaustedError
@@ -85,12 +86,29 @@ class ScoreAbandoned(FusionError):
 class FusionRequest:
     """What a caller asks for. Unset fields take the config's defaults (see `layer_spec`)."""
 
-    prompt: str | Sequence[Message]
+    prompt: str | Sequence[Message] | Sequence[int]  # token ids: a plain prompt of the shared vocabulary
     sampling: Mapping[str, Any] | SamplingParams | None = None  # fields over the config's sampling
     spec: SpecOverrides | FusionSpec | None = None  # rule, params, weights, profile over the config's
     request_id: str | None = None  # the caller's id; it prefixes the service's own (unique) id
     plain: bool = False  # a text prompt continued as is: no chat template or system prompt (OpenAI's completions)
     tenant: Tenant = LOCAL  # who asks: its share of every queue, its max_tokens cap and its token quota
+
+
+def is_token_ids(prompt: object) -> bool:
+    """A prompt given as token ids (a plain prompt of the experts' shared vocabulary)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+@dataclass
+class PromptLogprobs:
+    """A prompt's tokens, each one's fused log-probability after those before it, and the top alternatives
+    at each position (ids, log-probs); the first token has neither (None)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    alternatives: list[tuple[list[int], list[float]] | None]
+    ranks: list[int | None]  # each token's rank in its position's distribution (1: the likeliest)
 
 
 @dataclass
@@ -542,6 +560,10 @@ class FusionService:
         """The prompt as each expert expects it (its own chat template and system prompt); `plain`: the
         text as is, after each tokenizer's BOS."""
         if plain:
+            if is_token_ids(prompt):  # ids of the experts' shared vocabulary, as sent
+                if self.cross is not None:
+                    raise InvalidArgumentError("prompt: token ids need experts of one tokenizer; send text")
+                return [list(prompt) for _ in self.tokenizers]
             if not isinstance(prompt, str):
                 raise InvalidArgumentError("messages: a plain prompt is text, not chat messages")
             return [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
@@ -597,6 +619,8 @@ class FusionService:
 
     def _admit(self, request: FusionRequest) -> GenerationRequest:
         self._check_prompt(request.prompt)
+        if is_token_ids(request.prompt) and not request.plain:
+            raise InvalidArgumentError("prompt: token ids are a plain prompt (plain=True, as completions send them)")
         if request.request_id:
             self._check_request_id(request.request_id)
         rule, weights = self.resolve_spec(request.spec)
@@ -649,10 +673,15 @@ class FusionService:
                 raise InvalidArgumentError(f"max_tokens: the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
                                            f"exceed expert {name!r}'s context of {positions} positions")
 
-    def _check_prompt(self, prompt: str | Sequence[Message]) -> None:
+    def _check_prompt(self, prompt: str | Sequence[Message] | Sequence[int]) -> None:
         limits = self.config.limits
         if not prompt:
             raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
+        if is_token_ids(prompt):
+            if len(prompt) > limits.max_prompt_tokens:
+                raise ResourceExhaustedError(f"prompt: {len(prompt)} tokens exceed "
+                                             f"max_prompt_tokens={limits.max_prompt_tokens}")
+            return
         if isinstance(prompt, str):
             size = utf8_size(prompt, "prompt")
         else:
@@ -823,6 +852,59 @@ class FusionService:
         pairs = [encode_pair(tok, prompt, continuation) for tok in self.tokenizers]
         _, continuation_ids, scored = pairs[0]
         return [context for context, _, _ in pairs], continuation_ids, scored
+
+    def prompt_logprobs(self, prompt: str | Sequence[int], top: int = 0, tenant: Tenant = LOCAL,
+                        abandoned: threading.Event | None = None) -> PromptLogprobs:
+        """The fused log-probability of every token of a plain prompt after the tokens before it (the first
+        has none), with the `top` likeliest alternatives at each: what OpenAI's `echo` with `logprobs`
+        and vLLM's `prompt_logprobs` return, and what lm-evaluation-harness's `local-completions` reads
+        for log-likelihood tasks. `prompt`: text (encoded as a completion's prompt is) or token ids of
+        the experts' shared vocabulary. Scored like `score`, in chunks between decode steps."""
+        limits = self.config.limits
+        if self.cross is not None:
+            raise InvalidArgumentError("prompt logprobs: token log-probabilities need experts of one tokenizer")
+        if isinstance(prompt, str):
+            size = utf8_size(prompt, "prompt")
+            if size > limits.max_prompt_bytes:
+                raise ResourceExhaustedError(f"prompt: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
+            ids = encode_plain(self.tokenizers[0], prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        if len(ids) > limits.max_prompt_tokens:
+            raise ResourceExhaustedError(f"prompt: {len(ids)} tokens exceed max_prompt_tokens={limits.max_prompt_tokens}")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"prompt: token ids out of range [0, {self.engine.vocab_size}): {bad[:5]}")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidArgumentError(f"logprobs: {top} alternatives; at most {MAX_LOGPROBS}")
+        if len(ids) < 2:
+            return PromptLogprobs(ids, [None] * len(ids), [None] * len(ids), [None] * len(ids))
+        rule, weights = self.resolve_spec(None)
+        scheduler = self._running_scheduler()
+        alternatives: list[tuple[list[int], list[float], int]] = []
+
+        def run_chunk(job):
+            if abandoned is not None and abandoned.is_set():
+                raise ScoreAbandoned("the caller abandoned the score")
+            return scheduler.run_between_steps(tenant, job)
+
+        with self._reserved(tenant, len(ids)):
+            logprobs = self.engine.score([ids[:1]] * len(self.engine.experts), ids[1:], rule, weights,
+                                         run_chunk=run_chunk, alternatives=alternatives, top=max(top, 1))
+        return PromptLogprobs(ids, [None, *logprobs],
+                              [None, *((i, v) for i, v, _ in alternatives)] if top else [None] * len(ids),
+                              [None, *(r for _, _, r in alternatives)])
+
+    async def prompt_logprobs_async(self, prompt: str | Sequence[int], top: int = 0,
+                                    tenant: Tenant = LOCAL) -> PromptLogprobs:
+        """`prompt_logprobs` on the scoring pool, off the caller's event loop."""
+        loop = asyncio.get_running_loop()
+        abandoned = threading.Event()
+        try:
+            return await loop.run_in_executor(self._score_pool, self.prompt_logprobs, prompt, top, tenant, abandoned)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
 
     async def score_async(self, prompt: str, continuation: str,
                           spec: SpecOverrides | FusionSpec | None = None, tenant: Tenant = LOCAL) -> ScoreResult:

@@ -45,7 +45,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from fusion.config import Limits, SecurityConfig
 from fusion.errors import FusionError
-from fusion.service import FusionService, RequestStream, TextEvent, Usage
+from fusion.engine import new_request_id
+from fusion.service import FusionService, PromptLogprobs, RequestStream, TextEvent, Usage
+from fusion.tenancy import LOCAL
 from services.http_edge import RESERVED_FDS, ConnectionBook, bounded_protocol, raise_open_files_limit
 from services.metrics import CoordinatorMetrics
 from services.openai_wire import (
@@ -56,11 +58,13 @@ from services.openai_wire import (
     chat_logprob,
     client_field,
     completion_logprobs,
+    echo_logprobs,
     model_ids,
     new_call_id,
     plan_request,
     tool_call_of,
     usage,
+    vllm_prompt_logprobs,
 )
 from services.security import (ApiKey, KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers,
                                warn_if_plaintext)
@@ -220,6 +224,14 @@ def _prompt_chars(plan: Plan, choice: int) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
+@dataclass
+class _Echo:
+    """A completion prompt's part of the answer (echo, prompt_logprobs): its text and its scored tokens."""
+
+    text: str
+    scored: PromptLogprobs | None  # None: neither logprobs nor prompt_logprobs asked
+
+
 class HttpApi:
     """The routes over one service; `gate` is the coordinator's KeyGate (None: no API keys)."""
 
@@ -322,13 +334,23 @@ class HttpApi:
             body = await self._read_body(request)
             await self._parse_turn(body, record)
             plan = await asyncio.get_running_loop().run_in_executor(self._parse_pool, self._plan, kind, body)
+            echoes = await self._echoes(plan, record)
+            if not plan.generate:
+                answer = self._prompt_only(plan, echoes)
+                if not plan.stream:
+                    return self._respond(request, JSONResponse(answer))
+                chunk = {**answer, "object": _OBJECTS[plan.kind][2]}
+                usage_chunk = chunk.pop("usage")
+                parts = [_sse(chunk)] + ([_sse({**chunk, "choices": [], "usage": usage_chunk})]
+                                         if plan.include_usage else []) + [_DONE]
+                return self._respond(request, EventSourceResponse(iter(parts)))
             generation = await self._open(plan, record)
             generation.watch(request)
             if not plan.stream:
-                answer = await self._collect(generation, plan, received)
+                answer = await self._collect(generation, plan, received, echoes)
                 generation.close()
                 return self._respond(request, JSONResponse(answer))
-            chunks = self._chunks(generation, plan, received)
+            chunks = self._chunks(generation, plan, received, echoes)
             try:
                 first = await anext(chunks)  # the response starts with the first token (or fails before it)
             except BaseException:
@@ -345,6 +367,48 @@ class HttpApi:
             if generation is not None:
                 generation.close()
             raise
+
+    async def _echoes(self, plan: Plan, record: ApiKey | None) -> list[_Echo] | None:
+        """Per completion prompt, what `echo` and `prompt_logprobs` return (None: neither asked). The prompt's
+        tokens are scored as the key's tenant, in chunks between decode steps, like a Score."""
+        if not plan.echo and plan.prompt_logprobs is None:
+            return None
+        tenant = self.gate.tenant(record) if record is not None else LOCAL
+        top = max(plan.requests[0].sampling.get("logprobs", 0) if plan.logprobs else 0, plan.prompt_logprobs or 0)
+        echoes = []
+        for prompt in plan.prompts:
+            text = prompt if isinstance(prompt, str) else self.service.tokenizers[0].decode(prompt)
+            scored = None
+            if plan.logprobs or plan.prompt_logprobs is not None:
+                scored = await self.service.prompt_logprobs_async(prompt, top, tenant)
+            echoes.append(_Echo(text, scored))
+        return echoes
+
+    def _echo_entry(self, plan: Plan, echo: _Echo, choice: _Choice) -> dict[str, Any]:
+        """The echoed prompt as a completion choice's first part; `choice.offset` moves past it."""
+        logprobs = None
+        if plan.logprobs and echo.scored is not None:
+            top = plan.requests[0].sampling.get("logprobs", 0)
+            logprobs, choice.offset = echo_logprobs(echo.scored, self._bytes_of, top, choice.decoder)
+        else:
+            choice.offset = len(echo.text)
+        return {"text": echo.text, "logprobs": logprobs}
+
+    def _prompt_only(self, plan: Plan, echoes: list[_Echo]) -> dict[str, Any]:
+        """A completion with max_tokens 0: each prompt (echoed, with its logprobs), nothing generated."""
+        choices = []
+        for i, p in enumerate(plan.prompt_index):
+            echo = echoes[p]
+            entry = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
+            if plan.echo:
+                entry |= self._echo_entry(plan, echo, _Choice())
+            if plan.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = vllm_prompt_logprobs(echo.scored, self.service.token_text)
+            choices.append(entry)
+        prompt_tokens = sum(len(e.scored.token_ids) if e.scored is not None else 0 for e in echoes)
+        prefix, obj, _ = _OBJECTS[plan.kind]
+        return {"id": f"{prefix}-{new_request_id()}", "object": obj, "created": int(time.time()), "model": plan.model,
+                "choices": choices, "usage": usage(prompt_tokens, 0)}
 
     async def _open(self, plan: Plan, record: ApiKey | None) -> _Generation:
         """Admit one stream per choice, each in one of the key's slots and as the key's tenant (its
@@ -388,7 +452,8 @@ class HttpApi:
         prompts = {p: s.prompt_tokens for p, s in zip(plan.prompt_index, generation.streams)}
         return usage(sum(prompts.values()), sum(c.usage.completion_tokens for c in choices if c.usage is not None))
 
-    async def _collect(self, generation: _Generation, plan: Plan, received: float) -> dict[str, Any]:
+    async def _collect(self, generation: _Generation, plan: Plan, received: float,
+                       echoes: list[_Echo] | None = None) -> dict[str, Any]:
         choices = [_Choice() for _ in plan.requests]
         async with contextlib.aclosing(self._metered(generation, received)) as events:
             async for i, event in events:
@@ -409,9 +474,19 @@ class HttpApi:
                     message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
                 entry = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
-                logprobs = (completion_logprobs(choice.tokens, self._bytes_of, _prompt_chars(plan, i),
-                                                utf8_decoder())[0] if plan.logprobs else None)
+                decoder, offset, head = utf8_decoder(), _prompt_chars(plan, i), None
+                if plan.echo:
+                    state = _Choice(decoder=decoder)
+                    head = self._echo_entry(plan, echoes[plan.prompt_index[i]], state)
+                    offset, text = state.offset, head["text"] + text
+                logprobs = (completion_logprobs(choice.tokens, self._bytes_of, offset, decoder)[0]
+                            if plan.logprobs else None)
+                if head is not None and head["logprobs"] is not None:
+                    logprobs = {k: head["logprobs"][k] + logprobs[k] for k in logprobs}
                 entry = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                if plan.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = vllm_prompt_logprobs(echoes[plan.prompt_index[i]].scored,
+                                                                    self.service.token_text)
             if plan.attribution:
                 entry["fusion"] = {"tokens": [attribution(t) for t in choice.tokens]}
             out.append(entry)
@@ -463,10 +538,25 @@ class HttpApi:
         choice.started = True
         return entry
 
-    async def _chunks(self, generation: _Generation, plan: Plan, received: float) -> AsyncIterator[bytes]:
-        """The stream's events: one chunk per token (and choice), the usage chunk if asked, [DONE]."""
+    async def _chunks(self, generation: _Generation, plan: Plan, received: float,
+                      echoes: list[_Echo] | None = None) -> AsyncIterator[bytes]:
+        """The stream's events: the echoed prompts first (when asked), one chunk per token (and choice), the
+        usage chunk if asked, [DONE]."""
         head = self._head(generation, plan, stream=True)
         choices = [_Choice(offset=_prompt_chars(plan, i)) for i in range(len(plan.requests))]
+        if echoes is not None:
+            for i, choice in enumerate(choices):
+                echo = echoes[plan.prompt_index[i]]
+                entry = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+                if plan.echo:
+                    entry |= self._echo_entry(plan, echo, choice)
+                if plan.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = vllm_prompt_logprobs(echo.scored, self.service.token_text)
+                chunk = {**head, "choices": [entry]}
+                if plan.include_usage:
+                    chunk["usage"] = None
+                choice.started = True
+                yield _sse(chunk)
         async with contextlib.aclosing(self._metered(generation, received)) as events:
             async for i, event in events:
                 choice = choices[i]

@@ -187,8 +187,10 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids of the experts' vocabulary
     logprobs: int | None = None  # top alternatives per token (the sampler allows up to 20)
+    echo: bool | None = None  # the prompt comes back before the completion, with its logprobs when asked
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
 
 
 def _absent(value: Any, body: Mapping[str, Any]) -> bool:
@@ -206,7 +208,6 @@ UNSUPPORTED: dict[Kind, dict[str, Callable[[Any, Mapping[str, Any]], bool]]] = {
         "web_search_options": _absent,
     },
     "completions": {
-        "echo": _absent,
         "suffix": lambda v, body: not v,
         "best_of": lambda v, body: v is None or v == (body.get("n") or 1),
     },
@@ -242,9 +243,6 @@ def parse_body(kind: Kind, body: Any) -> ChatRequest | CompletionRequest:
     for name, supported in UNSUPPORTED[kind].items():
         if name in body and not supported(body[name], body):
             raise ApiError(400, f"{name}: not supported by this server (got {body[name]!r:.80})", name, "unsupported")
-    if kind == "completions" and isinstance(body.get("prompt"), list) and any(
-            not isinstance(p, str) for p in body["prompt"]):
-        raise ApiError(400, "prompt: token id prompts are not supported; send text", "prompt", "unsupported")
     try:
         return (ChatRequest if kind == "chat" else CompletionRequest).model_validate(body)
     except ValidationError as err:
@@ -266,6 +264,10 @@ class Plan:
     attribution: bool
     max_tokens: int | None  # as requested (None: the config's default), for per-key limits
     tool_call: bool = False  # the answer is a tool call: {"name", "arguments"} JSON, sent as `tool_calls`
+    echo: bool = False  # completions: the prompt precedes the completion (with its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
+    prompts: list = field(default_factory=list)  # completions: each prompt as sent (text or token ids)
+    generate: bool = True  # False: max_tokens 0, the prompt only (echo / prompt_logprobs)
     renames: dict[str, str] = field(default_factory=dict)  # the service's field name -> the client's
 
 
@@ -395,10 +397,18 @@ def tool_call_of(text: str, call_id: str) -> dict[str, Any] | None:
 
 def _prompts(request: ChatRequest | CompletionRequest) -> list:
     if isinstance(request, CompletionRequest):
-        prompts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
-        if not prompts:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # one prompt of token ids
+        if not prompt:
             raise ApiError(400, "prompt: give a prompt", "prompt")
-        return prompts
+        return list(prompt)
+    return _chat_prompts(request)
+
+
+def _chat_prompts(request: ChatRequest) -> list:
     messages = []
     for i, message in enumerate(request.messages):
         role = "system" if message.role == "developer" else message.role
@@ -477,6 +487,14 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
     if structured is not None:
         sampling["structured"] = structured
     prompts = _prompts(request)
+    echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    prompt_logprobs = request.prompt_logprobs if isinstance(request, CompletionRequest) else None
+    generate = max_tokens != 0
+    if not generate:
+        if not echo and prompt_logprobs is None:
+            raise ApiError(400, "max_tokens: 0 only with echo or prompt_logprobs (the prompt's log-probabilities)",
+                           "max_tokens")
+        sampling.pop("max_tokens")
     n = request.n or 1
     if n * len(prompts) > max_choices:
         raise ApiError(400, f"n: {n * len(prompts)} choices exceed max_concurrent_sessions={max_choices}", "n")
@@ -505,8 +523,41 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=chat_logprobs or (kind == "completions" and request.logprobs is not None),
         attribution=bool(request.fusion and request.fusion.attribution),
-        max_tokens=max_tokens, renames=renames, tool_call=tool_call,
+        max_tokens=max_tokens, renames=renames, tool_call=tool_call, echo=echo, prompt_logprobs=prompt_logprobs,
+        prompts=prompts if kind == "completions" else [], generate=generate,
     )
+
+
+def echo_logprobs(scored, bytes_of: Callable[[int], bytes], top: int, decoder: codecs.IncrementalDecoder
+                  ) -> tuple[dict[str, Any], int]:
+    """An echoed prompt's part of a completion's `logprobs` (`scored`: fusion.service.PromptLogprobs; the
+    first token has no logprob: null, as OpenAI sends it), and the character offset after it."""
+    tokens, offsets, top_logprobs, offset = [], [], [], 0
+    for token_id, alternatives in zip(scored.token_ids, scored.alternatives):
+        tokens.append(token_string(bytes_of(token_id)))
+        offsets.append(offset)
+        offset += len(decoder.decode(bytes_of(token_id)))
+        top_logprobs.append(None if alternatives is None else
+                            {token_string(bytes_of(i)): _finite(lp) for i, lp in zip(*alternatives)})
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp) for lp in scored.logprobs],
+            "top_logprobs": top_logprobs if top else [None] * len(tokens), "text_offset": offsets}, offset
+
+
+def vllm_prompt_logprobs(scored, text_of: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, {id: {logprob, rank, decoded_token}} for the token and
+    its alternatives (rank 1 = likeliest), the first token null."""
+    out: list[dict[str, Any] | None] = []
+    for token_id, logprob, alternatives, rank in zip(scored.token_ids, scored.logprobs, scored.alternatives,
+                                                     scored.ranks):
+        if logprob is None:
+            out.append(None)
+            continue
+        ids, values = alternatives if alternatives is not None else ([], [])
+        entry = {str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": text_of(token_id)}}
+        for r, (i, lp) in enumerate(zip(ids, values)):
+            entry.setdefault(str(i), {"logprob": _finite(lp), "rank": r + 1, "decoded_token": text_of(i)})
+        out.append(entry)
+    return out
 
 
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")

@@ -18,6 +18,7 @@ from typing import Literal
 import jsonschema
 import pydantic
 import pytest
+import torch
 
 openai = pytest.importorskip("openai", reason="the HTTP tests use the official client: pip install openai")
 
@@ -301,6 +302,57 @@ def test_a_named_tool_and_tool_results_in_the_history(client):
     plain = client.chat.completions.create(model="fusion", messages=history, max_tokens=4, tools=[WEATHER],
                                            tool_choice="none")
     assert plain.choices[0].message.tool_calls is None
+
+
+def reference_prompt_logprobs(service, ids: list[int]) -> torch.Tensor:
+    """The fused log-distribution after each prefix of `ids` (teacher forced), computed apart: (n-1, V)."""
+    engine = service.engine
+    rule, weights = service.resolve_spec(None)
+    prompts = [ids[:1]] * len(engine.experts)
+    logits = engine.continuation_logits(prompts, ids[1:])
+    return engine.fused_distribution(logits, ids[1:], rule, weights, ids[:1])
+
+
+def test_echo_with_logprobs_scores_the_prompt_the_lm_eval_way(client, tiny_service):
+    """lm-evaluation-harness's local-completions: token-id prompts, echo, logprobs 1, max_tokens 0 or 1."""
+    ids = tiny_service.prompt_ids("the quick brown fox jumps", plain=True)[0]
+    dist = reference_prompt_logprobs(tiny_service, ids)
+    for max_tokens in (0, 1):
+        reply = client.completions.create(model="fusion", prompt=ids, max_tokens=max_tokens, logprobs=1, echo=True,
+                                          temperature=0)
+        lp = reply.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = dist.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+        best = [tiny_service.token_text(i) for i in dist.argmax(-1).tolist()]
+        assert [next(iter(t)) for t in lp.top_logprobs[1:len(ids)]] == [token_string(tiny_service.token_bytes(
+            int(i))) for i in dist.argmax(-1).tolist()] and len(best) == len(ids) - 1
+        assert len(lp.tokens) == len(ids) + max_tokens and lp.text_offset[0] == 0
+        assert reply.choices[0].text.startswith(tiny_service.tokenizers[0].decode(ids))
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_prompt_logprobs_and_a_text_prompt_echoed_while_streaming(client, tiny_service):
+    prompt = "hello world , fusion"
+    ids = tiny_service.prompt_ids(prompt, plain=True)[0]
+    dist = reference_prompt_logprobs(tiny_service, ids)
+    reply = client.completions.create(model="fusion", prompt=prompt, max_tokens=0, echo=False,
+                                      extra_body={"prompt_logprobs": 2})
+    entries = reply.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for k, entry in enumerate(entries[1:]):
+        token = str(ids[k + 1])
+        assert entry[token]["logprob"] == pytest.approx(float(dist[k, ids[k + 1]]), abs=1e-4)
+        assert entry[token]["rank"] == int((dist[k] > dist[k, ids[k + 1]]).sum()) + 1
+        assert any(v["rank"] == 1 for v in entry.values())
+    chunks = list(client.completions.create(model="fusion", prompt=prompt, max_tokens=4, echo=True, stream=True,
+                                            logprobs=0))
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in chunks).startswith(prompt)
+    offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    with pytest.raises(openai.BadRequestError, match="max_tokens: 0 only with echo"):
+        client.completions.create(model="fusion", prompt=prompt, max_tokens=0)
 
 
 def test_same_tokens_as_grpc(coordinator, client):

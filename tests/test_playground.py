@@ -291,3 +291,47 @@ def test_keys_and_the_servers_messages(loop, tiny_dir, experts, browser, tmp_pat
         assert key not in browser.execute_script("return document.cookie")
     finally:
         loop.run(server.stop(0))
+
+
+def test_keyboard_structured_mode_and_a_key_of_one_stream(loop, tiny_dir, experts, browser, tmp_path):  # noqa: F811
+    """Ctrl+Enter runs; tokens are reached by Tab and pinned by Enter; plain mode hides the System field;
+    a structured-output run gives a valid object in every pane; a key allowed one stream at a time still
+    fills all four side-by-side panes (the refused ones run again one by one)."""
+    from selenium.webdriver.common.keys import Keys
+
+    path = tmp_path / "keys.yaml"
+    key = create_key(path, "one", limits={"max_concurrent_streams": 1})
+    server, _, http_port = start(loop, tiny_dir, {n: [addr(p)] for n, (_, p) in experts.items()},
+                                 limits=LIMITS, security={"api_keys_file": str(path)})
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        browser.get(url + "/")
+        by_css(browser, "#key")[0].send_keys(key, Keys.ENTER)
+        wait_for(browser, lambda d: by_css(d, "#weights input") and by_css(d, "#error")[0].get_attribute("hidden"))
+        set_value(browser, "mode", "plain")
+        browser.execute_script("document.getElementById('mode').dispatchEvent(new Event('change'))")
+        assert not by_css(browser, "#system")[0].is_displayed()
+        set_value(browser, "mode", "chat")
+        browser.execute_script("document.getElementById('mode').dispatchEvent(new Event('change'))")
+        assert by_css(browser, "#system")[0].is_displayed()
+
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        set_value(browser, "structured-kind", "json")
+        browser.execute_script("document.getElementById('structured-kind').dispatchEvent(new Event('change'))")
+        set_value(browser, "structured", json.dumps(schema))
+        set_value(browser, "max_tokens", "24")
+        by_css(browser, "#prompt")[0].send_keys(Keys.CONTROL, Keys.ENTER)
+        wait_for(browser, lambda d: len(panes_state(d)) == 4 and set(panes_state(d).values()) == {"done"},
+                 message="the side-by-side panes did not all finish with a one-stream key")
+        for pane in ("fused", "expert:a", "expert:b", "expert:c"):
+            text = "".join(t["text"] for t in pane_tokens(browser, pane))
+            assert isinstance(json.loads(text)["ok"], bool), (pane, text)
+
+        first = by_css(browser, ".pane[data-pane='fused'] .tok")[0]
+        browser.execute_script("arguments[0].focus()", first)
+        wait_for(browser, lambda d: not by_css(d, "#details")[0].get_attribute("hidden"), message="focus shows no details")
+        first.send_keys(Keys.ENTER)
+        assert "selected" in first.get_attribute("class")
+    finally:
+        loop.run(server.stop(0))

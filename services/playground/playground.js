@@ -259,6 +259,8 @@ function requests() {
   } else {
     Object.assign(body, {prompt: $("prompt").value, logprobs: top});
   }
+  const structured = structuredOutputs();
+  if (structured) body.structured_outputs = structured;
   const path = chat ? "/v1/chat/completions" : "/v1/completions";
   const runs = [{id: "fused", title: `fused: ${fusion.rule}${fusion.profile ? ` (profile ${fusion.profile})` : ""}`,
                  path, chat, body: {...body, fusion}}];
@@ -269,6 +271,21 @@ function requests() {
     }
   }
   return runs;
+}
+
+// The `structured_outputs` extension the form asks for (null: free text); a bad schema is an error here.
+function structuredOutputs() {
+  const kind = $("structured-kind").value;
+  const text = $("structured").value;
+  if (!kind) return null;
+  if (kind === "json_object") return {json_object: true};
+  if (kind === "regex") return {regex: text};
+  if (kind === "choice") return {choice: text.split("\n").map((s) => s.trim()).filter(Boolean)};
+  try {
+    return {json: JSON.parse(text)};
+  } catch (err) {
+    throw new Error(`Structured output: the schema is not JSON (${err.message})`);
+  }
 }
 
 // -- a pane: one streamed answer, its tokens and charts ------------------------------------------------
@@ -284,6 +301,13 @@ class Pane {
     this.drawPending = false;
   }
 
+  reset() {
+    this.tokens = [];
+    this.output.replaceChildren();
+    this.chart.replaceChildren();
+    this.setState("streaming", "waiting for a free stream of this key…");
+  }
+
   setState(name, text) {
     this.node.dataset.state = name;
     this.stateLine.textContent = text;
@@ -293,7 +317,9 @@ class Pane {
     const index = this.tokens.length;
     const expert = leader(token.attribution);
     this.tokens.push({...token, expert});
-    const span = el("span", {class: "tok", "data-index": String(index), "data-expert": expert || ""});
+    // Every token is reachable by keyboard: Tab focuses it (its details show), Enter or Space pins them.
+    const span = el("span", {class: "tok", "data-index": String(index), "data-expert": expert || "", tabindex: "0",
+                             role: "button", "aria-label": `token ${index}${expert ? `, driven by ${expert}` : ""}`});
     span.textContent = token.text;
     if (expert) {
       span.style.background = state.colours[expert] + "33";
@@ -302,6 +328,11 @@ class Pane {
     span.addEventListener("mouseenter", () => showDetails(this, index, span));
     span.addEventListener("mouseleave", hideDetails);
     span.addEventListener("click", () => showDetails(this, index, span, true));
+    span.addEventListener("focus", () => showDetails(this, index, span));
+    span.addEventListener("blur", hideDetails);
+    span.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" || e.key === " ") { e.preventDefault(); showDetails(this, index, span, true); }
+    });
     this.output.append(span);
     this.stateLine.textContent = `streaming… ${this.tokens.length} tokens`;
     if (!this.drawPending) {
@@ -445,14 +476,29 @@ async function run(event) {
   showError("");
   $("details").hidden = true;
   pinned = null;
-  const runs = requests();
+  let runs;
+  try {
+    runs = requests();
+  } catch (err) {
+    showError(err.message);
+    return;
+  }
   const panes = runs.map((r) => new Pane(r));
   $("panes").replaceChildren(...panes.map((p) => p.node));
   const controller = new AbortController();
   state.controller = controller;
   $("run").disabled = true;
   $("stop-button").disabled = false;
-  const results = await Promise.allSettled(panes.map((p) => stream(p, controller.signal)));
+  let results = await Promise.allSettled(panes.map((p) => stream(p, controller.signal)));
+  // A key limited to fewer streams than the panes gets 429 for the rest: those run again one by one,
+  // each once the others have finished (its slot is then free).
+  const refused = panes.filter((p, i) => results[i].status === "rejected" && results[i].reason.status === 429);
+  for (const pane of refused) {
+    if (controller.signal.aborted) break;
+    pane.reset();
+    const [result] = await Promise.allSettled([stream(pane, controller.signal)]);
+    results[panes.indexOf(pane)] = result;
+  }
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   if (state.controller === controller) state.controller = null;
@@ -475,6 +521,14 @@ function init() {
   $("rule").addEventListener("change", () => fillParams({}));
   $("profile").addEventListener("change", profileChanged);
   $("mode").addEventListener("change", () => { $("system-row").hidden = $("mode").value !== "chat"; });
+  $("structured-kind").addEventListener("change", () => {
+    const kind = $("structured-kind").value;
+    $("structured").hidden = !kind || kind === "json_object";
+  });
+  // Ctrl+Enter (Cmd+Enter) runs from anywhere in the form, the prompt included.
+  $("controls").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("controls").requestSubmit(); }
+  });
   window.addEventListener("pagehide", stop);  // leaving the page cancels its requests too
   document.addEventListener("keydown", (e) => { if (e.key === "Escape" && pinned) { pinned.classList.remove("selected"); pinned = null; hideDetails(); } });
   connect();

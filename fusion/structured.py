@@ -36,7 +36,7 @@ def grammar_text(spec: StructuredOutput) -> str:
 
     if spec.json_schema is not None or spec.json_object:
         schema = spec.json_schema if spec.json_schema is not None else {"type": "object"}
-        # Compact JSON (one space after ':' and ','; no newlines): left free, a small model's fused votes
+        # Compact JSON (no spaces or newlines between items): left free, a small model's fused votes
         # drift into whitespace and never close the object. A schema's own x-guidance settings win.
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
     if spec.regex is not None:

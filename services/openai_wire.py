@@ -489,7 +489,7 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
     prompts = _prompts(request)
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
     prompt_logprobs = request.prompt_logprobs if isinstance(request, CompletionRequest) else None
-    generate = max_tokens != 0
+    generate = not (kind == "completions" and max_tokens == 0)
     if not generate:
         if not echo and prompt_logprobs is None:
             raise ApiError(400, "max_tokens: 0 only with echo or prompt_logprobs (the prompt's log-probabilities)",

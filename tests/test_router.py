@@ -298,7 +298,7 @@ def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
     config = parse_config(tiny_config_dict(tiny_dir))
     service = FusionService.from_config(config, cache_dir=cache)
     auto = FusionSpec(rule="route", params={"router": "auto"})
-    with pytest.raises(InvalidArgumentError, match="no router is trained for these experts yet; run `fusion models"):
+    with pytest.raises(InvalidArgumentError, match="no router is trained for these experts yet; run `fusion train-router`"):
         service.resolve_spec(auto)
     auto_config = parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump()))
     with pytest.raises(AssetError, match="fusion.params.router: auto: no router is trained .*fusion train-router"):

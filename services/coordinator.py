@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2
 
 from fusion.config import FusionConfig
 from fusion.errors import ConfigError
-from fusion.expert import Expert, LocalExpert, load_tokenizer, tokenizer_fingerprint
+from fusion.expert import Expert, load_tokenizer, tokenizer_fingerprint
+from fusion.shared_base import load_local_experts
 from fusion.service import FusionService, TextEvent
 from services.http_server import HttpApi, start_http_server
 from services.metrics import CoordinatorMetrics
@@ -45,13 +46,15 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str]) -> 
     """Each expert in-process, or remote where the config lists addresses; plus each one's tokenizer."""
     experts, tokenizers = [], []
     try:
+        # In-process experts load together: those that are adapters over one base share it (fusion.shared_base).
+        local = iter(load_local_experts([e for e in config.experts if not e.addresses], resolve_model))
         for expert_config in config.experts:
-            path = resolve_model(expert_config.model)
             if not expert_config.addresses:
-                local = LocalExpert.load(expert_config, path)
-                experts.append(local)
-                tokenizers.append(local.tokenizer)
+                expert = next(local)
+                experts.append(expert)
+                tokenizers.append(expert.tokenizer)
                 continue
+            path = resolve_model(expert_config.model)
             tokenizer = load_tokenizer(expert_config, path)
             remote = RemoteExpert(expert_config, max_message_bytes=config.limits.max_message_bytes,
                                   security=config.security, max_sessions_per_call=config.limits.max_sessions_per_step)

@@ -54,7 +54,7 @@ from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
 from fusion.spelling import spelling_for, token_bytes_of
 from fusion.tenancy import LOCAL, Reservation, Tenant
-from fusion.text import (Message, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
+from fusion.text import (Message, StopMatcher, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
                          end_of_turn_id)
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class CrossRequestStream(_AdmittedRequest):
         self._pieces = decode(service.cross, request.prompt_ids, request.sampling, request.rule, request.weights,
                               hold_back_prompt=hold_back_prompt)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = list(request.sampling.stop)
+        self._stops = StopMatcher(list(request.sampling.stop))
         self._text = ""  # the generated text so far (decoded), up to any stop string
         self._emitted = 0
         self._done = False
@@ -290,15 +290,13 @@ class CrossRequestStream(_AdmittedRequest):
         self.settlement.used = self.prompt_tokens + piece.index + 1
         self._text += self._decoder.decode(piece.piece, final=piece.finish_reason is not None)
         reason = piece.finish_reason
-        visible = self._text
-        for stop in self._stops:
-            at = self._text.find(stop)
-            if at >= 0:
-                visible, reason = self._text[:at], "stop"
-        if reason is None and self._stops:  # hold back what could still become a stop string
-            keep = max(len(s) for s in self._stops) - 1
-            visible = self._text[: max(self._emitted, len(self._text) - keep)]
-        delta, self._emitted = visible[self._emitted:], max(self._emitted, len(visible))
+        safe, stopped = self._stops.cut(self._text, self._emitted)
+        if stopped:
+            reason = "stop"
+        elif reason is not None:  # the last piece: nothing is held back any more
+            safe = len(self._text)
+        visible = self._text[:max(self._emitted, safe)]
+        delta, self._emitted = visible[self._emitted:], len(visible)
         attribution = [ExpertAttribution(name, weight, math.exp(lp) if lp is not None else None)
                        for name, weight, lp in zip(self._names, piece.weights, piece.expert_logprobs)]
         token = TokenEvent(self.request_id, piece.index, -1, piece.logprob, [], attribution, reason)

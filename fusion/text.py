@@ -99,8 +99,12 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 class TextStream:
     """Turns generated ids into text deltas and finds stop strings.
 
-    Decodes the whole output each time (cheap at these lengths) and holds back a trailing partial
-    UTF-8 character, and any tail that could still become a stop string.
+    Decodes incrementally, as vLLM's detokenizer does: each new id is decoded with the few ids before it
+    (from `prefix_offset`), and the text beyond what those few ids alone decode to is the new text, so a
+    token's leading space or a character spread over several byte tokens comes out right while the work
+    per token stays constant (decoding the whole output every time made a long answer quadratic). A
+    trailing partial UTF-8 character is held back until it completes, and so is any tail that could
+    still become a stop string.
     """
 
     tokenizer: object
@@ -108,26 +112,36 @@ class TextStream:
     token_ids: list[int] = field(default_factory=list)
     emitted: str = ""
     stopped: bool = False
+    text: str = ""  # the output decoded so far (complete characters)
+    prefix_offset: int = 0  # ids from here on are decoded together with the new ones
+    read_offset: int = 0  # ids before this are in `text`
 
     def push(self, token_id: int) -> str:
         """Append one id; return the new text that is safe to show. Sets `stopped` on a stop string."""
         self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next id
+        if not self._advance(partial_ok=False):  # an incomplete multi-byte character: wait for the next id
             return ""
-        for stop in self.stop:
-            at = text.find(stop, max(0, len(self.emitted) - len(stop)))
-            if stop and at != -1:
-                self.stopped = True
-                return self._emit(text[:at])
-        hold = max((self._partial_stop(text, s) for s in self.stop if s), default=0)
-        return self._emit(text[: len(text) - hold])
+        safe, self.stopped = StopMatcher(self.stop).cut(self.text, len(self.emitted))
+        return self._emit(self.text[:safe])
 
     def flush(self) -> str:
         """Text held back at the end of the stream (a tail that never became a stop string)."""
         if self.stopped:
             return ""
-        return self._emit(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+        self._advance(partial_ok=True)
+        return self._emit(self.text)
+
+    def _advance(self, *, partial_ok: bool) -> bool:
+        """Move the ids not yet in `text` into it; False (nothing moved) while they end inside a character."""
+        if self.read_offset == len(self.token_ids):
+            return True
+        before = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
+        if after.endswith("\ufffd") and not partial_ok:
+            return False
+        self.text += after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return True
 
     def _emit(self, text: str) -> str:
         if len(text) <= len(self.emitted):
@@ -136,8 +150,25 @@ class TextStream:
         self.emitted = text
         return delta
 
+
+@dataclass(frozen=True)
+class StopMatcher:
+    """Stop strings in a growing text: where the first one begins, or how much of the tail to hold back
+    because it could still become one. One rule for every stream (ids, or text pieces across
+    tokenizers)."""
+
+    stops: Sequence[str]
+
+    def cut(self, text: str, shown: int) -> tuple[int, bool]:
+        """(how much of `text` is safe to show, whether a stop string begins there). `shown`: the length
+        already shown, which holds no stop string, so only the tail after it is searched."""
+        hits = [at for stop in self.stops if stop and (at := text.find(stop, max(0, shown - len(stop)))) != -1]
+        if hits:
+            return min(hits), True
+        return len(text) - max((self.partial(text, s) for s in self.stops if s), default=0), False
+
     @staticmethod
-    def _partial_stop(text: str, stop: str) -> int:
+    def partial(text: str, stop: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of `stop`. Only tails that start
         with `stop[0]` are tried, each by one C-level comparison (the naive loop is O(len(stop)^2))."""
         tail = text[-(len(stop) - 1):] if len(stop) > 1 else ""

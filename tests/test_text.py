@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fusion.text import TextStream
+import pytest
+
+from fusion.text import StopMatcher, TextStream
 
 
 class CharTokenizer:
@@ -40,4 +42,37 @@ def test_partial_stop_matches_the_naive_scan():
     for _ in range(3000):
         text = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 12)))
         stop = "".join(rng.choice("ab\n") for _ in range(rng.randint(1, 6)))
-        assert TextStream._partial_stop(text, stop) == _naive_partial_stop(text, stop), (text, stop)
+        assert StopMatcher.partial(text, stop) == _naive_partial_stop(text, stop), (text, stop)
+
+
+TEXTS = ["Hello, world! 47 + 38 = 85.", "Grüße aus Köln — naïve café, 東京 and 😀🚀 emoji.",
+         "def f(x):\n    return {'a': [1, 2]}  # ünïcödé\n\n\tdone", "  leading spaces and trailing  "]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_is_the_whole_decode_on_a_real_tokenizer(smollm2_dir, text):
+    """Token by token, the deltas join to what decoding the whole output gives (SmolLM2's byte-level BPE:
+    leading spaces, characters split over several byte tokens, emoji), never showing a partial one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer)
+    deltas = [stream.push(i) for i in ids]
+    assert "".join(deltas) + stream.flush() == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_decode_does_constant_work_per_token():
+    """Each push decodes a few ids, not the whole output (the old stream was quadratic)."""
+    class Counting(CharTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+
+    stream = TextStream(Counting())
+    for c in "x" * 2000:
+        stream.push(ord(c))
+    assert Counting.decoded < 10 * 2000

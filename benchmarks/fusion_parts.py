@@ -35,7 +35,7 @@ from fusion.engine import DecodeBatch, FusionEngine
 from fusion.router import Route
 from fusion.sampler import SamplingMetadata
 from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
-from fusion.tools.cli import cache_dir, load_service, read_config
+from fusion.tools.loading import cache_dir, load_service, read_config
 
 logger = logging.getLogger("fusion_parts")
 

@@ -44,7 +44,7 @@ def main() -> None:
 
     from fusion.config import load_config
     from fusion.models import model_resolver
-    from fusion.tools.cli import DEFAULT_CONFIG
+    from fusion.tools.loading import DEFAULT_CONFIG
 
     if args.default_trio is not None:
         config, resolve, cache = load_config(DEFAULT_CONFIG), model_resolver(args.default_trio), args.default_trio

@@ -23,7 +23,7 @@ ALLOWED = {
 
 
 def layer_of(module: str) -> str:
-    if module.startswith("fusion.tools") or module == "services.keys_cli":
+    if module.startswith("fusion.tools"):
         return "tools"
     return {"fusion": "runtime", "services": "servers", "deploy": "deploy"}[module.split(".")[0]]
 

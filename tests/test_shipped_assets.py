@@ -14,7 +14,7 @@ from fusion.models import ADAPTERS_DIR, BUILTIN_ADAPTERS, ROUTERS_DIR, shipped_r
 from fusion.router import load_router
 from fusion.service import FusionService
 from fusion.tools.assets import SMOLLM2_WHEEL
-from fusion.tools.cli import DEFAULT_CONFIG
+from fusion.tools.loading import DEFAULT_CONFIG
 from fusion.tools.training import ADAPTER_NAMES, RECIPES
 from fusion.tools.training.arithmetic import extract_answer, make_questions
 from fusion.tools.training.lora import ADAPTER_MANIFEST

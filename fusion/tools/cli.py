@@ -13,18 +13,17 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from fusion.config import FusionConfig, FusionSpec, SpecOverrides, load_config
+from fusion.config import FusionSpec, SpecOverrides
 from fusion.errors import FusionError
-from fusion.models import SMOLLM2_HUB_ID, default_cache_dir
-from fusion.models import model_resolver as runtime_resolver
+from fusion.models import SMOLLM2_HUB_ID
+from fusion.tools.loading import cache_dir, load_service, model_resolver, read_config
 
-DEFAULT_CONFIG = Path(__file__).parent.parent / "configs" / "default.yaml"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fuse several small LMs' logits per token.")
 models_app = typer.Typer(no_args_is_help=True, help="Fetch and list the builtin models.")
 app.add_typer(models_app, name="models")
 
-from services.keys_cli import keys_app  # noqa: E402  (typer only; the work is imported lazily)
+from fusion.tools.keys_cli import keys_app  # noqa: E402  (typer only; the work is imported lazily)
 
 app.add_typer(keys_app, name="keys")
 
@@ -71,24 +70,6 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
         fail(str(err))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-
-
-def cache_dir(option: Optional[Path]) -> Path:
-    return option if option is not None else default_cache_dir()
-
-
-def read_config(path: Optional[Path]) -> FusionConfig:
-    return load_config(path or DEFAULT_CONFIG)
-
-
-def model_resolver(cache: Path, *, prepare: bool) -> Callable[[str], str]:
-    """`builtin:` refs to cache folders; with `prepare`, missing ones are fetched or trained first
-    (servers never prepare: they refuse to start, naming the command)."""
-    if not prepare:
-        return runtime_resolver(cache)
-    from fusion.tools.assets import prepare_model
-
-    return lambda ref: prepare_model(ref, cache)
 
 
 def _pairs(text: str, option: str, shape: str) -> list[tuple[str, str]]:
@@ -139,25 +120,6 @@ def spec_overrides(rule: Optional[str], profile: Optional[str], weights: Optiona
                    params: Optional[str] = None) -> SpecOverrides:
     """The command line's fusion options; the service layers them over the config (`layer_spec`)."""
     return SpecOverrides(rule=rule, params=parse_params(params), weights=parse_weights(weights), profile=profile)
-
-
-def load_service(config: FusionConfig, cache: Path, *, router: bool = True):
-    """The local build of `config`, preparing what is missing first, explicitly and with progress:
-    builtin models (fetched) and, with `router`, a `router: auto` router for experts that have none
-    shipped (the default trio's ships with the project: nothing trains for it)."""
-    from fusion.service import FusionService
-
-    service = FusionService.from_config(config, resolve_model=model_resolver(cache, prepare=True), cache_dir=cache,
-                                        require_router=False)
-    if router and service.uses_auto_router:
-        from fusion.tools.router_training import prepare_router  # trains only if the cache lacks it
-
-        try:
-            prepare_router(service)
-        except BaseException:
-            service.close()
-            raise
-    return service
 
 
 # Colours for --show-experts, by expert position.

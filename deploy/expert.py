@@ -24,6 +24,7 @@ not checked: it comes from inside the Ray cluster, and whoever reaches Ray can r
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 import logging
 from typing import Any
 
@@ -71,7 +72,8 @@ class ExpertReplica:
         self._closed = True  # until fully started: nothing for __del__ to stop
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         model_path = model_resolver(settings.cache_dir)(expert_config.model)
-        local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path)
+        compiled = Path(settings.cache_dir) / "compiled" if settings.cache_dir else None
+        local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path, compiled)
         self._loop = ServerLoop()
         self._running, port = await self._loop.call(create_expert_server(
             local, limits_config, f"{settings.host}:0", security=self._security,

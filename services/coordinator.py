@@ -42,12 +42,15 @@ logger = logging.getLogger(__name__)
 
 
 # -- building the service ------------------------------------------------------------------------
-def build_experts(config: FusionConfig, resolve_model: Callable[[str], str]) -> tuple[list[Expert], list[Any]]:
-    """Each expert in-process, or remote where the config lists addresses; plus each one's tokenizer."""
+def build_experts(config: FusionConfig, resolve_model: Callable[[str], str], cache_dir: Path | None = None
+                  ) -> tuple[list[Expert], list[Any]]:
+    """Each expert in-process, or remote where the config lists addresses; plus each one's tokenizer. A
+    compiled decode step keeps its compiled code under `cache_dir/compiled`, as the local build's does."""
     experts, tokenizers = [], []
     try:
         # In-process experts load together: those that are adapters over one base share it (fusion.shared_base).
-        local = iter(load_local_experts([e for e in config.experts if not e.addresses], resolve_model))
+        local = iter(load_local_experts([e for e in config.experts if not e.addresses], resolve_model,
+                                        Path(cache_dir) / "compiled" if cache_dir is not None else None))
         for expert_config in config.experts:
             if not expert_config.addresses:
                 expert = next(local)
@@ -72,7 +75,7 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str]) -> 
 
 def build_service(config: FusionConfig, resolve_model: Callable[[str], str], cache_dir: Path | None = None
                   ) -> FusionService:
-    experts, tokenizers = build_experts(config, resolve_model)
+    experts, tokenizers = build_experts(config, resolve_model, cache_dir)
     try:
         return FusionService.from_config(config, experts=experts, tokenizers=tokenizers, cache_dir=cache_dir)
     except BaseException:

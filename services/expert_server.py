@@ -23,6 +23,7 @@ import hashlib
 import logging
 import sys
 import time
+from pathlib import Path
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -410,11 +411,14 @@ def run_expert_server(
     metrics_port: int | None = None,
     grace: float = 30.0,
     insecure: bool = False,
+    cache_dir: Path | None = None,
 ) -> None:
-    """Load expert `name` of `config` and serve it until SIGTERM/SIGINT (the `fusion serve-expert` command)."""
+    """Load expert `name` of `config` and serve it until SIGTERM/SIGINT (the `fusion serve-expert` command).
+    A compiled decode step keeps its compiled code under `cache_dir/compiled`, as the local build's does."""
     check_expert_exposure(config.security, f"{host}:{port}", insecure)  # before minutes of loading
     expert_config = config.expert(name)
-    expert = LocalExpert.load(expert_config, resolve_model(expert_config.model))
+    expert = LocalExpert.load(expert_config, resolve_model(expert_config.model),
+                              Path(cache_dir) / "compiled" if cache_dir is not None else None)
 
     async def main() -> None:
         running, bound = await create_expert_server(expert, config.limits, f"{host}:{port}", metrics_port, host,

@@ -331,7 +331,8 @@ def serve_expert(
         from services.expert_server import run_expert_server
 
         config = read_config(config_path)
-        run_expert_server(config, expert, model_resolver(cache_dir(cache), prepare=False), port=port, host=host,
+        run_expert_server(config, expert, model_resolver(cache_dir(cache), prepare=False), cache_dir=cache_dir(cache),
+                          port=port, host=host,
                           metrics_port=metrics_port, insecure=insecure)
 
     run_guarded(run)

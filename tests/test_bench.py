@@ -20,10 +20,11 @@ def test_suites_report_ratios_and_plot(tiny_service, tmp_path):
     bench.bench_memory(tiny_service, report)
     bench.bench_decode(tiny_service, report, steps=2, rounds=1, compiled=False)
     bench.bench_generate(tiny_service, report, max_tokens=3, rounds=2)
+    bench.bench_structured(tiny_service, report, steps=2, rounds=1, levels=(1, 2))
     figures = report.figures
     ratios = ["sampling_over_full_sort", "long_context_step_over_transformers", "fused_step_over_sum_of_forwards",
               "fused_step_over_sum_of_runtime_steps", "decode_fast_over_transformers", "decode_step_over_floor",
-              "fused_over_generate.a"]
+              "fused_over_generate.a", "structured_step_over_free.1", "structured_step_over_free.2"]
     for name in ratios:  # each a positive, finite ratio of two timings measured side by side
         assert math.isfinite(figures[name]) and figures[name] > 0, name
     assert 0.0 <= figures["sampling_ms"]["candidates_fit"] <= 1.0

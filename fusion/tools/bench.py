@@ -630,6 +630,46 @@ def _fused_distributions(service: FusionService, sessions: int, steps: int, samp
     return captured
 
 
+# A schema whose answers run long (at least 64 items), so a timed step is always inside the grammar.
+LONG_JSON = {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+             "minItems": 64}
+
+
+def bench_structured(service: FusionService, report: BenchReport, steps: int = 24, rounds: int = 3,
+                     levels: tuple[int, ...] = (1, 8)) -> None:
+    """The grammar mask's cost (fusion.structured): the fused decode step of `level` requests under a JSON
+    Schema against the same requests free, in alternating rounds (machine drift hits both alike)."""
+    if service.cross is not None:
+        logger.warning("structured suite: experts of different tokenizers take no grammar")
+        return
+    for level in levels:
+        free, constrained = [], []
+        for r in range(rounds):
+            logger.info("structured benchmark, %d sessions, round %d/%d", level, r + 1, rounds)
+            for structured, times in ((None, free), ({"json_schema": LONG_JSON}, constrained)):
+                times.append(_structured_step_ms(service, steps, level, structured))
+        ratio = statistics.median(c / f for c, f in zip(constrained, free))
+        report.add(f"structured_step_over_free.{level}", ratio,
+                   f"fused step under a JSON Schema / free, {level} sessions: {ratio:.3f}  (goal <= 1.05; "
+                   f"{statistics.median(constrained):.1f} against {statistics.median(free):.1f} ms)")
+
+
+def _structured_step_ms(service: FusionService, steps: int, rows: int, structured: dict | None) -> float:
+    sampling = {"max_tokens": steps + 3, "ignore_eos": True, **({"structured": structured} if structured else {})}
+    batch = service.engine.new_batch()
+    for _ in range(rows):
+        batch.add(service.admit(FusionRequest(BENCH_PROMPT, sampling)))
+    try:
+        batch.step()  # prefill
+        batch.step()  # warm-up
+        start = time.perf_counter()
+        for _ in range(steps):
+            batch.step()
+        return (time.perf_counter() - start) / steps * 1e3
+    finally:
+        batch.cancel_all()
+
+
 def bench_memory(service: FusionService, report: BenchReport) -> None:
     """Weights held per loaded model: an expert's own, or once for experts sharing a base (with their
     adapters' stacked matrices)."""

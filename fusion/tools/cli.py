@@ -561,8 +561,9 @@ def evaluate(
 @app.command()
 def bench(
     config_path: Optional[Path] = ConfigOption,
-    suites: str = typer.Option("step,generate,concurrency,long,sampling,memory,decode", "--suites",
-                               help="Comma-separated: step, generate, concurrency, long, sampling, memory, decode."),
+    suites: str = typer.Option("step,generate,concurrency,long,sampling,memory,decode,structured", "--suites",
+                               help="Comma-separated: step, generate, concurrency, long, sampling, memory, decode, "
+                                    "structured."),
     compiled: bool = typer.Option(True, "--compile/--no-compile",
                                   help="The decode suite also compiles the decode step (minutes on a small CPU)."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
@@ -585,7 +586,7 @@ def bench(
         report = b.BenchReport()
         report.figures["machine"] = b.machine_description()
         chosen = [s.strip() for s in suites.split(",") if s.strip()]
-        known = {"step", "generate", "concurrency", "long", "sampling", "memory", "decode"}
+        known = {"step", "generate", "concurrency", "long", "sampling", "memory", "decode", "structured"}
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
@@ -602,6 +603,8 @@ def bench(
             b.bench_memory(service, report)
         if "decode" in chosen:
             b.bench_decode(service, report, steps=min(steps, 16), compiled=compiled)
+        if "structured" in chosen:
+            b.bench_structured(service, report, steps=steps, rounds=rounds)
         service.close()
         typer.echo(f"machine: {report.figures['machine']}")
         for line in report.lines:

@@ -146,9 +146,10 @@ CASES: list[tuple[type[BaseModel], str]] = [
 ]
 
 
-def start_server(config: str | None, port: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "fusion.tools.cli", "serve", "--port", "0", "--http-port", str(port), "--host",
-            "127.0.0.1"] + (["--config", config] if config else [])
+def start_server(config: str | None, port: int, grpc_port: int = 0) -> subprocess.Popen:
+    """`fusion serve` with its HTTP API on `port` (and gRPC on `grpc_port`), once it says it serves."""
+    args = [sys.executable, "-m", "fusion.tools.cli", "serve", "--port", str(grpc_port), "--http-port", str(port),
+            "--host", "127.0.0.1"] + (["--config", config] if config else [])
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     deadline = time.monotonic() + 600
     for line in proc.stderr:

@@ -39,7 +39,7 @@ from fusion.models import model_resolver
 from services.coordinator import create_coordinator_server
 from services.protos import FUSION_SERVICE
 from services.remote_expert import RemoteExpert
-from services.security import open_channel
+from services.tls import open_channel
 
 logger = logging.getLogger(__name__)
 

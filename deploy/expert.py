@@ -42,7 +42,8 @@ from services.metrics import serve_metrics
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.security import expert_channel_metadata, open_channel
+from services.expert_auth import expert_channel_metadata
+from services.tls import open_channel
 from services.serving import channel_options
 
 logger = logging.getLogger(__name__)

@@ -336,7 +336,7 @@ class SecurityConfig(_Strict):
             raise ValueError("give either api_keys_file or api_keys_env, not both")
         return self
 
-    # The pepper of API key hashes (services.security): an environment variable or a file; neither
+    # The pepper of API key hashes (services.api_keys): an environment variable or a file; neither
     # means the documented default pepper.
     api_keys_pepper_env: str | None = None
     api_keys_pepper_file: str | None = None

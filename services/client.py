@@ -19,7 +19,7 @@ from fusion.errors import FusionError
 from fusion.service import ScoreResult, TextEvent, Usage
 from fusion.text import Message
 from services.protos import fusion_pb2, fusion_pb2_grpc
-from services.security import api_key_metadata, open_channel
+from services.tls import api_key_metadata, open_channel
 from services.serving import channel_options
 from services.status import error_from_rpc
 from services.wire import generate_request, spec_to_proto

@@ -33,7 +33,9 @@ from services.http_server import HttpApi, start_http_server
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.remote_expert import RemoteExpert
-from services.security import KeyGate, current_tenant, fusion_interceptors, server_credentials
+from services.grpc_auth import fusion_interceptors
+from services.key_gate import KeyGate, current_tenant
+from services.tls import server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import stream_errors, unary_errors
 from services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto

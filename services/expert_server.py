@@ -37,7 +37,8 @@ from fusion.errors import FusionError, InvalidArgumentError, ResourceExhaustedEr
 from fusion.expert import LocalExpert, StepRequest
 from services.metrics import ExpertMetrics
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.security import check_expert_exposure, expert_interceptors, server_credentials
+from services.expert_auth import check_expert_exposure, expert_interceptors
+from services.tls import server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
 from services.status import unary_errors
 from services.wire import encode_tensor, info_to_proto, wire_dtype

@@ -66,8 +66,9 @@ from services.openai_wire import (
     usage,
     vllm_prompt_logprobs,
 )
-from services.security import (ApiKey, KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers,
-                               warn_if_plaintext)
+from services.api_keys import ApiKey
+from services.key_gate import KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers
+from services.tls import warn_if_plaintext
 from services.status import http_status_for, retry_after_s
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,8 @@ from fusion.config import ExpertConfig, SecurityConfig
 from fusion.errors import ConfigError, ExpertOutputError, ExpertUnavailableError
 from fusion.expert import ExpertInfo, StepRequest
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.security import expert_channel_metadata, open_channel
+from services.expert_auth import expert_channel_metadata
+from services.tls import open_channel
 from services.serving import channel_options, keepalive_channel_options
 from services.status import error_from_rpc
 from services.wire import WIRE_DTYPES, decode_tensor, info_from_proto, wire_dtype

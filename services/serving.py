@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from fusion.errors import FusionError
 from services.metrics import ServerMetrics, serve_metrics
-from services.security import MalformedRequestInterceptor, warn_if_plaintext
+from services.malformed import MalformedRequestInterceptor
+from services.tls import warn_if_plaintext
 
 logger = logging.getLogger(__name__)
 

@@ -175,3 +175,31 @@ def stream_errors(method):
             self.metrics.count_request(name, code)
 
     return handler
+
+
+def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
+              retry_after_s: float | None = None) -> grpc.RpcMethodHandler:
+    """The same method (same deserialisers), answering only `code`."""
+
+    async def unary(request, context):
+        await abort_with_retry(context, code, message, retry_after_s)
+
+    async def stream(request, context):
+        await abort_with_retry(context, code, message, retry_after_s)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=unary)
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=stream)
+    return handler  # client-streaming methods: none in these services
+
+
+def call_metadata(details: grpc.HandlerCallDetails) -> dict[str, str]:
+    """A call's metadata as text values by lower-case key (the first value of each; binary ones skipped)."""
+    out = {}
+    for key, value in details.invocation_metadata or ():
+        if isinstance(value, bytes):
+            continue
+        out.setdefault(key.lower(), value)
+    return out

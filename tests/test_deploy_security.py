@@ -20,7 +20,9 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fus
 from fusion.config import parse_config
 from fusion.errors import FusionError
 from services.protos import expert_pb2, expert_pb2_grpc
-from services.security import create_key, expert_channel_metadata, open_channel
+from services.api_keys import create_key
+from services.expert_auth import expert_channel_metadata
+from services.tls import open_channel
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_stream_matches
 from tests.test_deploy import descendants, wait_until_gone

@@ -30,7 +30,8 @@ from services.background import BackgroundLoop
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import EXPERT_SERVICE, FUSION_SERVICE, expert_pb2, fusion_pb2
-from services.security import EXPERT_SECRET_HEADER, create_key
+from services.api_keys import create_key
+from services.expert_auth import EXPERT_SECRET_HEADER
 from tests.conftest import tiny_config_dict
 
 DEADLINE_S = 30.0

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from services.http_server import PLAYGROUND_DIR
-from services.security import create_key
+from services.api_keys import create_key
 from tests.test_grpc import addr, expert_sessions, wait_until
 from tests.test_http import experts, no_sessions_left, post, start  # noqa: F401 (a fixture)
 

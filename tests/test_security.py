@@ -19,12 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fusion.config import SecurityConfig, parse_config
 from fusion.errors import ConfigError, ExpertUnavailableError
 from fusion.expert import LocalExpert
-from services import security
+from services import api_keys, expert_auth, key_gate, tls
 from services.client import FusionClient
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
-from services.security import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
+from services.api_keys import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
 
@@ -134,12 +134,12 @@ def test_security_config_is_explicit(tiny_dir):
 
 
 def test_plaintext_warning_only_off_loopback(caplog):
-    with caplog.at_level("WARNING", logger="services.security"):
-        security.warn_if_plaintext("127.0.0.1:0", "svc")
-        security.warn_if_plaintext("localhost:5", "svc")
-        security.warn_if_plaintext("[::1]:5", "svc")
+    with caplog.at_level("WARNING", logger="services.tls"):
+        tls.warn_if_plaintext("127.0.0.1:0", "svc")
+        tls.warn_if_plaintext("localhost:5", "svc")
+        tls.warn_if_plaintext("[::1]:5", "svc")
         assert not caplog.records
-        security.warn_if_plaintext("0.0.0.0:50051", "svc")
+        tls.warn_if_plaintext("0.0.0.0:50051", "svc")
         assert "PLAINTEXT" in caplog.text
 
 
@@ -189,13 +189,13 @@ def test_new_keys_use_a_keyed_hash(tmp_path, monkeypatch):
     key = create_key(path, "team-a")
     stored = yaml.safe_load(path.read_text())["team-a"]["hash"]
     assert stored.startswith("hmac-sha256$") and len(stored) == len("hmac-sha256$") + 64
-    assert stored == hash_key(key) and not security.is_slow_hash(stored)
+    assert stored == hash_key(key) and not api_keys.is_slow_hash(stored)
     assert verify_key(key, stored) and not verify_key(key, stored, pepper=b"another pepper")
 
     # a configured pepper: keys made with it verify on a server with it, and only there
     monkeypatch.setenv("FUSION_PEPPER", "pepper-from-a-secret")
     sec = SecurityConfig(api_keys_file=str(path), api_keys_pepper_env="FUSION_PEPPER")
-    peppered = create_key(path, "team-b", pepper=security.key_pepper(sec))
+    peppered = create_key(path, "team-b", pepper=api_keys.key_pepper(sec))
     assert ApiKeyStore.from_config(sec).authenticate(peppered)[0].key_id == "team-b"
     assert ApiKeyStore.from_config(sec).authenticate(key)[0] is None  # made with the default pepper
     assert ApiKeyStore(path=path).authenticate(peppered)[0] is None
@@ -212,7 +212,7 @@ def test_new_keys_use_a_keyed_hash(tmp_path, monkeypatch):
     # reissuing an id: a new key in the current format, the old one stops working, limits kept
     legacy = tmp_path / "legacy.yaml"
     old_key = "fsk_old_" + "s" * 43
-    security.write_keys_file(legacy, {"old": {"hash": pbkdf2_hash_key(old_key, iterations=1000),
+    api_keys.write_keys_file(legacy, {"old": {"hash": pbkdf2_hash_key(old_key, iterations=1000),
                                               "limits": {"tokens_per_minute": 7}}})
     assert ApiKeyStore(path=legacy).authenticate(old_key)[0].key_id == "old"  # legacy hashes still verify
     new = create_key(legacy, "old", reissue=True)
@@ -229,7 +229,7 @@ def test_revoke_replaces_the_file_atomically(tmp_path, monkeypatch):
 
     path = tmp_path / "keys.yaml"
     ids = [f"team-{i}" for i in range(100)]
-    security.write_keys_file(path, {i: {"hash": "sha256:" + "0" * 64, "revoked": False} for i in ids})
+    api_keys.write_keys_file(path, {i: {"hash": "sha256:" + "0" * 64, "revoked": False} for i in ids})
     replaced = []
     real_replace = os.replace
 
@@ -239,7 +239,7 @@ def test_revoke_replaces_the_file_atomically(tmp_path, monkeypatch):
         replaced.append((os.fspath(src), os.fspath(dst)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(security.os, "replace", spy)
+    monkeypatch.setattr(api_keys.os, "replace", spy)
     seen, stop = [], threading.Event()
 
     def reader():
@@ -429,7 +429,7 @@ def test_tokens_per_minute_are_reserved_before_the_work(keyed, monkeypatch):
         with pytest.raises(Exception, match="tokens_per_minute"):
             client.score("a", "b")
     # the window slides: tokens older than the window no longer count
-    monkeypatch.setattr(security, "WINDOW_S", 0.5)
+    monkeypatch.setattr(key_gate, "WINDOW_S", 0.5)
     threading.Event().wait(0.6)
     # more than the whole window can ever hold: INVALID_ARGUMENT, a retry would never succeed
     assert generate_code(port, md, max_tokens=limit + 1) == grpc.StatusCode.INVALID_ARGUMENT
@@ -581,7 +581,7 @@ def _expert_info(port: int, credentials, metadata=()) -> grpc.StatusCode:
 
 def test_expert_answers_only_the_coordinator(secure_cluster, pki):
     port = secure_cluster["experts"]["a"][1]
-    secret = [(security.EXPERT_SECRET_HEADER, secure_cluster["secret"])]
+    secret = [(expert_auth.EXPERT_SECRET_HEADER, secure_cluster["secret"])]
     ca = read(pki["ca"])
     coordinator_creds = grpc.ssl_channel_credentials(ca, read(pki["client"][1]), read(pki["client"][0]))
     assert _expert_info(port, coordinator_creds, secret) == grpc.StatusCode.OK
@@ -592,7 +592,7 @@ def test_expert_answers_only_the_coordinator(secure_cluster, pki):
     assert _expert_info(port, None, secret) == grpc.StatusCode.UNAVAILABLE  # plaintext
     # the right certificate without the secret, or with a wrong one
     assert _expert_info(port, coordinator_creds) == UNAUTH
-    assert _expert_info(port, coordinator_creds, [(security.EXPERT_SECRET_HEADER, "guess")]) == UNAUTH
+    assert _expert_info(port, coordinator_creds, [(expert_auth.EXPERT_SECRET_HEADER, "guess")]) == UNAUTH
 
 
 def test_expert_secret_without_tls(loop, tiny_config, monkeypatch, tiny_dir):
@@ -602,8 +602,8 @@ def test_expert_secret_without_tls(loop, tiny_config, monkeypatch, tiny_dir):
     server, port = loop.run(create_expert_server(LocalExpert.load(expert), tiny_config.limits, security=sec))
     try:
         assert _expert_info(port, None) == UNAUTH
-        assert _expert_info(port, None, [(security.EXPERT_SECRET_HEADER, "shared-secreT")]) == UNAUTH
-        assert _expert_info(port, None, [(security.EXPERT_SECRET_HEADER, "shared-secret")]) == grpc.StatusCode.OK
+        assert _expert_info(port, None, [(expert_auth.EXPERT_SECRET_HEADER, "shared-secreT")]) == UNAUTH
+        assert _expert_info(port, None, [(expert_auth.EXPERT_SECRET_HEADER, "shared-secret")]) == grpc.StatusCode.OK
         with grpc.insecure_channel(addr(port)) as channel:  # probes need no secret
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING
@@ -691,7 +691,7 @@ def test_coordinator_without_client_certificate_is_refused_by_experts(secure_clu
 def test_usage_state_stays_bounded_for_a_key_without_limits():
     """Usage is kept in one-second buckets over the window, trimmed as tokens arrive: a key that streams
     for ten minutes holds at most WINDOW_S + 1 buckets, and the window total is exact."""
-    from services.security import WINDOW_S, _Usage
+    from services.key_gate import WINDOW_S, _Usage
 
     usage = _Usage()
     now = 1000.0
@@ -705,20 +705,20 @@ def test_usage_state_stays_bounded_for_a_key_without_limits():
 
 
 # -- failed authentication: bounded work, bounded state ------------------------------------------
-LEGACY_ITERATIONS = security.LEGACY_PBKDF2_ITERATIONS  # what old key files hold: ~50 ms per check
+LEGACY_ITERATIONS = api_keys.LEGACY_PBKDF2_ITERATIONS  # what old key files hold: ~50 ms per check
 
 
 @pytest.fixture
 def pbkdf2_runs(monkeypatch):
-    """Counts the PBKDF2 computations of services.security (the real function runs)."""
+    """Counts the PBKDF2 computations of services.api_keys (the real function runs)."""
     runs = []
-    real = security._pbkdf2_hmac
+    real = api_keys._pbkdf2_hmac
 
     def counting(*args):
         runs.append(args[3])
         return real(*args)
 
-    monkeypatch.setattr(security, "_pbkdf2_hmac", counting)
+    monkeypatch.setattr(api_keys, "_pbkdf2_hmac", counting)
     return runs
 
 
@@ -730,7 +730,7 @@ def legacy(loop, tiny_dir, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("legacy-keys") / "keys.yaml"
     keys = {"legacy": "fsk_legacy_" + "L" * 43, "old-sha": "fsk_old-sha_" + "S" * 43}
-    security.write_keys_file(path, {
+    api_keys.write_keys_file(path, {
         "legacy": {"hash": pbkdf2_hash_key(keys["legacy"], iterations=LEGACY_ITERATIONS)},
         "old-sha": {"hash": "sha256:" + hashlib.sha256(keys["old-sha"].encode()).hexdigest()},
     })
@@ -777,8 +777,8 @@ def test_a_burst_of_wrong_secrets_is_refused_without_hashing(legacy, pbkdf2_runs
         start = time.perf_counter()
         codes = [describe_code(stub, key) for key in wrong]
         elapsed = time.perf_counter() - start
-        refill = int(elapsed * security.FAILURES_PER_S_PER_KEY) + 1
-        assert len(pbkdf2_runs) <= security.FAILURE_BURST_PER_KEY + refill, (len(pbkdf2_runs), elapsed)
+        refill = int(elapsed * key_gate.FAILURES_PER_S_PER_KEY) + 1
+        assert len(pbkdf2_runs) <= key_gate.FAILURE_BURST_PER_KEY + refill, (len(pbkdf2_runs), elapsed)
         counts = collections.Counter(codes)
         assert set(counts) == {UNAUTH, EXHAUSTED} and counts[UNAUTH] == len(pbkdf2_runs)
         assert codes[-1] == EXHAUSTED
@@ -791,9 +791,9 @@ def test_a_burst_of_wrong_secrets_is_refused_without_hashing(legacy, pbkdf2_runs
         # a new key's id: wrong secrets are rate-limited too, but its holder is never locked out
         fresh_wrong = [f"fsk_fresh_{i:043d}" for i in range(50)]
         fresh_codes = collections.Counter(describe_code(stub, key) for key in fresh_wrong)
-        assert fresh_codes[EXHAUSTED] >= 40 and fresh_codes[UNAUTH] <= security.FAILURE_BURST_PER_KEY + 1
+        assert fresh_codes[EXHAUSTED] >= 40 and fresh_codes[UNAUTH] <= key_gate.FAILURE_BURST_PER_KEY + 1
         assert describe_code(stub, keys["fresh"]) == grpc.StatusCode.OK
-        assert len(pbkdf2_runs) <= security.FAILURE_BURST_PER_KEY + refill  # new-format hashes run no PBKDF2
+        assert len(pbkdf2_runs) <= key_gate.FAILURE_BURST_PER_KEY + refill  # new-format hashes run no PBKDF2
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
     assert 'fusion_key_refusals_total{key_id="-",reason="auth_rate_limited"}' in text
     assert "fusion_key_slow_verifications_total" in text
@@ -804,7 +804,7 @@ def test_slow_verification_has_its_own_bounded_executor(loop):
     at once (None) instead of queueing; a caller that goes away keeps its place until the thread is done."""
     import asyncio
 
-    verifier = security.SlowVerifier(workers=1, capacity=2)
+    verifier = key_gate.SlowVerifier(workers=1, capacity=2)
     release = threading.Event()
     threads = []
 
@@ -846,16 +846,16 @@ def test_gate_state_stays_bounded_under_wrong_keys(loop, tmp_path, pbkdf2_runs):
 
     path = tmp_path / "keys.yaml"
     legacy_keys = {f"old-{i}": f"fsk_old-{i}_" + "x" * 43 for i in range(4)}
-    security.write_keys_file(path, {key_id: {"hash": pbkdf2_hash_key(key, iterations=1000)}
+    api_keys.write_keys_file(path, {key_id: {"hash": pbkdf2_hash_key(key, iterations=1000)}
                                     for key_id, key in legacy_keys.items()})
     fresh = create_key(path, "fresh")
     registry = CollectorRegistry()
-    gate = security.KeyGate(ApiKeyStore(path=path), registry, slow_burst=3, slow_per_s=0.001)
+    gate = key_gate.KeyGate(ApiKeyStore(path=path), registry, slow_burst=3, slow_per_s=0.001)
 
     async def attempt(key):
         try:
             return (await gate.authenticate(key)).key_id
-        except security.Refusal as refusal:
+        except key_gate.Refusal as refusal:
             return refusal.status
 
     try:
@@ -870,10 +870,10 @@ def test_gate_state_stays_bounded_under_wrong_keys(loop, tmp_path, pbkdf2_runs):
         labels = {s.labels.get("key_id") for m in registry.collect() for s in m.samples if "key_id" in s.labels}
         assert labels <= {"-", "fresh"}
         # a key leaves the file: its state goes with it
-        data = security.read_keys_file(path)
+        data = api_keys.read_keys_file(path)
         for key_id in ("old-0", "old-1", "old-2"):
             del data[key_id]
-        security.write_keys_file(path, data)
+        api_keys.write_keys_file(path, data)
         assert loop.run(attempt(fresh)) == "fresh"
         assert all(size <= 2 for size in gate.state_sizes().values()), gate.state_sizes()
     finally:
@@ -917,7 +917,7 @@ def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
     from prometheus_client import CollectorRegistry
 
     def share(sessions: int, fraction: float) -> int:
-        gate = security.KeyGate(ApiKeyStore(path=path), CollectorRegistry(), max_concurrent_sessions=sessions,
+        gate = key_gate.KeyGate(ApiKeyStore(path=path), CollectorRegistry(), max_concurrent_sessions=sessions,
                                 key_share=fraction)
         return gate.streams_per_key
 

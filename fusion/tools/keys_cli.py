@@ -1,5 +1,5 @@
 """`fusion keys ...`: create, reissue and revoke the Fusion service's API keys (only their keyed hashes
-are stored; see services.security). Keys stored as legacy PBKDF2 hashes cannot be rehashed without
+are stored; see services.api_keys). Keys stored as legacy PBKDF2 hashes cannot be rehashed without
 the key itself: `fusion keys create --id ID --reissue` gives the id a new key in the current format."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def create(
 
     from fusion.config import SecurityConfig, format_validation_error
     from fusion.errors import FusionError
-    from services.security import create_key, key_pepper
+    from services.api_keys import create_key, key_pepper
 
     limits = {"max_concurrent_streams": max_concurrent_streams, "tokens_per_minute": tokens_per_minute,
               "max_tokens_per_request": max_tokens_per_request, "weight": weight}
@@ -61,7 +61,7 @@ def create(
 def revoke(file: Path = FileOption, key_id: str = typer.Option(..., "--id")) -> None:
     """Revoke a key (servers reading the file refuse it from their next request)."""
     from fusion.errors import FusionError
-    from services.security import revoke_key
+    from services.api_keys import revoke_key
 
     try:
         revoke_key(file, key_id)

@@ -320,3 +320,39 @@ def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
                                          cache_dir=cache)
     assert swapped.auto_router_path() != path  # another trio, another router
     swapped.close()
+
+
+def test_a_shipped_router_is_found_for_exactly_its_config_experts(tiny_dir, tmp_path, monkeypatch):
+    """`train-router --ship` copies a router into the package (bf16 matrices, a manifest); `router: auto`
+    finds it from an empty cache for the config whose expert refs it was shipped for, checked by names
+    and tokenizers, and gives the answers of the router it was made from within bf16's rounding; another
+    config's experts (renamed) do not find it."""
+    import json
+
+    import fusion.models as models
+    import fusion.tools.router_training as router_training
+    from fusion.router import load_router
+
+    monkeypatch.setattr(models, "ROUTERS_DIR", tmp_path / "routers")
+    monkeypatch.setattr(router_training, "ROUTERS_DIR", tmp_path / "routers")
+    auto = FusionSpec(rule="route", params={"router": "auto"})
+    trainer = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir)), cache_dir=tmp_path / "train-cache")
+    trained = prepare_router(trainer, RouterTrainSettings(max_texts=4, steps_per_text=1))
+    shipped = router_training.ship_router(trained, trainer)
+    trainer.close()
+    assert shipped.parent == tmp_path / "routers" and shipped.with_suffix(".json").is_file()
+    manifest = json.loads(shipped.with_suffix(".json").read_text())
+    assert manifest["experts"][0][0] == "a" and manifest["data_sha256"] and manifest["command"].startswith(
+        "fusion train-router --ship --max-texts 4")
+    _, payload = load_router(shipped)
+    assert payload["identity"] == "config" and all(
+        v.dtype == torch.bfloat16 for v in payload["state_dict"].values() if v.is_floating_point() and v.dim() >= 2)
+
+    fresh = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),
+                                      cache_dir=tmp_path / "empty-cache")
+    assert fresh.auto_router_checkpoint() == shipped
+    assert fresh.complete("hello world", {"max_tokens": 5}).token_ids  # loads and routes
+    fresh.close()
+    other = parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c"), fusion=auto.model_dump()))
+    with pytest.raises(AssetError, match="no router is trained"):
+        FusionService.from_config(other, cache_dir=tmp_path / "empty-cache")

@@ -78,8 +78,10 @@ def main() -> None:
         rows = []
         with FusionClient(f"127.0.0.1:{args.grpc_port}", timeout=600) as client:
             for sample in samples:
-                for argument, response in zip(sample["arguments"], sample["resps"]):
-                    context, continuation = argument["arg_0"], argument["arg_1"]
+                arguments = sample["arguments"]
+                if isinstance(arguments, dict):  # {"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}
+                    arguments = [(a["arg_0"], a["arg_1"]) for a in arguments.values()]
+                for (context, continuation), response in zip(arguments, sample["resps"]):
                     harness = float(response[0][0])
                     scored = client.score(context, continuation).total_logprob
                     rows.append({"context": context, "continuation": continuation, "lm_eval": harness,

@@ -1,7 +1,7 @@
 """docs/playground.png: the web playground in headless chromium.
 
 With `--default-trio CACHE`: the default config (SmolLM2 + the arithmetic and code specialists, the
-`router: auto` router) from a model cache that `fusion models fetch --all --cache-dir CACHE` prepared.
+`router: auto` router, all shipped but SmolLM2) from a model cache that `fusion models fetch --cache-dir CACHE` prepared.
 Without it: the test suite's tiny random experts (a, b, c; tests/tiny_models.py) and a router trained
 on them for a few seconds, so the text is noise and the picture shows only the page.
 

@@ -305,7 +305,7 @@ def test_keyboard_structured_mode_and_a_key_of_one_stream(loop, tiny_dir, expert
                                  limits=LIMITS, security={"api_keys_file": str(path)})
     url = f"http://127.0.0.1:{http_port}"
     try:
-        browser.get(url + "/")
+        open_page(browser, url + "/")  # its first description request, keyless, is refused: wait for it
         by_css(browser, "#key")[0].send_keys(key, Keys.ENTER)
         wait_for(browser, lambda d: by_css(d, "#weights input") and by_css(d, "#error")[0].get_attribute("hidden"))
         set_value(browser, "mode", "plain")

@@ -47,35 +47,33 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_unary=self._unary(handler.unary_unary, record, slotted))
         return handler
 
+    @contextlib.asynccontextmanager
+    async def _held(self, context, record: ApiKey, slotted: bool):
+        """The call runs as the key's tenant, in one of its slots when `slotted` (refused past its limit)."""
+        try:
+            ticket = self.gate.open_stream(record) if slotted else None
+        except Refusal as refusal:
+            await abort_with_retry(context, refusal.grpc_code, refusal.message, refusal.retry_after_s)
+        try:
+            with self.gate.calling_as(record):
+                yield
+        finally:
+            if ticket is not None:
+                ticket.close()
+
     def _unary(self, behaviour, record: ApiKey, slotted: bool):
         async def unary(request, context):
-            try:
-                ticket = self.gate.open_stream(record) if slotted else None
-            except Refusal as refusal:
-                await abort_with_retry(context, refusal.grpc_code, refusal.message, refusal.retry_after_s)
-            try:
-                with self.gate.calling_as(record):
-                    return await behaviour(request, context)
-            finally:
-                if ticket is not None:
-                    ticket.close()
+            async with self._held(context, record, slotted):
+                return await behaviour(request, context)
 
         return unary
 
     def _stream(self, behaviour, record: ApiKey, slotted: bool):
         async def stream(request, context):
-            try:
-                ticket = self.gate.open_stream(record) if slotted else None
-            except Refusal as refusal:
-                await abort_with_retry(context, refusal.grpc_code, refusal.message, refusal.retry_after_s)
-            try:
-                with self.gate.calling_as(record):
-                    async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
-                        async for response in responses:
-                            yield response
-            finally:
-                if ticket is not None:
-                    ticket.close()
+            async with self._held(context, record, slotted):
+                async with contextlib.aclosing(behaviour(request, context)) as responses:  # closing cancels
+                    async for response in responses:
+                        yield response
 
         return stream
 

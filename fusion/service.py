@@ -44,15 +44,15 @@ from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_p
 from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import Expert, ExpertInfo
-from fusion.shared_base import load_local_experts
-from fusion.structured import GrammarCompiler
 from fusion.fast_decode import configure_compile_cache
 from fusion.models import default_cache_dir, shipped_router
 from fusion.router import Route, expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import RequestHandle, Scheduler
+from fusion.shared_base import load_local_experts
 from fusion.spelling import spelling_for, token_bytes_of
+from fusion.structured import GrammarCompiler
 from fusion.tenancy import LOCAL, Reservation, Tenant
 from fusion.text import (Message, StopMatcher, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
                          end_of_turn_id)
@@ -775,16 +775,33 @@ class FusionService:
             raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
                                          f"max_score_tokens={limits.max_score_tokens}")
         tokens = len(prompt_ids[0]) + len(continuation_ids)
+        with self._reserved(tenant, tokens):
+            logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights,
+                                         run_chunk=self._chunk_runner(tenant, abandoned))
+        return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
+
+    def _chunk_runner(self, tenant: Tenant, abandoned: threading.Event | None):
+        """How a score's chunks run: each between decode steps, in the tenant's fair turn; none once the
+        caller went away (its sessions are then freed)."""
         scheduler = self._running_scheduler()
 
         def run_chunk(job):
-            if abandoned is not None and abandoned.is_set():  # the caller went away: stop, free the sessions
+            if abandoned is not None and abandoned.is_set():
                 raise ScoreAbandoned("the caller abandoned the score")
             return scheduler.run_between_steps(tenant, job)
 
-        with self._reserved(tenant, tokens):
-            logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights, run_chunk=run_chunk)
-        return ScoreResult(continuation_ids, logprobs, len(prompt_ids[0]), scored)
+        return run_chunk
+
+    async def _on_score_pool(self, fn: Callable, *args):
+        """`fn(*args, abandoned)` on the scoring pool, off the caller's event loop; a cancelled caller sets
+        `abandoned`, so the work stops at its next chunk."""
+        loop = asyncio.get_running_loop()
+        abandoned = threading.Event()
+        try:
+            return await loop.run_in_executor(self._score_pool, fn, *args, abandoned)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
 
     @contextlib.contextmanager
     def _reserved(self, tenant: Tenant, tokens: int) -> Iterator[None]:
@@ -861,13 +878,8 @@ class FusionService:
         limits = self.config.limits
         if self.cross is not None:
             raise InvalidArgumentError("prompt logprobs: token log-probabilities need experts of one tokenizer")
-        if isinstance(prompt, str):
-            size = utf8_size(prompt, "prompt")
-            if size > limits.max_prompt_bytes:
-                raise ResourceExhaustedError(f"prompt: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
-            ids = encode_plain(self.tokenizers[0], prompt, add_special_tokens=True)
-        else:
-            ids = list(prompt)
+        self._check_prompt(prompt)
+        ids = self.prompt_ids(prompt, plain=True)[0]
         if len(ids) > limits.max_prompt_tokens:
             raise ResourceExhaustedError(f"prompt: {len(ids)} tokens exceed max_prompt_tokens={limits.max_prompt_tokens}")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.engine.vocab_size]
@@ -878,17 +890,11 @@ class FusionService:
         if len(ids) < 2:
             return PromptLogprobs(ids, [None] * len(ids), [None] * len(ids), [None] * len(ids))
         rule, weights = self.resolve_spec(None)
-        scheduler = self._running_scheduler()
         alternatives: list[tuple[list[int], list[float], int]] = []
-
-        def run_chunk(job):
-            if abandoned is not None and abandoned.is_set():
-                raise ScoreAbandoned("the caller abandoned the score")
-            return scheduler.run_between_steps(tenant, job)
-
         with self._reserved(tenant, len(ids)):
             logprobs = self.engine.score([ids[:1]] * len(self.engine.experts), ids[1:], rule, weights,
-                                         run_chunk=run_chunk, alternatives=alternatives, top=max(top, 1))
+                                         run_chunk=self._chunk_runner(tenant, abandoned), alternatives=alternatives,
+                                         top=max(top, 1))
         return PromptLogprobs(ids, [None, *logprobs],
                               [None, *((i, v) for i, v, _ in alternatives)] if top else [None] * len(ids),
                               [None, *(r for _, _, r in alternatives)])
@@ -896,26 +902,13 @@ class FusionService:
     async def prompt_logprobs_async(self, prompt: str | Sequence[int], top: int = 0,
                                     tenant: Tenant = LOCAL) -> PromptLogprobs:
         """`prompt_logprobs` on the scoring pool, off the caller's event loop."""
-        loop = asyncio.get_running_loop()
-        abandoned = threading.Event()
-        try:
-            return await loop.run_in_executor(self._score_pool, self.prompt_logprobs, prompt, top, tenant, abandoned)
-        except asyncio.CancelledError:
-            abandoned.set()
-            raise
+        return await self._on_score_pool(self.prompt_logprobs, prompt, top, tenant)
 
     async def score_async(self, prompt: str, continuation: str,
                           spec: SpecOverrides | FusionSpec | None = None, tenant: Tenant = LOCAL) -> ScoreResult:
         """`score` on the scoring pool, off the caller's event loop; its chunks take the tenant's turns
         between decode steps."""
-        loop = asyncio.get_running_loop()
-        abandoned = threading.Event()
-        try:
-            return await loop.run_in_executor(self._score_pool, self.score, prompt, continuation, spec, tenant,
-                                              abandoned)
-        except asyncio.CancelledError:  # its chunks stop at the next one; its sessions are freed
-            abandoned.set()
-            raise
+        return await self._on_score_pool(self.score, prompt, continuation, spec, tenant)
 
     # -- description -------------------------------------------------------------------------------
     def describe(self) -> ServiceDescription:

@@ -385,15 +385,21 @@ class HttpApi:
             echoes.append(_Echo(text, scored))
         return echoes
 
-    def _echo_entry(self, plan: Plan, echo: _Echo, choice: _Choice) -> dict[str, Any]:
-        """The echoed prompt as a completion choice's first part; `choice.offset` moves past it."""
-        logprobs = None
-        if plan.logprobs and echo.scored is not None:
-            top = plan.requests[0].sampling.get("logprobs", 0)
-            logprobs, choice.offset = echo_logprobs(echo.scored, self._bytes_of, top, choice.decoder)
-        else:
-            choice.offset = len(echo.text)
-        return {"text": echo.text, "logprobs": logprobs}
+    def _prompt_part(self, plan: Plan, echo: _Echo, choice: _Choice) -> dict[str, Any]:
+        """A completion choice's part for its prompt: with `echo`, the prompt's text and its logprobs (when
+        asked), `choice.offset` moving past it; with `prompt_logprobs`, vLLM's list."""
+        part: dict[str, Any] = {}
+        if plan.echo:
+            logprobs = None
+            if plan.logprobs and echo.scored is not None:
+                top = plan.requests[0].sampling.get("logprobs", 0)
+                logprobs, choice.offset = echo_logprobs(echo.scored, self._bytes_of, top, choice.decoder)
+            else:
+                choice.offset = len(echo.text)
+            part |= {"text": echo.text, "logprobs": logprobs}
+        if plan.prompt_logprobs is not None:
+            part["prompt_logprobs"] = vllm_prompt_logprobs(echo.scored, self.service.token_text)
+        return part
 
     def _prompt_only(self, plan: Plan, echoes: list[_Echo]) -> dict[str, Any]:
         """A completion with max_tokens 0: each prompt (echoed, with its logprobs), nothing generated."""
@@ -401,11 +407,7 @@ class HttpApi:
         for i, p in enumerate(plan.prompt_index):
             echo = echoes[p]
             entry = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
-            if plan.echo:
-                entry |= self._echo_entry(plan, echo, _Choice())
-            if plan.prompt_logprobs is not None:
-                entry["prompt_logprobs"] = vllm_prompt_logprobs(echo.scored, self.service.token_text)
-            choices.append(entry)
+            choices.append(entry | self._prompt_part(plan, echo, _Choice()))
         prompt_tokens = sum(len(e.scored.token_ids) if e.scored is not None else 0 for e in echoes)
         prefix, obj, _ = _OBJECTS[plan.kind]
         return {"id": f"{prefix}-{new_request_id()}", "object": obj, "created": int(time.time()), "model": plan.model,
@@ -475,19 +477,14 @@ class HttpApi:
                     message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
                 entry = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
-                decoder, offset, head = utf8_decoder(), _prompt_chars(plan, i), None
-                if plan.echo:
-                    state = _Choice(decoder=decoder)
-                    head = self._echo_entry(plan, echoes[plan.prompt_index[i]], state)
-                    offset, text = state.offset, head["text"] + text
-                logprobs = (completion_logprobs(choice.tokens, self._bytes_of, offset, decoder)[0]
+                state = _Choice(offset=_prompt_chars(plan, i))
+                part = self._prompt_part(plan, echoes[plan.prompt_index[i]], state) if echoes is not None else {}
+                logprobs = (completion_logprobs(choice.tokens, self._bytes_of, state.offset, state.decoder)[0]
                             if plan.logprobs else None)
-                if head is not None and head["logprobs"] is not None:
-                    logprobs = {k: head["logprobs"][k] + logprobs[k] for k in logprobs}
-                entry = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-                if plan.prompt_logprobs is not None:
-                    entry["prompt_logprobs"] = vllm_prompt_logprobs(echoes[plan.prompt_index[i]].scored,
-                                                                    self.service.token_text)
+                if part.get("logprobs") is not None:  # the echoed prompt's tokens come first
+                    logprobs = {k: part["logprobs"][k] + logprobs[k] for k in logprobs}
+                entry = {**part, "index": i, "text": part.get("text", "") + text, "logprobs": logprobs,
+                         "finish_reason": choice.finish_reason}
             if plan.attribution:
                 entry["fusion"] = {"tokens": [attribution(t) for t in choice.tokens]}
             out.append(entry)
@@ -549,11 +546,7 @@ class HttpApi:
             for i, choice in enumerate(choices):
                 echo = echoes[plan.prompt_index[i]]
                 entry = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
-                if plan.echo:
-                    entry |= self._echo_entry(plan, echo, choice)
-                if plan.prompt_logprobs is not None:
-                    entry["prompt_logprobs"] = vllm_prompt_logprobs(echo.scored, self.service.token_text)
-                chunk = {**head, "choices": [entry]}
+                chunk = {**head, "choices": [entry | self._prompt_part(plan, echo, choice)]}
                 if plan.include_usage:
                     chunk["usage"] = None
                 choice.started = True

@@ -167,6 +167,8 @@ class MultiLoraLinear(nn.Module):
 # The projections fused in the fast decode step (fusion.fast_decode), in the order of their outputs.
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"), "o": ("o_proj",),
          "down": ("down_proj",)}
+BLOCK_OF = {"q_proj": "self_attn.", "k_proj": "self_attn.", "v_proj": "self_attn.", "o_proj": "self_attn.",
+            "gate_proj": "mlp.", "up_proj": "mlp.", "down_proj": "mlp."}  # where each projection lives in a layer
 
 
 class MultiAdapter:
@@ -193,12 +195,10 @@ class MultiAdapter:
                                     param.dtype, param.device)
             parent_path, _, child = path.rpartition(".")
             setattr(modules[parent_path], child, MultiLoraLinear(linear, stack, self.rows))
-        for index, layer in enumerate(model.model.layers):
+        for index in range(len(model.model.layers)):
             prefix = f"model.layers.{index}."
-            parts = {"q_proj": "self_attn.", "k_proj": "self_attn.", "v_proj": "self_attn.", "o_proj": "self_attn.",
-                     "gate_proj": "mlp.", "up_proj": "mlp.", "down_proj": "mlp."}
             for name, members in FUSED.items():
-                paths = [prefix + parts[m] + m for m in members]
+                paths = [prefix + BLOCK_OF[m] + m for m in members]
                 if not any(p in a for a in adapters for p in paths):
                     continue
                 linears = [modules[p] for p in paths]

@@ -194,15 +194,20 @@ def _cross_step_rounds(service: FusionService, steps: int, rounds: int) -> list[
     return results
 
 
-def warm_decode_batch(service: FusionService, steps: int, rule=None, weights=None, rows: int = 1):
+def warm_decode_batch(service: FusionService, steps: int, rule=None, weights=None, rows: int = 1,
+                      structured: dict | None = None):
     """A decode batch of `rows` requests (the bench prompt, the config's rule unless given) past their
-    prefill and one warm-up step, with `steps` more tokens to go."""
+    prefill and one warm-up step, with `steps` more tokens to go. With `structured`, each request is
+    admitted through the service with that grammar (its matcher is built at admission)."""
     if rule is None:
         rule, weights = service.resolve_spec(None)
     batch = service.engine.new_batch()
+    sampling = {"max_tokens": steps + 3, "ignore_eos": True}
     for _ in range(rows):
-        batch.add(GenerationRequest(_prompt_ids(service), SamplingParams(max_tokens=steps + 3, ignore_eos=True),
-                                    rule, weights))
+        if structured is not None:
+            batch.add(service.admit(FusionRequest(BENCH_PROMPT, {**sampling, "structured": structured})))
+        else:
+            batch.add(GenerationRequest(_prompt_ids(service), SamplingParams(**sampling), rule, weights))
     batch.step()  # prefill
     batch.step()  # warm-up
     return batch
@@ -655,13 +660,8 @@ def bench_structured(service: FusionService, report: BenchReport, steps: int = 2
 
 
 def _structured_step_ms(service: FusionService, steps: int, rows: int, structured: dict | None) -> float:
-    sampling = {"max_tokens": steps + 3, "ignore_eos": True, **({"structured": structured} if structured else {})}
-    batch = service.engine.new_batch()
-    for _ in range(rows):
-        batch.add(service.admit(FusionRequest(BENCH_PROMPT, sampling)))
+    batch = warm_decode_batch(service, steps, rows=rows, structured=structured)
     try:
-        batch.step()  # prefill
-        batch.step()  # warm-up
         start = time.perf_counter()
         for _ in range(steps):
             batch.step()

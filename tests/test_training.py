@@ -42,7 +42,7 @@ from fusion.tools.training.arithmetic import (
 )
 from fusion.tools.training.borrowed import BorrowedEmbedding
 from fusion.tools.training.lora import ADAPTER_MANIFEST, TARGET_MODULES, sha256_of_files
-from fusion.tools.training.loop import LoopSettings, sampled_cross_entropy, train_loop
+from fusion.tools.training.loop import LoopSettings, train_loop
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -333,22 +333,11 @@ def test_lora_loss_falls_over_a_few_dozen_steps_and_the_base_stays_frozen(tokeni
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = get_peft_model(tiny_llama(tok, seed=0), LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    settings = LoopSettings(steps=40, batch_size=16, lr=1e-2, warmup_steps=5, log_every_s=1e9, negatives=0)
+    settings = LoopSettings(steps=40, batch_size=16, lr=1e-2, warmup_steps=5, log_every_s=1e9)
     result = train_loop(model.base_model.model, ArithmeticStream(tok, seed=0), settings, seed=0)
     assert result.steps == 40
     assert result.final_loss < 0.8 * result.initial_loss
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
-
-
-def test_sampled_softmax_estimates_the_full_softmax():
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(5, 8), torch.randn(200, 8)
-    targets = torch.tensor([1, 3, 3, 7, 49])
-    full = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets)
-    assert torch.allclose(sampled_cross_entropy(hidden, weight, targets, 0, gen), full)
-    sampled = torch.stack([sampled_cross_entropy(hidden, weight, targets, 50, gen) for _ in range(200)])
-    assert abs(sampled.mean() - full) < 0.05 * full  # the log-correction keeps the normaliser honest
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,8 @@
-"""A small CPU training loop for causal LMs with a large vocabulary.
+"""A small training loop for causal LMs (the specialists' LoRA adapters over a frozen base).
 
-On two CPU cores the 49,152-way softmax, not the tiny transformer, dominates the cost of a step.
-So the loss is a sampled softmax: every target token of the batch plus a few thousand uniformly
-drawn negatives, each negative's logit raised by log(tokens it stands for / negatives drawn) so
-the normaliser estimates the full one. Matmuls run under bf16 autocast (fp32 master weights).
-Everything is seeded: the same seed and step count give the same weights.
+The loss is the full-vocabulary cross-entropy on the positions a batch labels (a chat answer's tokens,
+every token of a code window). Matmuls run under bf16 autocast (fp32 master weights). Everything is
+seeded: the same seed and step count give the same weights.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ class LoopSettings:
     min_lr_ratio: float = 0.05  # cosine decay down to lr * min_lr_ratio
     warmup_steps: int = 30
     weight_decay: float = 0.01
-    negatives: int = 4096  # sampled-softmax negatives per step; 0 = full softmax
     log_every_s: float = 15.0
 
     def __post_init__(self) -> None:
@@ -55,28 +52,9 @@ class LoopSettings:
 class LoopResult:
     steps: int
     initial_loss: float  # the first step's loss
-    final_loss: float  # mean sampled-softmax loss over the last steps
+    final_loss: float  # mean loss over the last steps
     seconds: float
     tokens: int  # tokens processed (inputs, including the shared prefix once per row)
-
-
-def sampled_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, negatives: int, gen: torch.Generator
-) -> torch.Tensor:
-    """Cross-entropy of `hidden` [N, H] against output embeddings `weight` [V, H] for `targets` [N]."""
-    vocab = weight.shape[0]
-    if negatives <= 0 or negatives >= vocab:
-        return F.cross_entropy((hidden @ weight.t()).float(), targets)  # [N, V]
-    pos = targets.unique()  # [Pn] sorted
-    drawn = torch.randint(0, vocab, (negatives,), generator=gen)
-    neg = drawn[~torch.isin(drawn, pos)].unique()  # [Nn]
-    cand = torch.cat([pos, neg])  # [C]
-    logits = (hidden @ weight[cand].t()).float()  # [N, C]
-    # Each drawn negative stands in for (vocab - |pos|) / |neg| non-target tokens.
-    correction = math.log(max(vocab - len(pos), 1) / max(len(neg), 1))
-    offset = torch.zeros(len(cand))
-    offset[len(pos) :] = correction
-    return F.cross_entropy(logits + offset, torch.searchsorted(pos, targets))
 
 
 def _hidden_states(model, batch: Batch) -> torch.Tensor:
@@ -104,7 +82,6 @@ def _lr_at(progress: float, settings: LoopSettings, step: int) -> float:
 def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings, *, seed: int) -> LoopResult:
     """Train `model` (a *ForCausalLM with tied or untied lm_head) in place; return a summary."""
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen bases train nothing
     decay = [p for n, p in trained if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in trained if p.dim() < 2 or "embed" in n]
@@ -132,7 +109,7 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
             hidden = _hidden_states(model, batch)  # [B, S, H]
             mask = batch.labels != -100  # [B, S]
             weight = model.get_output_embeddings().weight  # [V, H]
-            loss = sampled_cross_entropy(hidden[mask], weight, batch.labels[mask], settings.negatives, gen)
+            loss = F.cross_entropy((hidden[mask] @ weight.t()).float(), batch.labels[mask])  # [N, V] logits
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0)

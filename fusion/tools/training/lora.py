@@ -100,7 +100,7 @@ def train_lora(
     peft_model.peft_config["default"].base_model_name_or_path = base_ref or base_dir.name
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     steps = recipe.steps if steps is None and minutes is None else steps
-    settings = LoopSettings(steps=steps, minutes=minutes, **{"negatives": 0, **recipe.loop})
+    settings = LoopSettings(steps=steps, minutes=minutes, **recipe.loop)
     logger.info("training %s adapter (rank %d, %d trainable parameters): %s", kind, recipe.rank, trainable, settings)
     stream = HashingStream(recipe.stream(tokenizer, seed))
     # peft injects the adapters into the base model in place: the loop drives that model directly.

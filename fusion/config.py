@@ -57,6 +57,10 @@ class ExpertConfig(_Strict):
     # models, others fall back to "transformers"), "compiled" (that function through torch.compile:
     # inductor on CPU, CUDA graphs on GPU; the first step pays the compilation, cached on disk).
     decode: Literal["transformers", "fast", "compiled"] = "fast"
+    # How the decoder layers' projections are held (fusion.quantized): "dense" (in `dtype`), "int8"
+    # (8-bit codes, a scale per output row) or "int4" (4-bit codes, a scale and offset per 32 inputs,
+    # GGUF Q4_1's recipe; the output head at 8 bits). Quantized weights run on CPU.
+    weights: Literal["dense", "int8", "int4"] = "dense"
 
     @field_validator("weight")
     @classmethod

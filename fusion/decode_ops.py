@@ -6,10 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion.quantized import QuantizedLinear, fused_projection
 
-def frozen(tensor: torch.Tensor) -> nn.Parameter:
-    """`tensor` as a parameter without gradients (itself when it already is a parameter)."""
-    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+
+def frozen(tensor: torch.Tensor | QuantizedLinear) -> nn.Parameter | QuantizedLinear:
+    """`tensor` as a parameter without gradients (itself when it already is a parameter, or a quantized
+    projection)."""
+    if isinstance(tensor, (nn.Parameter, QuantizedLinear)):
+        return tensor
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
@@ -74,6 +79,29 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
             lin.bias = nn.Parameter(bias.detach()[start:start + rows], requires_grad=False)
         start += rows
     return weight, bias
+
+
+def fuse_projections(linears: list[nn.Module]) -> tuple[torch.Tensor | QuantizedLinear, torch.Tensor | None]:
+    """One projection for several of the same input: dense ones as `fuse_linears` fuses them, quantized
+    ones as the matrix they are row views of (fusion.quantized), or a stack of theirs (a copy) where they
+    are not views of one."""
+    if not any(isinstance(lin, QuantizedLinear) for lin in linears):
+        return fuse_linears(linears)
+    if not all(isinstance(lin, QuantizedLinear) for lin in linears):
+        raise ValueError("dense and quantized projections cannot be fused")
+    fused = fused_projection(linears) if len(linears) > 1 else linears[0]
+    if fused is None:
+        raise ValueError("quantized projections that are not row views of one matrix cannot be fused")
+    return fused, None
+
+
+def project(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None = None,
+            linear=F.linear) -> torch.Tensor:
+    """x (rows, K) through a dense weight (N, K) (by `linear`) or a quantized projection: (rows, N)."""
+    if isinstance(weight, QuantizedLinear):
+        out = weight(x)
+        return out if bias is None else out + bias
+    return linear(x, weight, bias)
 
 
 def one_row_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from fusion.adapter_merge import apply_adapter
 from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import ExpertConfig
-from fusion.errors import AssetError, InvalidArgumentError
+from fusion.errors import AssetError, ConfigError, InvalidArgumentError
 from fusion.fast_decode import (GEMMA3, DecodeStep, configure_compile_cache, decode_after_shared_history,
                                 decode_on_layers, unsupported_reason)
+from fusion.quantized import quantize_model
 from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -183,6 +184,12 @@ def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
     if config.adapter is not None:
         model = apply_adapter(model, config.adapter, config.name)
     model.to(config.device).eval()
+    if config.weights != "dense":
+        try:
+            quantize_model(model, config.weights)
+        except ValueError as err:
+            raise ConfigError(f"experts.{config.name}.weights: {config.weights} is not available for "
+                              f"{model_path!r}: {err}") from None
     return model, tokenizer
 
 
@@ -215,7 +222,7 @@ class LocalExpert:
         # one base (fusion.shared_base); None: no adapters.
         self._rows_now: torch.Tensor | None = None
         self.fast_decode_steps = 0  # decode steps (single or batched) that ran `_fast_step`
-        width = model.get_output_embeddings().weight.shape[0]
+        width = model.get_output_embeddings().out_features
         self.info = ExpertInfo(
             name=config.name,
             model=model_ref or config.model,

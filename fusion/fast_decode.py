@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.decode_ops import attend, frozen, fuse_linears, linear_one_row, one_row_times, rotary, rotate, rows_times
+from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row, one_row_times, project, rotary, rotate,
+                               rows_times)
+from fusion.quantized import QuantizedLinear
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
@@ -88,6 +90,12 @@ def unsupported_reason(model, *, compiled: bool = False) -> str | None:
     return None
 
 
+def weight_of(linear: nn.Module) -> torch.Tensor | QuantizedLinear:
+    """What a decode step multiplies by for `linear`: its weight (N, K) as a frozen parameter, or the
+    quantized projection itself."""
+    return frozen(linear if isinstance(linear, QuantizedLinear) else linear.weight)
+
+
 class FastDecoder(nn.Module):
     """The decode step of one Llama-family model over its own weights (see the module docstring)."""
 
@@ -104,28 +112,31 @@ class FastDecoder(nn.Module):
         inner = model.model
         self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
         self.norm = frozen(inner.norm.weight)
-        self.lm_head = frozen(model.get_output_embeddings().weight)  # (V, hidden)
+        self.lm_head = weight_of(model.get_output_embeddings())  # (V, hidden), or quantized
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        # Per layer, as parameters of this module (views of the model's own):
-        self.qkv, self.qkv_bias, self.o_proj = nn.ParameterList(), nn.ParameterList(), nn.ParameterList()
-        self.gate_up, self.down = nn.ParameterList(), nn.ParameterList()
+        # Per layer, as parameters of this module (views of the model's own), or quantized projections
+        # (fusion.quantized) whose codes are the model's own:
+        quantized = isinstance(inner.layers[0].self_attn.q_proj, QuantizedLinear)
+        self.qkv, self.o_proj, self.gate_up, self.down = (
+            (nn.ModuleList() if quantized else nn.ParameterList()) for _ in range(4))
+        self.qkv_bias = nn.ParameterList()
         self.input_norm, self.post_norm = nn.ParameterList(), nn.ParameterList()
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            qkv, qkv_bias = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, _ = fuse_projections([mlp.gate_proj, mlp.up_proj])
             self.qkv.append(frozen(qkv))
             if qkv_bias is not None:
                 self.qkv_bias.append(frozen(qkv_bias))
-            self.o_proj.append(frozen(attn.o_proj.weight))
+            self.o_proj.append(weight_of(attn.o_proj))
             self.gate_up.append(frozen(gate_up))
-            self.down.append(frozen(mlp.down_proj.weight))
+            self.down.append(weight_of(mlp.down_proj))
             self.input_norm.append(frozen(layer.input_layernorm.weight))
             self.post_norm.append(frozen(layer.post_attention_layernorm.weight))
         self.has_qkv_bias = len(self.qkv_bias) > 0
-        self.intermediate = self.down[0].shape[1]
+        self.intermediate = inner.layers[0].mlp.down_proj.in_features
         self.adapters = None  # a `fusion.multi_lora.MultiAdapter` over these weights: rows add its deltas
 
     def _adapted(self, y: torch.Tensor, x: torch.Tensor, layer: int, name: str, rows: torch.Tensor | None
@@ -174,7 +185,7 @@ class FastDecoder(nn.Module):
         new_keys, new_values = [], []
         for layer in range(len(self.qkv)):
             h = self._rmsnorm(x, self.input_norm[layer])
-            qkv = linear(h, self.qkv[layer], self.qkv_bias[layer] if self.has_qkv_bias else None)
+            qkv = project(h, self.qkv[layer], self.qkv_bias[layer] if self.has_qkv_bias else None, linear)
             qkv = self._adapted(qkv, h, layer, "qkv", adapter_rows)
             q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
             q = rotate(q.view(batch, heads, dim), cos, sin)
@@ -183,13 +194,13 @@ class FastDecoder(nn.Module):
             new_keys.append(k)
             new_values.append(v)
             attn = attend(q, k, v, keys[layer], values[layer], scale, mask, times)  # (B, H·D)
-            x = x + self._adapted(linear(attn, self.o_proj[layer]), attn, layer, "o", adapter_rows)
+            x = x + self._adapted(project(attn, self.o_proj[layer], linear=linear), attn, layer, "o", adapter_rows)
             h = self._rmsnorm(x, self.post_norm[layer])
-            gate, up = self._adapted(linear(h, self.gate_up[layer]), h, layer, "gate_up", adapter_rows
+            gate, up = self._adapted(project(h, self.gate_up[layer], linear=linear), h, layer, "gate_up", adapter_rows
                                      ).split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-            x = x + self._adapted(linear(act, self.down[layer]), act, layer, "down", adapter_rows)
-        logits = linear(self._rmsnorm(x, self.norm), self.lm_head).float()
+            x = x + self._adapted(project(act, self.down[layer], linear=linear), act, layer, "down", adapter_rows)
+        logits = project(self._rmsnorm(x, self.norm), self.lm_head, linear=linear).float()
         return logits, torch.stack(new_keys), torch.stack(new_values)
 
 

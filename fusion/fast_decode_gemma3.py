@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from fusion.decode_ops import attend, frozen, fuse_linears, rotary, rotate
+from fusion.decode_ops import attend, frozen, fuse_projections, project, rotary, rotate
 from fusion.kv_cache import GrowingLayer
+from fusion.quantized import QuantizedLinear
 
 MODEL_TYPE = "gemma3_text"
 
@@ -72,7 +73,8 @@ class Gemma3Decoder(nn.Module):
         inner = model.model
         self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
         self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
-        self.lm_head = frozen(model.get_output_embeddings().weight)  # (V, hidden)
+        head = model.get_output_embeddings()
+        self.lm_head = frozen(head if isinstance(head, QuantizedLinear) else head.weight)  # (V, hidden), or quantized
         rotary = inner.rotary_emb
         # Per layer type: the model's own rotary table (any scaling already folded in) and its factor.
         self.layer_types = list(config.layer_types)
@@ -83,17 +85,19 @@ class Gemma3Decoder(nn.Module):
                              for kind in set(self.layer_types)}
         # Gemma's norms multiply by (1 + w): kept as that sum, in float32, as transformers computes it.
         self.final_norm = nn.Parameter(1.0 + inner.norm.weight.detach().float(), requires_grad=False)
-        self.qkv, self.o_proj, self.gate_up, self.down = (nn.ParameterList() for _ in range(4))
+        quantized = isinstance(inner.layers[0].self_attn.q_proj, QuantizedLinear)  # (fusion.quantized)
+        self.qkv, self.o_proj, self.gate_up, self.down = (
+            (nn.ModuleList() if quantized else nn.ParameterList()) for _ in range(4))
         self.norms = nn.ParameterList()  # per layer (4, hidden): input, post-attention, pre-MLP, post-MLP
         self.head_norms = nn.ParameterList()  # per layer (2, head_dim): query, key
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, _ = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            qkv, _ = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, _ = fuse_projections([mlp.gate_proj, mlp.up_proj])
             self.qkv.append(frozen(qkv))
-            self.o_proj.append(frozen(attn.o_proj.weight))
+            self.o_proj.append(frozen(fuse_projections([attn.o_proj])[0]))
             self.gate_up.append(frozen(gate_up))
-            self.down.append(frozen(mlp.down_proj.weight))
+            self.down.append(frozen(fuse_projections([mlp.down_proj])[0]))
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm]
             self.norms.append(nn.Parameter(1.0 + torch.stack([n.weight.detach().float() for n in norms]),
@@ -101,7 +105,7 @@ class Gemma3Decoder(nn.Module):
             self.head_norms.append(nn.Parameter(
                 1.0 + torch.stack([attn.q_norm.weight.detach().float(), attn.k_norm.weight.detach().float()]),
                 requires_grad=False))  # (2, head_dim)
-        self.intermediate = self.down[0].shape[1]
+        self.intermediate = inner.layers[0].mlp.down_proj.in_features
 
     @staticmethod
     def can_read(layers: list) -> bool:
@@ -135,17 +139,17 @@ class Gemma3Decoder(nn.Module):
         for layer, kind in enumerate(self.layer_types):
             norms, head_norms = self.norms[layer], self.head_norms[layer]
             h = self._norm(x, norms[0])
-            q, k, v = F.linear(h, self.qkv[layer]).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+            q, k, v = project(h, self.qkv[layer]).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
             q = rotate(self._norm(q.view(batch, heads, dim), head_norms[0]), *tables[kind])
             k = rotate(self._norm(k.view(batch, kv_heads, dim), head_norms[1]), *tables[kind])
             v = v.view(batch, kv_heads, dim)
             new_keys.append(k)
             new_values.append(v)
             attn = attend(q, k, v, keys[layer], values[layer], self.scale)  # (B, H·D), every column visible
-            x = x + self._norm(F.linear(attn, self.o_proj[layer]), norms[1])
-            gate, up = F.linear(self._norm(x, norms[2]), self.gate_up[layer]).split(self.intermediate, dim=-1)
-            x = x + self._norm(F.linear(F.gelu(gate, approximate="tanh") * up, self.down[layer]), norms[3])
-        logits = F.linear(self._norm(x, self.final_norm), self.lm_head).float()
+            x = x + self._norm(project(attn, self.o_proj[layer]), norms[1])
+            gate, up = project(self._norm(x, norms[2]), self.gate_up[layer]).split(self.intermediate, dim=-1)
+            x = x + self._norm(project(F.gelu(gate, approximate="tanh") * up, self.down[layer]), norms[3])
+        logits = project(self._norm(x, self.final_norm), self.lm_head).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits, torch.stack(new_keys), torch.stack(new_values)

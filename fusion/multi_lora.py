@@ -27,6 +27,7 @@ from torch import nn
 
 from fusion.errors import AssetError
 from fusion.models import resolve_adapter
+from fusion.quantized import is_projection
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class MultiAdapter:
         self._fused: dict[tuple[int, str], AdapterStack] = {}
         modules = dict(model.named_modules())
         adapted = sorted({path for a in adapters for path in a})
-        unknown = [p for p in adapted if not isinstance(modules.get(p), nn.Linear)]
+        unknown = [p for p in adapted if not is_projection(modules.get(p))]
         if unknown:
             raise AssetError(f"adapter {names[0] if len(names) == 1 else names}: {unknown[0]!r} is not a linear "
                              "layer of the base model (another base?)")

@@ -9,7 +9,7 @@ entry, with the Expert contract, stepping through the group. The engine steps a 
 in one call (`step_members`) so that their rows share a forward; alone, a member still works.
 
 `load_local_experts` builds the experts of a config: members that name the same base (same model,
-GGUF file, dtype, device and decode) and opt in (`share_base`, the default) share one, the others
+GGUF file, dtype, device, decode and weights) and opt in (`share_base`, the default) share one, the others
 load their own copy, with an adapter merged into it.
 """
 
@@ -121,7 +121,7 @@ class AdapterMember:
 
 def base_key(config: ExpertConfig, model_path: str) -> tuple:
     """Experts with equal keys can share one loaded base."""
-    return (model_path, config.gguf_file, config.dtype, config.device, config.decode)
+    return (model_path, config.gguf_file, config.dtype, config.device, config.decode, config.weights)
 
 
 def load_local_experts(configs: Sequence[ExpertConfig], resolve_model: Callable[[str], str],

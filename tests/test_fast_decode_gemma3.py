@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion.expert import StepRequest
+from fusion.config import parse_config
+from fusion.expert import LocalExpert, StepRequest
 from fusion.fast_decode import DecodeStep, unsupported_reason
 from fusion.fast_decode_gemma3 import Gemma3Decoder
 from tests.test_fast_decode import _expert

@@ -1,0 +1,258 @@
+"""Weight-only quantized projections for CPU decoding: 8-bit per output channel and 4-bit per group.
+
+A decode step of a small model on a CPU is bound by reading its weights: SmolLM2-135M reads 270 MB of
+bf16 weights per token. `QuantizedLinear` keeps a projection's weight as int8 codes with one scale per
+output row (torch's `_weight_int8pack_mm`), or as 4-bit codes with a scale and an offset per group of
+32 inputs along each row (torch's `_weight_int4pack_mm_for_cpu`, the tinygemm layout); both kernels
+dequantize inside the product, so a step reads a half or a quarter of the bytes, with no compilation.
+
+    int8:  w[n, k] = q[n, k] · s[n]                                 q in [-127, 127]
+    int4:  w[n, k] = (q[n, k] - 8) · s[g, n] + z[g, n],  g = k // 32   q in [0, 15]
+
+The 4-bit recipe is GGUF's Q4_1 (per 32 weights: d = (max - min) / 15, m = min, q = round((w - m) / d),
+so s = d and z = m + 8d): a model dequantized from a Q4_1 file, as the builtin SmolLM2 is, gets its
+file's own codes back. `quantize_model` replaces a model's decoder projections and output head in place
+("int4" keeps the head at 8 bits, as llama.cpp's Q4 files keep the token table at Q8_0: the head's
+errors reach the logits unaveraged). Sibling projections of one input (query/key/value, gate/up) are
+packed as one matrix, each sibling a row view of it (a copy where the packed layout does not split at
+its rows), so the fast decode step runs them as one product and transformers' forward (prefill) still
+calls each sibling alone (`QuantizedLinear.fused`).
+The embedding table stays as it is: a step reads one row of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+INT4_GROUP = 32  # inputs per 4-bit group: Q4_1's block
+INT8_MAX = 127
+# Siblings that read one input, packed as one matrix (in the order of their outputs).
+SIBLINGS = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+            "mlp": (("gate_proj", "up_proj"), ("down_proj",))}
+
+
+def unsupported_reason(linear: nn.Module, weights: str) -> str | None:
+    """Why `linear` cannot hold `weights` codes (None: it can)."""
+    if not isinstance(linear, nn.Linear):
+        return f"{type(linear).__name__} is not a linear layer"
+    if linear.weight.device.type != "cpu":
+        return f"quantized weights run on CPU (the kernels used here are CPU ones), not {linear.weight.device.type}"
+    if weights == "int4":
+        if linear.in_features % INT4_GROUP:
+            return f"{linear.in_features} inputs are not a multiple of the 4-bit group ({INT4_GROUP})"
+        if linear.out_features % 16:
+            return f"{linear.out_features} outputs are not a multiple of 16 (the 4-bit kernel's tile)"
+    return None
+
+
+# --- codes ---------------------------------------------------------------------------------------
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row codes of weight (N, K): q (N, K) int8 and scales (N,) float32."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # (N,)
+    codes = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 codes of weight (N, K): q (N, K) int32 in [0, 15], and per group (N, K/group) float32 the
+    scale s and the offset z of w = (q - 8)·s + z."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/group)
+    step = (high - low) / 15
+    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))  # a constant group: every code 0
+    codes = torch.round((w - low[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    return codes, step, low + 8 * step
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int = INT4_GROUP
+                    ) -> torch.Tensor:
+    """The weight (N, K) float32 that int4 codes stand for (the reference the kernel is tested against)."""
+    n, k = codes.shape
+    return ((codes.view(n, k // group, group).float() - 8) * scales[..., None] + offsets[..., None]).view(n, k)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) int32 in the CPU kernel's layout, (N, K/2) uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+
+
+@functools.cache
+def int4_row_block() -> int:
+    """The fewest rows of a packed 4-bit matrix that are packed alone: a range of rows starting and ending
+    at multiples of it is the packing of those rows by themselves. The layout interleaves rows in blocks
+    whose size depends on the CPU's kernel, so it is found by packing, once."""
+    codes = torch.randint(0, 16, (512, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = pack_int4(codes)
+    for block in (16, 32, 64, 128, 256):
+        if all(torch.equal(packed[start:start + block], pack_int4(codes[start:start + block]))
+               for start in range(0, 512, block)):
+            return block
+    return 512
+
+
+# --- the projection --------------------------------------------------------------------------------
+
+class QuantizedLinear(nn.Module):
+    """`nn.Linear` with quantized weights (module docstring). Buffers: int8: `codes` (N, K) int8 and
+    `scales` (N,); int4: `codes` (N, K/2) uint8, packed, and `scales_offsets` (K/32, N, 2); scales in the
+    activations' dtype. `fused`: the one matrix this projection is a row view of, with its siblings
+    (None: it stands alone)."""
+
+    def __init__(self, weights: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if weights not in ("int8", "int4"):
+            raise ValueError(f"weights must be int8 or int4, got {weights!r}")
+        self.weights, self.in_features, self.out_features = weights, in_features, out_features
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.fused: QuantizedLinear | None = None
+        self.fused_rows: tuple[int, int] | None = None
+
+    def __setattr__(self, name, value) -> None:
+        if name == "fused" and isinstance(value, nn.Module):
+            object.__setattr__(self, name, value)  # a reference, not a submodule (its buffers are this one's)
+        else:
+            super().__setattr__(name, value)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, weights: str, dtype: torch.dtype) -> QuantizedLinear:
+        """`linear` quantized; scales in `dtype` (the activations')."""
+        return cls.stack([linear], weights, dtype)
+
+    @classmethod
+    def stack(cls, linears: Sequence[nn.Linear], weights: str, dtype: torch.dtype) -> QuantizedLinear:
+        """One projection for `linears` of one input, their outputs side by side."""
+        for linear in linears:
+            reason = unsupported_reason(linear, weights)
+            if reason is not None:
+                raise ValueError(f"cannot quantize to {weights}: {reason}")
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # (N, K)
+        biases = [lin.bias for lin in linears]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            raise ValueError("projections with and without bias cannot be fused")
+        bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+        if weights == "int8":
+            codes, scales = quantize_int8(weight)
+            tensors = {"codes": codes, "scales": scales.to(dtype)}
+        else:
+            codes, scales, offsets = quantize_int4(weight)
+            tensors = {"codes": pack_int4(codes),
+                       "scales_offsets": torch.stack((scales, offsets), dim=-1).transpose(0, 1).contiguous().to(dtype)}
+        return cls(weights, weight.shape[1], weight.shape[0], tensors, bias)
+
+    def rows(self, start: int, stop: int) -> QuantizedLinear | None:
+        """Output rows [start, stop) as a projection whose codes are a view of this one's (its scales are
+        copied: they are small), or None where the packed layout does not split there."""
+        if self.weights == "int8":
+            tensors = {"codes": self.codes[start:stop], "scales": self.scales[start:stop].clone()}
+        else:
+            block = int4_row_block()
+            if start % block or stop % block:
+                return None
+            tensors = {"codes": self.codes[start:stop], "scales_offsets": self.scales_offsets[:, start:stop].contiguous()}
+        bias = None if self.bias is None else self.bias[start:stop]
+        sub = QuantizedLinear(self.weights, self.in_features, stop - start, tensors, bias)
+        sub.fused, sub.fused_rows = self, (start, stop)
+        return sub
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N) in x's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        if self.weights == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales.to(rows.dtype))
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.codes, INT4_GROUP,
+                                                             self.scales_offsets.to(rows.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.weights}"
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A dense or quantized linear layer."""
+    return isinstance(module, (nn.Linear, QuantizedLinear))
+
+
+def fused_projection(parts: Sequence[nn.Module]) -> QuantizedLinear | None:
+    """The one matrix `parts` (siblings, in order) are the rows of (views, or copies), covering it whole;
+    None if none."""
+    first = getattr(parts[0], "fused", None)
+    if first is None or any(getattr(p, "fused", None) is not first for p in parts):
+        return None
+    bounds = [p.fused_rows for p in parts]
+    if bounds[0][0] != 0 or bounds[-1][1] != first.out_features or any(
+            a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        return None
+    return first
+
+
+# --- a whole model --------------------------------------------------------------------------------
+
+def projection_groups(model) -> Iterator[tuple[nn.Module, tuple[str, ...]]]:
+    """(parent module, sibling names) for each group of projections `quantize_model` packs together."""
+    for layer in model.model.layers:
+        for block_name, groups in SIBLINGS.items():
+            block = getattr(layer, block_name)
+            for names in groups:
+                yield block, names
+
+
+def quantize_model(model, weights: str) -> None:
+    """Replace the decoder layers' projections and the output head of `model` (a Llama-, Mistral-, Qwen2-
+    or Gemma3-style *ForCausalLM on CPU) with `QuantizedLinear`s, in place. "dense" leaves it as it is."""
+    if weights == "dense":
+        return
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    dtype = model.get_input_embeddings().weight.dtype
+    for block, names in projection_groups(model):
+        linears = [getattr(block, name) for name in names]
+        whole = QuantizedLinear.stack(linears, weights, dtype)
+        start = 0
+        for name, linear in zip(names, linears):
+            stop = start + linear.out_features
+            part = whole.rows(start, stop) if len(linears) > 1 else whole
+            if part is None:  # rows the packed layout does not split at: the sibling gets codes of its own
+                part = QuantizedLinear.of(linear, weights, dtype)
+                part.fused, part.fused_rows = whole, (start, stop)
+            setattr(block, name, part)
+            start = stop
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(QuantizedLinear.of(head, "int8", dtype))
+    # The head no longer shares the embedding's tensor: a later `tie_weights` must not re-tie them.
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    logger.info("weights quantized to %s (output head int8): %.0f MB of codes and scales", weights,
+                quantized_bytes(model) / 1e6)
+
+
+def quantized_bytes(model) -> int:
+    """Bytes held by `model`'s quantized projections and the matrices their siblings share (each storage
+    once)."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            for owner in (module, module.fused):
+                for tensor in [] if owner is None else list(owner.buffers(recurse=False)) + list(owner.parameters()):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -1,0 +1,198 @@
+"""`fusion/quantized.py`: 8- and 4-bit weight-only projections against the plain reference (the product
+with the weight their codes stand for), the model's own forward through them against the fast decode
+step, experts with quantized weights end to end, and the config's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import fusion.kv_cache as kv_cache
+from fusion.config import parse_config
+from fusion.errors import ConfigError
+from fusion.expert import LocalExpert, StepRequest
+from fusion.fast_decode import FastDecoder
+from fusion.quantized import (INT4_GROUP, QuantizedLinear, dequantize_int4, fused_projection, int4_row_block,
+                              quantize_int4, quantize_int8, quantize_model, quantized_bytes)
+from fusion.shared_base import load_local_experts
+from tests.conftest import tiny_config_dict
+
+
+def _linear(n: int, k: int, seed: int, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.normal_(0, 0.2)
+    return linear
+
+
+def _dequantized(q: QuantizedLinear, linear: torch.nn.Linear) -> torch.Tensor:
+    """The weight (N, K) float32 that `q`'s codes stand for, from the quantization functions alone."""
+    if q.weights == "int8":
+        codes, scales = quantize_int8(linear.weight)
+        return codes.float() * scales.to(q.scales.dtype).float()[:, None]
+    codes, scales, offsets = quantize_int4(linear.weight)
+    dtype = q.scales_offsets.dtype
+    return dequantize_int4(codes, scales.to(dtype).float(), offsets.to(dtype).float())
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_product_is_the_product_with_the_dequantized_weight(weights, dtype):
+    linear = _linear(96, 128, seed=1)
+    q = QuantizedLinear.of(linear, weights, dtype)
+    x = torch.randn(5, 3, 128).to(dtype)  # (B, S, K): leading axes kept
+    got = q(x)
+    assert got.shape == (5, 3, 96) and got.dtype == dtype
+    want = F.linear(x.float(), _dequantized(q, linear), linear.bias.detach())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # and the codes are close to the weight itself (the quantization error is bounded by half a step)
+    error = (_dequantized(q, linear) - linear.weight.detach()).abs().max()
+    assert error < (0.2 * 4 / (127 if weights == "int8" else 7.5))
+
+
+def test_q4_1_weights_get_their_own_codes_back():
+    """A weight dequantized from Q4_1 blocks (w = d·q + m, each block spanning codes 0..15, as llama.cpp's
+    quantizer makes them) quantizes back to the same codes, scales and offsets."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 32, 4 * INT4_GROUP
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    codes[:, ::INT4_GROUP] = 0
+    codes[:, 1::INT4_GROUP] = 15
+    d = torch.rand(n, k // INT4_GROUP, generator=gen) * 0.05 + 0.01
+    m = torch.randn(n, k // INT4_GROUP, generator=gen) * 0.1
+    weight = (codes.view(n, -1, INT4_GROUP).float() * d[..., None] + m[..., None]).view(n, k)
+    got_codes, scales, offsets = quantize_int4(weight)
+    assert torch.equal(got_codes, codes)
+    torch.testing.assert_close(scales, d, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(offsets, m + 8 * d, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dequantize_int4(got_codes, scales, offsets), weight, rtol=0, atol=1e-6)
+
+
+def _tiny_llama(hidden: int, heads: int, kv_heads: int, seed: int = 5) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=160, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("hidden,kv_heads", [(128, 4), (64, 2)])
+def test_siblings_are_the_rows_of_one_matrix(weights, hidden, kv_heads):
+    """Query/key/value (and gate/up) become rows of one quantized matrix: views of its codes where the
+    packed layout splits at their rows, copies elsewhere; either way each sibling's product is its
+    slice of the whole one, and the model's forward is unchanged by building the fast decoder."""
+    model = _tiny_llama(hidden, 4, kv_heads)
+    quantize_model(model, weights)
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    whole = fused_projection(parts)
+    assert whole is not None and whole.out_features == sum(p.out_features for p in parts)
+    x = torch.randn(3, hidden)
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], -1), whole(x), rtol=1e-5, atol=1e-5)
+    bounds = [p.fused_rows for p in parts]
+    views = [weights == "int8" or (a % int4_row_block() == 0 and b % int4_row_block() == 0) for a, b in bounds]
+    shares = [p.codes.untyped_storage().data_ptr() == whole.codes.untyped_storage().data_ptr() for p in parts]
+    assert shares == views
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(ids).logits
+        decoder = FastDecoder(model)
+        after = model(ids).logits
+    assert decoder.qkv[0] is whole
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert 0 < quantized_bytes(model) < sum(p.numel() * p.element_size() for p in _tiny_llama(hidden, 4, kv_heads).parameters())
+
+
+def _expert(path, weights: str, decode: str = "fast") -> LocalExpert:
+    config = parse_config({"experts": [{"name": "x", "model": str(path), "dtype": "float32", "decode": decode,
+                                        "weights": weights}]})
+    return LocalExpert.load(config.experts[0])
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, monkeypatch, weights):
+    """The fast decode step over quantized projections, batched and alone, through buffer growths, gives
+    the logits of the same model's uncached forward (transformers' own, through the same projections)."""
+    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
+    expert = _expert(tiny_dir / "c", weights)
+    assert isinstance(expert.model.lm_head, QuantizedLinear) and expert.model.lm_head.weights == "int8"
+    assert isinstance(expert.model.model.layers[1].mlp.down_proj, QuantizedLinear)
+    assert expert.info.vocab_size == expert.model.lm_head.out_features
+    histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
+
+    def step(names):
+        got = expert.step([StepRequest(s, histories[s]) for s in names])
+        with torch.no_grad():
+            want = torch.stack([expert.model(torch.tensor([histories[s]])).logits[0, -1] for s in names])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for s, row in zip(names, got):
+            histories[s] = histories[s] + [int(row[:250].argmax())]
+
+    for _ in range(6):
+        step(["s1", "s2", "s3"])
+    for _ in range(2):
+        step(["s2"])
+    assert expert.fast_decode_steps >= 7  # all but the first (the prefill)
+
+
+def test_quantized_logits_stay_close_to_the_dense_ones(tiny_dir):
+    """Quantization moves the next-token distribution a little, int8 less than int4 (KL per position)."""
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.no_grad():
+        reference = F.log_softmax(dense(ids).logits[0], -1)
+    kl = {}
+    for weights in ("int8", "int4"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
+        quantize_model(model, weights)
+        with torch.no_grad():
+            got = F.log_softmax(model(ids).logits[0], -1)
+        kl[weights] = float((reference.exp() * (reference - got)).sum(-1).mean())
+    assert 0 < kl["int8"] < kl["int4"] < 0.05, kl
+
+
+def test_shared_base_with_quantized_weights_runs_adapters_on_both_paths(tiny_dir, tmp_path):
+    """Adapters over a quantized base: the fast joint step equals transformers' forward through the
+    adapted quantized projections (the reference for that base)."""
+    from tests.test_shared_base import histories, save_adapter
+
+    adapter = save_adapter(tiny_dir, tmp_path / "one", seed=11)
+
+    def group(decode):
+        data = tiny_config_dict(tiny_dir, names=("a",))
+        base = {**data["experts"][0], "weights": "int4", "decode": decode}
+        data["experts"] = [{**base, "name": "plain"}, {**base, "name": "one", "adapter": str(adapter)}]
+        return load_local_experts(parse_config(data).experts, str)
+
+    fast, plain = group("fast"), group("transformers")
+    assert fast[0].shared_base._fast_step is not None and plain[0].shared_base._fast_step is None
+    assert isinstance(fast[0].shared_base.model.model.layers[0].self_attn.q_proj.base, QuantizedLinear)
+    prompts = histories(4, seed=2)
+    for step in range(4):
+        parts = [(m, [StepRequest(f"s{k}", prompts[k]) for k in range(4) if k % 2 == i]) for i, m in enumerate(fast)]
+        got = fast[0].shared_base.step_members(parts)
+        want = plain[0].shared_base.step_members(
+            [(plain[i], requests) for i, (_, requests) in enumerate(parts)])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        prompts = [p + [(5 * step + k) % 40 + 3] for k, p in enumerate(prompts)]
+    assert fast[0].shared_base.fast_decode_steps > 0
+
+
+def test_bad_weights_are_config_errors_naming_the_field(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="weights"):
+        parse_config({"experts": [{"name": "x", "model": str(tiny_dir / "a"), "weights": "int3"}]})
+    # a width the 4-bit groups do not divide: refused at load, naming the expert's field and why
+    from transformers import AutoTokenizer
+
+    model = _tiny_llama(48, 4, 2)
+    model.save_pretrained(tmp_path / "narrow")
+    AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(tmp_path / "narrow")
+    with pytest.raises(ConfigError, match=r"experts\.x\.weights: int4 .*multiple of the 4-bit group"):
+        _expert(tmp_path / "narrow", "int4")
+    assert _expert(tmp_path / "narrow", "int8").model.lm_head.weights == "int8"

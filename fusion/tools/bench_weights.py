@@ -1,0 +1,182 @@
+"""The `weights` benchmark suite: the first expert's base model decoding from dense, int8 and int4
+weights (fusion.quantized), eager and compiled, beside llama.cpp running the same model from its GGUF
+file when `llama-cpp-python` is installed (an optional extra, for benchmarks only), and the config's
+fused single stream against llama.cpp's. Every ratio compares timings taken in alternating rounds of
+one run; a cold start is timed as a whole `fusion generate` process per format."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from fusion.compute import run_on_compute_thread
+from fusion.expert import LocalExpert
+from fusion.quantized import WEIGHT_FORMATS
+from fusion.service import FusionRequest, FusionService
+from fusion.tools.bench import BENCH_PROMPT, BenchReport, _prompt_ids, _runtime_step_times, plain_experts
+
+logger = logging.getLogger(__name__)
+
+
+def gguf_beside(model_path: str) -> Path | None:
+    """The GGUF file kept in a model's folder (the builtin SmolLM2 keeps the one it was converted
+    from), if there is exactly one."""
+    folder = Path(model_path).expanduser()
+    found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+class LlamaCpp:
+    """llama.cpp (through llama-cpp-python) on one GGUF file, with as many threads as torch uses."""
+
+    def __init__(self, gguf: Path) -> None:
+        from llama_cpp import Llama
+
+        self.threads = torch.get_num_threads()
+        self.llm = Llama(str(gguf), n_ctx=2048, n_threads=self.threads, n_threads_batch=self.threads,
+                         verbose=False)
+        self.path = gguf
+
+    def step_times(self, prompt: list[int], steps: int) -> list[float]:
+        """Seconds of each single-token decode after the prompt (the same token fed each step: a decode
+        forward costs the same whatever the token)."""
+        self.llm.reset()
+        self.llm.eval(prompt)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.llm.eval([prompt[-1]])
+            times.append(time.perf_counter() - start)
+        return times
+
+    def tokens_per_s(self, prompt: list[int], tokens: int) -> float:
+        """Greedy generation of `tokens` tokens after the prompt, prompt included in the time, as the
+        fused stream's rate includes its prefill."""
+        self.llm.reset()
+        start = time.perf_counter()
+        produced = 0
+        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            produced += 1
+            if produced == tokens:
+                break
+        return produced / (time.perf_counter() - start)
+
+
+def _load_base(expert: LocalExpert, weights: str, decode: str) -> LocalExpert:
+    config = expert.config.model_copy(update={"name": f"base-{weights}-{decode}", "weights": weights,
+                                              "decode": decode, "adapter": None, "share_base": False})
+    return LocalExpert.load(config, expert.info.model)
+
+
+def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, rounds: int = 3,
+                  compiled: bool = True, tokens: int = 48, cold_start: bool = True) -> None:
+    index, reference = plain_experts(service)[0]
+    prompt = _prompt_ids(service)[index]
+    name = service.expert_names[index]
+    paths = {f"{w} fast": _load_base(reference, w, "fast") for w in WEIGHT_FORMATS}
+    if compiled:
+        started = time.perf_counter()
+        paths["int4 compiled"] = _load_base(reference, "int4", "compiled")
+        report.add("weights.compile_s", time.perf_counter() - started,
+                   f"loading {name}'s base with an int4 compiled step (compiling, or from inductor's on-disk "
+                   f"cache when an earlier run left it): {time.perf_counter() - started:.1f} s")
+    gguf = gguf_beside(reference.info.model)
+    llama = None
+    try:
+        llama = LlamaCpp(gguf) if gguf is not None else None
+    except ImportError:
+        logger.warning("weights suite: llama-cpp-python is not installed; no llama.cpp figures (pip install "
+                       "'logit-fusion[llamacpp]')")
+    if gguf is None:
+        logger.warning("weights suite: no GGUF file beside %s; no llama.cpp figures", reference.info.model)
+    timings: dict[str, list[float]] = {path: [] for path in paths}
+    if llama is not None:
+        timings["llama.cpp"] = []
+    for _ in range(rounds):
+        for path, expert in paths.items():
+            timings[path].append(run_on_compute_thread(_step_ms, expert, prompt, steps))
+        if llama is not None:
+            timings["llama.cpp"].append(statistics.mean(llama.step_times(prompt, steps + 2)[2:]) * 1e3)
+    ms = {path: statistics.median(values) for path, values in timings.items()}
+    for path, value in ms.items():
+        report.add(f"weights.decode_ms.{path}", value, f"decode step, {name}'s base, {path}: {value:.2f} ms"
+                   + (f" ({llama.threads} threads, {llama.path.name})" if path == "llama.cpp" else ""))
+    for path in paths:
+        if path != "dense fast":
+            report.add(f"weights.{path}_over_dense", ms[path] / ms["dense fast"],
+                       f"decode step {path} / dense fast: {ms[path] / ms['dense fast']:.3f}")
+    if llama is not None:
+        for path in paths:
+            if path.startswith("int4"):
+                ratio = ms[path] / ms["llama.cpp"]
+                report.add(f"weights.{path}_over_llamacpp", ratio,
+                           f"decode step {path} / llama.cpp on the same GGUF: {ratio:.3f}  (goal <= 1.0)")
+        _fused_against_llamacpp(service, report, llama, prompt, tokens, rounds)
+    for expert in paths.values():
+        expert.close()
+    if cold_start:
+        _cold_starts(service, report, tokens)
+
+
+def _step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
+    runtime_steps = _runtime_step_times(expert, prompt)
+    times = [next(runtime_steps) for _ in range(steps + 3)]
+    runtime_steps.close()
+    return statistics.mean(times[3:]) * 1e3  # the first is the prefill
+
+
+def _fused_against_llamacpp(service: FusionService, report: BenchReport, llama: LlamaCpp, prompt: list[int],
+                            tokens: int, rounds: int) -> None:
+    """The config's fused single stream (through the front door) against llama.cpp generating as many
+    tokens alone, round by round."""
+    request = FusionRequest(BENCH_PROMPT, {"max_tokens": tokens, "ignore_eos": True})
+    list(service.submit(request))  # warm-up
+    fused, plain = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        n = sum(1 for _ in service.submit(request))
+        fused.append(n / (time.perf_counter() - start))
+        plain.append(llama.tokens_per_s(prompt, tokens))
+    weights = sorted({e.config.weights for e in service.engine.experts if hasattr(e, "config")})
+    fused_tps, plain_tps = statistics.median(fused), statistics.median(plain)
+    report.add("weights.fused_tokens_per_s", fused_tps,
+               f"fused single stream ({len(service.expert_names)} experts, {'/'.join(weights)} weights, "
+               f"{service.config.fusion.rule}): {fused_tps:.1f} tokens/s")
+    report.add("weights.llamacpp_tokens_per_s", plain_tps, f"llama.cpp alone, same GGUF: {plain_tps:.1f} tokens/s")
+    ratio = statistics.median(f / p for f, p in zip(fused, plain))
+    report.add("weights.fused_over_llamacpp", ratio,
+               f"fused tokens/s / llama.cpp's: {ratio:.3f}  (goal >= 1.0)")
+
+
+def _cold_starts(service: FusionService, report: BenchReport, tokens: int, rounds: int = 2) -> None:
+    """Seconds from launching `fusion generate` to its exit (load, first request, `tokens` tokens) with
+    every in-process expert's weights dense and int4, alternating; the best of `rounds` each."""
+    from fusion.tools.evaluation import with_weights
+
+    seconds: dict[str, list[float]] = {"dense": [], "int4": []}
+    with tempfile.TemporaryDirectory() as folder:
+        files = {}
+        for weights in seconds:
+            files[weights] = Path(folder) / f"{weights}.yaml"
+            data = with_weights(service.config, weights).model_dump(mode="json", exclude_defaults=True)
+            files[weights].write_text(yaml.safe_dump(data))
+        for _ in range(rounds):
+            for weights, path in files.items():
+                start = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "fusion.tools.cli", "generate", BENCH_PROMPT, "--config",
+                                str(path), "--max-tokens", str(tokens)], check=True, capture_output=True)
+                seconds[weights].append(time.perf_counter() - start)
+    best = {weights: min(values) for weights, values in seconds.items()}
+    for weights, value in best.items():
+        report.add(f"weights.cold_start_s.{weights}", value,
+                   f"`fusion generate` from launch to exit ({tokens} tokens), {weights} weights: {value:.1f} s")
+    report.add("weights.cold_start_int4_over_dense", best["int4"] / best["dense"],
+               f"cold start int4 / dense: {best['int4'] / best['dense']:.3f}  (goal <= 1.0)")

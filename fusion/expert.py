@@ -29,7 +29,7 @@ from fusion.config import ExpertConfig
 from fusion.errors import AssetError, ConfigError, InvalidArgumentError
 from fusion.fast_decode import (GEMMA3, DecodeStep, configure_compile_cache, decode_after_shared_history,
                                 decode_on_layers, unsupported_reason)
-from fusion.quantized import quantize_model
+from fusion.quantized import packed_cache_file, quantize_model
 from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -165,9 +165,10 @@ def load_tokenizer(config: ExpertConfig, model_path: str):
         raise AssetError(f"expert {config.name!r}: cannot load the tokenizer of {model_path!r}: {first_line}") from None
 
 
-def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
+def load_model_and_tokenizer(config: ExpertConfig, model_path: str, codes_dir: Path | None = None):
     """Load through the real transformers path: a local folder, a hub id, or a GGUF file in a folder;
-    with the config's PEFT `adapter` merged in."""
+    with the config's PEFT `adapter` merged in, and its weights quantized as the config says (the codes
+    kept under `codes_dir`, if given, for the next start)."""
     from transformers import AutoModelForCausalLM
 
     looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
@@ -185,12 +186,20 @@ def load_model_and_tokenizer(config: ExpertConfig, model_path: str):
         model = apply_adapter(model, config.adapter, config.name)
     model.to(config.device).eval()
     if config.weights != "dense":
+        cache_file = None if codes_dir is None else packed_cache_file(
+            codes_dir, model_path, config.weights, config.dtype, config.adapter)
         try:
-            quantize_model(model, config.weights)
+            quantize_model(model, config.weights, cache_file)
         except ValueError as err:
             raise ConfigError(f"experts.{config.name}.weights: {config.weights} is not available for "
                               f"{model_path!r}: {err}") from None
     return model, tokenizer
+
+
+def codes_folder(compile_cache_dir: Path | None) -> Path | None:
+    """Where quantized weights' codes are kept (fusion.quantized): beside the compiled decode steps, as
+    they too are made for this machine's CPU kernels."""
+    return None if compile_cache_dir is None else Path(compile_cache_dir) / "weights"
 
 
 class LocalExpert:
@@ -239,7 +248,8 @@ class LocalExpert:
     @classmethod
     def load(cls, config: ExpertConfig, model_path: str | None = None,
              compile_cache_dir: Path | None = None) -> LocalExpert:
-        """Load the expert; a compiled decode step keeps its compiled code under `compile_cache_dir`
+        """Load the expert; a compiled decode step keeps its compiled code, and quantized weights their
+        codes (`codes_folder`), under `compile_cache_dir`
         (else inductor's default folder) so that the next start reuses it."""
         path = model_path or config.model
         logger.info("loading expert %s from %s (%s on %s)", config.name, path, config.dtype, config.device)
@@ -247,7 +257,7 @@ class LocalExpert:
             configure_compile_cache(compile_cache_dir)
 
         def load() -> LocalExpert:
-            model, tokenizer = load_model_and_tokenizer(config, path)
+            model, tokenizer = load_model_and_tokenizer(config, path, codes_folder(compile_cache_dir))
             expert = cls(config, model, tokenizer, model_ref=path)
             if expert._fast_step is not None and expert._fast_step.mode != "off":
                 expert.warm_up()

@@ -159,8 +159,10 @@ class AdapterStack(nn.Module):
         x's dtype, computed in float32."""
         if rows.shape[0] != x.shape[0]:
             rows = rows.expand(x.shape[0])  # one session's rows (a lookahead): one adapter for all
-        own = (self._rows.own_columns(self.owner, rows) if self._rows is not None
-               else (rows[:, None] == self.owner[None, :]).float())  # (B, K·r)
+        if self._rows is not None and not torch.compiler.is_compiling():
+            own = self._rows.own_columns(self.owner, rows)  # (B, K·r)
+        else:  # (a compiled step computes each layout's columns once by itself)
+            own = (rows[:, None] == self.owner[None, :]).float()
         if x.dim() == 3:
             own = own[:, None, :]
         return (((x.float() @ self.down) * own) @ self.up).to(x.dtype)

@@ -23,8 +23,12 @@ The embedding table stays as it is: a step reads one row of it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -215,34 +219,98 @@ def projection_groups(model) -> Iterator[tuple[nn.Module, tuple[str, ...]]]:
                 yield block, names
 
 
-def quantize_model(model, weights: str) -> None:
+def quantize_model(model, weights: str, cache_file: Path | None = None) -> None:
     """Replace the decoder layers' projections and the output head of `model` (a Llama-, Mistral-, Qwen2-
-    or Gemma3-style *ForCausalLM on CPU) with `QuantizedLinear`s, in place. "dense" leaves it as it is."""
+    or Gemma3-style *ForCausalLM on CPU) with `QuantizedLinear`s, in place. "dense" leaves it as it is.
+    `cache_file` (see `packed_cache_file`): codes read from it when it exists, else written to it, so a
+    second start skips quantizing and packing."""
     if weights == "dense":
         return
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    started = time.perf_counter()
     dtype = model.get_input_embeddings().weight.dtype
-    for block, names in projection_groups(model):
+    stored = _read_codes(cache_file)
+    made: dict[str, torch.Tensor] = {}
+
+    def matrix(key: str, linears: Sequence[nn.Linear], kind: str) -> QuantizedLinear:
+        """The quantized matrix of `linears` stacked: from the cache file, or made (and kept for it)."""
+        names = ("codes", "scales") if kind == "int8" else ("codes", "scales_offsets")
+        if stored is not None:
+            return QuantizedLinear(kind, linears[0].in_features, sum(lin.out_features for lin in linears),
+                                   {n: stored[f"{key}.{n}"] for n in names}, stored.get(f"{key}.bias"))
+        made_here = QuantizedLinear.stack(linears, kind, dtype)
+        made.update({f"{key}.{n}": getattr(made_here, n) for n in names})
+        if made_here.bias is not None:
+            made[f"{key}.bias"] = made_here.bias.detach()
+        return made_here
+
+    for index, (block, names) in enumerate(projection_groups(model)):
         linears = [getattr(block, name) for name in names]
-        whole = QuantizedLinear.stack(linears, weights, dtype)
+        whole = matrix(f"group{index}", linears, weights)
         start = 0
         for name, linear in zip(names, linears):
             stop = start + linear.out_features
             part = whole.rows(start, stop) if len(linears) > 1 else whole
             if part is None:  # rows the packed layout does not split at: the sibling gets codes of its own
-                part = QuantizedLinear.of(linear, weights, dtype)
+                part = matrix(f"group{index}.{name}", [linear], weights)
                 part.fused, part.fused_rows = whole, (start, stop)
             setattr(block, name, part)
             start = stop
-    head = model.get_output_embeddings()
-    model.set_output_embeddings(QuantizedLinear.of(head, "int8", dtype))
+    model.set_output_embeddings(matrix("head", [model.get_output_embeddings()], "int8"))
     # The head no longer shares the embedding's tensor: a later `tie_weights` must not re-tie them.
     model.config.tie_word_embeddings = False
     if hasattr(model.config, "get_text_config"):
         model.config.get_text_config().tie_word_embeddings = False
-    logger.info("weights quantized to %s (output head int8): %.0f MB of codes and scales", weights,
+    if cache_file is not None and stored is None:
+        _write_codes(cache_file, made)
+    logger.info("weights %s to %s in %.2f s (output head int8): %.0f MB of codes and scales",
+                "read" if stored is not None else "quantized", weights, time.perf_counter() - started,
                 quantized_bytes(model) / 1e6)
+
+
+# --- the cache of codes ---------------------------------------------------------------------------
+
+CODES_FORMAT = 1  # bump when the layout of a cache file changes
+
+
+def packed_cache_file(cache_dir: Path, source: str, weights: str, dtype: str, adapter: str | None = None) -> Path:
+    """Where the codes of `source` (a model folder or hub id, with `adapter` merged) at `weights` live:
+    the name hashes the source's files (names, sizes, modification times), the format, the activations'
+    dtype, torch's version and the CPU's kernel (the 4-bit layout is the kernel's own)."""
+    digest = hashlib.sha256()
+    for ref in (source, adapter):
+        digest.update(repr(ref).encode())
+        folder = Path(ref).expanduser() if ref else None
+        if folder is not None and folder.is_dir():
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    stat = path.stat()
+                    digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest.update(f"{weights}:{dtype}:{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:"
+                  f"{int4_row_block()}:{CODES_FORMAT}".encode())
+    return Path(cache_dir) / f"{Path(str(source)).name}-{weights}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def _read_codes(path: Path | None) -> dict[str, torch.Tensor] | None:
+    if path is None or not path.exists():
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as err:  # a damaged file is made again
+        logger.warning("ignoring the unreadable codes file %s: %s", path, err)
+        return None
+
+
+def _write_codes(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, partial)
+    os.replace(partial, path)  # readers never see a half-written file
 
 
 def quantized_bytes(model) -> int:

@@ -26,7 +26,7 @@ import torch
 from fusion.compute import run_on_compute_thread
 from fusion.config import ExpertConfig
 from fusion.errors import InvalidArgumentError
-from fusion.expert import Expert, ExpertInfo, LocalExpert, StepRequest, load_model_and_tokenizer
+from fusion.expert import Expert, ExpertInfo, LocalExpert, StepRequest, codes_folder, load_model_and_tokenizer
 from fusion.fast_decode import FastDecoder, configure_compile_cache
 from fusion.multi_lora import BASE, MultiAdapter, load_lora
 
@@ -159,7 +159,8 @@ def load_shared_base(configs: Sequence[ExpertConfig], model_path: str, adapters:
         configure_compile_cache(compile_cache_dir)
 
     def load() -> SharedBaseExpert:
-        model, tokenizer = load_model_and_tokenizer(configs[0].model_copy(update={"adapter": None}), model_path)
+        model, tokenizer = load_model_and_tokenizer(configs[0].model_copy(update={"adapter": None}), model_path,
+                                                    codes_folder(compile_cache_dir))
         group = SharedBaseExpert(configs, model, tokenizer, model_ref=model_path, adapters=adapters)
         if group._fast_step is not None and group._fast_step.mode != "off":
             group.warm_up()

@@ -196,3 +196,42 @@ def test_bad_weights_are_config_errors_naming_the_field(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"experts\.x\.weights: int4 .*multiple of the 4-bit group"):
         _expert(tmp_path / "narrow", "int4")
     assert _expert(tmp_path / "narrow", "int8").model.lm_head.weights == "int8"
+
+
+@pytest.mark.parametrize("hidden,kv_heads", [(128, 4), (64, 2)])
+def test_codes_come_back_from_the_cache_file_as_they_were_made(tmp_path, hidden, kv_heads):
+    """A second quantization of the same model reads the codes the first wrote (views and copies alike)
+    and computes the same logits; a damaged file is made again."""
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    path = tmp_path / "codes.safetensors"
+    logits = []
+    for _ in range(2):
+        model = _tiny_llama(hidden, 4, kv_heads)
+        quantize_model(model, "int4", path)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+        assert fused_projection([model.model.layers[1].mlp.gate_proj, model.model.layers[1].mlp.up_proj]) is not None
+    assert path.exists()
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    path.write_bytes(b"not a safetensors file")
+    model = _tiny_llama(hidden, 4, kv_heads)
+    quantize_model(model, "int4", path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits[0], rtol=0, atol=0)
+
+
+def test_an_experts_codes_are_kept_under_the_cache_and_named_by_what_made_them(tiny_dir, tmp_path):
+    from fusion.quantized import packed_cache_file
+
+    config = parse_config({"experts": [{"name": "x", "model": str(tiny_dir / "a"), "dtype": "float32",
+                                        "weights": "int8"}]}).experts[0]
+    first = LocalExpert.load(config, compile_cache_dir=tmp_path / "compiled")
+    files = list((tmp_path / "compiled" / "weights").glob("*.safetensors"))
+    assert [f.name for f in files] == [packed_cache_file(tmp_path / "compiled" / "weights", str(tiny_dir / "a"),
+                                                         "int8", "float32").name]
+    assert packed_cache_file(tmp_path, str(tiny_dir / "a"), "int4", "float32") != files[0]
+    assert packed_cache_file(tmp_path, str(tiny_dir / "b"), "int8", "float32").name != files[0].name
+    second = LocalExpert.load(config, compile_cache_dir=tmp_path / "compiled")
+    ids = [5, 17, 42, 9]
+    torch.testing.assert_close(second.step([StepRequest("s", ids)]), first.step([StepRequest("s", ids)]),
+                               rtol=0, atol=0)

@@ -6,8 +6,8 @@ Each expert replica serves the Expert service on a free port of its node and reg
 itself. The coordinator reads `addresses()` every few seconds and hands each expert's list to its
 `RemoteExpert`, which pins sessions to replicas and fails over between them.
 
-The version (`expert_version`) names what decides an expert's logits: model, weights file, dtype,
-device. A coordinator asks only for replicas of the versions its config names, so during a rolling
+The version (`expert_version`) names what decides an expert's logits: model, weights file, adapter,
+quantized weights, dtype, device. A coordinator asks only for replicas of the versions its config names, so during a rolling
 update that changes a model, old and new replicas of one expert never serve the same session.
 
 The table is soft state: if the registry's replica restarts, the expert replicas' next heartbeats
@@ -34,6 +34,8 @@ def expert_version(config: ExpertConfig) -> str:
     decisive = {k: getattr(config, k) for k in ("name", "model", "gguf_file", "dtype", "device")}
     if config.adapter is not None:  # (absent otherwise: versions of configs without adapters stay as they were)
         decisive["adapter"] = config.adapter
+    if config.weights != "dense":  # quantized codes give other logits (absent when dense, as above)
+        decisive["weights"] = config.weights
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 

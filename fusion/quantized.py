@@ -298,7 +298,9 @@ def _read_codes(path: Path | None) -> dict[str, torch.Tensor] | None:
     from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        # Copied out of the file's buffer: its tensors start where the header leaves them (8-byte
+        # alignment), and the 4-bit kernel's vector loads crashed on codes not aligned to 64 bytes.
+        return {name: tensor.clone() for name, tensor in load_file(path).items()}
     except Exception as err:  # a damaged file is made again
         logger.warning("ignoring the unreadable codes file %s: %s", path, err)
         return None

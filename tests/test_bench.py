@@ -93,13 +93,13 @@ def test_suites_on_experts_sharing_a_base(tiny_dir, tmp_path):
         service.close()
 
 
-def test_weights_suite_reports_each_format_and_cold_starts(tiny_service):
+def test_weights_suite_reports_each_format_and_cold_starts(tiny_service, tmp_path):
     """Dense, int8 and int4 steps of the first expert side by side, their ratios, and a fresh `fusion
     generate` process per format; llama.cpp's figures need a GGUF beside the model (none here)."""
     from fusion.tools.bench_weights import bench_weights, gguf_beside
 
     report = bench.BenchReport()
-    bench_weights(tiny_service, report, steps=2, rounds=1, compiled=False, tokens=3)
+    bench_weights(tiny_service, report, steps=2, rounds=1, compiled=False, tokens=3, cache_dir=tmp_path)
     figures = report.figures
     assert {f"weights.decode_ms.{w} fast" for w in ("dense", "int8", "int4")} <= set(figures)
     for name in ("weights.int8 fast_over_dense", "weights.int4 fast_over_dense", "weights.cold_start_int4_over_dense"):
@@ -109,5 +109,6 @@ def test_weights_suite_reports_each_format_and_cold_starts(tiny_service):
         assert 0 < start["first_output"] <= start["exit"]
     assert gguf_beside(tiny_service.engine.experts[0].info.model) is None
     assert not any(k.startswith("weights.llama") or "llamacpp" in k for k in figures)
+    assert list((tmp_path / "compiled" / "weights").glob("*-int4-*.safetensors"))  # the processes' codes, kept
     assert not any(e.cache for e in tiny_service.engine.experts)
     json.dumps(figures)

@@ -97,6 +97,7 @@ def test_coordinators_see_only_replicas_of_their_expert_versions():
     old = ExpertConfig(name="a", model="/models/a-v1")
     new = old.model_copy(update={"model": "/models/a-v2"})
     assert expert_version(old) != expert_version(new)
+    assert expert_version(old) != expert_version(old.model_copy(update={"weights": "int4"}))
     # Weight, replicas and placement do not change the logits.
     assert expert_version(old) == expert_version(old.model_copy(update={"weight": 3.0, "num_gpus": 0.5}))
     table = ReplicaTable(ttl_s=5.0)

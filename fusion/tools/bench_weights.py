@@ -77,7 +77,10 @@ def _load_base(expert: LocalExpert, weights: str, decode: str) -> LocalExpert:
 
 
 def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, rounds: int = 3,
-                  compiled: bool = True, tokens: int = 48, cold_start: bool = True) -> None:
+                  compiled: bool = True, tokens: int = 48, cold_start: bool = True,
+                  cache_dir: Path | None = None) -> None:
+    """`cache_dir`: the model cache the cold-start processes use (default: theirs, `$FUSION_CACHE_DIR` or
+    the XDG cache)."""
     index, reference = plain_experts(service)[0]
     prompt = _prompt_ids(service)[index]
     name = service.expert_names[index]
@@ -123,7 +126,7 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
     for expert in paths.values():
         expert.close()
     if cold_start:
-        _cold_starts(service, report, tokens)
+        _cold_starts(service, report, tokens, cache_dir)
 
 
 def _step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
@@ -156,7 +159,8 @@ def _fused_against_llamacpp(service: FusionService, report: BenchReport, llama: 
                f"fused tokens/s / llama.cpp's: {ratio:.3f}  (goal >= 1.0)")
 
 
-def _cold_starts(service: FusionService, report: BenchReport, tokens: int, rounds: int = 2) -> None:
+def _cold_starts(service: FusionService, report: BenchReport, tokens: int, cache_dir: Path | None,
+                 rounds: int = 2) -> None:
     """A fresh `fusion generate` process per weights format (every in-process expert dense, then int4,
     alternating; `tokens` tokens, end of text ignored): seconds from launch to its first output, and to
     its exit; the best of `rounds` each. Codes and models come from their caches, as on a second start."""
@@ -174,14 +178,17 @@ def _cold_starts(service: FusionService, report: BenchReport, tokens: int, round
         for _ in range(rounds):
             for weights, path in files.items():
                 start = time.perf_counter()
-                process = subprocess.Popen([sys.executable, "-m", "fusion.tools.cli", "generate", BENCH_PROMPT,
-                                            "--config", str(path)], stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL)
+                command = [sys.executable, "-m", "fusion.tools.cli", "generate", BENCH_PROMPT, "--config", str(path)]
+                if cache_dir is not None:
+                    command += ["--cache-dir", str(cache_dir)]
+                process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 process.stdout.read(1)
                 first[weights].append(time.perf_counter() - start)
                 process.stdout.read()
+                errors = process.stderr.read().decode(errors="replace").strip().splitlines()
                 if process.wait() != 0:
-                    raise RuntimeError(f"`fusion generate` with {weights} weights failed")
+                    raise RuntimeError(f"`fusion generate` with {weights} weights failed (exit {process.returncode})"
+                                       f": {errors[-1] if errors else 'no message'}")
                 done[weights].append(time.perf_counter() - start)
     for weights in first:
         report.add(f"weights.cold_start_s.{weights}", {"first_output": min(first[weights]), "exit": min(done[weights])},

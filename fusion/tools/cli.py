@@ -624,7 +624,8 @@ def bench(
         if "weights" in chosen:
             from fusion.tools.bench_weights import bench_weights
 
-            bench_weights(service, report, steps=min(steps, 16), rounds=rounds, compiled=compiled)
+            bench_weights(service, report, steps=min(steps, 16), rounds=rounds, compiled=compiled,
+                          cache_dir=cache_dir(cache))
         service.close()
         typer.echo(f"machine: {report.figures['machine']}")
         for line in report.lines:

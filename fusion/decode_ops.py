@@ -46,7 +46,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     """One new query per row over its cached columns and its own new key/value: q (B, H, D), k and v
     (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
     columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
-    kv head), as plain products: at one query per row, CPU SDPA's flash kernel cost ~2 ms a call.
+    kv head), as plain products: at one query per row, CPU SDPA's flash kernel measured far slower.
     `times` computes the two products (`rows_times`; `one_row_times` in CPU-compiled steps). The query
     and the probabilities are stored (`stored`), so products computed in inductor's own loops do not
     recompute the rotation or the exponentials for every column. Returns (B, H·D)."""
@@ -107,10 +107,10 @@ def project(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch
 def one_row_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`rows_times`, except that one row's product, a (1, H, G, K) @ b (1, H, K, N), is a float32 sum over
     broadcasts rounded to a's dtype (where a bf16 product rounds), which inductor computes in its own
-    loops: as a batched product it was an external call of ~40 µs (60 a step for SmolLM2) for a few
-    thousand multiply-adds. The sum runs along K innermost where K is b's contiguous axis (the keys,
-    transposed): summed across the keys' rows instead, SmolLM2's step took 17.1 ms against 12.7 (runs
-    one after the other). Eagerly it would build the (H, G, K, N) product: for compiled steps only."""
+    loops: as a batched product it was an external call (two a layer) whose overhead far outweighed its
+    few thousand multiply-adds. The sum runs along K innermost where K is b's contiguous axis (the keys,
+    transposed): summed across the keys' rows instead, the step measured slower. Eagerly it would build
+    the (H, G, K, N) product: for compiled steps only."""
     if a.shape[0] != 1 or b.shape[0] != 1:
         return rows_times(a, b)
     if b.stride(-2) == 1:  # b (1, H, K, N) is a transposed (N, K) tensor
@@ -124,16 +124,17 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     """t itself. Being compiled, a view with explicit strides, which makes inductor write t once as a
     buffer: otherwise a reduction that reads t inside its loop (a projection's sum reads its input row
     once per output) recomputes the ops that made t (an RMS norm, attention's last sum) for every output.
-    A one-row projection read its weight at 16 GB/s with the norm recomputed and at 25-31 GB/s stored."""
+    A one-row projection measured reading its weight markedly faster stored than with the norm
+    recomputed."""
     return t.as_strided(t.shape, t.stride()) if torch.compiler.is_compiling() else t
 
 
 def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, except that one row (x (1, K)) is written as the sum over K of weight ·
-    x in float32. Compiled by inductor on a CPU, that sum is one vectorised pass over the weight: for
-    SmolLM2-135M's decode step it read bf16 weights about twice as fast as oneDNN's matrix-vector
-    product. Eagerly it would build the (N, K) product: for compiled steps only. Several rows keep
-    `F.linear` (the sum would read the weight once per row). Returns (rows, N) in x's dtype."""
+    x in float32. Compiled by inductor on a CPU, that sum is one vectorised pass over the weight,
+    measured faster than oneDNN's matrix-vector product on bf16 weights. Eagerly it would build the
+    (N, K) product: for compiled steps only. Several rows keep `F.linear` (the sum would read the
+    weight once per row). Returns (rows, N) in x's dtype."""
     if x.shape[0] != 1:
         return F.linear(x, weight, bias)
     row = stored(x.float())  # (1, K) float32

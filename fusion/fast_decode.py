@@ -237,21 +237,19 @@ class DecodeStep:
             self._run = self.decoder
         else:
             compile_mode = "reduce-overhead" if mode == "cudagraphs" else None
-            # Not inductor's `freezing` (weights prepacked as constants): side by side in one process
-            # (SmolLM2-135M, bf16, 2 loaded cores) it ran 0.56x transformers' eager time against 0.46x
-            # without, kept a second copy of the weights, and its graphs came back from the on-disk
-            # cache in 38-41 s against 8.5 s.
+            # Not inductor's `freezing` (weights prepacked as constants): side by side in one process it
+            # measured slower than without, kept a second copy of the weights, and its graphs came back
+            # from the on-disk cache much more slowly (figures: docs/performance.md).
             forward, options = self.decoder, None
             if mode == "inductor" and decoder.embed.device.type == "cpu":
                 # One session's step (one row) reads each weight through inductor's own vectorised sum, and
-                # attends in inductor's loops: SmolLM2-135M, bf16, 2 cores, 12.6-16 ms a step (three
-                # kernels) against 30-42 ms with F.linear and batched products compiled.
+                # attends in inductor's loops: the step becomes a few kernels, and measured far faster than
+                # with F.linear and batched products compiled.
                 forward = functools.partial(self.decoder, linear=linear_one_row, times=one_row_times)
                 # The any-rows step's external calls (matrix products) made from generated C++ rather
-                # than Python. When the one-row step still had ~100 kernels and 60 batched products it
-                # ran 16.8 against 17.9 ms and 18.0 against 20.7 ms with it; with three kernels, 16.5
-                # against 16.4 (medians of 8 alternating rounds). Compiling takes longer the first time;
-                # from the on-disk cache it loads faster (5.5 against 7.4 s).
+                # than Python: it measured faster while the one-row step still made many kernels and
+                # batched products, and no slower since that step became a few kernels. Compiling takes
+                # longer the first time; from the on-disk cache it loads faster.
                 options = {"cpp_wrapper": True}
             self._run = torch.compile(forward, dynamic=True, mode=compile_mode, options=options)
             # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo

@@ -6,11 +6,19 @@ import time
 from typing import Callable
 
 
-def wait_until(condition: Callable[[], object], timeout: float = 5.0) -> bool:
-    """Poll `condition` until it holds or `timeout` seconds pass; its last value as a bool."""
-    deadline = time.monotonic() + timeout
+def wait_until(predicate: Callable[[], object], timeout_s: float = 5.0, interval_s: float = 0.02,
+               message: str | None = None) -> bool:
+    """Poll `predicate` every `interval_s` seconds until it returns a true value; True once it does.
+    Past `timeout_s` seconds (the predicate is asked once more at the end), False, or, given `message`
+    (what was awaited), an AssertionError that says it. Tests wait on the condition itself rather than
+    sleep for a guessed time: as fast as the condition allows, and no flake on a slow box."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if condition():
+        if predicate():
             return True
-        time.sleep(0.02)
-    return bool(condition())
+        time.sleep(interval_s)
+    if predicate():
+        return True
+    if message is not None:
+        raise AssertionError(f"{message} (waited {timeout_s:g} s)")
+    return False

@@ -1,4 +1,4 @@
-"""Cross-tokenizer fusion (fusion.spelling, fusion.crosstok, Expert.extend) on tiny models over two
+"""Cross-tokenizer fusion (fusion.crosstok, Expert.extend) on tiny models over two
 different byte-level BPE vocabularies, against plain reference computations."""
 
 from __future__ import annotations
@@ -44,28 +44,6 @@ def load(path, name="e"):
 
 def spelling_of(expert):
     return Spelling.from_tokenizer(expert.tokenizer, expert.info.eos_token_ids)
-
-
-# -- spellings ------------------------------------------------------------------------------------
-def test_spelling_index_matches_brute_force(xdir):
-    expert = load(xdir["x"])
-    spelling = spelling_of(expert)
-    text = "12 plus 35 , héllo  wörld\n"
-    assert spelling.spell(spelling.encode(text)) == text.encode()
-    for prefix in (b"", b" ", b" q", b"12", b"\xc3", b"zz\xff"):
-        lo, hi = spelling.range_of(prefix)
-        found = sorted(spelling.sorted_ids[lo:hi].tolist())
-        assert found == sorted(i for i, b in enumerate(spelling.token_bytes) if b and b.startswith(prefix))
-        assert spelling.range_of(prefix) == (lo, hi)  # remembered: the same answer
-    target = b" quick"
-    assert sorted(spelling.prefix_tokens(target)) == sorted(
-        (len(b), i) for i, b in enumerate(spelling.token_bytes) if b and len(b) < len(target) and target.startswith(b))
-    for prefix in (b"", b" q", b"zz", "é".encode()[:1]):  # every byte after a prefix: range_of's ranges
-        bounds = spelling.byte_bounds(prefix).tolist()
-        assert [(bounds[b], bounds[b + 1]) for b in range(256)] == [spelling.range_of(prefix + bytes([b]))
-                                                                    for b in range(256)]
-    ids, rest = spelling.tokenize("wörld".encode()[:-3])  # ends inside "ö"... no: "w", "ö" = 2 bytes
-    assert spelling.spell(ids) + rest == "wörld".encode()[:-3]
 
 
 # -- Expert.extend --------------------------------------------------------------------------------

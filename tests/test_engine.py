@@ -4,7 +4,6 @@ transformers' generate."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from fusion.expert import ExpertInfo, LocalExpert, StepRequest
 from fusion.service import FusionRequest, FusionService
 from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
+from tests.helpers import wait_until
 
 HISTORIES = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 9, 10, 11, 12, 13, 14, 15]]  # B = 3, different lengths
 
@@ -271,9 +271,8 @@ def test_cancelled_stream_frees_sessions(tiny_service):
     next(events)
     assert all(stream.request_id in e.cache for e in tiny_service.engine.experts)
     events.close()  # the scheduler frees the sessions between steps
-    deadline = time.monotonic() + 10
-    while any(stream.request_id in e.cache for e in tiny_service.engine.experts) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: all(stream.request_id not in e.cache for e in tiny_service.engine.experts),
+               timeout_s=10, message="the closed stream's sessions were not freed")
     assert all(stream.request_id not in e.cache for e in tiny_service.engine.experts)
     assert tiny_service.active == 0
 

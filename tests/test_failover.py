@@ -127,7 +127,7 @@ def test_a_timed_out_call_moves_only_its_sessions_and_the_replica_stays_up(start
         assert not remote._replicas[0].down  # it answered the health check: slow, not dead
 
         busy.go()
-        assert wait_until(lambda: dropped(slow) == 1, timeout=WAIT_S)  # the timed-out step was not computed there
+        assert wait_until(lambda: dropped(slow) == 1, timeout_s=WAIT_S)  # the timed-out step was not computed there
         histories["s3"].append(7)
         remote.step([StepRequest("s3", histories["s3"])])
         assert remote._pinned["s3"] == 0 and remote.failovers == 1
@@ -305,11 +305,11 @@ def test_a_released_session_is_refused_and_never_recreated(start, tiny_config):
         # A step queued when its session is released is refused, not computed after the release.
         busy = Busy(server)
         first = step("first")  # taken by the worker's queue at once
-        assert wait_until(lambda: server.servicer._queue == [], timeout=WAIT_S)
+        assert wait_until(lambda: server.servicer._queue == [], timeout_s=WAIT_S)
         late = step("late")  # waits for the next forward
-        assert wait_until(lambda: len(server.servicer._queue) == 1, timeout=WAIT_S)
+        assert wait_until(lambda: len(server.servicer._queue) == 1, timeout_s=WAIT_S)
         release = stub.Release.future(expert_pb2.ReleaseRequest(session_ids=["late"]), timeout=30)
-        assert wait_until(lambda: "late" in server.servicer.released, timeout=WAIT_S)
+        assert wait_until(lambda: "late" in server.servicer.released, timeout_s=WAIT_S)
         busy.go()
         first.result()
         with pytest.raises(grpc.RpcError) as caught:
@@ -325,7 +325,7 @@ def test_the_coordinator_side_blames_no_replica_for_a_released_session(start, ti
     try:
         remote.step([StepRequest("done", HISTORY)])
         remote.release(["done"])
-        assert wait_until(lambda: len(server.servicer.expert.cache) == 0, timeout=WAIT_S)
+        assert wait_until(lambda: len(server.servicer.expert.cache) == 0, timeout_s=WAIT_S)
         with pytest.raises(SessionReleasedError, match="'done'"):
             remote.step([StepRequest("done", HISTORY + [1])])
         assert remote.failed_calls == 0 and not remote._replicas[0].down
@@ -347,7 +347,7 @@ def test_a_queued_step_whose_deadline_passed_is_not_computed(start):
         before = forwards(server)
         busy = Busy(server)
         handed = step("handed", 0.5)  # handed to the worker, behind the busy job
-        assert wait_until(lambda: server.servicer._queue == [], timeout=WAIT_S)
+        assert wait_until(lambda: server.servicer._queue == [], timeout_s=WAIT_S)
         patient = step("patient", 60)
         impatient = step("impatient", 0.5)  # queued behind `patient`
         for call in (handed, impatient):
@@ -380,9 +380,9 @@ def test_limits_refuse_with_resource_exhausted_naming_the_limit(start):
         refused(step("a", "b", "c", "d"), "max_sessions_per_step")
         busy = Busy(server)
         first = step("x")  # handed to the worker
-        assert wait_until(lambda: server.servicer._queue == [] and server.servicer._in_flight == 1, timeout=WAIT_S)
+        assert wait_until(lambda: server.servicer._queue == [] and server.servicer._in_flight == 1, timeout_s=WAIT_S)
         second = step("y", "z")  # two sessions queued
-        assert wait_until(lambda: len(server.servicer._queue) == 1, timeout=WAIT_S)
+        assert wait_until(lambda: len(server.servicer._queue) == 1, timeout_s=WAIT_S)
         refused(step("w"), "max_queued_steps")
         score = stub.Score.future(expert_pb2.ExpertScoreRequest(session_id="s", token_ids=HISTORY, num_positions=2),
                                   timeout=60)
@@ -402,7 +402,7 @@ def test_info_and_health_answer_while_a_long_score_runs(start):
         busy = Busy(server)  # the score's forward, as long as the test wants
         score = stub.Score.future(expert_pb2.ExpertScoreRequest(session_id="s", token_ids=HISTORY, num_positions=4),
                                   timeout=60)
-        assert wait_until(lambda: server.servicer._in_flight == 1, timeout=WAIT_S)
+        assert wait_until(lambda: server.servicer._in_flight == 1, timeout_s=WAIT_S)
         for _ in range(3):
             assert stub.Info(expert_pb2.InfoRequest(), timeout=5).name == "a"
             status = health.Check(health_pb2.HealthCheckRequest(service=EXPERT_SERVICE), timeout=5).status
@@ -458,10 +458,11 @@ def test_a_release_that_timed_out_is_sent_again(start, tiny_config):
     assert "stalled-release" in server.servicer.expert.cache
     busy = Busy(server)
     remote.release(["stalled-release"])
-    time.sleep(1.0)  # the first release has timed out behind the held worker
+    # the first release times out behind the held worker (none is in flight until its retry is sent)
+    assert wait_until(lambda: not remote._releasing, timeout_s=WAIT_S, interval_s=0.01)
     assert "stalled-release" in server.servicer.expert.cache
     busy.go()
-    assert wait_until(lambda: "stalled-release" not in server.servicer.expert.cache, timeout=15)
+    assert wait_until(lambda: "stalled-release" not in server.servicer.expert.cache, timeout_s=15)
     remote.close()
 
 

@@ -33,6 +33,7 @@ from services.protos import EXPERT_SERVICE, FUSION_SERVICE, expert_pb2, fusion_p
 from services.api_keys import create_key
 from services.expert_auth import EXPERT_SECRET_HEADER
 from tests.conftest import tiny_config_dict
+from tests.helpers import wait_until
 
 DEADLINE_S = 30.0
 EXAMPLES = 600  # per service: 1,200 calls at least
@@ -448,8 +449,6 @@ def test_well_formed_requests_unchanged_after_fuzzing(cluster):
 
 def test_nothing_left_behind_after_fuzzing(cluster):
     """Run last: every fuzzed request has left; no session on an expert, no request or slot held."""
-    import time
-
     # Sessions the coordinator opens are named req-... (behind a caller's request id) or score-req-...;
     # the fuzzer's own direct Expert calls open others, which only their caller (or the LRU) frees.
     def coordinator_sessions() -> list[str]:
@@ -457,9 +456,8 @@ def test_nothing_left_behind_after_fuzzing(cluster):
                 if "req-" in sid]
 
     service = cluster["service"]
-    deadline = time.monotonic() + 10  # releases are sent without waiting: let the last ones land
-    while (coordinator_sessions() or service.active) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # releases are sent without waiting: let the last ones land
+    wait_until(lambda: not coordinator_sessions() and not service.active, timeout_s=10, interval_s=0.2)
     assert coordinator_sessions() == [] and service.active == 0
     describe = cluster["fusion"].unary_unary(f"/{FUSION_SERVICE}/Describe",
                                              response_deserializer=fusion_pb2.DescribeResponse.FromString)(

@@ -18,7 +18,8 @@ import pytest
 
 from services.http_server import PLAYGROUND_DIR
 from services.api_keys import create_key
-from tests.test_grpc import addr, expert_sessions, wait_until
+from tests.helpers import wait_until
+from tests.test_grpc import addr, expert_sessions
 from tests.test_http import experts, no_sessions_left, post, start  # noqa: F401 (a fixture)
 
 CHROMIUM = os.environ.get("FUSION_CHROMIUM", "/usr/bin/chromium")

@@ -209,16 +209,6 @@ def test_fail_safe_pulls_unfamiliar_steps_to_the_generalist():
     assert left_out.weights[2].abs().max() == 0  # never pulled to an expert the request left out
 
 
-def test_context_rows_and_teacher_forced_context_agree():
-    prefix, continuation = [7, 8, 9], [10, 11, 12, 13]
-    forced = teacher_forced_context(prefix, continuation, k=5)
-    expected = context_rows([prefix + continuation[:j] for j in range(len(continuation))], k=5)
-    assert torch.equal(forced, expected)
-    assert forced[0].tolist() == [-1, -1, 7, 8, 9] and forced[3].tolist() == [8, 9, 10, 11, 12]
-    long = list(range(100))
-    assert context_rows([long]).tolist() == [long[-64:]]
-
-
 def test_context_features_are_window_means():
     router = Router(RouterShape(num_experts=2, vocab_size=30, windows=(2, 4)))
     context = context_rows([[3, 4, 5, 6, 7], [9]], k=4)  # (2, 4)

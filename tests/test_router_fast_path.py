@@ -12,7 +12,6 @@ import torch
 from fusion.compute import one_thread
 from fusion.config import SamplingParams
 from fusion.engine import GenerationRequest
-from fusion.rules import row_argmax
 from fusion.router import (
     FamiliarityGate,
     Route,
@@ -98,15 +97,6 @@ def test_graph_statistics_equal_the_eager_statistics_and_flag_ties():
     single = ~ties.any(0)  # (B,) rows where no expert's maximum ties
     expected = logit_features(torch.log_softmax(logits.double(), dim=-1))
     torch.testing.assert_close(features[single].double(), expected[single], rtol=1e-5, atol=1e-5)
-
-
-def test_row_argmax_is_the_first_maximum():
-    generator = torch.Generator().manual_seed(0)
-    for shape in [(3, 2, 1024), (5, 4096), (2, 512), (7, 300), (1, 49152)]:
-        values = torch.randint(0, 50, shape, generator=generator).float()  # many ties
-        assert torch.equal(row_argmax(values), values.argmax(-1))
-    strided = torch.randn(4, 2048, generator=generator)[:, ::2]  # not contiguous
-    assert torch.equal(row_argmax(strided), strided.argmax(-1))
 
 
 @pytest.mark.parametrize("hard", [True, False])

@@ -63,11 +63,7 @@ def test_async_stream_and_cancel(tiny_service):
         return got
 
     assert len(asyncio.run(run())) == 3
-    for _ in range(100):
-        if scheduler.active == 0:
-            break
-        threading.Event().wait(0.05)
-    assert scheduler.active == 0
+    assert wait_until(lambda: scheduler.active == 0)
     scheduler.stop()
     assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)
 

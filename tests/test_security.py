@@ -373,12 +373,9 @@ def test_closing_a_stream_frees_its_slot(keyed):
             max_tokens=300, ignore_eos=True)), metadata=[("x-api-key", keys["one-stream"])], timeout=60)
         next(call)
         call.cancel()
-    for _ in range(50):
-        code = generate_code(port, [("x-api-key", keys["one-stream"])])
-        if code == 3:
-            break
-        threading.Event().wait(0.1)
-    assert code == 3
+    # the slot is free again once the cancelled stream ends: a call is served its 3 tokens
+    assert wait_until(lambda: generate_code(port, [("x-api-key", keys["one-stream"])]) == 3, timeout_s=10,
+                      interval_s=0.1)
 
 
 def run_stream(port: int, key: str, prompt: str = "hello", **sampling):
@@ -803,6 +800,7 @@ def test_slow_verification_has_its_own_bounded_executor(loop):
     """At most `capacity` slow verifications run or wait, on the verifier's own thread: past that, refused
     at once (None) instead of queueing; a caller that goes away keeps its place until the thread is done."""
     import asyncio
+    import contextlib
 
     verifier = key_gate.SlowVerifier(workers=1, capacity=2)
     release = threading.Event()
@@ -816,10 +814,13 @@ def test_slow_verification_has_its_own_bounded_executor(loop):
     async def scenario():
         first = asyncio.ensure_future(verifier.run(slow))
         second = asyncio.ensure_future(verifier.run(slow))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # one turn of the loop: both tasks run up to their wait on the thread
+        assert verifier.pending == 2
         full = await asyncio.wait_for(verifier.run(slow), 1)  # answered at once
         first.cancel()  # its caller goes away mid-hash: the place stays taken until the thread is done
-        await asyncio.sleep(0.05)
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        assert first.cancelled() and verifier.pending == 2
         still_full = await asyncio.wait_for(verifier.run(slow), 1)
         release.set()
         return full, still_full, await second
@@ -827,11 +828,7 @@ def test_slow_verification_has_its_own_bounded_executor(loop):
     try:
         assert loop.run(scenario(), timeout=30) == (None, None, True)
         assert threads and all(name.startswith("fusion-key-verify") for name in threads)
-        for _ in range(100):
-            if verifier.pending == 0:
-                break
-            threading.Event().wait(0.01)
-        assert verifier.pending == 0
+        assert wait_until(lambda: verifier.pending == 0)
         assert loop.run(verifier.run(lambda: False), timeout=10) is False
     finally:
         release.set()
@@ -905,12 +902,9 @@ def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
             assert generate_code(port, [("x-api-key", keys["team-b"])]) == 3  # the other key is served
             for stream in streams:
                 stream.cancel()
-        for _ in range(50):  # the slots come back once A's streams end
-            code = generate_code(port, [("x-api-key", keys["team-a"])])
-            if code == 3:
-                break
-            threading.Event().wait(0.1)
-        assert code == 3
+        # the slots come back once A's streams end
+        assert wait_until(lambda: generate_code(port, [("x-api-key", keys["team-a"])]) == 3, timeout_s=10,
+                          interval_s=0.1)
     finally:
         loop.run(server.stop(0))
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 
 from deploy._replica import DirectContext, ServerLoop, advertised_host
@@ -72,6 +73,7 @@ class ExpertReplica:
         self._grace = settings.grace_s
         self._closed = True  # until fully started: nothing for __del__ to stop
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        self.node = ray.get_runtime_context().get_node_id()
         model_path = model_resolver(settings.cache_dir)(expert_config.model)
         compiled = Path(settings.cache_dir) / "compiled" if settings.cache_dir else None
         local = await asyncio.to_thread(LocalExpert.load, expert_config, model_path, compiled)
@@ -102,7 +104,7 @@ class ExpertReplica:
 
     # -- registration ---------------------------------------------------------------------------
     async def _register(self) -> None:
-        await self._registry.register.remote(self.name, self.replica_id, self.address, self.version)
+        await self._registry.register.remote(self.name, self.replica_id, self.address, self.version, self.node)
 
     async def _beat(self, period_s: float) -> None:
         while True:

@@ -46,6 +46,7 @@ class ReplicaEntry:
     address: str  # host:port of the replica's Expert gRPC server
     version: str  # expert_version of the config the replica serves
     seen: float  # monotonic time of the last registration
+    node: str = ""  # the Ray node id the replica runs on
 
 
 class ReplicaTable:
@@ -56,8 +57,8 @@ class ReplicaTable:
         self._clock = clock
         self._entries: dict[str, ReplicaEntry] = {}
 
-    def register(self, expert: str, replica_id: str, address: str, version: str) -> None:
-        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock())
+    def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "") -> None:
+        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock(), node)
 
     def unregister(self, replica_id: str) -> bool:
         return self._entries.pop(replica_id, None) is not None
@@ -90,8 +91,8 @@ class ReplicaRegistry:
     def __init__(self, ttl_s: float = 10.0) -> None:
         self.table = ReplicaTable(ttl_s)
 
-    def register(self, expert: str, replica_id: str, address: str, version: str) -> None:
-        self.table.register(expert, replica_id, address, version)
+    def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "") -> None:
+        self.table.register(expert, replica_id, address, version, node)
 
     def unregister(self, replica_id: str) -> bool:
         return self.table.unregister(replica_id)

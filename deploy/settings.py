@@ -92,6 +92,17 @@ class DeploymentOptions(_Strict):
         return out
 
 
+class RegistryOptions(_Strict):
+    num_cpus: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] | None = None
+
+    def serve_options(self) -> dict[str, Any]:
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        return {"ray_actor_options": actor}
+
+
 class DeployArgs(_Strict):
     config: str | dict[str, Any]  # a fusion config: a YAML path, or the config itself
     cache_dir: str | None = None  # model cache for `builtin:` refs (default: $FUSION_CACHE_DIR or XDG)
@@ -111,6 +122,9 @@ class DeployArgs(_Strict):
     expert: DeploymentOptions = Field(default_factory=DeploymentOptions)  # every expert deployment
     experts: dict[str, DeploymentOptions] = Field(default_factory=dict)  # per expert name, over `expert`
     coordinator: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    # Where the registry runs: `resources` (or `num_cpus`) to keep it with the coordinator, on a node
+    # that outlives the expert nodes. One replica always (it is the table).
+    registry: RegistryOptions = Field(default_factory=lambda: RegistryOptions())
 
     @model_validator(mode="after")
     def _registry_outlives_heartbeats(self) -> DeployArgs:

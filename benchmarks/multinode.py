@@ -1,0 +1,86 @@
+"""The service on a real multi-node Ray cluster on this machine: a head and two worker nodes started
+with `ray start` (each its own process group, the workers carrying the `fusion-expert` resource), the
+config's experts deployed with two replicas each on distinct workers, then
+
+1. node loss: STREAMS greedy streams run while worker w2 is killed whole (SIGKILL to its raylet and
+   every process on it); streams lost, streams with the undisturbed run's tokens, the longest token
+   gap; how long until the coordinator drops the lost replicas, and until a node joining again has
+   them back in use;
+2. rolling update: the application deployed again with another fusion rule while STREAMS streams
+   run; streams lost, how long the update took, whether a new request sees the new rule.
+
+    python benchmarks/multinode.py --json docs/multinode.json     # the default trio (fetched first)
+    python benchmarks/multinode.py --config my.yaml --streams 8 --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def main() -> None:
+    from fusion.models import default_cache_dir
+    from fusion.tools import cluster_scenarios as sc
+    from fusion.tools.assets import prepare_model
+    from fusion.tools.loading import DEFAULT_CONFIG
+    from fusion.tools.ray_cluster import LocalRayCluster
+    from services.client import FusionClient
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path(DEFAULT_CONFIG))
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--json", type=Path)
+    options = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cache = default_cache_dir()
+    config = yaml.safe_load(options.config.read_text())
+    for expert in config["experts"]:
+        prepare_model(expert["model"], cache)  # fetched once here, not by six replicas at once
+    sampling = {"max_tokens": options.tokens, "temperature": 0.0, "ignore_eos": True}
+    prompts = [f"Question {i}: what is {12 + i} + {35 + 2 * i}? Explain the steps." for i in range(options.streams)]
+
+    import ray
+    from ray import serve
+
+    figures = {}
+    with tempfile.TemporaryDirectory() as workdir, LocalRayCluster(Path(workdir), head_cpus=1) as cluster:
+        for name in ("w1", "w2"):
+            cluster.add_worker(name, num_cpus=1, resources={sc.EXPERT_RESOURCE: 1})
+        cluster.connect(logging_level="WARNING", log_to_driver=False)
+        try:
+            args = sc.placement_args(config, replicas=2, cache_dir=str(cache))
+            address = sc.deploy(args)
+            figures["placement"] = {e: len(set(n)) for e, n in sc.replica_nodes().items()}
+            node = sc.node_loss(cluster, address, prompts, sampling, victim="w2", replicas=2)
+            node.pop("tokens")
+            figures["node_loss"] = node
+
+            def rule(at: str) -> str:
+                with FusionClient(at, timeout=120) as client:
+                    return client.describe().default_spec.rule
+
+            current = config.get("fusion", {}).get("rule", "weighted_logits")
+            changed = {**config, "fusion": {"rule": "mixture" if current != "mixture" else "weighted_logits"}}
+            update = sc.rolling_update(address, args, {**args, "config": changed}, prompts, sampling, rule)
+            figures["rolling_update"] = update
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if options.json:
+        options.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Multi-node scenarios on a `LocalRayCluster` (fusion.tools.ray_cluster): the Serve application
+placed by resources (expert replicas on the nodes that carry `fusion-expert`, at most one replica of
+an expert per node; the coordinator and the registry on the head), then
+
+- node loss: concurrent greedy streams run while a worker node is killed whole; each stream must finish,
+  with the tokens of an undisturbed run; the longest gap between two tokens is the failover's cost;
+  a node joining again gets the lost replicas back, and the coordinator uses them;
+- rolling update: the application is deployed again with a changed fusion config while streams run;
+  none may fail, and new requests see the new config.
+
+`benchmarks/multinode.py` runs them on the default trio and prints the figures; `tests/test_multinode.py`
+runs a short version with tiny experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusion.tools.ray_cluster import LocalRayCluster
+
+logger = logging.getLogger(__name__)
+
+APP = "fusion"
+EXPERT_RESOURCE = "fusion-expert"  # what worker nodes carry, as GPU nodes carry GPUs
+HEAD_RESOURCE = "node-head"  # every node carries node-<name> (LocalRayCluster)
+
+
+def placement_args(config: dict[str, Any], *, replicas: int = 2, **overrides) -> dict[str, Any]:
+    """Deploy args placing `replicas` replicas of each expert on distinct nodes that carry
+    `EXPERT_RESOURCE`, and the coordinator and the registry on the head; quick heartbeats and refreshes,
+    so that the coordinator learns a changed replica set within a second or two."""
+    on_head = {HEAD_RESOURCE: 0.01}
+    args = {
+        "config": config, "port": 0, "grace_s": 10.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
+        "expert": {"num_replicas": replicas, "num_cpus": 0, "resources": {EXPERT_RESOURCE: 0.01},
+                   "max_replicas_per_node": 1, "health_check_period_s": 2.0},
+        "coordinator": {"num_replicas": 1, "num_cpus": 0, "resources": on_head},
+        "registry": {"num_cpus": 0, "resources": on_head},
+    }
+    args.update(overrides)
+    return args
+
+
+def deploy(args: dict[str, Any]) -> str:
+    """Deploy (or update) the application on the connected cluster; the coordinator's gRPC address."""
+    from ray import serve
+
+    from deploy.app import build_app, coordinator_address
+
+    serve.start(proxy_location="Disabled")
+    serve.run(build_app(args), name=APP, route_prefix=None)
+    return coordinator_address(APP)
+
+
+def replica_nodes() -> dict[str, list[str]]:
+    """Per expert, the Ray node id of each replica the registry lists."""
+    from ray import serve
+
+    out: dict[str, list[str]] = {}
+    for entry in serve.get_deployment_handle("registry", APP).replicas.remote().result(timeout_s=30):
+        out.setdefault(entry["expert"], []).append(entry["node"])
+    return out
+
+
+@dataclass
+class Stream:
+    prompt: str
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def longest_gap_s(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
+
+
+def run_streams(address: str, prompts: list[str], sampling: dict[str, Any], *, started: threading.Event | None = None,
+                min_tokens: int = 1, timeout_s: float = 300.0) -> tuple[list[Stream], threading.Event, list[threading.Thread]]:
+    """Start one client stream per prompt (threads); `ready` is set once every stream has `min_tokens`
+    tokens. Returns the streams, that event and the threads to join."""
+    from services.client import FusionClient
+
+    streams = [Stream(p) for p in prompts]
+    ready = threading.Event()
+    lock = threading.Lock()
+
+    def check_ready():
+        with lock:
+            if all(len(s.tokens) >= min_tokens or s.error for s in streams):
+                ready.set()
+
+    def run(stream: Stream) -> None:
+        try:
+            with FusionClient(address, timeout=timeout_s) as client:
+                for event in client.generate(stream.prompt, sampling):
+                    stream.tokens.append(event.token.token_id)
+                    stream.times.append(time.monotonic())
+                    check_ready()
+        except Exception as err:  # a lost stream: what the scenario counts
+            stream.error = f"{type(err).__name__}: {err}"
+            check_ready()
+
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in streams]
+    for thread in threads:
+        thread.start()
+    return streams, ready, threads
+
+
+def streams_to_end(address: str, prompts: list[str], sampling: dict[str, Any]) -> list[Stream]:
+    streams, _, threads = run_streams(address, prompts, sampling)
+    for thread in threads:
+        thread.join()
+    return streams
+
+
+def wait_until(condition, what: str, timeout_s: float, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last is True:
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} within {timeout_s:.0f} s; last seen: {last}")
+
+
+def coordinator_replicas() -> dict[str, int]:
+    """How many replicas of each expert the coordinator uses now."""
+    from ray import serve
+
+    spread = serve.get_deployment_handle("coordinator", APP).replica_addresses.remote().result(timeout_s=30)
+    return {name: len(addresses) for name, addresses in spread.items()}
+
+
+def node_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampling: dict[str, Any], *,
+              victim: str, replicas: int, kill_after_tokens: int = 4, rejoin_timeout_s: float = 300.0) -> dict[str, Any]:
+    """The node-loss scenario (module docstring); its figures."""
+    experts = sorted(coordinator_replicas())
+    reference = streams_to_end(address, prompts, sampling)
+    if any(s.error for s in reference):
+        raise RuntimeError(f"the undisturbed run failed: {[s.error for s in reference if s.error]}")
+    victim_id = cluster.nodes[victim].node_id
+    on_victim = {expert: ids.count(victim_id) for expert, ids in replica_nodes().items()}
+    streams, ready, threads = run_streams(address, prompts, sampling, min_tokens=kill_after_tokens)
+    ready.wait(timeout=120)
+    killed_at = time.monotonic()
+    resources = {k: v for k, v in cluster.nodes[victim].resources.items() if not k.startswith("node-")}
+    cpus = cluster.nodes[victim].num_cpus
+    cluster.kill(victim)
+    for thread in threads:
+        thread.join()
+    finished = time.monotonic()
+    lost = [s for s in streams if s.error or len(s.tokens) != len(reference[0].tokens)]
+    same = sum(1 for s, r in zip(streams, reference) if not s.error and s.tokens == r.tokens)
+    figures: dict[str, Any] = {
+        "streams": len(streams), "lost": len(lost), "errors": [s.error for s in lost],
+        "same_tokens_as_undisturbed": same,
+        "longest_gap_s": max(s.longest_gap_s for s in streams),
+        "longest_gap_undisturbed_s": max(s.longest_gap_s for s in reference),
+        "replicas_on_the_lost_node": on_victim,
+        "streams_finished_after_kill_s": finished - killed_at,
+        "tokens": [s.tokens for s in streams],
+    }
+    # The coordinator drops the lost replicas (failed calls, then the registry's TTL) ...
+    wait_until(lambda: all(n <= replicas - 1 for n in coordinator_replicas().values()) or coordinator_replicas(),
+               "the coordinator dropping the lost replicas", timeout_s=60)
+    figures["coordinator_dropped_lost_replicas_s"] = time.monotonic() - killed_at
+    # ... and a node joining again gets them back.
+    rejoined_at = time.monotonic()
+    cluster.add_worker(f"{victim}-again", num_cpus=cpus, resources=resources)
+    wait_until(lambda: coordinator_replicas() == {e: replicas for e in experts} or coordinator_replicas(),
+               "the lost replicas back on the new node and in use", timeout_s=rejoin_timeout_s)
+    figures["replicas_back_after_rejoin_s"] = time.monotonic() - rejoined_at
+    return figures
+
+
+def rolling_update(address: str, args: dict[str, Any], new_args: dict[str, Any], prompts: list[str],
+                   sampling: dict[str, Any], describe, *, update_after_tokens: int = 3) -> dict[str, Any]:
+    """The rolling-update scenario: streams run while `new_args` are deployed; `describe(address)` is
+    what tells the old config from the new one in a fresh request's answer. Its figures, and the
+    coordinator's address after the update."""
+    streams, ready, threads = run_streams(address, prompts, sampling, min_tokens=update_after_tokens)
+    ready.wait(timeout=120)
+    before = describe(address)
+    started = time.monotonic()
+    new_address = deploy(new_args)  # returns once the new version is running
+    deployed_s = time.monotonic() - started
+    for thread in threads:
+        thread.join()
+    after = describe(new_address)
+    return {
+        "streams": len(streams), "lost": sum(1 for s in streams if s.error or not s.tokens),
+        "errors": [s.error for s in streams if s.error],
+        "update_deployed_s": deployed_s, "new_config_seen": after != before, "before": before, "after": after,
+        "address": new_address,
+    }

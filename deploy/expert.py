@@ -39,7 +39,7 @@ from fusion.config import ExpertConfig, Limits, SecurityConfig
 from fusion.expert import LocalExpert
 from fusion.models import model_resolver
 from services.expert_server import create_expert_server
-from services.metrics import serve_metrics
+from services.metrics import label_replica, serve_metrics
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
@@ -81,8 +81,11 @@ class ExpertReplica:
         self._running, port = await self._loop.call(create_expert_server(
             local, limits_config, f"{settings.host}:0", security=self._security,
             worker=compute_executor(), insecure=settings.insecure))  # the replica's process: its compute thread (fusion.compute)
+        label_replica(self._running.metrics.registry, expert=self.name, replica=self.replica_id, node=self.node)
+        self.metrics_address = ""
         if settings.metrics_port is not None:
             self._serve_metrics(settings.metrics_port, settings.host)
+            self.metrics_address = f"{advertised_host(settings.host)}:{self._running.metrics_port}"
         self.address = f"{advertised_host(settings.host)}:{port}"
         self._channel = None  # the health probe's, made on the server loop
         self._message_bytes = limits_config.max_message_bytes
@@ -104,7 +107,8 @@ class ExpertReplica:
 
     # -- registration ---------------------------------------------------------------------------
     async def _register(self) -> None:
-        await self._registry.register.remote(self.name, self.replica_id, self.address, self.version, self.node)
+        await self._registry.register.remote(self.name, self.replica_id, self.address, self.version, self.node,
+                                             self.metrics_address)
 
     async def _beat(self, period_s: float) -> None:
         while True:

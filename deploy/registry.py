@@ -47,6 +47,7 @@ class ReplicaEntry:
     version: str  # expert_version of the config the replica serves
     seen: float  # monotonic time of the last registration
     node: str = ""  # the Ray node id the replica runs on
+    metrics: str = ""  # host:port of the replica's /metrics ("" without one)
 
 
 class ReplicaTable:
@@ -57,8 +58,15 @@ class ReplicaTable:
         self._clock = clock
         self._entries: dict[str, ReplicaEntry] = {}
 
-    def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "") -> None:
-        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock(), node)
+    def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "",
+                 metrics: str = "") -> None:
+        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock(), node, metrics)
+
+    def scrape_targets(self) -> list[dict]:
+        """The live replicas' /metrics in Prometheus's HTTP service-discovery format, labelled with the
+        expert, the replica and the node."""
+        return [{"targets": [e.metrics], "labels": {"expert": e.expert, "replica": e.replica_id, "node": e.node}}
+                for e in self.live() if e.metrics]
 
     def unregister(self, replica_id: str) -> bool:
         return self._entries.pop(replica_id, None) is not None
@@ -91,8 +99,12 @@ class ReplicaRegistry:
     def __init__(self, ttl_s: float = 10.0) -> None:
         self.table = ReplicaTable(ttl_s)
 
-    def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "") -> None:
-        self.table.register(expert, replica_id, address, version, node)
+    def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "",
+                 metrics: str = "") -> None:
+        self.table.register(expert, replica_id, address, version, node, metrics)
+
+    def scrape_targets(self) -> list[dict]:
+        return self.table.scrape_targets()
 
     def unregister(self, replica_id: str) -> bool:
         return self.table.unregister(replica_id)

@@ -154,6 +154,13 @@ class StreamTimer:
         self.metrics.tokens.inc()
 
 
+def label_replica(registry: CollectorRegistry, **labels: str) -> None:
+    """`fusion_replica_info{...} 1`: which replica and node these figures come from, joined onto any of
+    them in a query (`* on(instance) group_left(replica, node) fusion_replica_info`)."""
+    Gauge("fusion_replica_info", "Which replica and node serve these metrics", sorted(labels),
+          registry=registry).labels(**labels).set(1)
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):
     """Start `/metrics` on a daemon thread; returns (http_server, bound_port). Call `.shutdown()` to stop."""
     server, _thread = start_http_server(port, addr=host, registry=registry)

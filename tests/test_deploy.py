@@ -90,6 +90,20 @@ def test_replica_table_expires_silent_replicas():
     assert table.addresses() == {}
 
 
+def test_scrape_targets_list_live_replicas_with_their_node():
+    now = [0.0]
+    table = ReplicaTable(ttl_s=5.0, clock=lambda: now[0])
+    table.register("a", "r1", "10.0.0.1:1", "v1", node="n1", metrics="10.0.0.1:9100")
+    table.register("a", "r2", "10.0.0.2:1", "v1", node="n2")  # no /metrics: not a target
+    table.register("b", "r3", "10.0.0.3:1", "v1", node="n2", metrics="10.0.0.3:9100")
+    assert table.scrape_targets() == [
+        {"targets": ["10.0.0.1:9100"], "labels": {"expert": "a", "replica": "r1", "node": "n1"}},
+        {"targets": ["10.0.0.3:9100"], "labels": {"expert": "b", "replica": "r3", "node": "n2"}}]
+    now[0] += 6.0
+    table.register("b", "r3", "10.0.0.3:1", "v1", node="n2", metrics="10.0.0.3:9100")
+    assert [t["labels"]["replica"] for t in table.scrape_targets()] == ["r3"]
+
+
 def test_coordinators_see_only_replicas_of_their_expert_versions():
     from deploy.registry import expert_version
     from fusion.config import ExpertConfig

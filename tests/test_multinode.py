@@ -45,6 +45,12 @@ def test_experts_are_placed_by_resources_and_survive_a_node_loss(three_nodes, ti
     for expert, nodes in placed.items():  # two replicas each, one on each worker, none on the head
         assert sorted(nodes) == sorted(workers), expert
 
+    # every replica's metrics are reachable where the registry says, labelled with its replica and node
+    scraped = sc.scraped_replicas()
+    assert len(scraped) == 6
+    for replica in scraped:
+        assert replica["served"] == replica["target"] and replica["served"]["node"] in workers
+
     figures = sc.node_loss(cluster, address, PROMPTS, SAMPLING, victim="w2", replicas=2, kill_after_tokens=4)
     assert figures["lost"] == 0, figures["errors"]
     assert figures["replicas_on_the_lost_node"] == {"a": 1, "b": 1, "c": 1}

@@ -36,6 +36,7 @@ def placement_args(config: dict[str, Any], *, replicas: int = 2, **overrides) ->
     on_head = {HEAD_RESOURCE: 0.01}
     args = {
         "config": config, "port": 0, "grace_s": 10.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
+        "expert_metrics_port": 0,  # each replica's /metrics on a free port, listed by the registry
         "expert": {"num_replicas": replicas, "num_cpus": 0, "resources": {EXPERT_RESOURCE: 0.01},
                    "max_replicas_per_node": 1, "health_check_period_s": 2.0},
         "coordinator": {"num_replicas": 1, "num_cpus": 0, "resources": on_head},
@@ -63,6 +64,24 @@ def replica_nodes() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for entry in serve.get_deployment_handle("registry", APP).replicas.remote().result(timeout_s=30):
         out.setdefault(entry["expert"], []).append(entry["node"])
+    return out
+
+
+def scraped_replicas() -> list[dict[str, str]]:
+    """Each scrape target the registry lists, read: the labels of the `fusion_replica_info` it serves
+    (and the target's own labels, to compare)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from ray import serve
+
+    out = []
+    for target in serve.get_deployment_handle("registry", APP).scrape_targets.remote().result(timeout_s=30):
+        [address] = target["targets"]
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        served = [s.labels for family in text_string_to_metric_families(text) if family.name == "fusion_replica_info"
+                  for s in family.samples]
+        out.append({"target": target["labels"], "served": served[0] if len(served) == 1 else served})
     return out
 
 

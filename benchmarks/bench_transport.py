@@ -91,7 +91,7 @@ def main() -> None:
     config = parse_config({"experts": [{"name": "smol", "model": str(folder), "dtype": "bfloat16"}]})
     ingress_port = free_port()
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"port": free_port()}, grpc_options={
             "port": ingress_port,

@@ -7,7 +7,10 @@ config's experts deployed with two replicas each on distinct workers, then
    gap; how long until the coordinator drops the lost replicas, and until a node joining again has
    them back in use;
 2. rolling update: the application deployed again with another fusion rule while STREAMS streams
-   run; streams lost, how long the update took, whether a new request sees the new rule.
+   run; streams lost, how long the update took, whether a new request sees the new rule;
+3. autoscaling: each expert autoscaled on the sessions it holds (1 to 2 replicas, 2 sessions per
+   replica); STREAMS streams ramp up one a second: time until every expert has two replicas, until it
+   is back to one once they end, and the p95 gap between tokens during the ramp against one stream.
 
     python benchmarks/multinode.py --json docs/multinode.json     # the default trio (fetched first)
     python benchmarks/multinode.py --config my.yaml --streams 8 --tokens 48
@@ -25,6 +28,8 @@ from pathlib import Path
 import yaml
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Replicas report their load every half second instead of every ten (the nodes pass it on).
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 
 
 def main() -> None:
@@ -73,6 +78,11 @@ def main() -> None:
             changed = {**config, "fusion": {"rule": "mixture" if current != "mixture" else "weighted_logits"}}
             update = sc.rolling_update(address, args, {**args, "config": changed}, prompts, sampling, rule)
             figures["rolling_update"] = update
+            address = sc.deploy(sc.autoscaling_args(args, max_replicas=2, sessions_per_replica=2))
+            sc.wait_until(lambda: all(n == 1 for n in sc.running_replicas().values()) or sc.running_replicas(),
+                          "one replica per expert to start from", timeout_s=300)
+            longer = {**sampling, "max_tokens": 4 * options.tokens}
+            figures["autoscaling"] = sc.autoscaling(address, prompts, longer, max_replicas=2)
         finally:
             serve.shutdown()
             ray.shutdown()

@@ -87,7 +87,8 @@ def run_local(
     app = build_app(settings)  # config errors surface before Ray starts
     own_cluster = address is None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address=address, num_cpus=num_cpus, include_dashboard=False if own_cluster else None,
+    # "local": a cluster of its own, never one that `ray start` left running on this machine.
+    ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False if own_cluster else None,
              logging_level=logging.WARNING)
     stop = stop or threading.Event()
     previous = {}

@@ -226,7 +226,7 @@ def cluster(tiny_dir):
     }
     # Replicas report their load every half second instead of every ten (the workers inherit it).
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name=APP, route_prefix=None)

@@ -59,7 +59,7 @@ def secure_app(tiny_dir, tmp_path_factory):
         "expert": {"num_cpus": 0, "health_check_period_s": 2.0},
         "coordinator": {"num_cpus": 0, "health_check_period_s": 2.0},
     }
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name=APP, route_prefix=None)

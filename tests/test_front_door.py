@@ -103,7 +103,7 @@ def test_ray_serve(routed):
     pinned = {"OMP_NUM_THREADS": str(torch.get_num_threads())}  # replicas compute with this process's threads
     before = {k: os.environ.get(k) for k in pinned}
     os.environ.update(pinned)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name="front-door", route_prefix=None)

@@ -639,7 +639,7 @@ def test_ray_serve_deployment_serves_http(tiny_dir, tiny_service):
     args = {"config": tiny_config_dict(tiny_dir), "port": 0, "http_port": 0, "grace_s": 2.0,
             "expert": {"num_cpus": 0}, "coordinator": {"num_cpus": 0}}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name="http", route_prefix=None)

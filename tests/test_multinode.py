@@ -35,6 +35,7 @@ def three_nodes(tiny_dir, tmp_path_factory):
         finally:
             serve.shutdown()
             ray.shutdown()
+            os.environ.pop("RAY_ADDRESS", None)  # (ray.init sets it for child processes)
 
 
 def test_experts_are_placed_by_resources_and_survive_a_node_loss(three_nodes, tiny_service):
@@ -76,3 +77,4 @@ def test_a_rolling_update_loses_no_stream_and_new_requests_see_the_new_config(th
     figures = sc.rolling_update(address, args, {**args, "config": new_config}, PROMPTS, SAMPLING, rule)
     assert figures["lost"] == 0, figures["errors"]
     assert (figures["before"], figures["after"]) == ("weighted_logits", "mixture")
+

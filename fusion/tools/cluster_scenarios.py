@@ -217,3 +217,72 @@ def rolling_update(address: str, args: dict[str, Any], new_args: dict[str, Any],
         "update_deployed_s": deployed_s, "new_config_seen": after != before, "before": before, "after": after,
         "address": new_address,
     }
+
+
+def running_replicas() -> dict[str, int]:
+    """RUNNING replicas of each expert deployment, as Serve counts them."""
+    from ray import serve
+
+    deployments = serve.status().applications[APP].deployments
+    return {name.removeprefix("expert-"): d.replica_states.get("RUNNING", 0)
+            for name, d in deployments.items() if name.startswith("expert-")}
+
+
+def autoscaling_args(args: dict[str, Any], *, max_replicas: int, sessions_per_replica: float = 2,
+                     downscale_delay_s: float = 5.0) -> dict[str, Any]:
+    """`args` with every expert autoscaled on the sessions its replicas hold, from one replica up to
+    `max_replicas` (deploy.autoscaling)."""
+    scaling = {"min_replicas": 1, "max_replicas": max_replicas, "target_ongoing_requests": sessions_per_replica,
+               "upscale_delay_s": 0, "downscale_delay_s": downscale_delay_s, "look_back_period_s": 2,
+               "metrics_interval_s": 0.5}
+    expert = {k: v for k, v in args["expert"].items() if k != "num_replicas"}
+    return {**args, "expert": {**expert, "autoscaling_config": scaling}}
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0
+
+
+def autoscaling(address: str, prompts: list[str], sampling: dict[str, Any], *, max_replicas: int,
+                ramp_interval_s: float = 1.0, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Under a ramp (one more stream every `ramp_interval_s` up to len(prompts)), every expert scales
+    up to `max_replicas`; once the streams end, back down to one. Times to scale up (all experts at
+    `max_replicas`, watched every half second while the streams run) and down, and the p95 gap
+    between tokens during the ramp against one stream alone before it."""
+    steady, _, threads = run_streams(address, prompts[:1], sampling)
+    for thread in threads:
+        thread.join()
+    ramp_started = time.monotonic()
+    scaled_up: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set() and not scaled_up:
+            if all(n >= max_replicas for n in running_replicas().values()):
+                scaled_up.append(time.monotonic() - ramp_started)
+            done.wait(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    streams, all_threads = [], []
+    for prompt in prompts:
+        started, _, threads = run_streams(address, [prompt], sampling)
+        streams += started
+        all_threads += threads
+        time.sleep(ramp_interval_s)
+    for thread in all_threads:
+        thread.join()
+    done.set()
+    watcher.join()
+    idle_from = time.monotonic()
+    wait_until(lambda: all(n == 1 for n in running_replicas().values()) or running_replicas(),
+               "every expert back to one replica", timeout_s=timeout_s)
+    ramp_gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:])]
+    steady_gaps = [b - a for a, b in zip(steady[0].times, steady[0].times[1:])]
+    return {
+        "streams": len(streams), "lost": sum(1 for s in streams if s.error), "errors": [s.error for s in streams if s.error],
+        "scaled_up_s": scaled_up[0] if scaled_up else None,
+        "scaled_down_after_idle_s": time.monotonic() - idle_from,
+        "p95_gap_ramp_s": _p95(ramp_gaps), "p95_gap_one_stream_s": _p95(steady_gaps),
+    }

@@ -9,6 +9,8 @@ domain errors of `fusion.errors` (the gRPC error is their `__cause__`).
 
 from __future__ import annotations
 
+import json
+
 from typing import Any, Iterator, Sequence
 
 import grpc
@@ -18,7 +20,7 @@ from fusion.engine import ExpertAttribution, TokenEvent
 from fusion.errors import FusionError
 from fusion.service import ScoreResult, TextEvent, Usage
 from fusion.text import Message
-from services.protos import fusion_pb2, fusion_pb2_grpc
+from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.tls import api_key_metadata, open_channel
 from services.serving import channel_options
 from services.status import error_from_rpc
@@ -44,16 +46,38 @@ def event_from_response(response: fusion_pb2.GenerateResponse) -> GenerateEvent:
     return GenerateEvent(token, response.text, response.finish_reason or None, usage)
 
 
+def several_coordinators(attempts: int = 4) -> list[tuple[str, Any]]:
+    """Channel options for a target of several coordinators: round robin over the reachable ones, and
+    calls refused UNAVAILABLE (a coordinator down or draining) tried again on another, up to
+    `attempts` times, before any answer has come (gRPC never retries a stream that has answered)."""
+    config = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [{
+            "name": [{"service": FUSION_SERVICE}],
+            "retryPolicy": {"maxAttempts": attempts, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        }],
+    }
+    return [("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1)]
+
+
 class FusionClient:
     def __init__(self, address: str, *, timeout: float | None = None, max_message_bytes: int = 64 * 1024 * 1024,
                  api_key: str | None = None, security: SecurityConfig | None = None,
                  credentials: grpc.ChannelCredentials | None = None):
         """`api_key` is sent with every call; `security` (a config's section) or `credentials` make
-        the channel TLS (plaintext without either)."""
+        the channel TLS (plaintext without either). `address` may list several coordinators,
+        "10.0.0.1:50051,10.0.0.2:50051" (IPv4): calls go round robin over those that answer, and a call
+        refused UNAVAILABLE before its first answer is sent again to another (`several_coordinators`),
+        so a coordinator that dies costs the streams it was serving, each ending UNAVAILABLE, and no
+        new request."""
         self.address = address
         self.timeout = timeout  # default deadline of each call, in seconds
-        self.channel = open_channel(address, security, channel_options(max_message_bytes),
-                                    metadata=api_key_metadata(api_key), credentials=credentials)
+        target, options = address, channel_options(max_message_bytes)
+        if "," in address:
+            target, options = f"ipv4:{address}", options + several_coordinators()
+        self.channel = open_channel(target, security, options, metadata=api_key_metadata(api_key),
+                                    credentials=credentials)
         self.stub = fusion_pb2_grpc.FusionStub(self.channel)
 
     def close(self) -> None:

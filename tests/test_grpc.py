@@ -465,3 +465,38 @@ def test_graceful_shutdown_finishes_in_flight_streams(loop, tiny_dir, experts):
         with pytest.raises(Exception):
             list(client.generate("too late", {"max_tokens": 2}, timeout=5))
     assert no_sessions_left(experts)
+
+
+def test_a_client_of_several_coordinators_rides_out_one_going_down(tiny_dir):
+    """Two coordinators of one config behind one client address ("a,b"): while both serve, requests
+    land on both; once one stops, a stream it was serving ends UNAVAILABLE (a clear error, nothing
+    hangs) and every new request is answered by the other, greedy tokens unchanged."""
+    from fusion.errors import FusionError
+    from services.background import BackgroundLoop
+
+    config = parse_config(tiny_config_dict(tiny_dir))
+    sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    with BackgroundLoop() as loop:
+        servers = [loop.run(create_coordinator_server(config)) for _ in range(2)]
+        address = ",".join(f"127.0.0.1:{port}" for _, port in servers)
+        with FusionClient(address, timeout=60) as client:
+            expected = [e.token.token_id for e in client.generate("def add", {"max_tokens": 12})]
+            served = [sum(1 for _ in client.generate("hello", {"max_tokens": 2})) for _ in range(6)]
+            assert served == [2] * 6
+            streams = [client.generate("hello world , fusion", sampling) for _ in range(4)]
+            firsts = [next(s) for s in streams]  # every stream started, on one coordinator or the other
+            assert all(f.token is not None for f in firsts)
+            loop.run(servers[0][0].stop(0))
+            outcomes = []
+            for stream in streams:
+                try:
+                    outcomes.append(1 + sum(1 for _ in stream))
+                except FusionError as err:
+                    outcomes.append(err)
+            cut = [o for o in outcomes if not isinstance(o, int)]
+            assert cut, "round robin put some of the streams on the coordinator that stopped"
+            assert all(isinstance(o, ExpertUnavailableError) for o in cut), cut
+            assert [o for o in outcomes if isinstance(o, int)] == [400] * (4 - len(cut))
+            for _ in range(4):  # new requests: all answered by the coordinator still up
+                assert [e.token.token_id for e in client.generate("def add", {"max_tokens": 12})] == expected
+        loop.run(servers[1][0].stop(0))

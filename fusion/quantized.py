@@ -17,20 +17,25 @@ errors reach the logits unaveraged). Sibling projections of one input (query/key
 packed as one matrix, each sibling a row view of it (a copy where the packed layout does not split at
 its rows), so the fast decode step runs them as one product and transformers' forward (prefill) still
 calls each sibling alone (`QuantizedLinear.fused`).
-The embedding table stays as it is: a step reads one row of it.
+The embedding table stays as it is: a step reads one row of it. Products of many rows (prefill, a
+step of many sessions) use the dense weight the codes were made from (`DENSE_FROM_ROWS`): the 4-bit
+kernel wins by reading fewer bytes, which matters while a product reads its weight once for a few rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,10 @@ logger = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("dense", "int8", "int4")
 INT4_GROUP = 32  # inputs per 4-bit group: Q4_1's block
 INT8_MAX = 127
+# Products of at least this many rows (prefill, prompt chunks, a step of many sessions) use the dense
+# weight the codes were made from: the 4-bit kernel reads a quarter of the bytes but dequantizes for
+# every row block, so past a few dozen rows it falls behind the dense product (docs/performance.md).
+DENSE_FROM_ROWS = 24
 # Siblings that read one input, packed as one matrix (in the order of their outputs).
 SIBLINGS = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
             "mlp": (("gate_proj", "up_proj"), ("down_proj",))}
@@ -114,8 +123,11 @@ class QuantizedLinear(nn.Module):
     (None: it stands alone)."""
 
     def __init__(self, weights: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor],
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
         super().__init__()
+        # The weight (N, K) in the activations' dtype, for products of many rows (`DENSE_FROM_ROWS`):
+        # not a buffer, so neither the codes file nor a state dict holds it.
+        self.dense = None if dense is None else dense.detach()
         if weights not in ("int8", "int4"):
             raise ValueError(f"weights must be int8 or int4, got {weights!r}")
         self.weights, self.in_features, self.out_features = weights, in_features, out_features
@@ -143,7 +155,7 @@ class QuantizedLinear(nn.Module):
             reason = unsupported_reason(linear, weights)
             if reason is not None:
                 raise ValueError(f"cannot quantize to {weights}: {reason}")
-        weight = torch.cat([lin.weight.detach() for lin in linears])  # (N, K)
+        weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
         biases = [lin.bias for lin in linears]
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError("projections with and without bias cannot be fused")
@@ -155,7 +167,7 @@ class QuantizedLinear(nn.Module):
             codes, scales, offsets = quantize_int4(weight)
             tensors = {"codes": pack_int4(codes),
                        "scales_offsets": torch.stack((scales, offsets), dim=-1).transpose(0, 1).contiguous().to(dtype)}
-        return cls(weights, weight.shape[1], weight.shape[0], tensors, bias)
+        return cls(weights, weight.shape[1], weight.shape[0], tensors, bias, weight.to(dtype))
 
     def rows(self, start: int, stop: int) -> QuantizedLinear | None:
         """Output rows [start, stop) as a projection whose codes are a view of this one's (its scales are
@@ -168,13 +180,16 @@ class QuantizedLinear(nn.Module):
                 return None
             tensors = {"codes": self.codes[start:stop], "scales_offsets": self.scales_offsets[:, start:stop].contiguous()}
         bias = None if self.bias is None else self.bias[start:stop]
-        sub = QuantizedLinear(self.weights, self.in_features, stop - start, tensors, bias)
+        dense = None if self.dense is None else self.dense[start:stop]
+        sub = QuantizedLinear(self.weights, self.in_features, stop - start, tensors, bias, dense)
         sub.fused, sub.fused_rows = self, (start, stop)
         return sub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype."""
         rows = x.reshape(-1, self.in_features)
+        if self.dense is not None and rows.shape[0] >= DENSE_FROM_ROWS:
+            return F.linear(rows, self.dense.to(rows.dtype), self.bias).view(*x.shape[:-1], self.out_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         if self.weights == "int8":
@@ -188,6 +203,18 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.weights}"
+
+
+@contextlib.contextmanager
+def codes_only() -> Iterator[None]:
+    """Every product from the codes, however many rows, while inside (what a decode step computes): for
+    measuring the codes' own quality on long texts."""
+    global DENSE_FROM_ROWS
+    saved, DENSE_FROM_ROWS = DENSE_FROM_ROWS, sys.maxsize
+    try:
+        yield
+    finally:
+        DENSE_FROM_ROWS = saved
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -237,8 +264,10 @@ def quantize_model(model, weights: str, cache_file: Path | None = None) -> None:
         """The quantized matrix of `linears` stacked: from the cache file, or made (and kept for it)."""
         names = ("codes", "scales") if kind == "int8" else ("codes", "scales_offsets")
         if stored is not None:
+            dense = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight
             return QuantizedLinear(kind, linears[0].in_features, sum(lin.out_features for lin in linears),
-                                   {n: stored[f"{key}.{n}"] for n in names}, stored.get(f"{key}.bias"))
+                                   {n: stored[f"{key}.{n}"] for n in names}, stored.get(f"{key}.bias"),
+                                   dense.to(dtype))
         made_here = QuantizedLinear.stack(linears, kind, dtype)
         made.update({f"{key}.{n}": getattr(made_here, n) for n in names})
         if made_here.bias is not None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import fusion.kv_cache as kv_cache
+import fusion.quantized as quantized
 from fusion.config import parse_config
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
@@ -52,6 +53,20 @@ def test_a_quantized_product_is_the_product_with_the_dequantized_weight(weights,
     # and the codes are close to the weight itself (the quantization error is bounded by half a step)
     error = (_dequantized(q, linear) - linear.weight.detach()).abs().max()
     assert error < (0.2 * 4 / (127 if weights == "int8" else 7.5))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_products_of_many_rows_use_the_dense_weight_the_codes_came_from(weights):
+    """From DENSE_FROM_ROWS rows on (prefill, many sessions) the product is the dense one, exactly, with
+    no copy of a lone projection's weight; below, the codes'."""
+    linear = _linear(64, 128, seed=4)
+    q = QuantizedLinear.of(linear, weights, torch.float32)
+    assert q.dense.untyped_storage().data_ptr() == linear.weight.untyped_storage().data_ptr()
+    many = torch.randn(quantized.DENSE_FROM_ROWS, 128)
+    torch.testing.assert_close(q(many), F.linear(many, linear.weight, linear.bias), rtol=0, atol=0)
+    few = many[: quantized.DENSE_FROM_ROWS - 1]
+    torch.testing.assert_close(q(few), F.linear(few, _dequantized(q, linear), linear.bias), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(q(few), F.linear(few, linear.weight, linear.bias), rtol=0, atol=1e-6)
 
 
 def test_q4_1_weights_get_their_own_codes_back():
@@ -117,8 +132,10 @@ def _expert(path, weights: str, decode: str = "fast") -> LocalExpert:
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, monkeypatch, weights):
     """The fast decode step over quantized projections, batched and alone, through buffer growths, gives
-    the logits of the same model's uncached forward (transformers' own, through the same projections)."""
+    the logits of the same model's uncached forward (transformers' own, through the same projections;
+    every product from the codes, however many rows)."""
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
+    monkeypatch.setattr(quantized, "DENSE_FROM_ROWS", 10**9)
     expert = _expert(tiny_dir / "c", weights)
     assert isinstance(expert.model.lm_head, QuantizedLinear) and expert.model.lm_head.weights == "int8"
     assert isinstance(expert.model.model.layers[1].mlp.down_proj, QuantizedLinear)
@@ -141,7 +158,8 @@ def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, mon
 
 
 def test_quantized_logits_stay_close_to_the_dense_ones(tiny_dir):
-    """Quantization moves the next-token distribution a little, int8 less than int4 (KL per position)."""
+    """Quantization moves the next-token distribution a little, int8 less than int4 (KL per position),
+    every product from the codes (`codes_only`); without it, a long text takes the dense weight."""
     dense = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
     ids = torch.tensor([list(range(3, 40))])
     with torch.no_grad():
@@ -150,15 +168,18 @@ def test_quantized_logits_stay_close_to_the_dense_ones(tiny_dir):
     for weights in ("int8", "int4"):
         model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
         quantize_model(model, weights)
-        with torch.no_grad():
+        with torch.no_grad(), quantized.codes_only():
             got = F.log_softmax(model(ids).logits[0], -1)
         kl[weights] = float((reference.exp() * (reference - got)).sum(-1).mean())
+        with torch.no_grad():
+            torch.testing.assert_close(F.log_softmax(model(ids).logits[0], -1), reference, rtol=1e-5, atol=1e-5)
     assert 0 < kl["int8"] < kl["int4"] < 0.05, kl
 
 
-def test_shared_base_with_quantized_weights_runs_adapters_on_both_paths(tiny_dir, tmp_path):
+def test_shared_base_with_quantized_weights_runs_adapters_on_both_paths(tiny_dir, tmp_path, monkeypatch):
     """Adapters over a quantized base: the fast joint step equals transformers' forward through the
     adapted quantized projections (the reference for that base)."""
+    monkeypatch.setattr(quantized, "DENSE_FROM_ROWS", 10**9)
     from tests.test_shared_base import histories, save_adapter
 
     adapter = save_adapter(tiny_dir, tmp_path / "one", seed=11)

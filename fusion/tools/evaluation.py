@@ -347,9 +347,12 @@ def compare_weights(config, load, formats: Sequence[str], domains: Sequence[str]
                     *, seed: int = 0, text_chunks: int = 8, chunk_tokens: int = 192) -> list[WeightsRow]:
     """Teacher-forced quality of the experts at each weights format against dense weights, on the same
     held-out texts: bits per byte of each expert alone and of the config's fusion, and per expert the KL
-    divergence of its next-token distribution from the dense one's, per token. `load(config)` builds a
+    divergence of its next-token distribution from the dense one's, per token; every product from the
+    codes, as in a decode step (long texts would otherwise take the dense weight). `load(config)` builds a
     service (the dense one stays loaded while each other format is scored beside it)."""
     import torch
+
+    from fusion.quantized import codes_only
 
     reference = load(with_weights(config, "dense"))
     rows: list[WeightsRow] = []
@@ -373,7 +376,8 @@ def compare_weights(config, load, formats: Sequence[str], domains: Sequence[str]
                         else:
                             prompt_ids, ids = service.sample_ids(sample)
                             text = sample.text if isinstance(sample, TextSample) else sample
-                        logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
+                        with codes_only():  # the codes' quality, as decode steps see it
+                            logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
                         for i, (rule, w) in enumerate(resolved):
                             nats[i] -= sum(service.engine.fused_logprobs(logits, ids, rule, w, prompt_ids[0]))
                         dense = logits if service is reference else reference.engine.continuation_logits(prompt_ids, ids)

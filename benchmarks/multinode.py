@@ -76,7 +76,7 @@ def main() -> None:
 
             current = config.get("fusion", {}).get("rule", "weighted_logits")
             changed = {**config, "fusion": {"rule": "mixture" if current != "mixture" else "weighted_logits"}}
-            update = sc.rolling_update(address, args, {**args, "config": changed}, prompts, sampling, rule)
+            update = sc.rolling_update(address, {**args, "config": changed}, prompts, sampling, rule)
             figures["rolling_update"] = update
             address = sc.deploy(sc.autoscaling_args(args, max_replicas=2, sessions_per_replica=2))
             sc.wait_until(lambda: all(n == 1 for n in sc.running_replicas().values()) or sc.running_replicas(),

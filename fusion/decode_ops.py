@@ -95,6 +95,19 @@ def fuse_projections(linears: list[nn.Module]) -> tuple[torch.Tensor | Quantized
     return fused, None
 
 
+def projection_lists(layer, count: int) -> tuple[nn.ModuleList | nn.ParameterList, ...]:
+    """`count` empty per-layer holders for a decode step's projections: module lists when the model's
+    projections are quantized (the step keeps the `QuantizedLinear`s), parameter lists otherwise."""
+    quantized = isinstance(layer.self_attn.q_proj, QuantizedLinear)
+    return tuple(nn.ModuleList() if quantized else nn.ParameterList() for _ in range(count))
+
+
+def weight_of(linear: nn.Module) -> torch.Tensor | QuantizedLinear:
+    """What a decode step multiplies by for `linear`: its weight (N, K) as a frozen parameter, or the
+    quantized projection itself."""
+    return frozen(linear if isinstance(linear, QuantizedLinear) else linear.weight)
+
+
 def project(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None = None,
             linear=F.linear) -> torch.Tensor:
     """x (rows, K) through a dense weight (N, K) (by `linear`) or a quantized projection: (rows, N)."""

@@ -29,8 +29,8 @@ from fusion.config import ExpertConfig
 from fusion.errors import AssetError, ConfigError, InvalidArgumentError
 from fusion.fast_decode import (GEMMA3, DecodeStep, configure_compile_cache, decode_after_shared_history,
                                 decode_on_layers, unsupported_reason)
-from fusion.quantized import packed_cache_file, quantize_model
 from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, cache_of, is_plain, new_cache
+from fusion.quantized import packed_cache_file, quantize_model
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)

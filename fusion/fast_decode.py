@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row, one_row_times, project, rotary, rotate,
-                               rows_times)
-from fusion.quantized import QuantizedLinear
+from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row, one_row_times, project,
+                               projection_lists, rotary, rotate, rows_times, weight_of)
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
@@ -90,12 +89,6 @@ def unsupported_reason(model, *, compiled: bool = False) -> str | None:
     return None
 
 
-def weight_of(linear: nn.Module) -> torch.Tensor | QuantizedLinear:
-    """What a decode step multiplies by for `linear`: its weight (N, K) as a frozen parameter, or the
-    quantized projection itself."""
-    return frozen(linear if isinstance(linear, QuantizedLinear) else linear.weight)
-
-
 class FastDecoder(nn.Module):
     """The decode step of one Llama-family model over its own weights (see the module docstring)."""
 
@@ -118,9 +111,7 @@ class FastDecoder(nn.Module):
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         # Per layer, as parameters of this module (views of the model's own), or quantized projections
         # (fusion.quantized) whose codes are the model's own:
-        quantized = isinstance(inner.layers[0].self_attn.q_proj, QuantizedLinear)
-        self.qkv, self.o_proj, self.gate_up, self.down = (
-            (nn.ModuleList() if quantized else nn.ParameterList()) for _ in range(4))
+        self.qkv, self.o_proj, self.gate_up, self.down = projection_lists(inner.layers[0], 4)
         self.qkv_bias = nn.ParameterList()
         self.input_norm, self.post_norm = nn.ParameterList(), nn.ParameterList()
         for layer in inner.layers:

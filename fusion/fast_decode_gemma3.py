@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from fusion.decode_ops import attend, frozen, fuse_projections, project, rotary, rotate
+from fusion.decode_ops import attend, frozen, fuse_projections, project, projection_lists, rotary, rotate, weight_of
 from fusion.kv_cache import GrowingLayer
-from fusion.quantized import QuantizedLinear
 
 MODEL_TYPE = "gemma3_text"
 
@@ -73,8 +72,7 @@ class Gemma3Decoder(nn.Module):
         inner = model.model
         self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
         self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
-        head = model.get_output_embeddings()
-        self.lm_head = frozen(head if isinstance(head, QuantizedLinear) else head.weight)  # (V, hidden), or quantized
+        self.lm_head = weight_of(model.get_output_embeddings())  # (V, hidden), or quantized
         rotary = inner.rotary_emb
         # Per layer type: the model's own rotary table (any scaling already folded in) and its factor.
         self.layer_types = list(config.layer_types)
@@ -85,9 +83,7 @@ class Gemma3Decoder(nn.Module):
                              for kind in set(self.layer_types)}
         # Gemma's norms multiply by (1 + w): kept as that sum, in float32, as transformers computes it.
         self.final_norm = nn.Parameter(1.0 + inner.norm.weight.detach().float(), requires_grad=False)
-        quantized = isinstance(inner.layers[0].self_attn.q_proj, QuantizedLinear)  # (fusion.quantized)
-        self.qkv, self.o_proj, self.gate_up, self.down = (
-            (nn.ModuleList() if quantized else nn.ParameterList()) for _ in range(4))
+        self.qkv, self.o_proj, self.gate_up, self.down = projection_lists(inner.layers[0], 4)
         self.norms = nn.ParameterList()  # per layer (4, hidden): input, post-attention, pre-MLP, post-MLP
         self.head_norms = nn.ParameterList()  # per layer (2, head_dim): query, key
         for layer in inner.layers:
@@ -95,9 +91,9 @@ class Gemma3Decoder(nn.Module):
             qkv, _ = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, _ = fuse_projections([mlp.gate_proj, mlp.up_proj])
             self.qkv.append(frozen(qkv))
-            self.o_proj.append(frozen(fuse_projections([attn.o_proj])[0]))
+            self.o_proj.append(weight_of(attn.o_proj))
             self.gate_up.append(frozen(gate_up))
-            self.down.append(frozen(fuse_projections([mlp.down_proj])[0]))
+            self.down.append(weight_of(mlp.down_proj))
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm]
             self.norms.append(nn.Parameter(1.0 + torch.stack([n.weight.detach().float() for n in norms]),

@@ -74,7 +74,7 @@ def test_a_rolling_update_loses_no_stream_and_new_requests_see_the_new_config(th
             return client.describe().default_spec.rule
 
     new_config = {**args["config"], "fusion": {"rule": "mixture"}}
-    figures = sc.rolling_update(address, args, {**args, "config": new_config}, PROMPTS, SAMPLING, rule)
+    figures = sc.rolling_update(address, {**args, "config": new_config}, PROMPTS, SAMPLING, rule)
     assert figures["lost"] == 0, figures["errors"]
     assert (figures["before"], figures["after"]) == ("weighted_logits", "mixture")
 

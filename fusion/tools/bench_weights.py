@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from fusion.compute import run_on_compute_thread
 from fusion.expert import LocalExpert
 from fusion.quantized import WEIGHT_FORMATS
 from fusion.service import FusionRequest, FusionService
-from fusion.tools.bench import BENCH_PROMPT, BenchReport, _prompt_ids, _runtime_step_times, plain_experts
+from fusion.tools.bench import BENCH_PROMPT, BenchReport, _prompt_ids, plain_experts, runtime_step_ms
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ class LlamaCpp:
     def tokens_per_s(self, prompt: list[int], tokens: int) -> float:
         """Greedy generation of `tokens` tokens after the prompt, prompt included in the time, as the
         fused stream's rate includes its prefill."""
-        self.llm.reset()
         start = time.perf_counter()
         produced = 0
         for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
@@ -105,7 +103,7 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
         timings["llama.cpp"] = []
     for _ in range(rounds):
         for path, expert in paths.items():
-            timings[path].append(run_on_compute_thread(_step_ms, expert, prompt, steps))
+            timings[path].append(runtime_step_ms(expert, prompt, steps))
         if llama is not None:
             timings["llama.cpp"].append(statistics.mean(llama.step_times(prompt, steps + 2)[2:]) * 1e3)
     ms = {path: statistics.median(values) for path, values in timings.items()}
@@ -127,13 +125,6 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
         expert.close()
     if cold_start:
         _cold_starts(service, report, tokens, cache_dir)
-
-
-def _step_ms(expert: LocalExpert, prompt: list[int], steps: int) -> float:
-    runtime_steps = _runtime_step_times(expert, prompt)
-    times = [next(runtime_steps) for _ in range(steps + 3)]
-    runtime_steps.close()
-    return statistics.mean(times[3:]) * 1e3  # the first is the prefill
 
 
 def _fused_against_llamacpp(service: FusionService, report: BenchReport, llama: LlamaCpp, prompt: list[int],

@@ -97,8 +97,8 @@ class Stream:
         return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
 
 
-def run_streams(address: str, prompts: list[str], sampling: dict[str, Any], *, started: threading.Event | None = None,
-                min_tokens: int = 1, timeout_s: float = 300.0) -> tuple[list[Stream], threading.Event, list[threading.Thread]]:
+def run_streams(address: str, prompts: list[str], sampling: dict[str, Any], *, min_tokens: int = 1,
+                timeout_s: float = 300.0) -> tuple[list[Stream], threading.Event, list[threading.Thread]]:
     """Start one client stream per prompt (threads); `ready` is set once every stream has `min_tokens`
     tokens. Returns the streams, that event and the threads to join."""
     from services.client import FusionClient
@@ -197,7 +197,7 @@ def node_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampli
     return figures
 
 
-def rolling_update(address: str, args: dict[str, Any], new_args: dict[str, Any], prompts: list[str],
+def rolling_update(address: str, new_args: dict[str, Any], prompts: list[str],
                    sampling: dict[str, Any], describe, *, update_after_tokens: int = 3) -> dict[str, Any]:
     """The rolling-update scenario: streams run while `new_args` are deployed; `describe(address)` is
     what tells the old config from the new one in a fresh request's answer. Its figures, and the
@@ -250,9 +250,7 @@ def autoscaling(address: str, prompts: list[str], sampling: dict[str, Any], *, m
     up to `max_replicas`; once the streams end, back down to one. Times to scale up (all experts at
     `max_replicas`, watched every half second while the streams run) and down, and the p95 gap
     between tokens during the ramp against one stream alone before it."""
-    steady, _, threads = run_streams(address, prompts[:1], sampling)
-    for thread in threads:
-        thread.join()
+    steady = streams_to_end(address, prompts[:1], sampling)
     ramp_started = time.monotonic()
     scaled_up: list[float] = []
     done = threading.Event()

@@ -203,21 +203,29 @@ def bits_per_byte(service: FusionService, specs: list[FusionSpec], samples: Sequ
     if service.cross is not None:
         totals, _, num_bytes = service.score_texts(list(samples), specs)
         return [-t / math.log(2) / max(num_bytes, 1) for t in totals]
-    engine = service.engine
     nats = [0.0] * len(specs)
     total_bytes = 0
     resolved = [service.resolve_spec(s) for s in specs]
     for sample in samples:
-        if isinstance(sample, tuple):
-            prompt_ids, ids, text = service.pair_ids(*sample)
-        else:
-            prompt_ids, ids = service.sample_ids(sample)
-            text = sample.text if isinstance(sample, TextSample) else sample
-        logits = engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
-        for i, (rule, weights) in enumerate(resolved):
-            nats[i] -= sum(engine.fused_logprobs(logits, ids, rule, weights, prompt_ids[0]))
+        prompt_ids, ids, text = scored_ids(service, sample)
+        logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
+        nats = [a + b for a, b in zip(nats, fused_nats(service, logits, ids, resolved, prompt_ids[0]))]
         total_bytes += len(text.encode("utf-8"))
     return [n / math.log(2) / total_bytes for n in nats]
+
+
+def scored_ids(service: FusionService, sample: Sample) -> tuple[list[list[int]], list[int], str]:
+    """(one prompt per expert, the ids scored, the text they cover) of a sample."""
+    if isinstance(sample, tuple):
+        return service.pair_ids(*sample)
+    prompt_ids, ids = service.sample_ids(sample)
+    return prompt_ids, ids, sample.text if isinstance(sample, TextSample) else sample
+
+
+def fused_nats(service: FusionService, logits, ids: list[int], resolved, prefix_ids) -> list[float]:
+    """Negative log-likelihood of `ids` under each resolved (rule, weights), from the experts' logits
+    (E, n, V)."""
+    return [-sum(service.engine.fused_logprobs(logits, ids, rule, weights, prefix_ids)) for rule, weights in resolved]
 
 
 def evaluate(
@@ -371,15 +379,10 @@ def compare_weights(config, load, formats: Sequence[str], domains: Sequence[str]
                     logger.info("weights %s: %s (%d samples)", weights, domain, len(samples))
                     nats, kl, tokens, total_bytes = [0.0] * len(specs), [0.0] * len(names), 0, 0
                     for sample in samples:
-                        if isinstance(sample, tuple):
-                            prompt_ids, ids, text = service.pair_ids(*sample)
-                        else:
-                            prompt_ids, ids = service.sample_ids(sample)
-                            text = sample.text if isinstance(sample, TextSample) else sample
+                        prompt_ids, ids, text = scored_ids(service, sample)
                         with codes_only():  # the codes' quality, as decode steps see it
                             logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
-                        for i, (rule, w) in enumerate(resolved):
-                            nats[i] -= sum(service.engine.fused_logprobs(logits, ids, rule, w, prompt_ids[0]))
+                        nats = [a + b for a, b in zip(nats, fused_nats(service, logits, ids, resolved, prompt_ids[0]))]
                         dense = logits if service is reference else reference.engine.continuation_logits(prompt_ids, ids)
                         p_log = torch.log_softmax(dense.float(), -1)  # (E, n, V)
                         q_log = torch.log_softmax(logits.float(), -1)

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from fusion.admission import Admission
 from fusion.compute import run_on_compute_thread
 from fusion.config import Limits, SamplingParams
 from fusion.errors import (
@@ -34,7 +35,6 @@ from fusion.errors import (
     ExpertUnavailableError,
     FusionError,
     InvalidArgumentError,
-    ResourceExhaustedError,
 )
 from fusion.expert import Expert, LocalExpert, StepRequest
 from fusion.rules import CONTEXT_TOKENS, FusionRule, context_rows, teacher_forced_context
@@ -162,6 +162,8 @@ class FusionEngine:
         self.vocab_size = self.alignment.width
         self.limits = limits or Limits()
         self.device = torch.device(device)
+        self.admission = Admission(self.limits, self.vocab_size, tuple(self.names),
+                                   tuple(e.info.max_positions for e in self.experts), cross=mixed_tokenizers)
         self.eos_token_ids = frozenset(itertools.chain.from_iterable(e.info.eos_token_ids for e in self.experts))
         self._pool = ThreadPoolExecutor(max_workers=len(self.experts), thread_name_prefix="expert")
         self._streams = [
@@ -185,65 +187,11 @@ class FusionEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    # -- validation ---------------------------------------------------------------------------
-    def check_sampling(self, sampling: SamplingParams) -> None:
-        """Refuse sampling lists past the limits or ids outside the vocabulary (cheap: before tokenizing)."""
-        limits, vocab = self.limits, self.vocab_size
-        if sampling.max_tokens > limits.max_tokens:
-            raise ResourceExhaustedError(f"max_tokens: {sampling.max_tokens} exceeds the limit {limits.max_tokens}")
-        for name, values, bound in (
-            ("stop", sampling.stop, limits.max_stop_strings),
-            ("stop_token_ids", sampling.stop_token_ids, limits.max_stop_token_ids),
-            ("logit_bias", sampling.logit_bias, limits.max_logit_bias),
-            ("banned_token_ids", sampling.banned_token_ids, limits.max_banned_token_ids),
-        ):
-            if len(values) > bound:
-                raise ResourceExhaustedError(f"{name}: {len(values)} entries exceed max_{name}={bound}"
-                                             if name != "stop" else
-                                             f"stop: {len(values)} strings exceed max_stop_strings={bound}")
-            bad = [t for t in values if isinstance(t, int) and not 0 <= t < vocab]
-            if bad:
-                raise InvalidArgumentError(f"{name}: token ids out of range [0, {vocab}): {sorted(bad)[:5]}")
-        for i, stop in enumerate(sampling.stop):
-            if not stop:
-                raise InvalidArgumentError(f"stop[{i}]: must not be empty")
-            if len(stop) > limits.max_stop_chars:
-                raise ResourceExhaustedError(f"stop[{i}]: {len(stop)} characters exceed "
-                                             f"max_stop_chars={limits.max_stop_chars}")
-
-    def validate(self, request: GenerationRequest) -> None:
-        """Refuse a request the engine cannot or may not run (InvalidArgument / ResourceExhausted)."""
-        if len(request.prompt_ids) != len(self.experts):
-            raise InvalidArgumentError(
-                f"prompt_ids: need one prompt per expert ({len(self.experts)}), got {len(request.prompt_ids)}"
-            )
-        self.check_sampling(request.sampling)
-        try:
-            request.rule.check_weights(request.weights)
-        except ValueError as err:
-            raise InvalidArgumentError(f"weights: {err}") from None
-        max_tokens = request.sampling.max_tokens
-        for index, (name, prompt) in enumerate(zip(self.names, request.prompt_ids)):
-            if not prompt:
-                raise InvalidArgumentError(f"prompt: the prompt for expert {name!r} is empty")
-            if len(prompt) > self.limits.max_prompt_tokens:
-                raise ResourceExhaustedError(
-                    f"prompt: {len(prompt)} tokens exceed max_prompt_tokens={self.limits.max_prompt_tokens}"
-                )
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidArgumentError(f"prompt_ids: ids out of range [0, {self.vocab_size}): {bad[:5]}")
-            # A request that would outgrow an expert's context must never reach the batch.
-            positions = self.experts[index].info.max_positions
-            if positions and request.rule.uses_expert(index, request.weights) and len(prompt) + max_tokens > positions:
-                raise InvalidArgumentError(
-                    f"max_tokens: the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed expert "
-                    f"{name!r}'s context of {positions} positions"
-                )
-
+    # -- admission ----------------------------------------------------------------------------
     def admit(self, request: GenerationRequest) -> GenerationRequest:
-        """Validate once and build the per-request state every step reads."""
-        self.validate(request)
+        """Check a request given as ids (`Admission.generation`) and build the per-request state every
+        step reads. The service checks its requests itself, field by field, and calls `prepare`."""
+        self.admission.generation(request)
         return self.prepare(request)
 
     def prepare(self, request: GenerationRequest) -> GenerationRequest:
@@ -310,20 +258,10 @@ class FusionEngine:
         logits; each expert's session cache carries the prefix between chunks. With `top` > 0, the `top`
         likeliest ids of each position, their log-probabilities and the scored id's rank (1: likeliest)
         are appended to `alternatives`."""
-        probe = GenerationRequest(prompt_ids, SamplingParams(max_tokens=1), rule, weights)
-        self.validate(probe)
-        if not continuation_ids:
-            raise InvalidArgumentError("continuation: must not be empty")
-        bad = [t for t in continuation_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgumentError(f"continuation ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self.admission.weights(rule, weights)
+        self.admission.continuation_ids(continuation_ids)
+        self.admission.prompt_ids(prompt_ids, rule, weights, len(continuation_ids), "continuation")
         uses = [rule.uses_expert(e, weights) for e in range(len(self.experts))]
-        for index, prompt in enumerate(prompt_ids):
-            positions = self.experts[index].info.max_positions
-            if uses[index] and positions and len(prompt) + len(continuation_ids) > positions:
-                raise InvalidArgumentError(
-                    f"continuation: the prompt ({len(prompt)} tokens) + continuation ({len(continuation_ids)}) "
-                    f"exceed expert {self.names[index]!r}'s context of {positions} positions")
         session = f"score-{new_request_id()}"
         context = teacher_forced_context(prompt_ids[0], continuation_ids, self.device)  # (n, K)
         logprobs: list[float] = []
@@ -378,11 +316,7 @@ class FusionEngine:
         return run_on_compute_thread(self._continuation_logits, prompt_ids, continuation_ids, uses)
 
     def _continuation_logits(self, prompt_ids, continuation_ids, uses) -> torch.Tensor:
-        if not continuation_ids:
-            raise InvalidArgumentError("continuation: must not be empty")
-        bad = [t for t in continuation_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgumentError(f"continuation ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self.admission.continuation_ids(continuation_ids)
         n = len(continuation_ids)
         session = f"score-{new_request_id()}"
         uses = list(uses) if uses is not None else [True] * len(self.experts)

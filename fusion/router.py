@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from fusion.compute import single_team
-from fusion.errors import ConfigError
+from fusion.errors import ConfigError, InvalidArgumentError
 from fusion.rules import CONTEXT_TOKENS, LOGPROB_FLOOR, FusedLogits, FusionRule, row_argmax
 
 logger = logging.getLogger(__name__)
@@ -457,7 +457,8 @@ class Route(FusionRule):
                  complementary: bool = True, router: Router | None = None, fail_safe: bool = FAIL_SAFE) -> None:
         super().__init__(expert_names)
         if router is None and not path:
-            raise ValueError("rule 'route' needs params.router, a router trained by `fusion train-router`")
+            raise InvalidArgumentError("fusion.params.router: rule 'route' needs a router trained by "
+                                       "`fusion train-router`")
         self.path = path
         self.hard = bool(hard)
         self.complementary = bool(complementary)
@@ -468,8 +469,8 @@ class Route(FusionRule):
         if router is None:
             self.router, self._payload = load_router(Path(path))
         if self.router.shape.num_experts != len(expert_names):
-            raise ValueError(
-                f"rule 'route': the router has {self.router.shape.num_experts} experts, the config "
+            raise InvalidArgumentError(
+                f"fusion.params.router: the router has {self.router.shape.num_experts} experts, the config "
                 f"{len(expert_names)}"
             )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fusion.errors import ConfigError, InvalidArgumentError
+from fusion.errors import InvalidArgumentError
 from fusion.router import Route
 from fusion.rules import BUILTIN_RULES, FusionRule
 
@@ -25,7 +25,5 @@ def make_rule(name: str, params: dict[str, Any], expert_names: Sequence[str]) ->
         raise InvalidArgumentError(f"rule: unknown fusion rule {name!r}; known: {sorted(RULES)}")
     try:
         return factory(expert_names, **params)
-    except ConfigError:  # a router checkpoint that cannot be read: the caller decides what to reveal
-        raise
-    except (TypeError, ValueError) as err:
+    except TypeError as err:  # a parameter the rule's signature does not take
         raise InvalidArgumentError(f"fusion.params: {err}") from None

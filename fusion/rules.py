@@ -4,7 +4,8 @@ Every rule maps `logits (E, B, V)` and `weights (E, B)` to fused log-space score
 weights it effectively used `(E, B)` (for per-token attribution). `context (B, K)`, each row's last K
 history ids (left-padded with -1; the last column is the previous token), is context for learned rules;
 the others ignore it. Rules validate their parameters at
-construction and a request's weights with `check_weights`; both raise `ValueError` naming the value.
+construction and a request's weights with `check_weights`; both raise `InvalidArgumentError` naming the
+field (`fusion.params`, `weights`) and the value, which every door reports as it is.
 
     weighted_logits   z = Σ w_i z_i, weights normalised to sum 1 (a weighted product of experts)
     mixture           log p = logsumexp_i(log w_i + log_softmax z_i)
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 import torch
+
+from fusion.errors import InvalidArgumentError
 
 _FLOAT32 = torch.finfo(torch.float32)
 
@@ -91,8 +94,8 @@ class FusionRule:
     def __init__(self, expert_names: Sequence[str], **params: Any) -> None:
         unknown = sorted(set(params) - set(self.param_names))
         if unknown:
-            raise ValueError(
-                f"rule {self.name!r} has no parameter(s) {unknown}; it takes {list(self.param_names)}"
+            raise InvalidArgumentError(
+                f"fusion.params: rule {self.name!r} has no parameter(s) {unknown}; it takes {list(self.param_names)}"
             )
         self.expert_names = list(expert_names)
 
@@ -101,9 +104,9 @@ class FusionRule:
         self._check_count(weights)
         for name, w in zip(self.expert_names, weights):
             if not math.isfinite(w) or w < 0:
-                raise ValueError(f"rule {self.name!r} needs finite weights >= 0; expert {name!r} has {w}")
+                raise InvalidArgumentError(f"weights: rule {self.name!r} needs finite weights >= 0; expert {name!r} has {w}")
         if sum(weights) <= 0:
-            raise ValueError(f"rule {self.name!r} needs a positive weight sum, got {list(weights)}")
+            raise InvalidArgumentError(f"weights: rule {self.name!r} needs a positive weight sum, got {list(weights)}")
 
     def bind(self, experts: Sequence[Any]) -> None:
         """Called once with the engine's experts before first use; learned rules check them here."""
@@ -119,23 +122,23 @@ class FusionRule:
         """One weight per expert, each one float32 can hold: the steps compute in float32, where 1e300
         is inf and 1e-300 is 0, and either turns every fused logit into NaN."""
         if len(weights) != len(self.expert_names):
-            raise ValueError(
-                f"rule {self.name!r} needs {len(self.expert_names)} weights "
+            raise InvalidArgumentError(
+                f"weights: rule {self.name!r} needs {len(self.expert_names)} weights "
                 f"(one per expert {self.expert_names}), got {len(weights)}"
             )
         for name, w in zip(self.expert_names, weights):
             if math.isfinite(w) and w != 0 and not _FLOAT32.tiny <= abs(w) <= _FLOAT32.max:
-                raise ValueError(f"expert {name!r}'s weight {w} is outside float32's range: 0 or a magnitude "
+                raise InvalidArgumentError(f"weights: expert {name!r}'s weight {w} is outside float32's range: 0 or a magnitude "
                                  f"from {_FLOAT32.tiny:.3g} to {_FLOAT32.max:.3g}")
         if all(math.isfinite(w) for w in weights) and math.fsum(abs(w) for w in weights) > _FLOAT32.max:
-            raise ValueError(f"the weights' sum of magnitudes exceeds float32's range ({_FLOAT32.max:.3g})")
+            raise InvalidArgumentError(f"weights: the weights' sum of magnitudes exceeds float32's range ({_FLOAT32.max:.3g})")
 
     def _expert_index(self, param: str, value: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(self.expert_names):
             return value
         if isinstance(value, str) and value in self.expert_names:
             return self.expert_names.index(value)
-        raise ValueError(f"rule {self.name!r}: {param} must name an expert of {self.expert_names}, got {value!r}")
+        raise InvalidArgumentError(f"fusion.params: rule {self.name!r}: {param} must name an expert of {self.expert_names}, got {value!r}")
 
 
 def _normalised(weights: torch.Tensor) -> torch.Tensor:
@@ -177,7 +180,7 @@ class LogitArithmetic(FusionRule):
     def __init__(self, expert_names: Sequence[str], alpha: float = 0.1, lead: int | str = 0) -> None:
         super().__init__(expert_names)
         if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
-            raise ValueError(f"rule {self.name!r}: alpha must be in [0, 1], got {alpha!r}")
+            raise InvalidArgumentError(f"fusion.params: rule {self.name!r}: alpha must be in [0, 1], got {alpha!r}")
         self.alpha = float(alpha)
         self.lead = self._expert_index("lead", lead)
 
@@ -185,10 +188,10 @@ class LogitArithmetic(FusionRule):
         self._check_count(weights)
         for name, w in zip(self.expert_names, weights):
             if not math.isfinite(w):
-                raise ValueError(f"rule {self.name!r} needs finite weights; expert {name!r} has {w}")
+                raise InvalidArgumentError(f"weights: rule {self.name!r} needs finite weights; expert {name!r} has {w}")
         if weights[self.lead] <= 0:
-            raise ValueError(
-                f"rule {self.name!r}: the lead expert {self.expert_names[self.lead]!r} needs a positive "
+            raise InvalidArgumentError(
+                f"weights: rule {self.name!r}: the lead expert {self.expert_names[self.lead]!r} needs a positive "
                 f"weight, got {weights[self.lead]}"
             )
 
@@ -211,9 +214,9 @@ class Confidence(FusionRule):
     def __init__(self, expert_names: Sequence[str], tau: float = 1.0, combine: str = "mixture") -> None:
         super().__init__(expert_names)
         if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-            raise ValueError(f"rule {self.name!r}: tau must be a finite number > 0, got {tau!r}")
+            raise InvalidArgumentError(f"fusion.params: rule {self.name!r}: tau must be a finite number > 0, got {tau!r}")
         if combine not in ("mixture", "weighted_logits"):
-            raise ValueError(f"rule {self.name!r}: combine must be 'mixture' or 'weighted_logits', got {combine!r}")
+            raise InvalidArgumentError(f"fusion.params: rule {self.name!r}: combine must be 'mixture' or 'weighted_logits', got {combine!r}")
         self.tau = float(tau)
         self.combine = combine
 

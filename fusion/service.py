@@ -5,8 +5,10 @@ A request names a prompt (text or chat messages), sampling overrides and fusion 
 service alone
   1. layers the request over the config's defaults (`fusion.config.layer_spec`, one merge rule),
   2. admits it: formats each expert's prompt, builds the rule (loading a router, once, cached),
-     resolves the weights and validates everything once, before any decode work,
-  3. streams `TextEvent`s from the continuous-batching `Scheduler` (text deltas, stop strings, usage),
+     resolves the weights and runs every check once, each before the work it bounds
+     (`fusion.admission`),
+  3. streams `TextEvent`s from the continuous-batching `Scheduler` (`fusion.request_streams`: text
+     deltas, stop strings, usage; the types are `fusion.service_types`),
 and scores continuations and describes itself. Admission runs on the caller's thread; async callers
 use `submit_async`/`score_async`, which run it in a worker thread, off their event loop.
 
@@ -22,44 +24,42 @@ service refuses to start.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import hashlib
 import json
 import logging
-import math
-import re
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from fusion.admission import is_token_ids
 from fusion.compute import run_on_compute_thread, single_team
-from fusion.config import (MAX_LOGPROBS, FusionConfig, FusionSpec, Limits, SamplingParams, SpecOverrides, layer_spec,
-                           parse_sampling)
-from fusion.crosstok import CrossParams, CrossTokenizerFusion, TextPiece, bits_per_byte, decode, score_text
-from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, TokenEvent, new_request_id
-from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError, ResourceExhaustedError
-from fusion.expert import Expert, ExpertInfo
+from fusion.config import FusionConfig, FusionSpec, SamplingParams, SpecOverrides, layer_spec, parse_sampling
+from fusion.crosstok import CrossParams, CrossTokenizerFusion
+from fusion.crosstok_decode import score_text
+from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, new_request_id
+from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError
+from fusion.expert import Expert
 from fusion.fast_decode import configure_compile_cache
 from fusion.models import default_cache_dir, shipped_router
+from fusion.request_streams import CrossRequestStream, RequestStream, Settlement
 from fusion.router import Route, expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
-from fusion.scheduler import RequestHandle, Scheduler
+from fusion.scheduler import Scheduler
+from fusion.service_types import (Completion, ExpertDescription, FusionRequest, PromptLogprobs, ScoreResult,
+                                  ServiceDescription, TextEvent, Usage)
 from fusion.shared_base import load_local_experts
 from fusion.spelling import spelling_for, token_bytes_of
 from fusion.structured import GrammarCompiler
-from fusion.tenancy import LOCAL, Reservation, Tenant
-from fusion.text import (Message, StopMatcher, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
+from fusion.tenancy import LOCAL, Tenant
+from fusion.text import (Message, TextSample, TextStream, document_context, encode_pair, encode_plain, encode_prompt,
                          end_of_turn_id)
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/-]+")  # no spaces or newlines: it goes into session ids and logs
 AUTO_ROUTER = "auto"
 ROUTE_NEEDS_ONE_TOKENIZER = ("the route rule needs experts of one tokenizer (its router reads token ids); these "
                              "experts' tokenizers differ, so they fuse over text with weighted_logits, mixture, "
@@ -67,270 +67,8 @@ ROUTE_NEEDS_ONE_TOKENIZER = ("the route rule needs experts of one tokenizer (its
 PREPARE_HINT = "run `fusion train-router` for these experts (the default trio's router ships with the project)"
 
 
-def utf8_size(text: str, field_name: str) -> int:
-    """The UTF-8 size of a request's text; a lone surrogate (JSON allows one escaped) is refused here,
-    before a tokenizer or a stop matcher meets it."""
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as err:
-        raise InvalidArgumentError(f"{field_name}: not valid Unicode text: a lone surrogate "
-                                   f"(U+{ord(text[err.start]):04X}) at character {err.start}") from None
-
-
 class ScoreAbandoned(FusionError):
     """A score whose caller went away (cancelled, past its deadline) stops at its next chunk."""
-
-
-# -- requests and events ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class FusionRequest:
-    """What a caller asks for. Unset fields take the config's defaults (see `layer_spec`)."""
-
-    prompt: str | Sequence[Message] | Sequence[int]  # token ids: a plain prompt of the shared vocabulary
-    sampling: Mapping[str, Any] | SamplingParams | None = None  # fields over the config's sampling
-    spec: SpecOverrides | FusionSpec | None = None  # rule, params, weights, profile over the config's
-    request_id: str | None = None  # the caller's id; it prefixes the service's own (unique) id
-    plain: bool = False  # a text prompt continued as is: no chat template or system prompt (OpenAI's completions)
-    tenant: Tenant = LOCAL  # who asks: its share of every queue, its max_tokens cap and its token quota
-
-
-def is_token_ids(prompt: object) -> bool:
-    """A prompt given as token ids (a plain prompt of the experts' shared vocabulary)."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-
-
-@dataclass
-class PromptLogprobs:
-    """A prompt's tokens, each one's fused log-probability after those before it, and the top alternatives
-    at each position (ids, log-probs); the first token has neither (None)."""
-
-    token_ids: list[int]
-    logprobs: list[float | None]
-    alternatives: list[tuple[list[int], list[float]] | None]
-    ranks: list[int | None]  # each token's rank in its position's distribution (1: the likeliest)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class TextEvent:
-    token: TokenEvent
-    text: str  # the text this token made visible (may be empty while a character or stop is pending)
-    finish_reason: str | None = None
-    usage: Usage | None = None  # on the last event only
-
-
-@dataclass
-class ScoreResult:
-    token_ids: list[int]
-    logprobs: list[float]
-    prompt_tokens: int = 0  # the prompt's length in the first expert's tokens (0: not known, e.g. remote)
-    text: str = ""  # the text the log-probabilities cover: the continuation after any whitespace the
-    # prompt ended with (moved over by the lm-evaluation-harness rule; "" when not known, e.g. remote)
-    pieces: list[str] = field(default_factory=list)  # experts of different tokenizers: the scored text pieces
-    remote_bits_per_byte: float | None = None  # as a server reported it (a client's result has no text)
-
-    @property
-    def total_logprob(self) -> float:
-        return float(sum(self.logprobs))
-
-    @property
-    def bits_per_byte(self) -> float | None:
-        """Bits per UTF-8 byte of `text` (tokenizer-independent); None when the text is not known."""
-        if not self.text:
-            return self.remote_bits_per_byte
-        return bits_per_byte(self.logprobs, len(self.text.encode("utf-8")))
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    events: list[TokenEvent] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class ExpertDescription:
-    info: ExpertInfo
-    default_weight: float
-    addresses: list[str]
-    active_sessions: int
-
-
-@dataclass(frozen=True)
-class ServiceDescription:
-    experts: list[ExpertDescription]
-    rules: dict[str, tuple[str, ...]]  # rule name -> its parameter names
-    profiles: dict[str, dict[str, float]]
-    default_spec: FusionSpec
-    default_sampling: SamplingParams
-    limits: Limits
-    active_requests: int
-
-
-class _Settlement:
-    """A request's token reservation and what it has used so far; settled once, when it ends."""
-
-    def __init__(self, reservation: Reservation | None, prompt_tokens: int) -> None:
-        self.reservation, self.used = reservation, prompt_tokens
-        self._lock = threading.Lock()
-
-    @classmethod
-    def reserve(cls, tenant: Tenant, tokens: int, used: int) -> _Settlement:
-        """`tokens` held on the tenant's quota (none without one), `used` counted so far."""
-        return cls(tenant.quota.reserve(tokens) if tenant.quota else None, used)
-
-    def close(self) -> None:
-        with self._lock:
-            reservation, self.reservation = self.reservation, None
-        if reservation is not None:
-            reservation.settle(self.used)
-
-
-class _AdmittedRequest:
-    """What every stream of an admitted request reports about it."""
-
-    request: GenerationRequest
-    settlement: _Settlement
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids[0])
-
-
-class RequestStream(_AdmittedRequest):
-    """One admitted request's `TextEvent`s, read with `for` or `async for`. Leaving the loop early
-    (or `cancel`) stops the request and frees its sessions on every expert."""
-
-    def __init__(self, request: GenerationRequest, handle: RequestHandle, text: TextStream,
-                 settlement: _Settlement) -> None:
-        self.request = request
-        self._handle = handle
-        self._text = text
-        self.settlement = settlement
-        # A stream dropped without being read (or read halfway) must not decode on to max_tokens.
-        weakref.finalize(self, _end, handle, settlement)
-
-    def cancel(self) -> None:
-        _end(self._handle, self.settlement)
-
-    def _to_text(self, event: TokenEvent) -> TextEvent:
-        self.settlement.used = self.prompt_tokens + event.index + 1
-        delta = self._text.push(event.token_id)
-        reason = "stop" if self._text.stopped else event.finish_reason
-        if reason is None:
-            return TextEvent(event, delta)
-        return TextEvent(event, delta + self._text.flush(), reason, Usage(self.prompt_tokens, event.index + 1))
-
-    def __iter__(self) -> Iterator[TextEvent]:
-        events = iter(self._handle)
-        try:
-            for event in events:
-                text_event = self._to_text(event)
-                yield text_event
-                if text_event.finish_reason is not None:
-                    return
-        finally:
-            self.cancel()
-
-    async def __aiter__(self) -> AsyncIterator[TextEvent]:
-        events = self._handle.stream()
-        try:
-            async for event in events:
-                text_event = self._to_text(event)
-                yield text_event
-                if text_event.finish_reason is not None:
-                    return
-        finally:
-            await events.aclose()  # cancels the request
-            self.settlement.close()
-
-
-def _end(handle: RequestHandle, settlement: _Settlement) -> None:
-    handle.cancel()
-    settlement.close()
-
-
-class CrossRequestStream(_AdmittedRequest):
-    """A request of experts with different tokenizers: `TextEvent`s, one per fused text piece, each
-    step run on the compute thread. `event.token.token_id` is -1 (pieces are text, not ids of one
-    vocabulary); logprob and attribution are the piece's."""
-
-    def __init__(self, service: FusionService, request: GenerationRequest, hold_back_prompt: bool,
-                 settlement: _Settlement) -> None:
-        self.request = request
-        self.settlement = settlement
-        self._names = service.expert_names
-        self._pieces = decode(service.cross, request.prompt_ids, request.sampling, request.rule, request.weights,
-                              hold_back_prompt=hold_back_prompt)
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = StopMatcher(list(request.sampling.stop))
-        self._text = ""  # the generated text so far (decoded), up to any stop string
-        self._emitted = 0
-        self._done = False
-
-    def cancel(self) -> None:
-        self._done = True
-        self._pieces.close()
-        self.settlement.close()
-
-    def _to_text(self, piece: TextPiece) -> TextEvent:
-        self.settlement.used = self.prompt_tokens + piece.index + 1
-        self._text += self._decoder.decode(piece.piece, final=piece.finish_reason is not None)
-        reason = piece.finish_reason
-        safe, stopped = self._stops.cut(self._text, self._emitted)
-        if stopped:
-            reason = "stop"
-        elif reason is not None:  # the last piece: nothing is held back any more
-            safe = len(self._text)
-        visible = self._text[:max(self._emitted, safe)]
-        delta, self._emitted = visible[self._emitted:], len(visible)
-        attribution = [ExpertAttribution(name, weight, math.exp(lp) if lp is not None else None)
-                       for name, weight, lp in zip(self._names, piece.weights, piece.expert_logprobs)]
-        token = TokenEvent(self.request_id, piece.index, -1, piece.logprob, [], attribution, reason)
-        usage = Usage(self.prompt_tokens, piece.index + 1) if reason is not None else None
-        return TextEvent(token, delta, reason, usage)
-
-    def _next(self) -> TextPiece | None:
-        return next(self._pieces, None)
-
-    def __iter__(self) -> Iterator[TextEvent]:
-        try:
-            while not self._done:
-                piece = run_on_compute_thread(self._next)
-                if piece is None:
-                    return
-                event = self._to_text(piece)
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            self.cancel()
-
-    async def __aiter__(self) -> AsyncIterator[TextEvent]:
-        try:
-            while not self._done:
-                piece = await asyncio.to_thread(run_on_compute_thread, self._next)
-                if piece is None:
-                    return
-                event = self._to_text(piece)
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            self.cancel()
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -530,10 +268,7 @@ class FusionService:
         self.config.check_spec(spec)  # unknown profile, expert or router: NotFoundError naming it
         rule = self._rules(spec.rule, json.dumps(spec.params, sort_keys=True))
         weights = self.config.weights_for(spec)
-        try:
-            rule.check_weights(weights)
-        except ValueError as err:
-            raise InvalidArgumentError(f"weights: {err}") from None
+        self.engine.admission.weights(rule, weights)
         return rule, weights
 
     def sampling(self, overrides: Mapping[str, Any] | SamplingParams | None = None,
@@ -558,12 +293,8 @@ class FusionService:
         """The prompt as each expert expects it (its own chat template and system prompt); `plain`: the
         text as is, after each tokenizer's BOS."""
         if plain:
-            if is_token_ids(prompt):  # ids of the experts' shared vocabulary, as sent
-                if self.cross is not None:
-                    raise InvalidArgumentError("prompt: token ids need experts of one tokenizer; send text")
+            if is_token_ids(prompt):  # ids of the experts' shared vocabulary, as sent (`Admission.prompt`)
                 return [list(prompt) for _ in self.tokenizers]
-            if not isinstance(prompt, str):
-                raise InvalidArgumentError("messages: a plain prompt is text, not chat messages")
             return [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
         return [encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)]
 
@@ -616,92 +347,21 @@ class FusionService:
             return self._admit(request)
 
     def _admit(self, request: FusionRequest) -> GenerationRequest:
-        self._check_prompt(request.prompt)
-        if is_token_ids(request.prompt) and not request.plain:
-            raise InvalidArgumentError("prompt: token ids are a plain prompt (plain=True, as completions send them)")
+        admission = self.engine.admission  # every check (fusion.admission), each before the work it bounds
+        admission.prompt(request.prompt, plain=request.plain)
         if request.request_id:
-            self._check_request_id(request.request_id)
+            admission.request_id(request.request_id)
         rule, weights = self.resolve_spec(request.spec)
         sampling = self.sampling(request.sampling, request.tenant)
-        for i, stop in enumerate(sampling.stop):
-            utf8_size(stop, f"stop[{i}]")
-        if self.cross is not None:
-            self._check_cross_sampling(sampling)
-        self.engine.check_sampling(sampling)
+        admission.sampling(sampling)
         prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
+        admission.prompt_ids(prompt_ids, rule, weights, sampling.max_tokens)
         generation = GenerationRequest(prompt_ids, sampling, rule, weights, tenant=request.tenant)
         if sampling.structured is not None:
             generation.grammar = self.grammars.matcher(sampling.structured)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
             generation.request_id = f"{request.request_id}/{new_request_id()}"
-        if self.cross is not None:
-            self._check_cross_prompts(prompt_ids, sampling.max_tokens, rule, weights)
-            return generation
-        return self.engine.admit(generation)
-
-    def _check_cross_sampling(self, sampling: SamplingParams) -> None:
-        """Token ids mean different strings across these experts' tokenizers: refuse fields made of ids."""
-        for name in ("logit_bias", "banned_token_ids", "stop_token_ids"):
-            if getattr(sampling, name):
-                raise InvalidArgumentError(f"{name}: token ids are not supported when the experts' tokenizers "
-                                           "differ (use stop strings)")
-        if sampling.logprobs:
-            raise InvalidArgumentError("logprobs: top alternatives are ids of one vocabulary, not available when "
-                                       "the experts' tokenizers differ")
-        if sampling.structured is not None:
-            raise InvalidArgumentError("structured: a grammar masks the ids of one vocabulary; not available when "
-                                       "the experts' tokenizers differ")
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if getattr(sampling, name) != (1.0 if name == "repetition_penalty" else 0.0):
-                raise InvalidArgumentError(f"{name}: penalties count token ids and are not supported when the "
-                                           "experts' tokenizers differ")
-
-    def _check_cross_prompts(self, prompt_ids: list[list[int]], max_tokens: int, rule: FusionRule,
-                             weights: list[float]) -> None:
-        limits = self.config.limits
-        for index, (name, prompt) in enumerate(zip(self.expert_names, prompt_ids)):
-            if not prompt:
-                raise InvalidArgumentError(f"prompt: the prompt for expert {name!r} is empty")
-            if len(prompt) > limits.max_prompt_tokens:
-                raise ResourceExhaustedError(f"prompt: {len(prompt)} tokens exceed "
-                                             f"max_prompt_tokens={limits.max_prompt_tokens}")
-            positions = self.engine.experts[index].info.max_positions
-            # a text piece is at most one id of each expert's: max_tokens pieces need at most that many ids
-            if positions and rule.uses_expert(index, weights) and len(prompt) + max_tokens + 1 > positions:
-                raise InvalidArgumentError(f"max_tokens: the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-                                           f"exceed expert {name!r}'s context of {positions} positions")
-
-    def _check_prompt(self, prompt: str | Sequence[Message] | Sequence[int]) -> None:
-        limits = self.config.limits
-        if not prompt:
-            raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
-        if is_token_ids(prompt):
-            if len(prompt) > limits.max_prompt_tokens:
-                raise ResourceExhaustedError(f"prompt: {len(prompt)} tokens exceed "
-                                             f"max_prompt_tokens={limits.max_prompt_tokens}")
-            return
-        if isinstance(prompt, str):
-            size = utf8_size(prompt, "prompt")
-        else:
-            if len(prompt) > limits.max_messages:
-                raise ResourceExhaustedError(f"messages: {len(prompt)} messages exceed max_messages={limits.max_messages}")
-            size = 0
-            for i, message in enumerate(prompt):
-                if not isinstance(message, Mapping) or not message.get("role"):
-                    raise InvalidArgumentError(f"messages[{i}].role: must not be empty")
-                if not isinstance(message.get("content", ""), str):
-                    raise InvalidArgumentError(f"messages[{i}].content: must be text")
-                size += (utf8_size(message["role"], f"messages[{i}].role")
-                         + utf8_size(message.get("content", ""), f"messages[{i}].content"))
-        if size > limits.max_prompt_bytes:
-            raise ResourceExhaustedError(f"prompt: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
-
-    def _check_request_id(self, request_id: str) -> None:
-        limit = self.config.limits.max_request_id_chars
-        if len(request_id) > limit:
-            raise InvalidArgumentError(f"request_id: {len(request_id)} characters exceed max_request_id_chars={limit}")
-        if not _REQUEST_ID.fullmatch(request_id):
-            raise InvalidArgumentError("request_id: may hold only letters, digits and . _ : @ / -")
+        return generation if self.cross is not None else self.engine.prepare(generation)
 
     # -- generation --------------------------------------------------------------------------------
     def _running_scheduler(self) -> Scheduler:
@@ -716,10 +376,10 @@ class FusionService:
         """Reserve the request's tokens on its tenant's quota (prompt + max_tokens, before any work;
         settled with what it used when it ends), then start it."""
         prompt_tokens = len(generation.prompt_ids[0])
-        settlement = _Settlement.reserve(request.tenant, prompt_tokens + generation.sampling.max_tokens, prompt_tokens)
+        settlement = Settlement.reserve(request.tenant, prompt_tokens + generation.sampling.max_tokens, prompt_tokens)
         try:
             if self.cross is not None:
-                return CrossRequestStream(self, generation, request.plain, settlement)
+                return CrossRequestStream(self.cross, self.expert_names, generation, request.plain, settlement)
             handle = self._running_scheduler().submit(generation)
         except BaseException:
             settlement.close()
@@ -758,22 +418,13 @@ class FusionService:
         The lm-evaluation-harness convention (`fusion.text.encode_pair`): the prompt's trailing
         whitespace moves to the continuation, prompt + continuation are encoded together and the
         tokens after the prompt's own encoding are scored; `ScoreResult.text` is the scored text."""
-        limits = self.config.limits
-        if not continuation:
-            raise InvalidArgumentError("continuation: must not be empty")
-        for name, text in (("prompt", prompt), ("continuation", continuation)):
-            size = utf8_size(text, name)
-            if size > limits.max_prompt_bytes:
-                raise ResourceExhaustedError(f"{name}: {size} bytes exceed max_prompt_bytes={limits.max_prompt_bytes}")
+        admission = self.engine.admission
+        admission.score_texts(prompt, continuation)
         rule, weights = self.resolve_spec(spec)
         if self.cross is not None:
             return self._score_text(prompt, continuation, rule, weights, tenant)
         prompt_ids, continuation_ids, scored = self.pair_ids(prompt, continuation)
-        if not continuation_ids:
-            raise InvalidArgumentError("continuation: encodes to no tokens after the prompt")
-        if len(continuation_ids) > limits.max_score_tokens:
-            raise ResourceExhaustedError(f"continuation: {len(continuation_ids)} tokens exceed "
-                                         f"max_score_tokens={limits.max_score_tokens}")
+        admission.score_tokens(continuation_ids)
         tokens = len(prompt_ids[0]) + len(continuation_ids)
         with self._reserved(tenant, tokens):
             logprobs = self.engine.score(prompt_ids, continuation_ids, rule, weights,
@@ -807,7 +458,7 @@ class FusionService:
     def _reserved(self, tenant: Tenant, tokens: int) -> Iterator[None]:
         """`tokens` held on the tenant's quota for the work within, then settled as used (work that
         failed half-way was still done)."""
-        settlement = _Settlement.reserve(tenant, tokens, tokens)
+        settlement = Settlement.reserve(tenant, tokens, tokens)
         try:
             yield
         finally:
@@ -817,9 +468,7 @@ class FusionService:
                     tenant: Tenant = LOCAL) -> ScoreResult:
         """Experts of different tokenizers: the continuation's text pieces after the plain prompt, whose
         last id is held back so that it may merge with the continuation as each expert would spell it."""
-        if len(continuation.encode("utf-8")) > self.config.limits.max_score_tokens * 8:
-            raise ResourceExhaustedError(f"continuation: more than {self.config.limits.max_score_tokens * 8} bytes "
-                                         f"(8 x max_score_tokens={self.config.limits.max_score_tokens})")
+        self.engine.admission.score_text_bytes(continuation)
         prompt_ids = [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
         with self._reserved(tenant, len(prompt_ids[0]) + len(continuation.encode("utf-8"))):
             scored = run_on_compute_thread(score_text, self.cross, prompt_ids, continuation.encode("utf-8"),
@@ -875,18 +524,10 @@ class FusionService:
         and vLLM's `prompt_logprobs` return, and what lm-evaluation-harness's `local-completions` reads
         for log-likelihood tasks. `prompt`: text (encoded as a completion's prompt is) or token ids of
         the experts' shared vocabulary. Scored like `score`, in chunks between decode steps."""
-        limits = self.config.limits
-        if self.cross is not None:
-            raise InvalidArgumentError("prompt logprobs: token log-probabilities need experts of one tokenizer")
-        self._check_prompt(prompt)
+        admission = self.engine.admission
+        admission.prompt_logprobs(prompt, top)
         ids = self.prompt_ids(prompt, plain=True)[0]
-        if len(ids) > limits.max_prompt_tokens:
-            raise ResourceExhaustedError(f"prompt: {len(ids)} tokens exceed max_prompt_tokens={limits.max_prompt_tokens}")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise InvalidArgumentError(f"prompt: token ids out of range [0, {self.engine.vocab_size}): {bad[:5]}")
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise InvalidArgumentError(f"logprobs: {top} alternatives; at most {MAX_LOGPROBS}")
+        admission.prompt_tokens(ids)
         if len(ids) < 2:
             return PromptLogprobs(ids, [None] * len(ids), [None] * len(ids), [None] * len(ids))
         rule, weights = self.resolve_spec(None)
@@ -929,7 +570,7 @@ class FusionService:
         )
 
 
-__all__ = [
-    "FusionService", "FusionRequest", "RequestStream", "TextEvent", "Usage", "ScoreResult", "Completion",
-    "ServiceDescription", "ExpertDescription", "ExpertAttribution", "AUTO_ROUTER",
+__all__ = [  # the front door and the types it takes and gives (defined in fusion.service_types)
+    "FusionService", "FusionRequest", "RequestStream", "CrossRequestStream", "TextEvent", "Usage", "ScoreResult",
+    "Completion", "PromptLogprobs", "ServiceDescription", "ExpertDescription", "ExpertAttribution", "AUTO_ROUTER",
 ]

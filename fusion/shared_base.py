@@ -26,7 +26,8 @@ import torch
 from fusion.compute import run_on_compute_thread
 from fusion.config import ExpertConfig
 from fusion.errors import InvalidArgumentError
-from fusion.expert import Expert, ExpertInfo, LocalExpert, StepRequest, codes_folder, load_model_and_tokenizer
+from fusion.expert import Expert, ExpertInfo, LocalExpert, StepRequest
+from fusion.expert_loading import codes_folder, load_model_and_tokenizer
 from fusion.fast_decode import FastDecoder, configure_compile_cache
 from fusion.multi_lora import BASE, MultiAdapter, load_lora
 

@@ -7,8 +7,9 @@ over the config's defaults, admits it off the event loop, streams text events fr
 batching, and frees the request's sessions on every expert when the client's stream ends, is
 cancelled or expires. The service's step observer feeds the Prometheus metrics.
 
-With an HTTP address the same process also serves the OpenAI-compatible HTTP API
-(`services.http_server`) over the same service, metrics and API key gate; both servers stop together.
+With an HTTP address the same process also serves the OpenAI-compatible HTTP API (`services.http_api`,
+served by `services.http_server`) over the same service, metrics and API key gate; both servers stop
+together.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from grpc_health.v1 import health_pb2
 
 from fusion.config import FusionConfig
 from fusion.errors import ConfigError
-from fusion.expert import Expert, load_tokenizer, tokenizer_fingerprint
+from fusion.expert import Expert
+from fusion.expert_loading import load_tokenizer, tokenizer_fingerprint
 from fusion.shared_base import load_local_experts
 from fusion.service import FusionService, TextEvent
-from services.http_server import HttpApi, start_http_server
+from services.http_api import HttpApi
+from services.http_server import start_http_server
 from services.metrics import CoordinatorMetrics
 from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
 from services.remote_expert import RemoteExpert

@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
-# Checked in order: the first matching class wins (ConfigError and InvalidArgumentError are ValueErrors).
+# Checked in order: the first matching class wins. Only domain errors map to a client's fault: every check
+# raises one naming the field (fusion.admission), so any other exception, a ValueError included, is a bug
+# and answers INTERNAL with the details in the server's log.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -41,7 +43,6 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ExpertUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (ExpertOutputError, grpc.StatusCode.INTERNAL),
     (SessionReleasedError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 ERROR_BY_STATUS: dict[grpc.StatusCode, type[FusionError]] = {
@@ -64,7 +65,6 @@ HTTP_STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (ResourceExhaustedError, 400),
     (ExpertUnavailableError, 503),
     (ExpertOutputError, 500),
-    (ValueError, 400),
 )
 
 

@@ -1,4 +1,4 @@
-"""Cross-tokenizer fusion (fusion.crosstok, Expert.extend) on tiny models over two
+"""Cross-tokenizer fusion (fusion.crosstok, fusion.crosstok_decode) on tiny models over two
 different byte-level BPE vocabularies, against plain reference computations."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fusion.config import ExpertConfig, SamplingParams, parse_config
-from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, _Row, decode, score_text
+from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, _Row
+from fusion.crosstok_decode import decode, score_text
 from fusion.errors import InvalidArgumentError
 from fusion.expert import ExpertInfo, LocalExpert
-from fusion.kv_cache import new_cache
 from fusion.rules import Mixture, WeightedLogits
 from fusion.service import FusionRequest, FusionService
 from fusion.spelling import Spelling
@@ -46,123 +46,13 @@ def spelling_of(expert):
     return Spelling.from_tokenizer(expert.tokenizer, expert.info.eos_token_ids)
 
 
-# -- Expert.extend --------------------------------------------------------------------------------
 def plain_last_logits(expert, ids):
+    """The next-token logits after `ids` from the expert's model alone, uncached."""
     with torch.no_grad():
         return expert.model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def test_extend_matches_plain_forwards_and_adopts_looked_ahead_ids(xdir):
-    expert = load(xdir["a"])
-    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
-    extensions = [[], [5], [17, 9], [40]]
-    out = expert.extend("s", history, extensions)
-    for row, ext in zip(out, extensions):
-        torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
-    # the next history is the last one plus a looked-ahead id: adopted, not recomputed, and still right
-    expert.extend("s", history, [[], [5], [40]])
-    before, fast_steps = expert.cache.misses, expert.fast_decode_steps
-    again = expert.extend("s", history + [40], [[], [3]])
-    assert expert.cache.misses - before == 1  # only the new extension's id was computed
-    assert expert.fast_decode_steps == fast_steps + 1  # one-id extensions: the expert's fast decode step
-    torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(again[1], plain_last_logits(expert, history + [40, 3]), rtol=1e-4, atol=1e-4)
-    with pytest.raises(InvalidArgumentError, match="extensions"):
-        expert.extend("s", history, [])
-    expert.release(["s"])
-
-
-def test_one_id_lookahead_reads_the_session_cache_in_place_and_adopts_by_appending(xdir):
-    """One-id extensions run as rows of one fast step over the session's own columns: nothing is copied
-    or written until one is adopted, which appends its column to the session's buffers."""
-    expert = load(xdir["a"])
-    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
-    expert.extend("s", history, [[]])
-    layers = expert.cache.get("s").kv.layers
-    buffers = [(layer._key_buffer.data_ptr(), layer._value_buffer.data_ptr()) for layer in layers]
-    snapshot = [layer.keys.clone() for layer in layers]
-    extensions = [[5], [40], [7], [3]]
-    out = expert.extend("s", history, extensions)
-    for row, ext in zip(out, extensions):
-        torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
-    assert all(layer.get_seq_length() == len(history) for layer in layers)  # nothing appended yet
-    assert all(torch.equal(layer.keys, kept) for layer, kept in zip(layers, snapshot))
-    before = expert.cache.misses
-    again = expert.extend("s", history + [40], [[], [3]])
-    assert expert.cache.misses - before == 1  # [40] adopted; only [3] computed
-    assert expert.cache.get("s").kv.layers == layers  # the same layers, one column longer, same buffers
-    assert [(layer._key_buffer.data_ptr(), layer._value_buffer.data_ptr()) for layer in layers] == buffers
-    assert all(layer.get_seq_length() == len(history) + 1 for layer in layers)
-    torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(again[1], plain_last_logits(expert, history + [40, 3]), rtol=1e-4, atol=1e-4)
-    expert.release(["s"])
-
-
-def test_extend_adopts_multi_id_padded_and_earlier_calls_extensions(xdir):
-    expert = load(xdir["a"])
-    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
-    for committed in ([17, 9], [5]):  # the full-width row, and a row right-padded by one column
-        expert.extend("s", history, [[], [5], [17, 9], [40]])
-        before = expert.cache.misses
-        again = expert.extend("s", history + committed, [[], [3]])
-        assert expert.cache.misses - before == 1  # only the new extension's id was computed
-        torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
-                                   rtol=1e-4, atol=1e-4)
-    expert.release(["s"])
-    # a second call on the same history keeps the first call's rows adoptable
-    expert.extend("s", history, [[], [5], [40]])
-    expert.extend("s", history, [[], [17, 9]])
-    before = expert.cache.misses
-    again = expert.extend("s", history + [40], [[]])
-    assert expert.cache.misses == before
-    torch.testing.assert_close(again[0], plain_last_logits(expert, history + [40]), rtol=1e-4, atol=1e-4)
-    expert.release(["s"])
-
-
-def test_extend_shares_rows_between_an_extension_and_its_prefixes(xdir):
-    expert = load(xdir["a"])
-    history = expert.tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
-    extensions = [[17, 9, 3], [], [5], [17], [17, 9], [5]]
-    for committed in ([17], [17, 9], [5]):
-        expert.extend("s", history, [[]])  # the history itself first
-        before = expert.cache.misses
-        out = expert.extend("s", history, extensions)
-        assert expert.cache.misses - before == 4  # rows [17, 9, 3] and [5]: the prefixes share the first
-        for row, ext in zip(out, extensions):
-            torch.testing.assert_close(row, plain_last_logits(expert, history + ext), rtol=1e-4, atol=1e-4)
-        before = expert.cache.misses
-        again = expert.extend("s", history + committed, [[], [3]])
-        assert expert.cache.misses - before == 1  # adopted: the shared row cut after the committed ids
-        torch.testing.assert_close(again[0], plain_last_logits(expert, history + committed), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(again[1], plain_last_logits(expert, history + committed + [3]),
-                                   rtol=1e-4, atol=1e-4)
-        expert.release(["s"])
-
-
-def test_extend_on_sliding_window_layers_adopts_padded_rows_only_inside_the_window(xdir, tmp_path):
-    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(xdir["a"])
-    torch.manual_seed(3)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, sliding_window=8, tie_word_embeddings=False))
-    model.save_pretrained(tmp_path / "w")
-    tokenizer.save_pretrained(tmp_path / "w")
-    expert = load(tmp_path / "w")
-    assert not all(type(layer).__name__ == "GrowingLayer" for layer in new_cache(expert.model.config).layers)
-    for length, adopted in ((4, True), (12, False)):  # inside the window; past it (padding not droppable)
-        history = list(range(10, 10 + length))
-        expert.extend("s", history, [[], [5], [17, 9]])
-        before = expert.cache.misses
-        again = expert.extend("s", history + [5], [[], [3]])
-        assert expert.cache.misses - before == (1 if adopted else 2)
-        torch.testing.assert_close(again[0], plain_last_logits(expert, history + [5]), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(again[1], plain_last_logits(expert, history + [5, 3]), rtol=1e-4, atol=1e-4)
-        expert.release(["s"])
-
-
+# -- one step's rows and events -------------------------------------------------------------------
 def test_rows_answer_prefix_queries_as_a_full_cumulative_sum_does(xdir):
     """`_Row.batch` (all rows per op, one thread, each indexed over its span only) against the plain
     computation: one full cumulative sum over each row's ids sorted by bytes."""

@@ -150,37 +150,6 @@ def test_self_fusion_equals_generate(tiny_dir):
     service.close()
 
 
-def test_prefix_reuse_matches_fresh_prefill(tiny_service):
-    expert = tiny_service.engine.experts[1]
-    ids = list(range(20, 60))
-    fresh = expert.step([StepRequest("fresh", ids)])
-    expert.step([StepRequest("cached", ids[:25])])
-    extended = expert.step([StepRequest("cached", ids)])  # only ids[25:] computed
-    torch.testing.assert_close(extended, fresh, rtol=1e-5, atol=1e-5)
-    branch = ids[:18] + [7, 7, 7]
-    diverged = expert.step([StepRequest("cached", branch)])  # crop to 18, recompute the rest
-    torch.testing.assert_close(diverged, expert.step([StepRequest("fresh2", branch)]), rtol=1e-5, atol=1e-5)
-    same = expert.step([StepRequest("cached", branch)])  # identical history: recompute the last id only
-    torch.testing.assert_close(same, diverged, rtol=1e-5, atol=1e-5)
-    expert.release(["fresh", "cached", "fresh2"])
-    assert len(expert.cache) == 0
-
-
-def test_lru_eviction_under_budget(tiny_dir):
-    config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32",
-                                        "max_cached_tokens": 30}]})
-    expert = LocalExpert.load(config.experts[0])
-    expert.step([StepRequest("s1", list(range(1, 15)))])
-    expert.step([StepRequest("s2", list(range(1, 15)))])
-    assert expert.cache.sessions() == ["s1", "s2"]
-    expert.step([StepRequest("s3", list(range(1, 15)))])  # 42 cached tokens > 30: s1 goes
-    assert expert.cache.sessions() == ["s2", "s3"]
-    assert expert.cache.evictions == 1
-    # An evicted session costs a re-prefill, never a wrong answer.
-    again = expert.step([StepRequest("s1", list(range(1, 16)))])
-    torch.testing.assert_close(again, expert.step([StepRequest("fresh", list(range(1, 16)))]))
-
-
 def test_batched_generation_equals_one_by_one(tiny_service):
     """Rows in one batch (greedy and seeded sampling, different prompt lengths) match their solo runs."""
     rule, weights = tiny_service.resolve_spec(FusionSpec(rule="mixture"))
@@ -296,7 +265,7 @@ def test_weights_that_do_not_fit_the_rule(tiny_service):
         tiny_service.resolve_spec(FusionSpec(rule="logit_arithmetic", weights={"a": -1, "b": 1}))
     rule = make_rule("mixture", {}, ["a", "b", "c"])
     with pytest.raises(InvalidArgumentError, match="needs 3 weights"):
-        tiny_service.engine.validate(GenerationRequest([[1]] * 3, SamplingParams(), rule, [1.0]))
+        tiny_service.engine.admission.generation(GenerationRequest([[1]] * 3, SamplingParams(), rule, [1.0]))
 
 
 def test_empty_experts_and_mismatched_tokenizers(tiny_dir):
@@ -389,29 +358,6 @@ def test_a_masked_token_is_not_refused(tiny_service):
     engine.close()
 
 
-def test_batched_decode_matches_one_by_one(tiny_dir):
-    """Sessions of different lengths, joining at different steps, decoded in one batched forward,
-    give the logits of unbatched steps."""
-    config = parse_config({"experts": [{"name": "c", "model": str(tiny_dir / "c"), "dtype": "float32"}]})
-    batched = LocalExpert.load(config.experts[0])
-    single = LocalExpert(config.experts[0], batched.model, batched.tokenizer, max_decode_batch=1)
-    histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9, 10, 11, 12]}
-    joins = {"s1": 0, "s2": 0, "s3": 2}  # s3 joins at step 2, its prefill beside the others' decode
-    batch_sizes = []
-    decode_batch = batched._decode_batch
-    batched._decode_batch = lambda entries, hist, sessions: batch_sizes.append(len(entries)) or decode_batch(entries, hist, sessions)
-    for step in range(6):
-        active = [s for s in histories if joins[s] <= step]
-        requests = [StepRequest(s, histories[s]) for s in active]
-        got = batched.step(requests)
-        expected = torch.stack([single.step([r])[0] for r in requests])
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        for s, row in zip(active, got):
-            histories[s] = histories[s] + [int(row[:300].argmax())]
-    assert batch_sizes == [2, 2, 3, 3, 3]  # the batched path really ran; the late joiner batches from step 3
-    assert len(batched.cache) == 3
-
-
 def _run_with_joins(engine, requests, joins):
     """Step one DecodeBatch, adding request i at step joins[i]; returns each request's token ids, and
     the prompt tokens the experts computed at each step (cache misses)."""
@@ -455,28 +401,6 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_dir, sampling):
     assert max(max(c) for c in whole_computed) >= 61  # the whole 61-id prompt in one step
     assert max(max(c) for c in chunked_computed) <= 7 + len(prompts)  # one chunk + one id per running row
     assert len(chunked_computed) > len(whole_computed)  # the prompts took several steps
-
-
-
-def test_batched_prefill_matches_one_by_one(tiny_dir):
-    """New prompts of different lengths prefilled in one left-padded forward give the logits of
-    separate prefills, and their caches then decode like separately built ones."""
-    config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32"}]})
-    batched = LocalExpert.load(config.experts[0])
-    single = LocalExpert(config.experts[0], batched.model, batched.tokenizer, max_decode_batch=1)
-    histories = {"s1": [5, 17, 42], "s2": list(range(30, 60)), "s3": [8, 9, 10, 11, 12], "s4": [7]}
-    calls = []
-    prefill = batched._prefill_batch
-    batched._prefill_batch = lambda entries, hist, sessions: calls.append(len(entries)) or prefill(entries, hist, sessions)
-    for step in range(4):
-        requests = [StepRequest(s, h) for s, h in histories.items()]
-        got = batched.step(requests)
-        expected = torch.stack([single.step([r])[0] for r in requests])
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        for s, row in zip(histories, got):
-            histories[s] = histories[s] + [int(row[:300].argmax())]
-    assert calls == [4]  # one batched prefill, then batched decoding
-    assert batched.cache.cached_tokens == single.cache.cached_tokens
 
 
 # -- the decode step against mock experts (fixed logits) -----------------------------------------

@@ -4,7 +4,7 @@ A slow or black-holed replica costs one decode deadline and moves only the sessi
 timed out; a replica is marked down only when it is unreachable, fails a health check or fails
 repeatedly; an expert server drops steps whose caller gave up, never recomputes a released session,
 refuses work past its limits naming the limit, and keeps answering Info and health while its worker
-is busy; a Score too large for one message comes back in chunks equal to the local score.
+is busy. What a remote expert answers when its replicas are well is tests/test_remote_expert.py's subject.
 
 "Busy" and "hung" replicas are real ones whose only worker thread is kept on a job (a wait on an
 event) until the test lets it go: the calls queue behind it exactly as behind a long forward.
@@ -28,7 +28,7 @@ from services.client import FusionClient
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.remote_expert import MESSAGE_MARGIN_BYTES, RemoteExpert
+from services.remote_expert import RemoteExpert
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
 
@@ -412,28 +412,6 @@ def test_info_and_health_answer_while_a_long_score_runs(start):
         busy.go()
         assert list(score.result().logits.shape) == [4, server.servicer.expert.info.vocab_size]
         assert server.servicer.worker_busy_s() == 0
-
-
-# -- chunked scores -----------------------------------------------------------------------------------
-def test_a_remote_score_too_large_for_one_message_comes_in_chunks(start, tiny_config, reference):
-    server, port = start()
-    vocab = reference.info.vocab_size
-    config = tiny_config.expert("a").model_copy(update={"addresses": [addr(port)]})
-    remote = RemoteExpert(config, max_message_bytes=MESSAGE_MARGIN_BYTES + 3 * 4 * vocab + 100)
-    try:
-        assert remote.score_rows_per_call() == 3
-        token_ids = [(7 * k + 3) % vocab for k in range(40)]
-        computed = server.servicer.expert.cache.misses
-        got = remote.score("long", token_ids, 11)  # 4 calls: 3 + 3 + 3 + 2 positions
-        local = reference.score("long", token_ids, 11)
-        reference.release(["long"])
-        assert got.shape == (11, vocab)
-        assert torch.allclose(got, local, atol=1e-4)
-        # The replica kept the session between chunks: each id was computed once.
-        assert server.servicer.expert.cache.misses - computed == len(token_ids) - 1
-        assert torch.allclose(remote.score("short", token_ids, 2), reference.score("short", token_ids, 2), atol=1e-4)
-    finally:
-        remote.close()
 
 
 def test_released_sessions_are_remembered_within_a_bound():

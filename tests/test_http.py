@@ -28,7 +28,7 @@ from fusion.service import FusionRequest  # noqa: E402
 from services.client import FusionClient  # noqa: E402
 from services.coordinator import create_coordinator_server  # noqa: E402
 from services.expert_server import create_expert_server  # noqa: E402
-from services.openai_wire import token_string  # noqa: E402
+from services.openai_responses import token_string  # noqa: E402
 from services.api_keys import create_key  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
 from tests.test_grpc import addr, expert_sessions, experts, wait_until  # noqa: E402,F401 (experts: a fixture)

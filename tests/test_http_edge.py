@@ -1,4 +1,4 @@
-"""The HTTP API's edge (`services/http_edge.py` and the body handling of `services/http_server.py`):
+"""The HTTP API's edge (`services/http_edge.py` and the body handling of `services/http_api.py`):
 bounded connections, header and body timeouts, hostile bodies and bounded metric labels, against a
 real coordinator on loopback ports (in-process tiny experts) with raw sockets and the `openai` client."""
 
@@ -270,8 +270,7 @@ def test_tokens_holding_part_of_a_character_keep_their_own_bytes(server):
     """Byte-level BPE has a token for each byte: alone, a byte of a multi-byte character is no text.
     Its logprob entries show its own bytes (`bytes:\\xNN`), distinct from every other such token, never
     U+FFFD; whole characters stay text, and offsets count decoded characters."""
-    from services.openai_wire import completion_logprobs, token_string
-    from services.http_server import utf8_decoder
+    from services.openai_responses import completion_logprobs, token_string, utf8_decoder
     from fusion.engine import TokenEvent
 
     service = server.servicer.service

@@ -112,7 +112,7 @@ def test_cohort_steps_in_place_and_rebuilds_when_its_sessions_change(tiny_dir, m
     """A batched step of the same sessions reuses the batch buffers (in any request order); sessions
     joining, leaving, diverging, scored alone or outgrowing the buffers make it rebuild. Every step's
     logits equal a plain uncached forward of each whole history."""
-    import fusion.expert as expert_module
+    import fusion.expert_batching as batching_module
 
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 3)  # the batch outgrows its buffers every few steps
     built = []
@@ -122,7 +122,7 @@ def test_cohort_steps_in_place_and_rebuilds_when_its_sessions_change(tiny_dir, m
             built.append(len(caches))
             super().__init__(caches, spare)
 
-    monkeypatch.setattr(expert_module, "Cohort", CountingCohort)
+    monkeypatch.setattr(batching_module, "Cohort", CountingCohort)
     config = parse_config({"experts": [{"name": "a", "model": str(tiny_dir / "a"), "dtype": "float32"}]})
     expert = LocalExpert.load(config.experts[0])
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 50)), "s3": [8, 9, 10, 11]}

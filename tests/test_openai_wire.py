@@ -1,6 +1,7 @@
-"""`services/openai_wire.py` on its own: request bodies become plans (one service request per choice) with
-the fields mapped as the service names them, and the answers' pieces take OpenAI's shapes. Pure
-functions: no server here (tests/test_http.py runs them through a real one)."""
+"""`services/openai_wire.py` and the modules it plans with (`openai_requests`, `openai_tools`), and
+`services/openai_responses.py`, on their own: request bodies become plans (one service request per
+choice) with the fields mapped as the service names them, and the answers' pieces take OpenAI's shapes.
+Pure functions: no server here (tests/test_http.py runs them through a real one)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import json
 import pytest
 
 from fusion.service import PromptLogprobs
-from services.openai_wire import ApiError, plan_request, tool_call_of, vllm_prompt_logprobs
+from services.openai_errors import ApiError
+from services.openai_responses import vllm_prompt_logprobs
+from services.openai_tools import tool_call_of
+from services.openai_wire import plan_request
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from services.http_server import PLAYGROUND_DIR
+from services.http_api import PLAYGROUND_DIR
 from services.api_keys import create_key
 from tests.helpers import wait_until
 from tests.test_grpc import addr, expert_sessions

@@ -281,7 +281,7 @@ def test_make_rule_builds_the_named_rule_with_its_parameters():
     ("logit_arithmetic", {"beta": 1}, NAMES, "fusion.params: .*beta"),  # a TypeError from the signature
     ("logit_arithmetic", {"alpha": 3}, NAMES, "fusion.params: rule 'logit_arithmetic': alpha must be in"),
     ("single", {"expert": "z"}, NAMES, "fusion.params: rule 'single': expert must name an expert"),
-    ("route", {}, NAMES, "fusion.params: rule 'route' needs params.router"),
+    ("route", {}, NAMES, "fusion.params.router: rule 'route' needs a router"),
 ])
 def test_make_rule_refusals_are_invalid_argument_errors_naming_the_field(name, params, experts, match):
     with pytest.raises(InvalidArgumentError, match=match):

@@ -101,7 +101,7 @@ def test_prompt_or_messages():
     (NotFoundError("x"), grpc.StatusCode.NOT_FOUND),
     (InvalidArgumentError("x"), grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError("x"), grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("x"), grpc.StatusCode.INTERNAL),  # not a domain error: a bug, not the client's fault
     (ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ExpertUnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
     (ExpertOutputError("x"), grpc.StatusCode.INTERNAL),

@@ -148,7 +148,7 @@ def cross_step_rounds(service: FusionService, steps: int, rounds: int) -> list[d
 
 
 def _cross_step_rounds(service: FusionService, steps: int, rounds: int) -> list[dict[str, float]]:
-    from fusion.crosstok import decode
+    from fusion.crosstok_decode import decode
 
     rule, weights = service.resolve_spec(None)
     experts = [e for e in service.engine.experts if isinstance(e, LocalExpert)]

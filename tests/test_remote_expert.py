@@ -1,0 +1,229 @@
+"""`services/remote_expert.py` on its own: the Expert protocol over gRPC, against the local expert it
+serves. Real expert servers on loopback ports, tiny experts: whatever a remote expert answers (step,
+score, extend, its description) must be what the same expert answers in process, however the work is
+split into calls, whichever replica holds a session and whatever dtype the logits travel in.
+
+How a remote expert survives a slow, hung or lost replica is tests/test_failover.py's subject.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from fusion.config import Limits
+from fusion.errors import ConfigError, ExpertUnavailableError, InvalidArgumentError, ResourceExhaustedError
+from fusion.expert import LocalExpert, StepRequest
+from services.expert_server import create_expert_server
+from services.remote_expert import MESSAGE_MARGIN_BYTES, RemoteExpert
+from tests.helpers import wait_until
+
+HISTORY = [5, 17, 42, 99, 3, 250, 8, 61]
+ATOL = 1e-4  # a batched forward on the replica may round differently from a lone one here
+
+
+def addr(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def start(loop, tiny_config):
+    """start(limits=None) -> (server, port): a fresh server of expert a, stopped after the test."""
+    started = []
+
+    def run(limits: Limits | None = None):
+        server, port = loop.run(create_expert_server(LocalExpert.load(tiny_config.expert("a")),
+                                                     limits or tiny_config.limits))
+        started.append(server)
+        return server, port
+
+    yield run
+    for server in started:
+        loop.run(server.stop(0))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_config):
+    """Expert a in process: what every remote answer is compared with."""
+    return LocalExpert.load(tiny_config.expert("a"))
+
+
+@pytest.fixture
+def remote(tiny_config):
+    """remote(ports, **options) -> a RemoteExpert of expert a over those replicas, closed after the test."""
+    opened = []
+
+    def make(ports, config_fields=None, **options) -> RemoteExpert:
+        config = tiny_config.expert("a").model_copy(update={"addresses": [addr(p) for p in ports],
+                                                            **(config_fields or {})})
+        expert = RemoteExpert(config, **options)
+        opened.append(expert)
+        return expert
+
+    yield make
+    for expert in opened:
+        expert.close()
+
+
+def local_step(reference: LocalExpert, history: list[int]) -> torch.Tensor:
+    """The in-process logits after `history`, in a session of its own (released at once)."""
+    session = f"reference-{time.monotonic_ns()}"
+    try:
+        return reference.step([StepRequest(session, history)])[0]
+    finally:
+        reference.release([session])
+
+
+def cached(server) -> set[str]:
+    """The sessions a replica holds now."""
+    return set(server.servicer.expert.cache.sessions())
+
+
+# -- the expert contract, against the local expert -------------------------------------------------------
+def test_step_logits_equal_the_local_experts_for_the_same_ids(start, remote, reference):
+    _, port = start()
+    expert = remote([port])
+    histories = {"s0": HISTORY, "s1": HISTORY[:3], "s2": [7] * 20}
+    for _ in range(3):  # the prompts, then two decode steps on the replica's cached sessions
+        logits = expert.step([StepRequest(s, h) for s, h in histories.items()])
+        assert logits.shape == (3, reference.info.vocab_size) and logits.dtype == torch.float32
+        for row, history in zip(logits, histories.values()):
+            assert torch.allclose(row, local_step(reference, history), atol=ATOL)
+        histories = {s: h + [int(row.argmax())] for (s, h), row in zip(histories.items(), logits)}
+    assert expert.step([]).shape == (0, reference.info.vocab_size)
+
+
+def test_score_and_extend_equal_the_local_experts(start, remote, reference):
+    _, port = start()
+    expert = remote([port])
+    ids = [(11 * k + 2) % reference.info.vocab_size for k in range(24)]
+    try:
+        assert torch.allclose(expert.score("score", ids, 9), reference.score("score", ids, 9), atol=ATOL)
+        extensions = [[], [5], [17, 9], [40, 41, 42]]
+        got = expert.extend("extend", ids, extensions)
+        assert got.shape == (len(extensions), reference.info.vocab_size)
+        assert torch.allclose(got, reference.extend("extend", ids, extensions), atol=ATOL)
+    finally:
+        reference.release(["score", "extend"])
+
+
+def test_a_bad_request_raises_what_the_local_expert_raises(start, remote, reference):
+    _, port = start()
+    expert = remote([port])
+    with pytest.raises(InvalidArgumentError, match="num_positions"):
+        reference.score("bad", HISTORY, len(HISTORY))
+    with pytest.raises(InvalidArgumentError, match="num_positions") as caught:
+        expert.score("bad", HISTORY, len(HISTORY))
+    assert "'a'" in str(caught.value)  # names the expert (and its replica)
+    assert not expert._replicas[0].down and expert.failed_calls == 0  # the caller's fault, not the replica's
+
+
+def test_the_description_is_the_replicas_under_the_configs_name(start, remote, reference):
+    _, port = start()
+    expert = remote([port], config_fields={"name": "renamed"})
+    ours, theirs = expert.info, reference.info
+    assert ours.name == "renamed" and expert.name == "renamed" and expert.replica_info.name == "a"
+    for field in ("vocab_size", "tokenizer_size", "tokenizer_fingerprint", "eos_token_ids", "dtype", "max_positions"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.device == "cpu"  # logits land on this machine's CPU
+    assert expert.describe().device == theirs.device  # where the replicas compute
+    assert expert.addresses == [addr(port)]
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_logits_sent_in_a_narrower_dtype_are_the_local_ones_rounded(start, remote, reference, wire):
+    _, port = start()
+    expert = remote([port], wire_dtype=wire)
+    got = expert.step([StepRequest("narrow", HISTORY)])[0]
+    narrow = getattr(torch, wire)
+    assert got.dtype == torch.float32 and torch.equal(got, got.to(narrow).float())  # exactly representable
+    assert torch.allclose(got, local_step(reference, HISTORY).to(narrow).float(), rtol=2 ** -7, atol=ATOL)
+
+
+# -- calls and replicas ------------------------------------------------------------------------------------
+def test_a_step_is_split_into_calls_the_replica_accepts(start, remote, reference):
+    _, port = start(Limits(max_sessions_per_step=2))
+    histories = [HISTORY + [i] for i in range(5)]
+    with pytest.raises(ResourceExhaustedError, match="max_sessions_per_step"):
+        remote([port]).step([StepRequest(f"whole-{i}", h) for i, h in enumerate(histories)])
+    split = remote([port], max_sessions_per_call=2)
+    logits = split.step([StepRequest(f"split-{i}", h) for i, h in enumerate(histories)])
+    for row, history in zip(logits, histories):  # each row back in its request's place
+        assert torch.allclose(row, local_step(reference, history), atol=ATOL)
+
+
+def test_sessions_stick_to_their_replica_and_new_ones_go_to_the_least_loaded(start, remote, reference):
+    (first, first_port), (second, second_port) = start(), start()
+    expert = remote([first_port, second_port])
+    for i in range(4):
+        expert.step([StepRequest(f"s{i}", HISTORY + [i])])
+    assert cached(first) == {"s0", "s2"} and cached(second) == {"s1", "s3"}
+    computed = first.servicer.expert.cache.misses
+    logits = expert.step([StepRequest("s0", HISTORY + [0, 9])])  # a decode step where s0's cache is
+    assert first.servicer.expert.cache.misses - computed == 1  # only the new id was computed
+    assert cached(second) == {"s1", "s3"}
+    assert torch.allclose(logits[0], local_step(reference, HISTORY + [0, 9]), atol=ATOL)
+    assert expert.failovers == 0 and expert.failed_calls == 0
+
+
+def test_release_frees_the_sessions_on_their_replicas(start, remote):
+    (first, first_port), (second, second_port) = start(), start()
+    expert = remote([first_port, second_port])
+    for i in range(4):
+        expert.step([StepRequest(f"s{i}", HISTORY)])
+    expert.release(["s0", "s1", "s2"])
+    wait_until(lambda: cached(first) == set() and cached(second) == {"s3"}, timeout_s=10,
+               message="the released sessions freed on both replicas")
+    assert expert._pinned == {"s3": 1}
+
+
+def test_a_changed_replica_set_moves_sessions_to_the_replicas_now_listed(start, remote, reference):
+    (old, old_port), (new, new_port) = start(), start()
+    expert = remote([old_port])
+    expert.step([StepRequest("moved", HISTORY)])
+    assert cached(old) == {"moved"}
+    expert.set_addresses([addr(new_port)])
+    assert expert.addresses == [addr(new_port)]
+    logits = expert.step([StepRequest("moved", HISTORY + [3]), StepRequest("new", HISTORY)])
+    assert torch.allclose(logits[0], local_step(reference, HISTORY + [3]), atol=ATOL)  # re-prefilled there
+    assert torch.allclose(logits[1], local_step(reference, HISTORY), atol=ATOL)
+    assert cached(new) == {"moved", "new"} and expert.failovers == 1
+    expert.set_addresses([])  # an empty list keeps the last known replicas
+    assert expert.addresses == [addr(new_port)]
+    expert.release(["moved", "new"])  # also on the retired replica, which still caches the session
+    wait_until(lambda: cached(old) == set() and cached(new) == set(), timeout_s=10,
+               message="the moved session freed on the retired replica too")
+
+
+def test_a_remote_score_too_large_for_one_message_comes_in_chunks(start, tiny_config, reference):
+    server, port = start()
+    vocab = reference.info.vocab_size
+    config = tiny_config.expert("a").model_copy(update={"addresses": [addr(port)]})
+    remote = RemoteExpert(config, max_message_bytes=MESSAGE_MARGIN_BYTES + 3 * 4 * vocab + 100)
+    try:
+        assert remote.score_rows_per_call() == 3
+        token_ids = [(7 * k + 3) % vocab for k in range(40)]
+        computed = server.servicer.expert.cache.misses
+        got = remote.score("long", token_ids, 11)  # 4 calls: 3 + 3 + 3 + 2 positions
+        local = reference.score("long", token_ids, 11)
+        reference.release(["long"])
+        assert got.shape == (11, vocab)
+        assert torch.allclose(got, local, atol=1e-4)
+        # The replica kept the session between chunks: each id was computed once.
+        assert server.servicer.expert.cache.misses - computed == len(token_ids) - 1
+        assert torch.allclose(remote.score("short", token_ids, 2), reference.score("short", token_ids, 2), atol=1e-4)
+    finally:
+        remote.close()
+
+
+# -- construction ------------------------------------------------------------------------------------------
+def test_an_expert_without_a_reachable_replica_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match="addresses"):
+        RemoteExpert(tiny_config.expert("a").model_copy(update={"addresses": []}))
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        gone = closed.getsockname()[1]
+    with pytest.raises(ExpertUnavailableError, match="expert 'a': no replica answered Info"):
+        RemoteExpert(tiny_config.expert("a").model_copy(update={"addresses": [addr(gone)]}))

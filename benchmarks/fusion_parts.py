@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fusion import engine as engine_module
+from fusion import decode_batch as decode_batch_module
 from fusion import router as router_module
-from fusion.engine import DecodeBatch, FusionEngine
+from fusion.decode_batch import DecodeBatch
+from fusion.engine import FusionEngine
 from fusion.router import Route
 from fusion.sampler import SamplingMetadata
 from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
@@ -65,7 +66,7 @@ def instrument(timings: Timings, router_parts: bool = True) -> list[Callable[[],
         (DecodeBatch, "_fuse", "_fuse"),
         (router_module.Route, "fuse", "router.fuse"),
         (SamplingMetadata, "build", "sampling metadata"),
-        (engine_module, "sample", "sampler"),
+        (decode_batch_module, "sample", "sampler"),
         (DecodeBatch, "_sample", "_sample"),
     ]
     if router_parts:

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterator
 from fusion.compute import run_on_compute_thread
 from fusion.crosstok import CrossTokenizerFusion
 from fusion.crosstok_decode import TextPiece, decode
-from fusion.engine import ExpertAttribution, GenerationRequest, TokenEvent
+from fusion.engine_types import ExpertAttribution, GenerationRequest, TokenEvent
 from fusion.scheduler import RequestHandle
 from fusion.service_types import TextEvent, Usage
 from fusion.tenancy import Reservation, Tenant

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
 from fusion.compute import run_on_compute_thread
-from fusion.engine import SCORE_CHUNK, ErrorEvent, FusionEngine, GenerationRequest, TokenEvent
+from fusion.engine import SCORE_CHUNK, FusionEngine
+from fusion.engine_types import ErrorEvent, GenerationRequest, TokenEvent
 from fusion.errors import ServiceBusyError
 from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
 

@@ -39,7 +39,8 @@ from fusion.compute import run_on_compute_thread, single_team
 from fusion.config import FusionConfig, FusionSpec, SamplingParams, SpecOverrides, layer_spec, parse_sampling
 from fusion.crosstok import CrossParams, CrossTokenizerFusion
 from fusion.crosstok_decode import score_text
-from fusion.engine import ExpertAttribution, FusionEngine, GenerationRequest, StepTimings, new_request_id
+from fusion.engine import FusionEngine
+from fusion.engine_types import ExpertAttribution, GenerationRequest, StepTimings, new_request_id
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError
 from fusion.expert import Expert
 from fusion.fast_decode import configure_compile_cache

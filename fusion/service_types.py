@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from fusion.config import FusionSpec, Limits, SamplingParams, SpecOverrides
 from fusion.crosstok_decode import bits_per_byte
-from fusion.engine import TokenEvent
+from fusion.engine_types import TokenEvent
 from fusion.expert import ExpertInfo
 from fusion.tenancy import LOCAL, Tenant
 from fusion.text import Message

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import grpc
 
 from fusion.config import FusionSpec, SamplingParams, SecurityConfig, SpecOverrides
-from fusion.engine import ExpertAttribution, TokenEvent
+from fusion.engine_types import ExpertAttribution, TokenEvent
 from fusion.errors import FusionError
 from fusion.service import ScoreResult, TextEvent, Usage
 from fusion.text import Message

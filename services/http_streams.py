@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.sse import format_sse_event
 
-from fusion.engine import new_request_id
+from fusion.engine_types import new_request_id
 from fusion.service import FusionService, PromptLogprobs, RequestStream, TextEvent, Usage
 from services.key_gate import KeyStream
 from services.metrics import CoordinatorMetrics

@@ -10,7 +10,7 @@ import codecs
 import math
 from typing import Any, Callable
 
-from fusion.engine import TokenEvent
+from fusion.engine_types import TokenEvent
 
 MIN_LOGPROB = -9999.0  # what a -inf logprob is sent as (JSON has no infinity; vLLM sends the same)
 

@@ -9,7 +9,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from fusion.config import SamplingParams, parse_config
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.errors import AssetError
 from fusion.expert import LocalExpert
 from fusion.service import FusionService

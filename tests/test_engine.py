@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fusion.config import FusionSpec, Limits, SamplingParams, parse_config
-from fusion.engine import ErrorEvent, FusionEngine, GenerationRequest
+from fusion.engine import FusionEngine
+from fusion.engine_types import ErrorEvent, GenerationRequest
 from fusion.errors import (
     ConfigError,
     ExpertOutputError,

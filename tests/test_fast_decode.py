@@ -11,7 +11,7 @@ import torch
 import fusion.kv_cache as kv_cache
 from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams, parse_config
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
 from fusion.decode_ops import attend, linear_one_row, one_row_times, rows_times

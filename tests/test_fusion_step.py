@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusion.config import SamplingParams
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.router import Route, Router, RouterShape
 from fusion.rule_registry import make_rule
 from fusion.rules import CONTEXT_TOKENS

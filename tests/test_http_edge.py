@@ -271,7 +271,7 @@ def test_tokens_holding_part_of_a_character_keep_their_own_bytes(server):
     Its logprob entries show its own bytes (`bytes:\\xNN`), distinct from every other such token, never
     U+FFFD; whole characters stay text, and offsets count decoded characters."""
     from services.openai_responses import completion_logprobs, token_string, utf8_decoder
-    from fusion.engine import TokenEvent
+    from fusion.engine_types import TokenEvent
 
     service = server.servicer.service
     partial = [i for i in range(service.engine.vocab_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusion.config import FusionSpec, SamplingParams, SpecOverrides, parse_config
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.errors import AssetError, InvalidArgumentError, NotFoundError
 from fusion.service import FusionRequest, FusionService
 from fusion.router import FamiliarityGate, Route, Router, RouterShape, load_router, logit_features

@@ -11,7 +11,7 @@ import torch
 
 from fusion.compute import one_thread
 from fusion.config import SamplingParams
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.router import (
     FamiliarityGate,
     Route,

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from fusion.config import SamplingParams
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.errors import ResourceExhaustedError, ServiceBusyError
 from fusion.scheduler import Scheduler
 from fusion.tenancy import Tenant

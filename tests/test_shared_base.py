@@ -11,7 +11,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from fusion.config import SamplingParams, parse_config
-from fusion.engine import FusionEngine, GenerationRequest
+from fusion.engine import FusionEngine
+from fusion.engine_types import GenerationRequest
 from fusion.errors import AssetError
 from fusion.expert import LocalExpert, StepRequest
 from fusion.multi_lora import AdapterRows, AdapterStack, LoraPair

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from fusion.config import SamplingParams
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
 
 

@@ -16,7 +16,7 @@ import torch
 from fusion import sampler
 from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams
-from fusion.engine import GenerationRequest
+from fusion.engine_types import GenerationRequest
 from fusion.expert import LocalExpert, StepRequest
 from fusion.fast_decode import DecodeStep, FastDecoder, decode_on_layers, unsupported_reason
 from fusion.kv_cache import new_cache

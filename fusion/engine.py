@@ -39,6 +39,7 @@ from fusion.errors import (
     InvalidArgumentError,
 )
 from fusion.expert import Expert, LocalExpert, StepRequest
+from fusion.isolation import isolate_failures
 from fusion.rules import FusionRule, teacher_forced_context
 from fusion.sampler import token_bias_row
 from fusion.vocab import VocabAlignment
@@ -334,39 +335,32 @@ class FusionEngine:
 
     def _step_isolating(self, index: int, jobs: list[StepJob], row_idx: list[int]
                         ) -> tuple[list[int], torch.Tensor | None, dict[int, Exception]]:
-        """One expert's step on `row_idx`; when it fails, the rows are retried in halves so the failure
-        lands only on the rows that cause it (a history past the context, an out-of-memory batch).
+        """One expert's step on `row_idx`, under the one isolation policy (`fusion.isolation`): when it
+        fails, the rows are stepped again in halves so the failure lands only on the rows that cause it.
         An expert lost altogether fails its rows without retries. Returns (rows stepped, their logits
         (len(rows), V_e), the failed rows' errors)."""
         expert, stream = self.experts[index], self._streams[index]
-        requests = [StepRequest(jobs[b].session_id, jobs[b].histories[index]) for b in row_idx]
-        try:
+
+        def step(rows: Sequence[int]) -> torch.Tensor:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                out = expert.step(requests)  # (b, V_e)
+                out = expert.step([StepRequest(jobs[b].session_id, jobs[b].histories[index]) for b in rows])
                 if stream is not None:
                     stream.synchronize()
-            return row_idx, out, {}
-        except ExpertUnavailableError as err:
-            return [], None, {b: err for b in row_idx}
-        except Exception as err:
-            if len(row_idx) == 1:
-                if not isinstance(err, FusionError):
-                    logger.error("expert %r failed the step of session %s", self.names[index], jobs[row_idx[0]].session_id,
-                                 exc_info=err)
-                    err = ExpertOutputError(f"expert {self.names[index]!r} failed this request's step "
-                                            f"({type(err).__name__}); the other requests go on")
-                return [], None, {row_idx[0]: err}
-            logger.warning("expert %r failed a step of %d sessions (%s); retrying them in halves",
-                           self.names[index], len(row_idx), type(err).__name__)
-        half = len(row_idx) // 2
-        kept, outs, errors = [], [], {}
-        for part in (row_idx[:half], row_idx[half:]):
-            part_kept, part_out, part_errors = self._step_isolating(index, jobs, part)
-            kept += part_kept
-            errors.update(part_errors)
-            if part_out is not None:
-                outs.append(part_out)
-        return kept, torch.cat(outs) if outs else None, errors
+            return out  # (len(rows), V_e)
+
+        done, failed = isolate_failures(step, row_idx, fatal=(ExpertUnavailableError,),
+                                        what=f"step of expert {self.names[index]!r}")
+        errors: dict[int, Exception] = {}
+        for position, err in failed.items():
+            b = row_idx[position]
+            if not isinstance(err, FusionError):
+                logger.error("expert %r failed the step of session %s", self.names[index], jobs[b].session_id,
+                             exc_info=err)
+                err = ExpertOutputError(f"expert {self.names[index]!r} failed this request's step "
+                                        f"({type(err).__name__}); the other requests go on")
+            errors[b] = err
+        kept = [row_idx[position] for positions, _ in done for position in positions]
+        return kept, torch.cat([out for _, out in done]) if done else None, errors
 
     def _map_experts(self, fn):
         """[fn(0), …, fn(E-1)]: overlapped experts go to the pool first, inline ones run meanwhile here."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import sys
@@ -35,6 +36,8 @@ from fusion.compute import compute_executor
 from fusion.config import FusionConfig, Limits, SecurityConfig
 from fusion.errors import FusionError, InvalidArgumentError, ResourceExhaustedError, SessionReleasedError
 from fusion.expert import LocalExpert, StepRequest
+from fusion.isolation import isolate_failures
+from fusion.shared_base import load_local_experts
 from services.metrics import ExpertMetrics
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.expert_auth import check_expert_exposure, expert_interceptors
@@ -317,25 +320,16 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
             batch = self._take_batch()
             if not batch:
                 continue
-            try:
-                results = await self._on_worker(self._step, batch)
-            except Exception as err:
-                if len(batch) == 1:
-                    _settle(batch[0].future, error=err)
-                    continue
-                # One bad call fails the shared forward: step each alone so the error reaches its caller.
-                for pending in batch:
-                    refusal = self._refusal(pending)  # released while the others were stepped
-                    if refusal is not None:
-                        _settle(pending.future, error=refusal)
-                        continue
-                    try:
-                        self._settle_step(pending, (await self._on_worker(self._step, [pending]))[0])
-                    except Exception as single:
-                        _settle(pending.future, error=single)
-                continue
-            for pending, result in zip(batch, results):
-                self._settle_step(pending, result)
+            # One bad call fails the shared forward: the runtime's one isolation policy steps the calls
+            # again in halves, on the worker, so each error reaches only its own caller.
+            done, errors = await self._on_worker(
+                functools.partial(isolate_failures, what=f"batched step of expert {self.expert.info.name!r}"),
+                self._step, batch)
+            for positions, results in done:
+                for position, result in zip(positions, results):
+                    self._settle_step(batch[position], result)
+            for position, err in errors.items():
+                _settle(batch[position].future, error=err)
 
     def _settle_step(self, pending: _Pending, result: expert_pb2.Tensor | None) -> None:
         if result is None:  # dropped on the worker
@@ -349,6 +343,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         live = [pending for pending in batch if not pending.expired]
         if not live:
             return [None] * len(batch)
+        self._refuse_released(s.session_id for pending in live for s in pending.steps)  # released meanwhile
         steps = [s for pending in live for s in pending.steps]
         start = time.perf_counter()
         logits = self.expert.step(steps)  # (B, V)
@@ -418,8 +413,8 @@ def run_expert_server(
     A compiled decode step keeps its compiled code under `cache_dir/compiled`, as the local build's does."""
     check_expert_exposure(config.security, f"{host}:{port}", insecure)  # before minutes of loading
     expert_config = config.expert(name)
-    expert = LocalExpert.load(expert_config, resolve_model(expert_config.model),
-                              Path(cache_dir) / "compiled" if cache_dir is not None else None)
+    expert = load_local_experts([expert_config], resolve_model,  # as every door builds experts
+                                Path(cache_dir) / "compiled" if cache_dir is not None else None)[0]
 
     async def main() -> None:
         running, bound = await create_expert_server(expert, config.limits, f"{host}:{port}", metrics_port, host,

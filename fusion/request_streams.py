@@ -56,6 +56,42 @@ class _AdmittedRequest:
     def prompt_tokens(self) -> int:
         return len(self.request.prompt_ids[0])
 
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+    def _to_text(self, item) -> TextEvent:
+        """One engine event (or text piece) as the text it makes visible."""
+        raise NotImplementedError
+
+    def _items(self) -> Iterator:
+        raise NotImplementedError
+
+    def _items_async(self) -> AsyncIterator:
+        raise NotImplementedError
+
+    async def _close_async(self) -> None:
+        self.cancel()
+
+    def __iter__(self) -> Iterator[TextEvent]:
+        try:
+            for item in self._items():
+                event = self._to_text(item)
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[TextEvent]:
+        try:
+            async for item in self._items_async():
+                event = self._to_text(item)
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            await self._close_async()
+
 
 class RequestStream(_AdmittedRequest):
     """One admitted request's `TextEvent`s, read with `for` or `async for`. Leaving the loop early
@@ -67,6 +103,7 @@ class RequestStream(_AdmittedRequest):
         self._handle = handle
         self._text = text
         self.settlement = settlement
+        self._events: AsyncIterator[TokenEvent] | None = None  # the handle's async stream, once read with `async for`
         # A stream dropped without being read (or read halfway) must not decode on to max_tokens.
         weakref.finalize(self, _end, handle, settlement)
 
@@ -81,28 +118,17 @@ class RequestStream(_AdmittedRequest):
             return TextEvent(event, delta)
         return TextEvent(event, delta + self._text.flush(), reason, Usage(self.prompt_tokens, event.index + 1))
 
-    def __iter__(self) -> Iterator[TextEvent]:
-        events = iter(self._handle)
-        try:
-            for event in events:
-                text_event = self._to_text(event)
-                yield text_event
-                if text_event.finish_reason is not None:
-                    return
-        finally:
-            self.cancel()
+    def _items(self) -> Iterator[TokenEvent]:
+        return iter(self._handle)
 
-    async def __aiter__(self) -> AsyncIterator[TextEvent]:
-        events = self._handle.stream()
-        try:
-            async for event in events:
-                text_event = self._to_text(event)
-                yield text_event
-                if text_event.finish_reason is not None:
-                    return
-        finally:
-            await events.aclose()  # cancels the request
-            self.settlement.close()
+    def _items_async(self) -> AsyncIterator[TokenEvent]:
+        self._events = self._handle.stream()
+        return self._events
+
+    async def _close_async(self) -> None:
+        if self._events is not None:
+            await self._events.aclose()  # cancels the request
+        self.settlement.close()
 
 
 def _end(handle: RequestHandle, settlement: Settlement) -> None:
@@ -153,28 +179,10 @@ class CrossRequestStream(_AdmittedRequest):
     def _next(self) -> TextPiece | None:
         return next(self._pieces, None)
 
-    def __iter__(self) -> Iterator[TextEvent]:
-        try:
-            while not self._done:
-                piece = run_on_compute_thread(self._next)
-                if piece is None:
-                    return
-                event = self._to_text(piece)
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            self.cancel()
+    def _items(self) -> Iterator[TextPiece]:
+        while not self._done and (piece := run_on_compute_thread(self._next)) is not None:
+            yield piece
 
-    async def __aiter__(self) -> AsyncIterator[TextEvent]:
-        try:
-            while not self._done:
-                piece = await asyncio.to_thread(run_on_compute_thread, self._next)
-                if piece is None:
-                    return
-                event = self._to_text(piece)
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            self.cancel()
+    async def _items_async(self) -> AsyncIterator[TextPiece]:
+        while not self._done and (piece := await asyncio.to_thread(run_on_compute_thread, self._next)) is not None:
+            yield piece

@@ -98,6 +98,7 @@ class _Replica:
     retired: bool = False  # no longer listed (see set_addresses): takes no sessions
     failures: int = 0  # consecutive failed calls
     probing: bool = False  # a thread is waiting for it to pass a health check (it is down meanwhile)
+    probes: int = 0  # health checks made while it was down
 
     @property
     def down(self) -> bool:
@@ -407,6 +408,7 @@ class RemoteExpert:
         try:
             while not self._closing.wait(self.retry_after_s) and not replica.retired:
                 with self._channels_lock:  # close() must not shut the channel under the probe
+                    replica.probes += 1
                     if self._closed or not self._answers_health_check(replica):
                         continue
                 with self._lock:

@@ -84,3 +84,24 @@ def loop():
     """A background asyncio loop serving a module's gRPC/HTTP servers."""
     with BackgroundLoop() as background:
         yield background
+
+
+@pytest.fixture
+def start_expert_server(loop, tiny_config):
+    """start(limits=None) -> (server, port): a fresh expert server of tiny expert a on a loopback port,
+    stopped after the test."""
+    from fusion.expert import LocalExpert
+    from services.expert_server import create_expert_server
+
+    started = []
+
+    def run(limits=None):
+        server, port = loop.run(create_expert_server(LocalExpert.load(tiny_config.expert("a")),
+                                                     limits or tiny_config.limits))
+        started.append(server)
+        return server, port
+
+    yield run
+    for server in started:
+        loop.run(server.stop(0))
+

@@ -9,7 +9,6 @@ import os
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args
 from fusion.config import parse_config
 from fusion.errors import ConfigError
 from tests.conftest import tiny_config_dict
+from tests.helpers import wait_until
 from tests.reference import assert_greedy_equivalent, assert_stream_matches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,13 +63,15 @@ def descendants(root: int) -> dict[int, str]:
 
 def wait_until_gone(started: dict[int, str], timeout_s: float = 30.0) -> None:
     """Assert that every process in `started` has exited (other clusters on the machine are not ours)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    left: dict[int, str] = {}
+
+    def gone() -> bool:
         table = _processes()
-        left = {pid: name for pid, name in started.items() if pid in table and table[pid][1] == name}
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+        left.clear()
+        left.update({pid: name for pid, name in started.items() if pid in table and table[pid][1] == name})
+        return not left
+
+    wait_until(gone, timeout_s, interval_s=0.5)
     assert not left, f"processes left behind: {left}"
     assert {"raylet", "gcs_server"} <= set(started.values()), f"no Ray cluster was seen: {started}"
 
@@ -246,13 +248,15 @@ def _handle(name):
 
 
 def _wait_for(condition, what: str, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = condition()
-        if state is True:
-            return
-        time.sleep(1.0)
-    pytest.fail(f"{what} within {timeout_s:.0f} s; last seen: {state}")
+    """Wait until `condition()` is True (anything else it returns is the state it saw, for the failure)."""
+    seen: list = [None]
+
+    def met() -> bool:
+        seen[0] = condition()
+        return seen[0] is True
+
+    if not wait_until(met, timeout_s, interval_s=1.0):
+        pytest.fail(f"{what} within {timeout_s:.0f} s; last seen: {seen[0]}")
 
 
 def _replicas_of(expert: str) -> tuple[int, int, set[str]]:

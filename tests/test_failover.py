@@ -48,19 +48,8 @@ def let_workers_go(start):  # torn down before `start` stops the servers
 
 
 @pytest.fixture
-def start(loop, tiny_config):
-    """start(limits=None) -> (server, port): a fresh server of expert a, stopped after the test."""
-    started = []
-
-    def run(limits: Limits | None = None):
-        server, port = loop.run(create_expert_server(LocalExpert.load(tiny_config.expert("a")),
-                                                     limits or tiny_config.limits))
-        started.append(server)
-        return server, port
-
-    yield run
-    for server in started:
-        loop.run(server.stop(0))
+def start(start_expert_server):
+    return start_expert_server
 
 
 @pytest.fixture(scope="module")
@@ -455,7 +444,7 @@ def test_a_down_replica_takes_no_sessions_until_its_health_check_passes(loop, st
     loop.run(gone.stop(0))
     remote.step([StepRequest("first", HISTORY)])  # pinned to the first replica, which is gone: marked down
     assert remote._replicas[0].down and remote.failovers == 1
-    time.sleep(0.8)  # several probe periods
+    wait_until(lambda: remote._replicas[0].probes >= 3, timeout_s=15, message="three health probes of the down replica")
     for i in range(3):
         remote.step([StepRequest(f"later-{i}", HISTORY)])
     assert remote.failovers == 1 and remote._replicas[0].down  # the new sessions went to the live one

@@ -17,7 +17,6 @@ import torch
 from fusion.config import Limits
 from fusion.errors import ConfigError, ExpertUnavailableError, InvalidArgumentError, ResourceExhaustedError
 from fusion.expert import LocalExpert, StepRequest
-from services.expert_server import create_expert_server
 from services.remote_expert import MESSAGE_MARGIN_BYTES, RemoteExpert
 from tests.helpers import wait_until
 
@@ -30,19 +29,8 @@ def addr(port: int) -> str:
 
 
 @pytest.fixture
-def start(loop, tiny_config):
-    """start(limits=None) -> (server, port): a fresh server of expert a, stopped after the test."""
-    started = []
-
-    def run(limits: Limits | None = None):
-        server, port = loop.run(create_expert_server(LocalExpert.load(tiny_config.expert("a")),
-                                                     limits or tiny_config.limits))
-        started.append(server)
-        return server, port
-
-    yield run
-    for server in started:
-        loop.run(server.stop(0))
+def start(start_expert_server):
+    return start_expert_server
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def test_bad_requests_are_refused_at_admission_before_any_work(tiny_service, req
     assert not any(len(e.cache) for e in tiny_service.engine.experts)
 
 
-def test_async_stream_equals_the_sync_one_and_admits_off_the_loop(tiny_service):
+def test_async_stream_equals_the_sync_one_and_admits_off_the_loop(tiny_service, monkeypatch):
     request = FusionRequest("hello world", {"max_tokens": 8, "ignore_eos": True})
     expected = [e.token.token_id for e in tiny_service.submit(request)]
     admitted_on = []
@@ -58,11 +58,9 @@ def test_async_stream_equals_the_sync_one_and_admits_off_the_loop(tiny_service):
         stream = await tiny_service.submit_async(request)
         return [event async for event in stream], threading.current_thread()
 
-    tiny_service.admit = spy
-    try:
-        events, loop_thread = asyncio.run(run())
-    finally:
-        del tiny_service.admit
+    monkeypatch.setattr(tiny_service, "admit", spy)  # undone after the test: the fixture is shared
+    events, loop_thread = asyncio.run(run())
+    monkeypatch.undo()
     assert [e.token.token_id for e in events] == expected
     assert admitted_on and admitted_on[0] is not loop_thread
     assert events[-1].usage.completion_tokens == 8 and events[-1].finish_reason == "length"

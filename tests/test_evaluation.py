@@ -78,6 +78,14 @@ def test_evaluate_reports_in_and_out_of_template_side_by_side(tiny_service):
     assert len(table.splitlines()) == 2 + len(rows)
 
 
+def test_the_reserve_set_is_asked_only_when_wanted(tiny_service):
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"}))]
+    result = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], reserve=True)[0]
+    assert result.arithmetic_novel is not None and set(result.arithmetic_by_kind) == {"in", "out", "fresh", "novel"}
+    header = ev.format_table([result]).splitlines()[0]
+    assert "arith out-of-template 3" in header and "in / out / out 2 / out 3" in header
+
+
 def test_function_bits_per_byte_is_the_score_convention(tiny_service):
     """The functions column is `FusionService.score` summed over the tasks, per byte it covers."""
     spec = FusionSpec(rule="mixture")

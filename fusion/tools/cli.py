@@ -516,6 +516,8 @@ def evaluate(
     questions: int = typer.Option(100, "--questions", help="Held-out arithmetic problems, each asked in-template "
                                   "and in both out-of-template sets (0 = skip)."),
     seed: int = typer.Option(0, "--seed", help="Which held-out questions."),
+    reserve: bool = typer.Option(False, "--reserve", help="Also ask the reserve out-of-template set (a third, "
+                                 "for checking figures once the first two have informed choices)."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
@@ -563,7 +565,7 @@ def evaluate(
                 fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
-                              domains=chosen)
+                              domains=chosen, reserve=reserve)
         service.close()
         typer.echo(ev.format_table(results))
         if json_out:

@@ -50,6 +50,7 @@ class EvalRow:
     tokens_per_s: float | None = None
     arithmetic_out: float | None = None  # out-of-template: the same problems in unseen phrasings
     arithmetic_fresh: float | None = None  # out-of-template, second set (never informed training)
+    arithmetic_novel: float | None = None  # out-of-template, the reserve set (asked with `reserve=True`)
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {"in"|"out"|"fresh": {kind: acc}}
 
 
@@ -237,7 +238,11 @@ def evaluate(
     text_chunks: int = 8,
     chunk_tokens: int = 192,
     domains: Sequence[str] = DOMAINS,
+    reserve: bool = False,
 ) -> list[EvalRow]:
+    """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
+    `reserve`, the third set too, kept for checking figures once the first two have informed choices)
+    and bits per byte on the held-out texts of `domains`."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -246,6 +251,8 @@ def evaluate(
         kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
         sets = {"in": make_questions(questions, seed), "out": make_questions(questions, seed, phrasing="held_out"),
                 "fresh": make_questions(questions, seed, phrasing="fresh")}
+        if reserve:
+            sets["novel"] = make_questions(questions, seed, phrasing="novel")
         for result, (name, spec) in zip(results, rows):
             for split, qs in sets.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
@@ -255,8 +262,10 @@ def evaluate(
                     result.arithmetic_accuracy, result.tokens_per_s = acc, tps
                 elif split == "out":
                     result.arithmetic_out = acc
-                else:
+                elif split == "fresh":
                     result.arithmetic_fresh = acc
+                else:
+                    result.arithmetic_novel = acc
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
     for domain in domains:
         texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
@@ -280,22 +289,24 @@ def _pct(value: float | None) -> str:
 
 
 def format_table(results: list[EvalRow]) -> str:
-    """Markdown: in- and out-of-template accuracy (both unseen sets) side by side, then per kind
-    "in / out / out 2", then bits per byte per domain and tokens/s."""
+    """Markdown: in- and out-of-template accuracy (both unseen sets, and the reserve set when asked)
+    side by side, then per kind "in / out / out 2 (/ out 3)", then bits per byte per domain and tokens/s."""
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
+    splits = ["in", "out", "fresh"] + (["novel"] if any(r.arithmetic_novel is not None for r in results) else [])
     header = ["row", "arith in-template", "arith out-of-template", "arith out-of-template 2"]
-    header += [f"{KIND_LABELS[k]} in / out / out 2" for k in kinds]
+    header += ["arith out-of-template 3"] if "novel" in splits else []
+    header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3" if "novel" in splits else "") for k in kinds]
     header += [f"bpb {d}" for d in domains] + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         split = r.arithmetic_by_kind
-        per_kind = [" / ".join(_pct(split.get(s, {}).get(k)) for s in ("in", "out", "fresh")) for k in kinds]
+        per_kind = [" / ".join(_pct(split.get(s, {}).get(k)) for s in splits) for k in kinds]
         bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
         tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
-        lines.append("| " + " | ".join([r.name, _pct(r.arithmetic_accuracy), _pct(r.arithmetic_out),
-                                        _pct(r.arithmetic_fresh), *per_kind,
-                                        *bpbs, tps]) + " |")
+        accuracies = [r.arithmetic_accuracy, r.arithmetic_out, r.arithmetic_fresh]
+        accuracies += [r.arithmetic_novel] if "novel" in splits else []
+        lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, tps]) + " |")
     return "\n".join(lines)
 
 

@@ -31,13 +31,10 @@ from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.remote_expert import RemoteExpert
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
+from tests.test_remote_expert import addr, reference, start  # noqa: F401  the same servers and reference (fixtures)
 
 HISTORY = [5, 17, 42, 99, 3, 250, 8, 61]
 WAIT_S = 10.0
-
-
-def addr(port: int) -> str:
-    return f"127.0.0.1:{port}"
 
 
 @pytest.fixture(autouse=True)
@@ -47,14 +44,6 @@ def let_workers_go(start):  # torn down before `start` stops the servers
         Busy.held.pop().set()
 
 
-@pytest.fixture
-def start(start_expert_server):
-    return start_expert_server
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_config):
-    return LocalExpert.load(tiny_config.expert("a"))
 
 
 def remote_a(tiny_config, ports, **fields) -> RemoteExpert:

@@ -112,8 +112,9 @@ class Admission:
         self.prompt(prompt, plain=True)
 
     def prompt_tokens(self, ids: Sequence[int]) -> None:
-        """A tokenized plain prompt within max_prompt_tokens (token ids were checked as sent)."""
+        """A tokenized plain prompt within max_prompt_tokens, its ids inside the vocabulary."""
         self._length("prompt", len(ids))
+        self._in_vocabulary("prompt", ids)
 
     def request_id(self, request_id: str) -> None:
         limit = self.limits.max_request_id_chars
@@ -128,10 +129,13 @@ class Admission:
 
     def sampling(self, sampling: SamplingParams) -> None:
         """Sampling lists within their limits, ids inside the vocabulary, stop strings non-empty, valid
-        Unicode and within max_stop_chars; with experts of different tokenizers, no field made of ids."""
+        Unicode and within max_stop_chars; with experts of different tokenizers, no field made of ids
+        (refused first: such a request can never run, however small)."""
         limits = self.limits
         for i, stop in enumerate(sampling.stop):  # text a client cannot send again as it is: named first
             utf8_size(stop, f"stop[{i}]")
+        if self.cross:
+            self._cross_sampling(sampling)
         if sampling.max_tokens > limits.max_tokens:
             raise ResourceExhaustedError(f"max_tokens: {sampling.max_tokens} exceeds the limit {limits.max_tokens}")
         if len(sampling.stop) > limits.max_stop_strings:
@@ -148,14 +152,17 @@ class Admission:
             bound = getattr(limits, limit_name)
             if len(values) > bound:
                 raise ResourceExhaustedError(f"{name}: {len(values)} entries exceed {limit_name}={bound}")
-            if values and self.cross:
-                raise InvalidArgumentError(f"{name}: token ids are not supported when the experts' tokenizers "
-                                           "differ (use stop strings)")
             bad = [t for t in values if isinstance(t, int) and not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidArgumentError(f"{name}: token ids out of range [0, {self.vocab_size}): {sorted(bad)[:5]}")
-        if not self.cross:
-            return
+
+    @staticmethod
+    def _cross_sampling(sampling: SamplingParams) -> None:
+        """Token ids mean different strings across these experts' tokenizers: refuse fields made of ids."""
+        for name, _ in _ID_LISTS:
+            if getattr(sampling, name):
+                raise InvalidArgumentError(f"{name}: token ids are not supported when the experts' tokenizers "
+                                           "differ (use stop strings)")
         if sampling.logprobs:
             raise InvalidArgumentError("logprobs: top alternatives are ids of one vocabulary, not available when "
                                        "the experts' tokenizers differ")
@@ -207,7 +214,7 @@ class Admission:
                                          f"max_score_tokens={self.limits.max_score_tokens}")
 
     def generation(self, request) -> None:
-        """Everything about an engine request (`fusion.engine.GenerationRequest`) once it holds ids."""
+        """Everything about an engine request (`fusion.engine_types.GenerationRequest`) once it holds ids."""
         self.sampling(request.sampling)
         self.weights(request.rule, request.weights)
         self.prompt_ids(request.prompt_ids, request.rule, request.weights, request.sampling.max_tokens)

@@ -155,9 +155,13 @@ class CrossRequestStream(_AdmittedRequest):
         self._done = False
 
     def cancel(self) -> None:
-        self._done = True
-        self._pieces.close()
-        self.settlement.close()
+        self._done = True  # a piece being computed meanwhile is the last one
+        try:
+            self._pieces.close()
+        except ValueError:  # the generator is mid-step on the compute thread: it stops at `_done`
+            pass
+        finally:
+            self.settlement.close()
 
     def _to_text(self, piece: TextPiece) -> TextEvent:
         self.settlement.used = self.prompt_tokens + piece.index + 1
@@ -177,7 +181,11 @@ class CrossRequestStream(_AdmittedRequest):
         return TextEvent(token, delta, reason, usage)
 
     def _next(self) -> TextPiece | None:
-        return next(self._pieces, None)
+        piece = next(self._pieces, None)
+        if self._done:  # cancelled while this piece was computed: free its sessions here, on this thread
+            self._pieces.close()
+            return None
+        return piece
 
     def _items(self) -> Iterator[TextPiece]:
         while not self._done and (piece := run_on_compute_thread(self._next)) is not None:

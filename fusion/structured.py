@@ -47,8 +47,14 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 
 def spec_size(spec: StructuredOutput) -> int:
-    """UTF-8 bytes of what the request sent (its schema as JSON, its regex, choices or grammar)."""
-    return len(json.dumps(spec.model_dump(exclude_defaults=True), ensure_ascii=False).encode("utf-8"))
+    """UTF-8 bytes of what the request sent (its schema as JSON, its regex, choices or grammar); a lone
+    surrogate anywhere in it (JSON allows one escaped) is refused here, before a grammar is built."""
+    text = json.dumps(spec.model_dump(exclude_defaults=True), ensure_ascii=False)
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(f"structured: not valid Unicode text: a lone surrogate "
+                                   f"(U+{ord(text[err.start]):04X})") from None
 
 
 class GrammarCompiler:

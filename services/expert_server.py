@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from collections import OrderedDict
@@ -73,6 +74,7 @@ class ReleasedSessions:
     def __init__(self, capacity: int = RELEASED_MEMORY) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[str | bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # added to on the event loop, read on the worker
 
     @classmethod
     def _key(cls, session_id: str) -> str | bytes:
@@ -84,15 +86,18 @@ class ReleasedSessions:
         return len(self._ids)
 
     def __contains__(self, session_id: str) -> bool:
-        return self._key(session_id) in self._ids
+        key = self._key(session_id)
+        with self._lock:
+            return key in self._ids
 
     def add(self, session_ids: Iterable[str]) -> None:
-        for session_id in session_ids:
-            key = self._key(session_id)
-            self._ids[key] = None
-            self._ids.move_to_end(key)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        keys = [self._key(session_id) for session_id in session_ids]
+        with self._lock:
+            for key in keys:
+                self._ids[key] = None
+                self._ids.move_to_end(key)
+            while len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
 
     def first_of(self, session_ids: Iterable[str]) -> str | None:
         return next((s for s in session_ids if s in self), None)
@@ -263,7 +268,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
     @unary_errors
     async def Release(self, request: expert_pb2.ReleaseRequest, context) -> expert_pb2.ReleaseResponse:
         # Remembered at once, on the event loop: a step queued for one of these sessions is refused from
-        # now on, and one already handed to the worker runs before this release does.
+        # now on, on the worker too if its batch has not started its forward; one already computing
+        # runs before this release does (both run on the one worker).
         self.released.add(request.session_ids)
 
         def release() -> int:
@@ -322,40 +328,49 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
                 continue
             # One bad call fails the shared forward: the runtime's one isolation policy steps the calls
             # again in halves, on the worker, so each error reaches only its own caller.
-            done, errors = await self._on_worker(
-                functools.partial(isolate_failures, what=f"batched step of expert {self.expert.info.name!r}"),
-                self._step, batch)
+            try:
+                done, errors = await self._on_worker(
+                    functools.partial(isolate_failures, what=f"batched step of expert {self.expert.info.name!r}"),
+                    self._step, batch)
+            except Exception as err:  # the worker itself is gone (the server is closing): no call may hang
+                for pending in batch:
+                    _settle(pending.future, error=err)
+                continue
             for positions, results in done:
                 for position, result in zip(positions, results):
                     self._settle_step(batch[position], result)
             for position, err in errors.items():
                 _settle(batch[position].future, error=err)
 
-    def _settle_step(self, pending: _Pending, result: expert_pb2.Tensor | None) -> None:
+    def _settle_step(self, pending: _Pending, result: expert_pb2.Tensor | SessionReleasedError | None) -> None:
         if result is None:  # dropped on the worker
             self._drop(pending)
+        elif isinstance(result, SessionReleasedError):
+            _settle(pending.future, error=result)
         else:
             _settle(pending.future, result)
 
-    def _step(self, batch: Sequence[_Pending]) -> list[expert_pb2.Tensor | None]:
+    def _step(self, batch: Sequence[_Pending]) -> list[expert_pb2.Tensor | SessionReleasedError | None]:
         """On the worker thread: one forward for every session of the batch still wanted, split back per
-        call (None for a call dropped because its caller's deadline passed while it waited)."""
-        live = [pending for pending in batch if not pending.expired]
-        if not live:
-            return [None] * len(batch)
-        self._refuse_released(s.session_id for pending in live for s in pending.steps)  # released meanwhile
-        steps = [s for pending in live for s in pending.steps]
-        start = time.perf_counter()
-        logits = self.expert.step(steps)  # (B, V)
-        self.metrics.expert_step.labels(expert=self.expert.info.name).observe(time.perf_counter() - start)
-        self.metrics.batch_size.observe(len(steps))
-        tensors, row = {}, 0
-        for pending in live:
-            tensor = encode_tensor(logits[row: row + len(pending.steps)], pending.dtype)
-            self.metrics.wire_bytes.inc(len(tensor.data))
-            tensors[id(pending)] = tensor
-            row += len(pending.steps)
-        return [tensors.get(id(pending)) for pending in batch]
+        call (None for a call dropped because its caller's deadline passed while it waited; the refusal
+        for a call naming a session released since it was queued, which is no failure of the others)."""
+        refusals = {id(pending): self._refusal(pending) for pending in batch if not pending.expired}
+        live = [pending for pending in batch if id(pending) in refusals and refusals[id(pending)] is None]
+        results: dict[int, expert_pb2.Tensor | SessionReleasedError] = {
+            key: refusal for key, refusal in refusals.items() if refusal is not None}
+        if live:
+            steps = [s for pending in live for s in pending.steps]
+            start = time.perf_counter()
+            logits = self.expert.step(steps)  # (B, V)
+            self.metrics.expert_step.labels(expert=self.expert.info.name).observe(time.perf_counter() - start)
+            self.metrics.batch_size.observe(len(steps))
+            row = 0
+            for pending in live:
+                tensor = encode_tensor(logits[row: row + len(pending.steps)], pending.dtype)
+                self.metrics.wire_bytes.inc(len(tensor.data))
+                results[id(pending)] = tensor
+                row += len(pending.steps)
+        return [results.get(id(pending)) for pending in batch]
 
 
 def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:

@@ -60,7 +60,7 @@ def tool_calls_text(calls: list[ToolCall], i: int) -> str:
 def _arguments(arguments: str, i: int) -> Any:
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except ValueError:  # JSONDecodeError, or a number past Python's digit limit
         raise ApiError(400, f"messages[{i}].tool_calls: function arguments must be JSON text",
                        f"messages[{i}].tool_calls") from None
 
@@ -73,7 +73,7 @@ def tool_call_of(text: str, call_id: str) -> dict[str, Any] | None:
     """An answer's tool call in OpenAI's shape (None: the text is not a whole call, e.g. cut by max_tokens)."""
     try:
         call = json.loads(text)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON (or a number past Python's digit limit): no tool call
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None

@@ -117,7 +117,7 @@ def _structured_outputs(ext: StructuredOutputs) -> dict[str, Any]:
     if isinstance(given.get("json_schema"), str):
         try:
             given["json_schema"] = json.loads(given["json_schema"])
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # JSONDecodeError, or a number past Python's digit limit
             raise ApiError(400, f"structured_outputs.json: not JSON ({err})", "structured_outputs.json") from None
     return given
 

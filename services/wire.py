@@ -111,7 +111,7 @@ def structured_from_proto(message: fusion_pb2.StructuredOutput) -> dict[str, Any
     if kind == "json_schema":
         try:
             schema = json.loads(message.json_schema)
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # JSONDecodeError, or a number past Python's digit limit
             raise InvalidArgumentError(f"sampling.structured.json_schema: not JSON ({err})") from None
         if not isinstance(schema, dict):
             raise InvalidArgumentError("sampling.structured.json_schema: must be a JSON object")

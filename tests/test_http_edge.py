@@ -126,7 +126,14 @@ def test_unknown_paths_add_no_metric_series(server):
      "fusion.weights"),
     (b'{"model": "fusion", "messages": [' + b",".join([b'{"role": "user", "content": "x"}'] * 5000) + b"]}",
      "messages"),
-], ids=["lone-surrogate", "surrogate-stop", "deep-json", "huge-weight", "tiny-weight", "too-many-messages"])
+    (b'{"model": "fusion", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "response_format": {"type": '
+     b'"json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "description": "\\ud800"}}}}',
+     "response_format"),
+    (b'{"model": "fusion", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", '
+     b'"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "' + b"1" * 5000
+     + b'"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}', "messages[1].tool_calls"),
+], ids=["lone-surrogate", "surrogate-stop", "deep-json", "huge-weight", "tiny-weight", "too-many-messages",
+        "surrogate-schema", "tool-arguments-past-the-digit-limit"])
 def test_hostile_bodies_are_400_naming_the_field(server, body, field):
     status, answer = post(server.http_port, "/v1/chat/completions", body)
     assert status == 400, answer

@@ -182,13 +182,18 @@ EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} increased by {b}", "{a} more than {b}", "{a} and {b} combined", "{a}, plus {b}",
           "{a} + {b} (addition)", "the result of adding {a} and {b}"),
     "-": ("{a} decreased by {b}", "{a} reduced by {b}", "the result of subtracting {b} from {a}",
-          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed"),
+          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed",
+          # Wordings that name the smaller operand first, so that the order of the words and not of
+          # the numbers says which is taken from which.
+          "{b} taken from {a}", "{b} taken away from {a}", "{b} removed from {a}", "{a} once {b} is gone",
+          "what is left of {a} after {b}", "{b} fewer than {a}"),
     "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
           "{a}, times {b}", "{a} multiply {b}"),
 }
 EXTRA_IMPERATIVES: dict[str, tuple[str, ...]] = {
     "+": ("Add {b} to {a}.", "Sum {a} and {b}.", "Find the sum of {a} and {b}."),
-    "-": ("Take {b} away from {a}.", "Work out {a} take away {b}.", "Subtract {b} from {a}, please."),
+    "-": ("Take {b} away from {a}.", "Work out {a} take away {b}.", "Subtract {b} from {a}, please.",
+          "From {a}, take away {b}.", "Remove {b} from {a}.", "Start at {a} and count back {b}."),
     "*": ("Multiply {a} and {b}.", "Find the product of {a} and {b}.", "Work out {a} times {b}, please."),
 }
 EXTRA_FRAMES = (

@@ -4,7 +4,7 @@ The engine decodes one request step by step (as `fusion bench --suites step` doe
 wrapped around each part of the fusion and sampling path; SmolLM2's (the first expert's) plain decode
 forward is timed in alternating rounds, so every part is also given as a share of one forward:
 
-    finiteness check      FusionEngine._check_finite: one amax over the (E, B, V) logits
+    finiteness check      FusionEngine.check_finite: one amax over the (E, B, V) logits
     rule (engine side)    DecodeBatch._fuse less the rule: weights, context rows, grouping
     router features       logit_statistics: entropy, top-1, margin, agreement and the normalizers
     context features      Router.context_features: previous-token and window embeddings
@@ -62,7 +62,7 @@ def instrument(timings: Timings, router_parts: bool = True) -> list[Callable[[],
     """Wrap each part's function with a timer. Not the router's parts under a compiled step: the step is
     one graph (a wrapper inside it would be traced into it, breaking the graph)."""
     targets = [
-        (FusionEngine, "_check_finite", "finiteness check"),
+        (FusionEngine, "check_finite", "finiteness check"),
         (DecodeBatch, "_fuse", "_fuse"),
         (router_module.Route, "fuse", "router.fuse"),
         (SamplingMetadata, "build", "sampling metadata"),

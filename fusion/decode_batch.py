@@ -42,7 +42,7 @@ class DecodeBatch:
             self.engine.prepare(request)
         experts = range(len(self.engine.experts))
         row = Row(request, prefilled=[0] * len(experts),
-                   uses=[request.rule.uses_expert(e, request.weights) for e in experts])
+                  uses=[request.rule.uses_expert(e, request.weights) for e in experts])
         if request.sampling.seed is not None:
             row.generator = torch.Generator(device=self.engine.device).manual_seed(request.sampling.seed)
         params = request.sampling
@@ -122,17 +122,17 @@ class DecodeBatch:
         rows, chunks = self._schedule()
         jobs = [
             StepJob(r.request.request_id, [p + r.generated if used else None
-                                            for p, used in zip(r.request.prompt_ids, r.uses)])
+                                           for p, used in zip(r.request.prompt_ids, r.uses)])
             for r in rows
         ] + [
             StepJob(r.request.request_id, [p[:end] if used and end > done else None
-                                            for p, end, done, used in zip(r.request.prompt_ids, ends, r.prefilled,
-                                                                          r.uses)])
+                                           for p, end, done, used in zip(r.request.prompt_ids, ends, r.prefilled,
+                                                                         r.uses)])
             for r, ends in chunks
         ]
         start = time.perf_counter()
         try:
-            logits, failed = engine._step_experts(jobs)
+            logits, failed = engine.step_experts(jobs)
         except Exception as err:  # a bug, not an expert's failure: every row shares the failed step
             logger.exception("decode step failed")
             errors = [ErrorEvent(r.request.request_id, err) for r in self.rows]
@@ -155,7 +155,7 @@ class DecodeBatch:
         for row in rows:
             row.prefilled = None
         errors: list[ErrorEvent] = step_errors
-        problems = engine._check_finite(logits, rows)
+        problems = engine.check_finite(logits, rows)
         for b, name in problems:
             request_id = rows[b].request.request_id
             if not any(ev.request_id == request_id for ev in errors):

@@ -199,7 +199,7 @@ class FusionEngine:
             return self.experts[index].score(session, history, n)  # (n, V_e)
 
         logits = self.alignment.stack([t.to(self.device) for t in self._map_experts(run)]).float()  # (E, n, V)
-        self._check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
+        self.check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
         w = torch.tensor(weights, dtype=torch.float32, device=self.device)[:, None].expand(-1, n)  # (E, n)
         fused = rule.fuse(logits, w, context).logits  # (n, V)
         if nonfinite_rows(fused):
@@ -238,7 +238,7 @@ class FusionEngine:
             for expert in self.experts:
                 expert.release([session])
         logits = self.alignment.stack([t.to(self.device) for t in per_expert]).float()  # (E, n, V)
-        self._check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
+        self.check_finite(logits, rows=None, consulted=torch.tensor(uses, device=self.device))
         return logits
 
     def fused_logprobs(
@@ -266,7 +266,7 @@ class FusionEngine:
         return torch.log_softmax(fused.float(), dim=-1)
 
     # -- internals ----------------------------------------------------------------------------
-    def _step_experts(self, jobs: list[StepJob]) -> tuple[torch.Tensor, dict[int, Exception]]:
+    def step_experts(self, jobs: list[StepJob]) -> tuple[torch.Tensor, dict[int, Exception]]:
         """Step every expert on the sessions that consult it. (E, B, V) logits (zeros where not consulted
         or failed) and the rows whose expert call failed, by batch row: a failure fails only its rows."""
         timings = self.last_timings
@@ -377,7 +377,7 @@ class FusionEngine:
                 results[i] = future.result()
         return results
 
-    def _check_finite(
+    def check_finite(
         self, logits: torch.Tensor, rows: list[Row] | None, consulted: torch.Tensor | None = None
     ) -> list[tuple[int, str]]:
         """Rows (with the expert's name) whose logits hold NaN, +inf, or no finite value. One host sync.

@@ -23,6 +23,7 @@ import threading
 
 import torch
 
+from fusion.admission import utf8_size
 from fusion.config import StructuredOutput
 from fusion.errors import InvalidArgumentError, ResourceExhaustedError
 
@@ -49,12 +50,7 @@ def grammar_text(spec: StructuredOutput) -> str:
 def spec_size(spec: StructuredOutput) -> int:
     """UTF-8 bytes of what the request sent (its schema as JSON, its regex, choices or grammar); a lone
     surrogate anywhere in it (JSON allows one escaped) is refused here, before a grammar is built."""
-    text = json.dumps(spec.model_dump(exclude_defaults=True), ensure_ascii=False)
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as err:
-        raise InvalidArgumentError(f"structured: not valid Unicode text: a lone surrogate "
-                                   f"(U+{ord(text[err.start]):04X})") from None
+    return utf8_size(json.dumps(spec.model_dump(exclude_defaults=True), ensure_ascii=False), "structured")
 
 
 class GrammarCompiler:

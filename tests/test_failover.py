@@ -31,7 +31,7 @@ from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.remote_expert import RemoteExpert
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
-from tests.test_remote_expert import addr, reference, start  # noqa: F401  the same servers and reference (fixtures)
+from tests.test_remote_expert import addr, local_step, reference, start  # noqa: F401  the same servers and reference (fixtures)
 
 HISTORY = [5, 17, 42, 99, 3, 250, 8, 61]
 WAIT_S = 10.0
@@ -76,14 +76,6 @@ def dropped(server) -> float:
     return server.metrics.registry.get_sample_value("fusion_expert_dropped_sessions_total") or 0.0
 
 
-def expected_logits(reference: LocalExpert, history: list[int]) -> torch.Tensor:
-    session = f"reference-{time.monotonic_ns()}"
-    try:
-        return reference.step([StepRequest(session, history)])[0]
-    finally:
-        reference.release([session])
-
-
 # -- a slow replica: one call's sessions move, the replica stays up -----------------------------------
 def test_a_timed_out_call_moves_only_its_sessions_and_the_replica_stays_up(start, tiny_config, reference):
     (slow, slow_port), (_, other_port) = start(), start()
@@ -99,7 +91,7 @@ def test_a_timed_out_call_moves_only_its_sessions_and_the_replica_stays_up(start
         histories["s1"].append(7)
         logits = remote.step([StepRequest("s1", histories["s1"])])  # decode: times out after 1 s
         assert 1.0 <= time.monotonic() - started < 30  # one decode deadline, not the prefill one (60 s)
-        assert torch.allclose(logits[0], expected_logits(reference, histories["s1"]), atol=1e-4)
+        assert torch.allclose(logits[0], local_step(reference, histories["s1"]), atol=1e-4)
         assert remote._pinned == {"s1": 1, "s2": 1, "s3": 0}  # s1 moved; s3, in no failed call, stayed
         assert remote.failed_calls == 1 and remote.failovers == 1
         assert not remote._replicas[0].down  # it answered the health check: slow, not dead
@@ -121,7 +113,7 @@ def test_prompt_work_gets_the_prefill_deadline(start, tiny_config, reference):
         busy = Busy(slow, hold_s=2.5)  # longer than the decode deadline
         logits = remote.step([StepRequest("new", HISTORY)])  # a new session: prompt work
         assert remote.failed_calls == 0
-        assert torch.allclose(logits[0], expected_logits(reference, HISTORY), atol=1e-4)
+        assert torch.allclose(logits[0], local_step(reference, HISTORY), atol=1e-4)
         busy.job.result(10)
         assert remote._step_timeout(0, [StepRequest("new", HISTORY + [1])]) == 1.0
         assert remote._step_timeout(0, [StepRequest("new", HISTORY + list(range(20)))]) == 60.0

@@ -10,7 +10,11 @@ config's experts deployed with two replicas each on distinct workers, then
    run; streams lost, how long the update took, whether a new request sees the new rule;
 3. autoscaling: each expert autoscaled on the sessions it holds (1 to 2 replicas, 2 sessions per
    replica); STREAMS streams ramp up one a second: time until every expert has two replicas, until it
-   is back to one once they end, and the p95 gap between tokens during the ramp against one stream.
+   is back to one once they end, and the p95 gap between tokens during the ramp against one stream;
+4. coordinator loss: two nodes carrying `fusion-coordinator` join, the coordinator moves onto one of
+   them with a fixed port, and that node is killed while STREAMS streams run: how the streams end
+   (UNAVAILABLE, none hanging), how long until the same address answers again from the other node,
+   and whether the streams asked again there get the undisturbed run's tokens.
 
     python benchmarks/multinode.py --json docs/multinode.json     # the default trio (fetched first)
     python benchmarks/multinode.py --config my.yaml --streams 8 --tokens 48
@@ -37,7 +41,7 @@ def main() -> None:
     from fusion.tools import cluster_scenarios as sc
     from fusion.tools.assets import prepare_model
     from fusion.tools.loading import DEFAULT_CONFIG
-    from fusion.tools.ray_cluster import LocalRayCluster
+    from fusion.tools.ray_cluster import LocalRayCluster, free_port
     from services.client import FusionClient
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,6 +87,13 @@ def main() -> None:
                           "one replica per expert to start from", timeout_s=300)
             longer = {**sampling, "max_tokens": 4 * options.tokens}
             figures["autoscaling"] = sc.autoscaling(address, prompts, longer, max_replicas=2)
+            for name in ("c1", "c2"):
+                cluster.add_worker(name, num_cpus=1, resources={sc.COORDINATOR_RESOURCE: 1})
+            address = sc.deploy(sc.coordinator_args(args, free_port()))
+            lost = sc.coordinator_loss(cluster, address, prompts, longer)
+            for key in ("tokens", "tokens_again"):
+                lost.pop(key)
+            figures["coordinator_loss"] = lost
         finally:
             serve.shutdown()
             ray.shutdown()

@@ -41,7 +41,8 @@ def build_app(args: dict[str, Any] | DeployArgs) -> Application:
     if settings.cache_dir is None and os.environ.get("FUSION_CACHE_DIR"):
         settings = settings.model_copy(update={"cache_dir": os.environ["FUSION_CACHE_DIR"]})
     config = settings.fusion_config()
-    registry = ReplicaRegistry.options(**settings.registry.serve_options()).bind(settings.registry_ttl_s)
+    registry = ReplicaRegistry.options(**settings.registry.serve_options()).bind(
+        settings.registry_ttl_s, settings.host, settings.targets_port)
     # Each replica gets only what it needs: its expert's config, limits and security, or the whole
     # config for the coordinator. (Serve restarts every replica when `args` change; replica counts and
     # autoscaling changed in a serve YAML's `deployments:` section restart none.)

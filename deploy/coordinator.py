@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
@@ -113,6 +114,10 @@ class CoordinatorReplica:
     def http_address(self) -> str | None:
         """host:port of the OpenAI-compatible HTTP API (None: `http_port` not set)."""
         return self.http
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (which node's loss takes it)."""
+        return ray.get_runtime_context().get_node_id()
 
     def replica_addresses(self) -> dict[str, list[str]]:
         """The replicas each expert's sessions are spread over now."""

@@ -10,6 +10,10 @@ The version (`expert_version`) names what decides an expert's logits: model, wei
 quantized weights, dtype, device. A coordinator asks only for replicas of the versions its config names, so during a rolling
 update that changes a model, old and new replicas of one expert never serve the same session.
 
+With `targets_port`, the registry also serves `scrape_targets()` over HTTP (`GET /targets`), the
+JSON that Prometheus's `http_sd_configs` polls, so Prometheus follows the replicas as they come and
+go without a config change.
+
 The table is soft state: if the registry's replica restarts, the expert replicas' next heartbeats
 fill it again, and until then the coordinator keeps the replicas it knew.
 """
@@ -18,15 +22,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from ray import serve
 
+from deploy._replica import advertised_host
 from fusion.config import ExpertConfig
 
+logger = logging.getLogger(__name__)
+
 REGISTRY_DEPLOYMENT = "registry"
+TARGETS_PATH = "/targets"
 
 
 def expert_version(config: ExpertConfig) -> str:
@@ -57,10 +68,12 @@ class ReplicaTable:
         self.ttl_s = ttl_s
         self._clock = clock
         self._entries: dict[str, ReplicaEntry] = {}
+        self._lock = threading.Lock()  # Serve's threads and the HTTP server's read and write it
 
     def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "",
                  metrics: str = "") -> None:
-        self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock(), node, metrics)
+        with self._lock:
+            self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock(), node, metrics)
 
     def scrape_targets(self) -> list[dict]:
         """The live replicas' /metrics in Prometheus's HTTP service-discovery format, labelled with the
@@ -69,14 +82,16 @@ class ReplicaTable:
                 for e in self.live() if e.metrics]
 
     def unregister(self, replica_id: str) -> bool:
-        return self._entries.pop(replica_id, None) is not None
+        with self._lock:
+            return self._entries.pop(replica_id, None) is not None
 
     def live(self) -> list[ReplicaEntry]:
         """Entries heard from within `ttl_s`, by expert then replica id; expired ones are dropped."""
-        now = self._clock()
-        for replica_id in [r for r, e in self._entries.items() if now - e.seen > self.ttl_s]:
-            del self._entries[replica_id]
-        return sorted(self._entries.values(), key=lambda e: (e.expert, e.replica_id))
+        with self._lock:
+            now = self._clock()
+            for replica_id in [r for r, e in self._entries.items() if now - e.seen > self.ttl_s]:
+                del self._entries[replica_id]
+            return sorted(self._entries.values(), key=lambda e: (e.expert, e.replica_id))
 
     def addresses(self, versions: dict[str, str] | None = None) -> dict[str, list[str]]:
         """Live addresses by expert; with `versions`, only those experts at those versions."""
@@ -85,6 +100,30 @@ class ReplicaTable:
             if versions is None or versions.get(entry.expert) == entry.version:
                 out.setdefault(entry.expert, []).append(entry.address)
         return out
+
+
+def serve_targets(table: ReplicaTable, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server (its own threads) answering `GET /targets` with `table.scrape_targets()`."""
+
+    class Targets(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.split("?")[0] != TARGETS_PATH:
+                self.send_error(404, f"only {TARGETS_PATH} is served here")
+                return
+            body = json.dumps(table.scrape_targets()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # Prometheus polls often: debug, not stderr
+            logger.debug("targets: " + format, *args)
+
+    server = ThreadingHTTPServer((host, port), Targets)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="registry-targets", daemon=True).start()
+    return server
 
 
 @serve.deployment(
@@ -96,8 +135,23 @@ class ReplicaTable:
     graceful_shutdown_wait_loop_s=0.5,
 )
 class ReplicaRegistry:
-    def __init__(self, ttl_s: float = 10.0) -> None:
+    def __init__(self, ttl_s: float = 10.0, host: str = "127.0.0.1", targets_port: int | None = None) -> None:
         self.table = ReplicaTable(ttl_s)
+        self._targets = serve_targets(self.table, host, targets_port) if targets_port is not None else None
+        if self._targets is not None:
+            logger.info("scrape targets served at http://%s%s", self.targets_address(), TARGETS_PATH)
+
+    def targets_address(self) -> str | None:
+        """host:port of the HTTP service discovery (None: no `targets_port`)."""
+        if self._targets is None:
+            return None
+        host, port = self._targets.server_address[:2]
+        return f"{advertised_host(host)}:{port}"
+
+    def __del__(self) -> None:
+        if getattr(self, "_targets", None) is not None:
+            self._targets.shutdown()
+            self._targets.server_close()
 
     def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "",
                  metrics: str = "") -> None:

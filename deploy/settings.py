@@ -114,6 +114,8 @@ class DeployArgs(_Strict):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # coordinator /metrics
     http_port: int | None = Field(default=None, ge=0, le=65535)  # the coordinator's OpenAI-compatible HTTP API
     expert_metrics_port: int | None = Field(default=None, ge=0, le=65535)  # each expert replica's /metrics
+    # The registry's HTTP service discovery for Prometheus (GET /targets: every replica's /metrics)
+    targets_port: int | None = Field(default=None, ge=0, le=65535)
     refresh_s: float = Field(default=2.0, gt=0)  # how often the coordinator re-reads the replica set
     heartbeat_s: float = Field(default=2.0, gt=0)  # how often an expert replica re-registers
     registry_ttl_s: float = Field(default=10.0, gt=0)  # a replica not heard from for this long is dropped

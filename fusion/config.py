@@ -259,6 +259,9 @@ class Limits(_Strict):
     # Step call (a coordinator splits its calls to fit). Beyond them: RESOURCE_EXHAUSTED naming it.
     # A coordinator takes its streams plus max_concurrent_rpcs other calls.
     max_concurrent_rpcs: int = Field(default=128, gt=0)
+    # Expert servers: a session not stepped for this long loses its KV cache (its coordinator is gone,
+    # or it will re-prefill): no memory held, and no autoscaling load counted, for a dead coordinator.
+    session_idle_s: float = Field(default=120.0, gt=0)
     # The HTTP API's edge: open connections (past it the longest idle one is closed), the time a
     # connection has to send a request's headers, to send its body, and to stay idle after a response.
     max_http_connections: int = Field(default=4096, gt=0)

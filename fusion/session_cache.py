@@ -8,15 +8,17 @@ re-prefill, never a wrong answer.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclass
 class CacheEntry:
     token_ids: list[int] = field(default_factory=list)  # ids whose K/V the cache holds
     kv: Any = None  # a transformers Cache object (or None before the first step)
+    used_at: float = 0.0  # the cache's clock when the session was last used
 
     @property
     def length(self) -> int:
@@ -34,10 +36,11 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class SessionCache:
     """LRU map from session id to its cached prefix; `max_tokens` bounds the sum of cached lengths."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
         self.max_tokens = max_tokens
+        self._clock = clock
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self.hits = 0  # tokens served from cache
         self.misses = 0  # tokens computed
@@ -66,7 +69,13 @@ class SessionCache:
         if entry is None:
             entry = self._entries[session_id] = CacheEntry()
         self._entries.move_to_end(session_id)
+        entry.used_at = self._clock()
         return entry
+
+    def idle(self, for_s: float) -> list[str]:
+        """Sessions not used for at least `for_s` seconds, least recently used first."""
+        now = self._clock()
+        return [session_id for session_id, entry in self._entries.items() if now - entry.used_at >= for_s]
 
     def reusable_length(self, entry: CacheEntry, token_ids: Sequence[int]) -> int:
         """How many leading ids of `token_ids` the entry can serve; at least one id is always recomputed

@@ -13,6 +13,10 @@ calls in flight (`limits.max_concurrent_rpcs`), sessions waiting in the step que
 (`limits.max_queued_steps`) and sessions per Step call (`limits.max_sessions_per_step`) are capped,
 beyond them RESOURCE_EXHAUSTED names the limit. Info and health answer on the event loop, never
 behind the worker thread, so a long Score cannot starve them.
+
+Sessions whose coordinator died are never released: a session not stepped for
+`limits.session_idle_s` loses its KV cache (not remembered as released: a caller that was only slow
+re-prefills its history), so a dead coordinator holds no memory and no autoscaling load here.
 """
 
 from __future__ import annotations
@@ -146,8 +150,34 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         self._busy_since: float | None = None  # when the worker's current job started (None: idle)
         metrics.track_sessions(lambda: len(expert.cache))
         metrics.track_cache(expert.cache_stats)
+        self._sweeper: asyncio.Task | None = None
+
+    def start_idle_sweep(self) -> None:
+        """On the serving event loop: drop idle sessions' caches from now on (module docstring)."""
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
+
+    async def _sweep_idle(self) -> None:
+        idle_s = self.limits.session_idle_s
+
+        def drop_idle() -> list[str]:  # on the worker, which alone touches the cache
+            idle = self.expert.cache.idle(idle_s)
+            if idle:
+                self.expert.release(idle)
+            return idle
+
+        while True:
+            await asyncio.sleep(idle_s / 4)
+            try:
+                dropped = await self._on_worker(drop_idle)
+            except RuntimeError:  # the worker shut down: the server is stopping
+                return
+            if dropped:
+                logger.info("expert %r: dropped the caches of %d sessions idle for %.0f s or more",
+                            self.expert.info.name, len(dropped), idle_s)
 
     def close(self) -> None:
+        if self._sweeper is not None and not self._sweeper.get_loop().is_closed():
+            self._sweeper.get_loop().call_soon_threadsafe(self._sweeper.cancel)  # (close runs off the loop)
         if self._owns_executor:
             self._executor.shutdown(wait=True)
 
@@ -408,6 +438,7 @@ async def create_expert_server(
         interceptors=expert_interceptors(security, EXPERT_SERVICE),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs + CONTROL_HEADROOM,
     )
+    servicer.start_idle_sweep()
     running.on_stop(servicer.close)
     return running, running.port
 

@@ -106,6 +106,36 @@ def test_scrape_targets_list_live_replicas_with_their_node():
     assert [t["labels"]["replica"] for t in table.scrape_targets()] == ["r3"]
 
 
+def test_scrape_targets_are_served_over_http_as_prometheus_polls_them():
+    import json
+    import urllib.error
+    import urllib.request
+
+    from deploy.registry import TARGETS_PATH, serve_targets
+
+    table = ReplicaTable(ttl_s=5.0)
+    server = serve_targets(table, "127.0.0.1", 0)
+    base = "http://127.0.0.1:%d" % server.server_address[1]
+    try:
+        def targets():
+            with urllib.request.urlopen(base + TARGETS_PATH, timeout=10) as reply:
+                assert reply.headers["Content-Type"] == "application/json"
+                return json.loads(reply.read())
+
+        assert targets() == []
+        table.register("a", "r1", "10.0.0.1:1", "v1", node="n1", metrics="10.0.0.1:9100")
+        assert targets() == table.scrape_targets() == [
+            {"targets": ["10.0.0.1:9100"], "labels": {"expert": "a", "replica": "r1", "node": "n1"}}]
+        table.unregister("r1")  # a replica gone is gone from the next poll
+        assert targets() == []
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "/metrics", timeout=10)
+        assert refused.value.code == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_coordinators_see_only_replicas_of_their_expert_versions():
     from deploy.registry import expert_version
     from fusion.config import ExpertConfig

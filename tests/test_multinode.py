@@ -1,7 +1,10 @@
 """The multi-node scenarios (fusion.tools.cluster_scenarios), short, with the tiny experts: a real Ray
-cluster of three nodes on this machine (`ray start`: a head and two workers carrying `fusion-expert`),
-the application placed by resources, a worker node killed under four greedy streams, the node's
-replicas back when a node joins again, and a rolling update of the fusion config under streams."""
+cluster on this machine (`ray start`: a head and two workers carrying `fusion-expert`), the
+application placed by resources, every replica's metrics found through the registry's HTTP service
+discovery, a worker node killed under four greedy streams, the node's replicas back when a node joins
+again, a rolling update of the fusion config under streams, replicas scaling up under a ramp of
+clients and back down, and the coordinator's node killed under streams (two nodes carrying
+`fusion-coordinator` join for that)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import os
 import pytest
 
 from fusion.tools import cluster_scenarios as sc
-from fusion.tools.ray_cluster import LocalRayCluster
+from fusion.tools.ray_cluster import LocalRayCluster, free_port
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_greedy_equivalent
 
@@ -24,7 +27,9 @@ def three_nodes(tiny_dir, tmp_path_factory):
     from ray import serve
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    with LocalRayCluster(tmp_path_factory.mktemp("ray-nodes"), head_cpus=1) as cluster:
+    # replicas report their load every half second, not every ten (autoscaling within a short test)
+    fast_metrics = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+    with LocalRayCluster(tmp_path_factory.mktemp("ray-nodes"), head_cpus=1, env=fast_metrics) as cluster:
         for name in ("w1", "w2"):
             cluster.add_worker(name, num_cpus=1, resources={sc.EXPERT_RESOURCE: 1})
         cluster.connect(logging_level="WARNING", log_to_driver=False)
@@ -78,3 +83,40 @@ def test_a_rolling_update_loses_no_stream_and_new_requests_see_the_new_config(th
     assert figures["lost"] == 0, figures["errors"]
     assert (figures["before"], figures["after"]) == ("weighted_logits", "mixture")
 
+
+
+def test_replicas_scale_up_under_a_ramp_of_clients_and_back_down_when_idle(three_nodes):
+    cluster, args, _ = three_nodes
+    address = sc.deploy(sc.autoscaling_args(args, max_replicas=2, sessions_per_replica=2))
+    sc.wait_until(lambda: all(n == 1 for n in sc.running_replicas().values()) or sc.running_replicas(),
+                  "one replica per expert to start from", timeout_s=120)
+    # four clients, one more each second, each asking back to back for 60 s: four sessions held on
+    # each expert, two per replica wanted, so every expert scales to its two nodes; then back to one.
+    # (A new replica's worker process takes tens of seconds to start while the clients load both cores.)
+    figures = sc.autoscaling(address, PROMPTS, SAMPLING, max_replicas=2, hold_s=60.0, timeout_s=120)
+    assert figures["lost"] == 0, figures["errors"]
+    assert figures["scaled_up_s"] is not None, figures
+    assert figures["streams"] > len(PROMPTS)  # the clients did ask back to back
+
+
+def test_the_coordinator_node_lost_under_streams_ends_them_unavailable_and_its_address_answers_again(
+        three_nodes, tiny_service):
+    cluster, args, _ = three_nodes
+    for name in ("c1", "c2"):
+        cluster.add_worker(name, num_cpus=1, resources={sc.COORDINATOR_RESOURCE: 1})
+    port = free_port()
+    address = sc.deploy(sc.coordinator_args(args, port))
+    assert address.endswith(f":{port}")
+    longer = {**SAMPLING, "max_tokens": 200}
+    figures = sc.coordinator_loss(cluster, address, PROMPTS, longer, timeout_s=180)
+    assert figures["hung"] == 0 and figures["other_errors"] == [], figures
+    # every stream either ended with a clear UNAVAILABLE or had finished, with the undisturbed tokens
+    assert figures["ended_unavailable"] >= 1, figures
+    assert figures["ended_unavailable"] + figures["finished_before_the_kill"] == len(PROMPTS)
+    # the same address answers again, from the coordinator Serve started on the other node
+    assert figures["new_coordinator_node"] in {"c1", "c2"} and figures["new_coordinator_node"] != figures["victim"]
+    assert figures["asked_again_lost"] == 0
+    for prompt, finished, again in zip(PROMPTS, figures["tokens"], figures["tokens_again"]):
+        expected = tiny_service.complete(prompt, longer).token_ids
+        for tokens in ([finished] if finished is not None else []) + [again]:
+            assert_greedy_equivalent(tiny_service, prompt, tokens, expected)

@@ -168,6 +168,24 @@ def test_release_frees_the_sessions_on_their_replicas(start, remote):
     assert expert._pinned == {"s3": 1}
 
 
+def test_a_session_left_idle_loses_its_cache_and_a_late_step_re_prefills_it(start, remote, reference, tiny_config):
+    # a coordinator that died never releases its sessions: the replica drops them once idle
+    server, port = start(tiny_config.limits.model_copy(update={"session_idle_s": 0.4}))
+    expert = remote([port])
+    expert.step([StepRequest("orphan", HISTORY)])
+    expert.step([StepRequest("kept", HISTORY)])
+    assert cached(server) == {"orphan", "kept"}
+    deadline = time.monotonic() + 10
+    while "orphan" in cached(server) and time.monotonic() < deadline:
+        expert.step([StepRequest("kept", HISTORY)])  # stepped all along: never idle
+        time.sleep(0.05)
+    assert cached(server) == {"kept"}
+    # not refused as released: a caller that was only slow re-prefills its history there
+    logits = expert.step([StepRequest("orphan", HISTORY + [3])])
+    assert torch.allclose(logits[0], local_step(reference, HISTORY + [3]), atol=ATOL)
+    assert cached(server) == {"orphan", "kept"}
+
+
 def test_a_changed_replica_set_moves_sessions_to_the_replicas_now_listed(start, remote, reference):
     (old, old_port), (new, new_port) = start(), start()
     expert = remote([old_port])

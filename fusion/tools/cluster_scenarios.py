@@ -6,7 +6,13 @@ an expert per node; the coordinator and the registry on the head), then
   with the tokens of an undisturbed run; the longest gap between two tokens is the failover's cost;
   a node joining again gets the lost replicas back, and the coordinator uses them;
 - rolling update: the application is deployed again with a changed fusion config while streams run;
-  none may fail, and new requests see the new config.
+  none may fail, and new requests see the new config;
+- autoscaling: clients ramp up one by one, each asking back to back; every expert scales up to its
+  maximum and back down to one replica once they stop;
+- coordinator loss: the coordinator serves on a fixed port from one of two nodes that carry
+  `fusion-coordinator`; that node is killed under streams: each stream ends UNAVAILABLE (or had
+  finished), never hangs, and the same address answers again once Serve has started the coordinator
+  on the other node, with the undisturbed run's tokens.
 
 `benchmarks/multinode.py` runs them on the default trio and prints the figures; `tests/test_multinode.py`
 runs a short version with tiny experts.
@@ -20,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from fusion.tools.ray_cluster import LocalRayCluster
 
 logger = logging.getLogger(__name__)
@@ -27,6 +35,7 @@ logger = logging.getLogger(__name__)
 APP = "fusion"
 EXPERT_RESOURCE = "fusion-expert"  # what worker nodes carry, as GPU nodes carry GPUs
 HEAD_RESOURCE = "node-head"  # every node carries node-<name> (LocalRayCluster)
+COORDINATOR_RESOURCE = "fusion-coordinator"  # what the nodes that may run the coordinator carry
 
 
 def placement_args(config: dict[str, Any], *, replicas: int = 2, **overrides) -> dict[str, Any]:
@@ -36,7 +45,8 @@ def placement_args(config: dict[str, Any], *, replicas: int = 2, **overrides) ->
     on_head = {HEAD_RESOURCE: 0.01}
     args = {
         "config": config, "port": 0, "grace_s": 10.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
-        "expert_metrics_port": 0,  # each replica's /metrics on a free port, listed by the registry
+        "expert_metrics_port": 0,  # each replica's /metrics on a free port, listed by the registry ...
+        "targets_port": 0,  # ... which serves that list over HTTP, as Prometheus polls it
         "expert": {"num_replicas": replicas, "num_cpus": 0, "resources": {EXPERT_RESOURCE: 0.01},
                    "max_replicas_per_node": 1, "health_check_period_s": 2.0},
         "coordinator": {"num_replicas": 1, "num_cpus": 0, "resources": on_head},
@@ -68,15 +78,19 @@ def replica_nodes() -> dict[str, list[str]]:
 
 
 def scraped_replicas() -> list[dict[str, str]]:
-    """Each scrape target the registry lists, read: the labels of the `fusion_replica_info` it serves
-    (and the target's own labels, to compare)."""
+    """Each scrape target the registry's HTTP service discovery lists (as Prometheus polls it), read:
+    the labels of the `fusion_replica_info` it serves (and the target's own labels, to compare)."""
+    import json
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
     from ray import serve
 
+    from deploy.registry import TARGETS_PATH
+
+    discovery = serve.get_deployment_handle("registry", APP).targets_address.remote().result(timeout_s=30)
     out = []
-    for target in serve.get_deployment_handle("registry", APP).scrape_targets.remote().result(timeout_s=30):
+    for target in json.loads(urllib.request.urlopen(f"http://{discovery}{TARGETS_PATH}", timeout=10).read()):
         [address] = target["targets"]
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         served = [s.labels for family in text_string_to_metric_families(text) if family.name == "fusion_replica_info"
@@ -91,6 +105,7 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     error: str | None = None
+    code: str | None = None  # the gRPC status of a failed stream
 
     @property
     def longest_gap_s(self) -> float:
@@ -121,6 +136,8 @@ def run_streams(address: str, prompts: list[str], sampling: dict[str, Any], *, m
                     check_ready()
         except Exception as err:  # a lost stream: what the scenario counts
             stream.error = f"{type(err).__name__}: {err}"
+            cause = err.__cause__
+            stream.code = cause.code().name if isinstance(cause, grpc.RpcError) else None
             check_ready()
 
     threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in streams]
@@ -244,12 +261,31 @@ def _p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0
 
 
+def _back_to_back(address: str, prompt: str, sampling: dict[str, Any], hold_s: float,
+                  streams: list[Stream]) -> threading.Thread:
+    """A client asking `prompt` again and again (each stream appended to `streams`) until `hold_s`
+    seconds have passed since it began; at least once."""
+    until = time.monotonic() + hold_s
+
+    def run() -> None:
+        while True:
+            done = streams_to_end(address, [prompt], sampling)
+            streams.extend(done)
+            if done[0].error or time.monotonic() >= until:
+                return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def autoscaling(address: str, prompts: list[str], sampling: dict[str, Any], *, max_replicas: int,
-                ramp_interval_s: float = 1.0, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Under a ramp (one more stream every `ramp_interval_s` up to len(prompts)), every expert scales
-    up to `max_replicas`; once the streams end, back down to one. Times to scale up (all experts at
-    `max_replicas`, watched every half second while the streams run) and down, and the p95 gap
-    between tokens during the ramp against one stream alone before it."""
+                ramp_interval_s: float = 1.0, hold_s: float = 0.0, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Under a ramp (one more client every `ramp_interval_s` up to len(prompts), each asking its
+    prompt back to back for `hold_s` seconds, or once), every expert scales up to `max_replicas`; once
+    the clients stop, back down to one. Times to scale up (all experts at `max_replicas`, watched
+    every half second while the clients run) and down, and the p95 gap between tokens during the ramp
+    against one stream alone before it."""
     steady = streams_to_end(address, prompts[:1], sampling)
     ramp_started = time.monotonic()
     scaled_up: list[float] = []
@@ -263,14 +299,13 @@ def autoscaling(address: str, prompts: list[str], sampling: dict[str, Any], *, m
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    streams, all_threads = [], []
+    streams: list[Stream] = []
+    clients = []
     for prompt in prompts:
-        started, _, threads = run_streams(address, [prompt], sampling)
-        streams += started
-        all_threads += threads
+        clients.append(_back_to_back(address, prompt, sampling, hold_s, streams))
         time.sleep(ramp_interval_s)
-    for thread in all_threads:
-        thread.join()
+    for client in clients:
+        client.join()
     done.set()
     watcher.join()
     idle_from = time.monotonic()
@@ -279,8 +314,71 @@ def autoscaling(address: str, prompts: list[str], sampling: dict[str, Any], *, m
     ramp_gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:])]
     steady_gaps = [b - a for a, b in zip(steady[0].times, steady[0].times[1:])]
     return {
-        "streams": len(streams), "lost": sum(1 for s in streams if s.error), "errors": [s.error for s in streams if s.error],
+        "clients": len(prompts), "streams": len(streams), "lost": sum(1 for s in streams if s.error),
+        "errors": [s.error for s in streams if s.error],
         "scaled_up_s": scaled_up[0] if scaled_up else None,
         "scaled_down_after_idle_s": time.monotonic() - idle_from,
         "p95_gap_ramp_s": _p95(ramp_gaps), "p95_gap_one_stream_s": _p95(steady_gaps),
+    }
+
+
+def coordinator_args(args: dict[str, Any], port: int) -> dict[str, Any]:
+    """`args` with the coordinator on the nodes that carry `COORDINATOR_RESOURCE` (one replica, checked
+    every second) serving on the fixed `port`: the stable address its clients keep."""
+    coordinator = {**args["coordinator"], "resources": {COORDINATOR_RESOURCE: 0.01}, "health_check_period_s": 1.0}
+    return {**args, "port": port, "coordinator": coordinator}
+
+
+def coordinator_node() -> str:
+    """The Ray node id of the coordinator replica that answers."""
+    from ray import serve
+
+    return serve.get_deployment_handle("coordinator", APP).node_id.remote().result(timeout_s=30)
+
+
+def coordinator_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampling: dict[str, Any], *,
+                     kill_after_tokens: int = 3, timeout_s: float = 300.0) -> dict[str, Any]:
+    """The coordinator-loss scenario (module docstring): the node the coordinator runs on is killed
+    while streams run through `address`; its figures. The cluster needs another node carrying
+    `COORDINATOR_RESOURCE` for Serve to start the coordinator again."""
+    from services.client import FusionClient
+
+    reference = streams_to_end(address, prompts, sampling)
+    if any(s.error for s in reference):
+        raise RuntimeError(f"the undisturbed run failed: {[s.error for s in reference if s.error]}")
+    victim = cluster.name_of(coordinator_node())
+    streams, ready, threads = run_streams(address, prompts, sampling, min_tokens=kill_after_tokens,
+                                          timeout_s=timeout_s)
+    ready.wait(timeout=120)
+    killed_at = time.monotonic()
+    cluster.kill(victim)
+    for thread in threads:
+        thread.join(timeout=timeout_s)
+    ended_s = time.monotonic() - killed_at
+    hung = sum(1 for thread in threads if thread.is_alive())
+
+    def answers() -> bool | str:  # a client asking again at the same address, as one would
+        try:
+            with FusionClient(address, timeout=10) as client:
+                client.describe()
+            return True
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+
+    wait_until(answers, "the coordinator answering at its address again", timeout_s=timeout_s)
+    back_s = time.monotonic() - killed_at
+    again = streams_to_end(address, prompts, sampling)
+    finished = [s for s in streams if not s.error]
+    return {
+        "streams": len(streams), "victim": victim, "hung": hung,
+        "ended_unavailable": sum(1 for s in streams if s.code == "UNAVAILABLE"),
+        "finished_before_the_kill": len(finished),
+        "finished_with_undisturbed_tokens": sum(1 for s, r in zip(streams, reference) if not s.error and s.tokens == r.tokens),
+        "other_errors": [s.error for s in streams if s.error and s.code != "UNAVAILABLE"],
+        "streams_ended_after_kill_s": ended_s,
+        "answering_again_after_kill_s": back_s,
+        "new_coordinator_node": cluster.name_of(coordinator_node()),
+        "asked_again_lost": sum(1 for s in again if s.error),
+        "asked_again_same_tokens": sum(1 for s, r in zip(again, reference) if not s.error and s.tokens == r.tokens),
+        "tokens": [None if s.error else s.tokens for s in streams], "tokens_again": [s.tokens for s in again],
     }

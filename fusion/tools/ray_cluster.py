@@ -56,6 +56,7 @@ class LocalRayCluster:
     workdir: Path
     head_cpus: float = 1
     head_resources: dict[str, float] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # set in every node's environment (Ray's RAY_* settings)
     port: int = field(default_factory=free_port)
     nodes: dict[str, Node] = field(default_factory=dict)
 
@@ -101,7 +102,7 @@ class LocalRayCluster:
         resources = {**resources, f"node-{name}": 1.0}  # every node also carries its own name
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--block",
                    f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}"]
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **AUTH}
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **self.env, **AUTH}
         with open(log, "ab") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)  # a process group of its own
@@ -129,6 +130,11 @@ class LocalRayCluster:
                 return json.loads(lines[-1])[0]
             time.sleep(1.0)
         raise TimeoutError(f"node {node.name} did not join within {timeout_s:.0f} s; see {node.log}")
+
+    def name_of(self, node_id: str) -> str:
+        """The name of the running node with Ray's id `node_id`."""
+        [name] = [n for n, node in self.nodes.items() if node.node_id == node_id]
+        return name
 
     def kill(self, name: str) -> None:
         """Kill node `name` whole and at once (SIGKILL to its process group), as a machine that dies."""

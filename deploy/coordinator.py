@@ -38,6 +38,7 @@ from fusion.config import FusionConfig, parse_config
 from fusion.errors import ExpertUnavailableError
 from fusion.models import model_resolver
 from services.coordinator import create_coordinator_server
+from services.metrics import label_replica
 from services.protos import FUSION_SERVICE
 from services.remote_expert import RemoteExpert
 from services.tls import open_channel
@@ -78,6 +79,12 @@ class CoordinatorReplica:
         http_port = self._running.http_port
         self.http = f"{advertised_host(settings.host)}:{http_port}" if http_port is not None else None
         self.service = self._running.servicer.service
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        self._metrics_labels = {"deployment": COORDINATOR_DEPLOYMENT, "replica": self.replica_id,
+                                "node": ray.get_runtime_context().get_node_id()}
+        label_replica(self._running.metrics.registry, **self._metrics_labels)
+        metrics_port = self._running.metrics_port
+        self.metrics_address = f"{advertised_host(settings.host)}:{metrics_port}" if metrics_port is not None else ""
         self.remote_experts = {e.name: e for e in self.service.experts if isinstance(e, RemoteExpert)}
         self._channel = None
         self._closed = False
@@ -106,6 +113,12 @@ class CoordinatorReplica:
                 continue
             for name, remote in self.remote_experts.items():
                 remote.set_addresses(addresses.get(name, []))
+            if self.metrics_address:  # listed with the experts' for Prometheus (the registry's TTL drops it)
+                try:
+                    await self._registry.register_metrics.remote(self.replica_id, self.metrics_address,
+                                                                 self._metrics_labels)
+                except Exception as err:
+                    logger.warning("listing the coordinator's metrics failed: %s", err)
 
     # -- what Serve and callers ask -------------------------------------------------------------
     def grpc_address(self) -> str:

@@ -68,6 +68,8 @@ class ReplicaTable:
         self.ttl_s = ttl_s
         self._clock = clock
         self._entries: dict[str, ReplicaEntry] = {}
+        # other replicas' /metrics (the coordinators'): replica id -> (address, labels, last seen)
+        self._scraped: dict[str, tuple[str, dict[str, str], float]] = {}
         self._lock = threading.Lock()  # Serve's threads and the HTTP server's read and write it
 
     def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "",
@@ -75,15 +77,27 @@ class ReplicaTable:
         with self._lock:
             self._entries[replica_id] = ReplicaEntry(expert, replica_id, address, version, self._clock(), node, metrics)
 
+    def register_metrics(self, replica_id: str, metrics: str, labels: dict[str, str]) -> None:
+        """A replica that serves no expert (a coordinator) listing its /metrics, labelled `labels`."""
+        with self._lock:
+            self._scraped[replica_id] = (metrics, dict(labels), self._clock())
+
     def scrape_targets(self) -> list[dict]:
-        """The live replicas' /metrics in Prometheus's HTTP service-discovery format, labelled with the
-        expert, the replica and the node."""
-        return [{"targets": [e.metrics], "labels": {"expert": e.expert, "replica": e.replica_id, "node": e.node}}
-                for e in self.live() if e.metrics]
+        """The live replicas' /metrics in Prometheus's HTTP service-discovery format: the experts',
+        labelled with the expert, the replica and the node, then the others' with their own labels."""
+        targets = [{"targets": [e.metrics], "labels": {"expert": e.expert, "replica": e.replica_id, "node": e.node}}
+                   for e in self.live() if e.metrics]
+        with self._lock:
+            now = self._clock()
+            for replica_id in [r for r, (_, _, seen) in self._scraped.items() if now - seen > self.ttl_s]:
+                del self._scraped[replica_id]
+            others = sorted(self._scraped.items())
+        return targets + [{"targets": [metrics], "labels": labels} for _, (metrics, labels, _) in others]
 
     def unregister(self, replica_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(replica_id, None) is not None
+            scraped = self._scraped.pop(replica_id, None) is not None
+            return self._entries.pop(replica_id, None) is not None or scraped
 
     def live(self) -> list[ReplicaEntry]:
         """Entries heard from within `ttl_s`, by expert then replica id; expired ones are dropped."""
@@ -156,6 +170,9 @@ class ReplicaRegistry:
     def register(self, expert: str, replica_id: str, address: str, version: str, node: str = "",
                  metrics: str = "") -> None:
         self.table.register(expert, replica_id, address, version, node, metrics)
+
+    def register_metrics(self, replica_id: str, metrics: str, labels: dict[str, str]) -> None:
+        self.table.register_metrics(replica_id, metrics, labels)
 
     def scrape_targets(self) -> list[dict]:
         return self.table.scrape_targets()

@@ -101,9 +101,15 @@ def test_scrape_targets_list_live_replicas_with_their_node():
     assert table.scrape_targets() == [
         {"targets": ["10.0.0.1:9100"], "labels": {"expert": "a", "replica": "r1", "node": "n1"}},
         {"targets": ["10.0.0.3:9100"], "labels": {"expert": "b", "replica": "r3", "node": "n2"}}]
+    # a coordinator lists its /metrics under its own labels, and expires like the experts
+    table.register_metrics("co1", "10.0.0.9:9090", {"deployment": "coordinator", "replica": "co1", "node": "n3"})
+    assert table.scrape_targets()[-1] == {
+        "targets": ["10.0.0.9:9090"], "labels": {"deployment": "coordinator", "replica": "co1", "node": "n3"}}
     now[0] += 6.0
     table.register("b", "r3", "10.0.0.3:1", "v1", node="n2", metrics="10.0.0.3:9100")
     assert [t["labels"]["replica"] for t in table.scrape_targets()] == ["r3"]
+    table.register_metrics("co1", "10.0.0.9:9090", {"replica": "co1"})
+    assert table.unregister("co1") and [t["labels"]["replica"] for t in table.scrape_targets()] == ["r3"]
 
 
 def test_scrape_targets_are_served_over_http_as_prometheus_polls_them():

@@ -51,11 +51,16 @@ def test_experts_are_placed_by_resources_and_survive_a_node_loss(three_nodes, ti
     for expert, nodes in placed.items():  # two replicas each, one on each worker, none on the head
         assert sorted(nodes) == sorted(workers), expert
 
-    # every replica's metrics are reachable where the registry says, labelled with its replica and node
+    # every replica's metrics are reachable where the registry says, labelled with its replica and node:
+    # the six expert replicas' on the workers, the coordinator's on the head
     scraped = sc.scraped_replicas()
-    assert len(scraped) == 6
+    assert len(scraped) == 7
     for replica in scraped:
-        assert replica["served"] == replica["target"] and replica["served"]["node"] in workers
+        assert replica["served"] == replica["target"]
+    experts = [r["served"] for r in scraped if "expert" in r["served"]]
+    [coordinator] = [r["served"] for r in scraped if r["served"].get("deployment") == "coordinator"]
+    assert len(experts) == 6 and all(r["node"] in workers for r in experts)
+    assert coordinator["node"] == cluster.nodes["head"].node_id
 
     figures = sc.node_loss(cluster, address, PROMPTS, SAMPLING, victim="w2", replicas=2, kill_after_tokens=4)
     assert figures["lost"] == 0, figures["errors"]

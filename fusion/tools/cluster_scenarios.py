@@ -45,7 +45,7 @@ def placement_args(config: dict[str, Any], *, replicas: int = 2, **overrides) ->
     on_head = {HEAD_RESOURCE: 0.01}
     args = {
         "config": config, "port": 0, "grace_s": 10.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
-        "expert_metrics_port": 0,  # each replica's /metrics on a free port, listed by the registry ...
+        "metrics_port": 0, "expert_metrics_port": 0,  # every replica's /metrics on a free port, listed by the registry ...
         "targets_port": 0,  # ... which serves that list over HTTP, as Prometheus polls it
         "expert": {"num_replicas": replicas, "num_cpus": 0, "resources": {EXPERT_RESOURCE: 0.01},
                    "max_replicas_per_node": 1, "health_check_period_s": 2.0},

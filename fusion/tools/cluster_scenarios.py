@@ -38,18 +38,20 @@ HEAD_RESOURCE = "node-head"  # every node carries node-<name> (LocalRayCluster)
 COORDINATOR_RESOURCE = "fusion-coordinator"  # what the nodes that may run the coordinator carry
 
 
-def placement_args(config: dict[str, Any], *, replicas: int = 2, **overrides) -> dict[str, Any]:
+def placement_args(config: dict[str, Any], *, replicas: int = 2, grace_s: float = 60.0, **overrides) -> dict[str, Any]:
     """Deploy args placing `replicas` replicas of each expert on distinct nodes that carry
     `EXPERT_RESOURCE`, and the coordinator and the registry on the head; quick heartbeats and refreshes,
-    so that the coordinator learns a changed replica set within a second or two."""
+    so that the coordinator learns a changed replica set within a second or two. A replaced coordinator
+    lets its streams run for `grace_s` (a rolling update loses none that end within it)."""
     on_head = {HEAD_RESOURCE: 0.01}
     args = {
-        "config": config, "port": 0, "grace_s": 10.0, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
+        "config": config, "port": 0, "grace_s": grace_s, "heartbeat_s": 1.0, "registry_ttl_s": 4.0, "refresh_s": 0.5,
         "metrics_port": 0, "expert_metrics_port": 0,  # every replica's /metrics on a free port, listed by the registry ...
         "targets_port": 0,  # ... which serves that list over HTTP, as Prometheus polls it
         "expert": {"num_replicas": replicas, "num_cpus": 0, "resources": {EXPERT_RESOURCE: 0.01},
                    "max_replicas_per_node": 1, "health_check_period_s": 2.0},
-        "coordinator": {"num_replicas": 1, "num_cpus": 0, "resources": on_head},
+        "coordinator": {"num_replicas": 1, "num_cpus": 0, "resources": on_head,
+                        "graceful_shutdown_timeout_s": grace_s + 30},
         "registry": {"num_cpus": 0, "resources": on_head},
     }
     args.update(overrides)

@@ -18,6 +18,7 @@ config's experts deployed with two replicas each on distinct workers, then
 
     python benchmarks/multinode.py --json docs/multinode.json     # the default trio (fetched first)
     python benchmarks/multinode.py --config my.yaml --streams 8 --tokens 48
+    python benchmarks/multinode.py --scenarios coordinator_loss
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 
 
+SCENARIOS = ("node_loss", "rolling_update", "autoscaling", "coordinator_loss")
+
+
 def main() -> None:
     from fusion.models import default_cache_dir
     from fusion.tools import cluster_scenarios as sc
@@ -49,7 +53,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"some of {','.join(SCENARIOS)}")
     options = parser.parse_args()
+    chosen = set(options.scenarios.split(","))
+    if chosen - set(SCENARIOS):
+        parser.error(f"--scenarios: unknown {sorted(chosen - set(SCENARIOS))}; known: {list(SCENARIOS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache = default_cache_dir()
     config = yaml.safe_load(options.config.read_text())
@@ -70,9 +78,10 @@ def main() -> None:
             args = sc.placement_args(config, replicas=2, cache_dir=str(cache))
             address = sc.deploy(args)
             figures["placement"] = {e: len(set(n)) for e, n in sc.replica_nodes().items()}
-            node = sc.node_loss(cluster, address, prompts, sampling, victim="w2", replicas=2)
-            node.pop("tokens")
-            figures["node_loss"] = node
+            if "node_loss" in chosen:
+                node = sc.node_loss(cluster, address, prompts, sampling, victim="w2", replicas=2)
+                node.pop("tokens")
+                figures["node_loss"] = node
 
             def rule(at: str) -> str:
                 with FusionClient(at, timeout=120) as client:
@@ -80,20 +89,23 @@ def main() -> None:
 
             current = config.get("fusion", {}).get("rule", "weighted_logits")
             changed = {**config, "fusion": {"rule": "mixture" if current != "mixture" else "weighted_logits"}}
-            update = sc.rolling_update(address, {**args, "config": changed}, prompts, sampling, rule)
-            figures["rolling_update"] = update
-            address = sc.deploy(sc.autoscaling_args(args, max_replicas=2, sessions_per_replica=2))
-            sc.wait_until(lambda: all(n == 1 for n in sc.running_replicas().values()) or sc.running_replicas(),
-                          "one replica per expert to start from", timeout_s=300)
+            if "rolling_update" in chosen:
+                update = sc.rolling_update(address, {**args, "config": changed}, prompts, sampling, rule)
+                figures["rolling_update"] = update
             longer = {**sampling, "max_tokens": 4 * options.tokens}
-            figures["autoscaling"] = sc.autoscaling(address, prompts, longer, max_replicas=2)
-            for name in ("c1", "c2"):
-                cluster.add_worker(name, num_cpus=1, resources={sc.COORDINATOR_RESOURCE: 1})
-            address = sc.deploy(sc.coordinator_args(args, free_port()))
-            lost = sc.coordinator_loss(cluster, address, prompts, longer)
-            for key in ("tokens", "tokens_again"):
-                lost.pop(key)
-            figures["coordinator_loss"] = lost
+            if "autoscaling" in chosen:
+                address = sc.deploy(sc.autoscaling_args(args, max_replicas=2, sessions_per_replica=2))
+                sc.wait_until(lambda: all(n == 1 for n in sc.running_replicas().values()) or sc.running_replicas(),
+                              "one replica per expert to start from", timeout_s=300)
+                figures["autoscaling"] = sc.autoscaling(address, prompts, longer, max_replicas=2)
+            if "coordinator_loss" in chosen:
+                for name in ("c1", "c2"):
+                    cluster.add_worker(name, num_cpus=1, resources={sc.COORDINATOR_RESOURCE: 1})
+                address = sc.deploy(sc.coordinator_args(args, free_port()))
+                lost = sc.coordinator_loss(cluster, address, prompts, longer)
+                for key in ("tokens", "tokens_again"):
+                    lost.pop(key)
+                figures["coordinator_loss"] = lost
         finally:
             serve.shutdown()
             ray.shutdown()

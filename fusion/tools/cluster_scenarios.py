@@ -197,6 +197,7 @@ def node_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampli
     figures: dict[str, Any] = {
         "streams": len(streams), "lost": len(lost), "errors": [s.error for s in lost],
         "same_tokens_as_undisturbed": same,
+        "first_difference": [_first_difference(s.tokens, r.tokens) for s, r in zip(streams, reference)],
         "longest_gap_s": max(s.longest_gap_s for s in streams),
         "longest_gap_undisturbed_s": max(s.longest_gap_s for s in reference),
         "replicas_on_the_lost_node": on_victim,
@@ -324,6 +325,10 @@ def autoscaling(address: str, prompts: list[str], sampling: dict[str, Any], *, m
     }
 
 
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def coordinator_args(args: dict[str, Any], port: int) -> dict[str, Any]:
     """`args` with the coordinator on the nodes that carry `COORDINATOR_RESOURCE` (one replica, checked
     every second) serving on the fixed `port`: the stable address its clients keep."""
@@ -382,5 +387,7 @@ def coordinator_loss(cluster: LocalRayCluster, address: str, prompts: list[str],
         "new_coordinator_node": cluster.name_of(coordinator_node()),
         "asked_again_lost": sum(1 for s in again if s.error),
         "asked_again_same_tokens": sum(1 for s, r in zip(again, reference) if not s.error and s.tokens == r.tokens),
+        # where each stream asked again first departs from the undisturbed one (None: nowhere)
+        "asked_again_first_difference": [_first_difference(s.tokens, r.tokens) for s, r in zip(again, reference)],
         "tokens": [None if s.error else s.tokens for s in streams], "tokens_again": [s.tokens for s in again],
     }

@@ -98,11 +98,13 @@ class AdapterRows:
 
     def __init__(self, device: torch.device) -> None:
         self.rows = torch.full((1,), BASE, dtype=torch.long, device=device)
+        self.any_adapter = False  # whether some row runs an adapter (else every delta is zero: skipped)
         self._own: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(owner) -> (owner, rows, own)
         self._owners: dict[tuple[int, ...], torch.Tensor] = {}
 
     def set(self, rows: list[int]) -> None:
         self.rows = torch.tensor(rows, dtype=torch.long, device=self.rows.device)
+        self.any_adapter = any(row != BASE for row in rows)
 
     def shared_owner(self, owner: torch.Tensor) -> torch.Tensor:
         """One tensor per distinct owner layout, so that stacks of equal layouts share `own_columns`."""
@@ -186,6 +188,8 @@ class MultiLoraLinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and not self._rows.any_adapter:  # only base rows: no delta
+            return self.base(x)
         return self.base(x) + self.stack(x, self._rows.rows)
 
 

@@ -60,7 +60,10 @@ class SharedBaseExpert(LocalExpert):
     def _select_rows(self, session_ids: list[str]) -> None:
         rows = [self.adapter_index.get(s.partition(SEPARATOR)[0], BASE) for s in session_ids]
         self.multi.rows.set(rows)
-        self._rows_now = self.multi.rows.rows
+        # Only base rows: the eager fast step skips the adapters' products (their deltas are zero). A
+        # compiled step keeps the rows, so that its graphs stay the ones it compiled.
+        eager = self._fast_step is None or self._fast_step.mode == "off"
+        self._rows_now = self.multi.rows.rows if self.multi.rows.any_adapter or not eager else None
 
     def step_members(self, parts: Sequence[tuple[AdapterMember, Sequence[StepRequest]]]) -> list[torch.Tensor]:
         """One step over several members' sessions, their rows batched together: per member, (b, V)."""

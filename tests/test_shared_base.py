@@ -97,6 +97,31 @@ def test_a_joint_step_equals_each_merged_expert(shared, merged):
     assert all(e.active_sessions == 0 for e in shared)
 
 
+def test_base_rows_alone_skip_the_adapters_and_equal_the_plain_base(shared, merged, monkeypatch):
+    # a step whose rows run no adapter (the base member alone) computes no adapter product: its deltas
+    # would be zero; the logits stay exactly the plain base's, on the fast step and in prefill
+    from fusion.multi_lora import AdapterStack
+
+    products = []
+    original = AdapterStack.forward
+    monkeypatch.setattr(AdapterStack, "forward", lambda self, x, rows: products.append(1) or original(self, x, rows))
+    group = shared[0].shared_base
+    history = histories(1, seed=7)[0]
+    fast_before = group.fast_decode_steps
+    for token in (5, 9, 13):
+        history = history + [token]
+        got = group.step_members([(shared[0], [StepRequest("base-only", history)])])[0]
+        assert torch.allclose(got, merged[0].step([StepRequest("base-only", history)]), atol=1e-4)
+    assert group.fast_decode_steps > fast_before and products == []
+    # a row with an adapter in the step: the products run again
+    group.step_members([(shared[0], [StepRequest("base-only", history + [4])]),
+                        (shared[1], [StepRequest("adapted", history)])])
+    assert products
+    shared[0].release(["base-only"])
+    shared[1].release(["adapted"])
+    merged[0].release(["base-only"])
+
+
 def test_score_and_extensions_match_the_merged_expert(shared, merged):
     ids = [5, 17, 42, 9, 3, 11, 8]
     for m in range(3):

@@ -80,8 +80,8 @@ class CoordinatorReplica:
         self.http = f"{advertised_host(settings.host)}:{http_port}" if http_port is not None else None
         self.service = self._running.servicer.service
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
-        self._metrics_labels = {"deployment": COORDINATOR_DEPLOYMENT, "replica": self.replica_id,
-                                "node": ray.get_runtime_context().get_node_id()}
+        self.node = ray.get_runtime_context().get_node_id()
+        self._metrics_labels = {"deployment": COORDINATOR_DEPLOYMENT, "replica": self.replica_id, "node": self.node}
         label_replica(self._running.metrics.registry, **self._metrics_labels)
         metrics_port = self._running.metrics_port
         self.metrics_address = f"{advertised_host(settings.host)}:{metrics_port}" if metrics_port is not None else ""
@@ -130,7 +130,7 @@ class CoordinatorReplica:
 
     def node_id(self) -> str:
         """The Ray node this replica runs on (which node's loss takes it)."""
-        return ray.get_runtime_context().get_node_id()
+        return self.node
 
     def replica_addresses(self) -> dict[str, list[str]]:
         """The replicas each expert's sessions are spread over now."""

@@ -155,9 +155,11 @@ def test_a_preempted_request_cancelled_while_waiting_frees_its_sessions(tiny_ser
     try:
         a = scheduler.submit(_tenant_requests(tiny_service, Tenant("a"), 1, 2000)[0])
         next(iter(a._queue.get, None))
-        b = scheduler.submit(_tenant_requests(tiny_service, Tenant("b"), 1, 2000, first_prompt=3)[0])
+        # b weighs twice a: its first request takes a's only slot at once (equal weights would wait)
+        b = scheduler.submit(_tenant_requests(tiny_service, Tenant("b", weight=2.0), 1, 2000, first_prompt=3)[0])
         assert wait_until(lambda: scheduler.running_by_tenant() == {"b": 1})
-        a.cancel()  # a waits, preempted, with its sessions held
+        assert scheduler.preemptions == 1 and scheduler.active == 2  # a waits, preempted, sessions held
+        a.cancel()
         b.cancel()
         assert wait_until(lambda: scheduler.active == 0)
         assert wait_until(lambda: all(len(e.cache) == 0 for e in tiny_service.engine.experts))

@@ -49,17 +49,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     kv head), as plain products: at one query per row, CPU SDPA's flash kernel measured far slower.
     `times` computes the two products (`rows_times`; `one_row_times` in CPU-compiled steps). The query
     and the probabilities are stored (`stored`), so products computed in inductor's own loops do not
-    recompute the rotation or the exponentials for every column. Returns (B, H·D)."""
+    recompute the rotation or the exponentials for every column. An eager step on a CPU computes both
+    products in float32 (`attention_dtype`). Returns (B, H·D) in q's dtype."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
-    q = stored(q.view(batch, kv_heads, heads // kv_heads, dim))
-    cached = times(q, keys.transpose(-1, -2)).float()  # (B, H_kv, group, width)
+    work = attention_dtype(q)
+    q = stored(q.view(batch, kv_heads, heads // kv_heads, dim).to(work))
+    k, v = k.to(work), v.to(work)
+    cached = times(q, keys.transpose(-1, -2).to(work)).float()  # (B, H_kv, group, width)
     if mask is not None:
         cached = cached.masked_fill(~mask, float("-inf"))
     own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
-    probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(q.dtype))
-    attn = times(probs[..., :-1], values) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
-    return attn.reshape(batch, heads * dim)
+    probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(work))
+    attn = times(probs[..., :-1], values.to(work)) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+    return attn.reshape(batch, heads * dim).to(keys.dtype)
+
+
+def attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention's products run in: float32 for an eager step on a CPU, whose bf16 batched
+    products of a decode step's shapes (a few queries per row) measured several times slower than
+    converting the cached keys and values to float32 and multiplying those, from 60 to 2,000 columns
+    (docs/performance.md); q's own dtype elsewhere (a GPU; a compiled step, whose products inductor
+    writes itself)."""
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.float32
+    return q.dtype
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -322,3 +322,21 @@ def test_attention_is_attention_written_out(dtype, times):
         for got in (step(q, k, v, keys, values, dim ** -0.5, mask), compiled(q, k, v, keys, values, dim ** -0.5, mask)):
             assert got.shape == (rows, heads * dim) and got.dtype == dtype
             torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_eager_cpu_attention_of_bf16_rounds_once():
+    """An eager step on a CPU runs attention's products in float32 (`attention_dtype`: bf16 batched products
+    of these shapes measured several times slower): bf16 queries, keys and values give the float64 result
+    of those same values rounded once to bf16, where bf16 products would round the scores and the
+    probabilities too."""
+    generator = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, width, rows = 6, 2, 64, 300, 3
+    q, k, v = (torch.randn(rows, h, dim, generator=generator).bfloat16() for h in (heads, kv_heads, kv_heads))
+    keys, values = (torch.randn(rows, kv_heads, width, dim, generator=generator).bfloat16() for _ in range(2))
+    all_keys = torch.cat((keys, k[:, :, None]), dim=2).double().repeat_interleave(heads // kv_heads, dim=1)
+    all_values = torch.cat((values, v[:, :, None]), dim=2).double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = (q.double()[:, :, None, :] * all_keys).sum(-1) * dim ** -0.5  # (rows, H, width + 1)
+    expected = (scores.softmax(-1)[..., None] * all_values).sum(2).reshape(rows, heads * dim)
+    got = attend(q, k, v, keys, values, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), expected, rtol=2 ** -8, atol=2e-4)

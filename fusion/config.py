@@ -55,8 +55,10 @@ class ExpertConfig(_Strict):
     # run transformers' forward): "transformers" (the model's own eager forward), "fast"
     # (fusion.fast_decode: one function over fused projections, eager; Llama, Mistral and Qwen2
     # models, others fall back to "transformers"), "compiled" (that function through torch.compile:
-    # inductor on CPU, CUDA graphs on GPU; the first step pays the compilation, cached on disk).
-    decode: Literal["transformers", "fast", "compiled"] = "fast"
+    # inductor on CPU, CUDA graphs on GPU; the first step pays the compilation, cached on disk),
+    # "regional" (one decoder layer through torch.compile, its graph reused by every layer: a compile
+    # of seconds rather than minutes, for most of the compiled step's gain; docs/performance.md).
+    decode: Literal["transformers", "fast", "compiled", "regional"] = "fast"
     # How the decoder layers' projections are held (fusion.quantized): "dense" (in `dtype`), "int8"
     # (8-bit codes, a scale per output row) or "int4" (4-bit codes, a scale and offset per 32 inputs,
     # GGUF Q4_1's recipe; the output head at 8 bits). Quantized weights run on CPU.

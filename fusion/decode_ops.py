@@ -49,8 +49,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     kv head), as plain products: at one query per row, CPU SDPA's flash kernel measured far slower.
     `times` computes the two products (`rows_times`; `one_row_times` in CPU-compiled steps). The query
     and the probabilities are stored (`stored`), so products computed in inductor's own loops do not
-    recompute the rotation or the exponentials for every column. An eager step on a CPU computes both
-    products in float32 (`attention_dtype`). Returns (B, H·D) in q's dtype."""
+    recompute the rotation or the exponentials for every column. On a CPU both products run in float32
+    (`attention_dtype`). Returns (B, H·D) in q's dtype."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
     work = attention_dtype(q)
@@ -66,14 +66,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
 
 
 def attention_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype attention's products run in: float32 for an eager step on a CPU, whose bf16 batched
-    products of a decode step's shapes (a few queries per row) measured several times slower than
-    converting the cached keys and values to float32 and multiplying those, from 60 to 2,000 columns
-    (docs/performance.md); q's own dtype elsewhere (a GPU; a compiled step, whose products inductor
-    writes itself)."""
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():
-        return torch.float32
-    return q.dtype
+    """The dtype attention's products run in: float32 on a CPU, whose bf16 batched products of a decode
+    step's shapes (a few queries per row) measured several times slower than converting the cached keys
+    and values to float32 and multiplying those, from 60 to 2,000 columns (docs/performance.md); q's own
+    dtype on a GPU."""
+    return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

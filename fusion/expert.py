@@ -30,7 +30,8 @@ from fusion.errors import InvalidArgumentError
 from fusion.expert_batching import BatchedForwardsMixin
 from fusion.expert_extensions import ExtendMixin, ExtensionCall
 from fusion.expert_loading import codes_folder, eos_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from fusion.fast_decode import GEMMA3, DecodeStep, configure_compile_cache, decode_on_layers, unsupported_reason
+from fusion.fast_decode import (COMPILED_DECODES, GEMMA3, DecodeStep, configure_compile_cache, decode_on_layers,
+                                 unsupported_reason)
 from fusion.kv_cache import Cohort, GrowingLayer, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -137,7 +138,7 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         (else inductor's default folder) so that the next start reuses it."""
         path = model_path or config.model
         logger.info("loading expert %s from %s (%s on %s)", config.name, path, config.dtype, config.device)
-        if config.decode == "compiled" and compile_cache_dir is not None:
+        if config.decode in COMPILED_DECODES and compile_cache_dir is not None:
             configure_compile_cache(compile_cache_dir)
 
         def load() -> LocalExpert:
@@ -155,16 +156,20 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         """The fast decode step the config asks for, if the model and its cache allow one."""
         if config.decode == "transformers":
             return None
-        reason = unsupported_reason(model, compiled=config.decode == "compiled")
+        compiled = config.decode in COMPILED_DECODES
+        reason = unsupported_reason(model, compiled=compiled)
         if reason is None and not self._plain_cache and getattr(model.config, "model_type", None) != GEMMA3:
             reason = "a cache with non-plain layers"  # (Gemma 3's step reads its sliding-window layers itself)
         if reason is not None:
-            if config.decode == "compiled":
-                raise ValueError(f"expert {config.name!r}: decode: compiled is not available for this model: {reason}")
+            if compiled:
+                raise ValueError(f"expert {config.name!r}: decode: {config.decode} is not available for this model: "
+                                 f"{reason}")
             logger.info("expert %s decodes with transformers' forward: %s", config.name, reason)
             return None
         if config.decode == "fast":
             return DecodeStep(model, "off")
+        if config.decode == "regional":
+            return DecodeStep(model, "regional")
         return DecodeStep(model, "cudagraphs" if self.device.type == "cuda" else "inductor")
 
     def warm_up(self) -> float:

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +46,8 @@ from fusion.kv_cache import GrowingLayer
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("off", "inductor", "cudagraphs")
+COMPILE_MODES = ("off", "inductor", "cudagraphs", "regional")
+COMPILED_DECODES = ("compiled", "regional")  # the config's `decode` values that compile (and warm up) a step
 # Graphs one compiled step brings (`LocalExpert.warm_up`): any rows, and one row over a batch row and over
 # buffers of its own (their strides differ).
 GRAPHS_PER_STEP = 3
@@ -128,15 +130,23 @@ class FastDecoder(nn.Module):
             self.post_norm.append(frozen(layer.post_attention_layernorm.weight))
         self.has_qkv_bias = len(self.qkv_bias) > 0
         self.intermediate = inner.layers[0].mlp.down_proj.in_features
-        self.adapters = None  # a `fusion.multi_lora.MultiAdapter` over these weights: rows add its deltas
+        shape = LayerShape(self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, self.eps)
+        # The same weights again, one module per layer (a plain list: the parameters stay registered once).
+        self.blocks = [DecoderLayer(shape, self.qkv[i], self.qkv_bias[i] if self.has_qkv_bias else None,
+                                    self.o_proj[i], self.gate_up[i], self.down[i], self.input_norm[i], self.post_norm[i])
+                       for i in range(len(self.qkv))]
+        self._adapters = None
 
-    def _adapted(self, y: torch.Tensor, x: torch.Tensor, layer: int, name: str, rows: torch.Tensor | None
-                 ) -> torch.Tensor:
-        """y (the base projection of x) plus the rows' adapter deltas for fused projection `name`."""
-        if rows is None or self.adapters is None:
-            return y
-        stack = self.adapters.fused(layer, name)
-        return y if stack is None else y + stack(x, rows)
+    @property
+    def adapters(self):
+        """A `fusion.multi_lora.MultiAdapter` over these weights (None: none): rows add its deltas."""
+        return self._adapters
+
+    @adapters.setter
+    def adapters(self, multi) -> None:
+        self._adapters = multi
+        for index, block in enumerate(self.blocks):
+            block.set_stacks({} if multi is None else {name: multi.fused(index, name) for name in ADAPTED})
 
     @staticmethod
     def can_read(layers: list) -> bool:
@@ -145,10 +155,7 @@ class FastDecoder(nn.Module):
         return bool(layers) and all(type(layer) is GrowingLayer and layer.keys is not None for layer in layers)
 
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(dtype)
+        return rms_norm(x, weight, self.eps)
 
     def forward(
         self,
@@ -160,6 +167,7 @@ class FastDecoder(nn.Module):
         adapter_rows: torch.Tensor | None = None,  # (B,) long: each row's adapter (see `adapters`)
         linear=F.linear,  # how every projection is computed (`linear_one_row` in CPU-compiled steps)
         times=rows_times,  # attention's two products (`one_row_times` in CPU-compiled steps)
+        run_layer=None,  # how each `DecoderLayer` is called (a compiled `call_layer` in regional steps)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next
@@ -168,31 +176,86 @@ class FastDecoder(nn.Module):
         refuse). A compiled step is given the buffers' whole capacity, masked, so shapes change only
         when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
         columns are zeros (GrowingLayer allocates them so), never NaN."""
-        batch = ids.shape[0]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # (B, hidden)
         cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
-        scale = dim ** -0.5
         new_keys, new_values = [], []
-        for layer in range(len(self.qkv)):
-            h = self._rmsnorm(x, self.input_norm[layer])
-            qkv = project(h, self.qkv[layer], self.qkv_bias[layer] if self.has_qkv_bias else None, linear)
-            qkv = self._adapted(qkv, h, layer, "qkv", adapter_rows)
-            q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
-            q = rotate(q.view(batch, heads, dim), cos, sin)
-            k = rotate(k.view(batch, kv_heads, dim), cos, sin)
-            v = v.view(batch, kv_heads, dim)
+        for layer, block in enumerate(self.blocks):
+            args = (x, cos, sin, keys[layer], values[layer], mask, adapter_rows, linear, times)
+            x, k, v = block(*args) if run_layer is None else run_layer(block, *args)
             new_keys.append(k)
             new_values.append(v)
-            attn = attend(q, k, v, keys[layer], values[layer], scale, mask, times)  # (B, H·D)
-            x = x + self._adapted(project(attn, self.o_proj[layer], linear=linear), attn, layer, "o", adapter_rows)
-            h = self._rmsnorm(x, self.post_norm[layer])
-            gate, up = self._adapted(project(h, self.gate_up[layer], linear=linear), h, layer, "gate_up", adapter_rows
-                                     ).split(self.intermediate, dim=-1)
-            act = F.silu(gate) * up
-            x = x + self._adapted(project(act, self.down[layer], linear=linear), act, layer, "down", adapter_rows)
         logits = project(self._rmsnorm(x, self.norm), self.lm_head, linear=linear).float()
         return logits, torch.stack(new_keys), torch.stack(new_values)
+
+
+# The fused projections an adapter may add to, as `MultiAdapter.fused` names them.
+ADAPTED = ("qkv", "o", "gate_up", "down")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMS norm: normalised in float32, rounded to x's dtype, then scaled."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer of `FastDecoder`'s step, over the decoder's own weights (registered here too, not
+    copied) and, once adapters are installed, their stacks. Every layer is this one class with the same
+    structure, so one compiled layer serves them all (`call_layer`)."""
+
+    def __init__(self, shape: LayerShape, qkv, qkv_bias, o_proj, gate_up, down, input_norm, post_norm) -> None:
+        super().__init__()
+        self.shape = shape
+        self.qkv, self.qkv_bias, self.o_proj, self.gate_up, self.down = qkv, qkv_bias, o_proj, gate_up, down
+        self.input_norm, self.post_norm = input_norm, post_norm
+        self.stacks = nn.ModuleDict()
+
+    def set_stacks(self, stacks: dict) -> None:
+        """The adapters' stacks of this layer's fused projections (missing or None: not adapted)."""
+        self.stacks = nn.ModuleDict({name: stack for name, stack in stacks.items() if stack is not None})
+
+    def _adapted(self, y: torch.Tensor, x: torch.Tensor, name: str, rows: torch.Tensor | None) -> torch.Tensor:
+        """y (the base projection of x) plus the rows' adapter deltas for fused projection `name`."""
+        if rows is None or name not in self.stacks:
+            return y
+        return y + self.stacks[name](x, rows)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor, adapter_rows: torch.Tensor | None, linear, times
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, hidden) after this layer, and the new key and value (B, H_kv, D) (`FastDecoder.forward`)."""
+        batch = x.shape[0]
+        heads, kv_heads, dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
+        h = rms_norm(x, self.input_norm, self.shape.eps)
+        qkv = self._adapted(project(h, self.qkv, self.qkv_bias, linear), h, "qkv", adapter_rows)
+        q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
+        q = rotate(q.view(batch, heads, dim), cos, sin)
+        k = rotate(k.view(batch, kv_heads, dim), cos, sin)
+        v = v.view(batch, kv_heads, dim)
+        attn = attend(q, k, v, keys, values, dim ** -0.5, mask, times)  # (B, H·D)
+        x = x + self._adapted(project(attn, self.o_proj, linear=linear), attn, "o", adapter_rows)
+        h = rms_norm(x, self.post_norm, self.shape.eps)
+        gate, up = self._adapted(project(h, self.gate_up, linear=linear), h, "gate_up", adapter_rows
+                                 ).split(self.shape.intermediate, dim=-1)
+        act = F.silu(gate) * up
+        x = x + self._adapted(project(act, self.down, linear=linear), act, "down", adapter_rows)
+        return x, k, v
+
+
+def call_layer(block: DecoderLayer, *args):
+    """`block(*args)`: compiled, one graph serves every layer (each is a `DecoderLayer` of one structure;
+    dynamo reads a module's weights as inputs rather than constants), so compiling costs one layer's
+    graph rather than the whole step's (torch's regional compilation)."""
+    return block(*args)
 
 
 def configure_compile_cache(cache_dir: str | Path) -> None:
@@ -226,6 +289,11 @@ class DecodeStep:
         self.decoder = decoder
         if mode == "off":
             self._run = self.decoder
+        elif mode == "regional":
+            # One compiled layer called for every layer; the embedding, the rotary table and the head stay
+            # eager. dynamo's graphs for it: one row, and any rows (each with the cache width dynamic).
+            self._run = functools.partial(self.decoder, run_layer=torch.compile(call_layer, dynamic=True))
+            torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
         else:
             compile_mode = "reduce-overhead" if mode == "cudagraphs" else None
             # Not inductor's `freezing` (weights prepacked as constants): side by side in one process it
@@ -247,6 +315,12 @@ class DecodeStep:
             # caps at `recompile_limit` (8): a third expert of another shape would run its step eagerly.
             torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
         self.first_call_s: float | None = None
+
+    @property
+    def reads_capacity(self) -> bool:
+        """Whether the step attends each buffer's whole capacity, masked (a whole compiled step: its shapes
+        then change only when a buffer grows), rather than only the filled columns."""
+        return self.mode in ("inductor", "cudagraphs")
 
     @property
     def reads_whole_layers(self) -> bool:
@@ -287,9 +361,9 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
     frontier = layers[0].get_seq_length()
     for layer in layers:
         layer.reserve(frontier + 1)
-    # Eagerly, attention reads only the filled columns; compiled, the whole capacity (masked), so that
-    # shapes change only when the buffers grow.
-    width = frontier if step.mode == "off" else layers[0].capacity
+    # Eagerly (and layer by layer), attention reads only the filled columns; a whole compiled step, the
+    # whole capacity (masked), so that shapes change only when the buffers grow.
+    width = layers[0].capacity if step.reads_capacity else frontier
     device = layers[0]._key_buffer.device
     batch = len(new_ids)
     columns = torch.arange(width, device=device)  # (width,)
@@ -322,7 +396,7 @@ def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[in
             raise ValueError(f"{type(step.decoder).__name__} steps run no adapters")
         return step(ids, positions, [layer.keys for layer in layers], [layer.values for layer in layers])
     frontier = layers[0].get_seq_length()
-    width = frontier if step.mode == "off" else layers[0].capacity
+    width = layers[0].capacity if step.reads_capacity else frontier
     mask = (torch.arange(width, device=device) < frontier).view(1, 1, 1, width)
     return step(
         ids,

@@ -28,7 +28,7 @@ from fusion.config import ExpertConfig
 from fusion.errors import InvalidArgumentError
 from fusion.expert import Expert, ExpertInfo, LocalExpert, StepRequest
 from fusion.expert_loading import codes_folder, load_model_and_tokenizer
-from fusion.fast_decode import FastDecoder, configure_compile_cache
+from fusion.fast_decode import COMPILED_DECODES, FastDecoder, configure_compile_cache
 from fusion.multi_lora import BASE, MultiAdapter, load_lora
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def load_shared_base(configs: Sequence[ExpertConfig], model_path: str, adapters:
         raise InvalidArgumentError(f"experts sharing a base need distinct names: {names}")
     logger.info("loading experts %s over one base %s (%s on %s)", ", ".join(names), model_path, configs[0].dtype,
                 configs[0].device)
-    if configs[0].decode == "compiled" and compile_cache_dir is not None:
+    if configs[0].decode in COMPILED_DECODES and compile_cache_dir is not None:
         configure_compile_cache(compile_cache_dir)
 
     def load() -> SharedBaseExpert:

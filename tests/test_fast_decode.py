@@ -117,13 +117,14 @@ def test_fast_decode_generates_the_tokens_of_transformers_decode(tiny_dir):
     assert _greedy_tokens(tiny_dir, "fast", prompts) == _greedy_tokens(tiny_dir, "transformers", prompts)
 
 
-def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
-    """The inductor-compiled step gives the eager step's logits and keys/values, across batch sizes and
-    buffer capacities (one dynamic-shape compilation)."""
+@pytest.mark.parametrize("mode", ["inductor", "regional"])
+def test_compiled_decode_step_equals_the_eager_one(tiny_dir, mode):
+    """The inductor-compiled step, whole or one layer reused by every layer, gives the eager step's logits
+    and keys/values, across batch sizes and buffer capacities (dynamic-shape compilations)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
-    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "inductor")
+    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, mode)
     generator = torch.Generator().manual_seed(0)
     config = model.config
     kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
@@ -153,15 +154,17 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
     assert compiled.first_call_s is not None
 
 
-def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch):
-    """`decode: compiled` end to end: batched and single steps through buffer growths. Loading compiled
-    the step's graphs (any rows; one row over a batch row and over its own buffers) on scratch sessions,
-    so serving compiles nothing more, and left no session and no count behind."""
+@pytest.mark.parametrize("decode, mode", [("compiled", "inductor"), ("regional", "regional")])
+def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode, mode):
+    """`decode: compiled` and `decode: regional` end to end: batched and single steps through buffer
+    growths. Loading compiled the step's graphs (any rows; one row over a batch row and over its own
+    buffers) on scratch sessions, so serving compiles nothing more, and left no session and no count
+    behind."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
-    expert = _expert(tiny_dir / "b", "compiled")
-    assert expert._fast_step.mode == "inductor" and expert._fast_step.first_call_s is not None
+    expert = _expert(tiny_dir / "b", decode)
+    assert expert._fast_step.mode == mode and expert._fast_step.first_call_s is not None
     assert expert.active_sessions == 0 and expert.cache_stats()["computed_tokens"] == 0
     graphs = counters["stats"]["unique_graphs"]
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 45))}

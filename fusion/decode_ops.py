@@ -53,7 +53,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     (`attention_dtype`). Returns (B, H·D) in q's dtype."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
-    work = attention_dtype(q)
+    dtype, work = q.dtype, attention_dtype(q)
     q = stored(q.view(batch, kv_heads, heads // kv_heads, dim).to(work))
     k, v = k.to(work), v.to(work)
     cached = times(q, keys.transpose(-1, -2).to(work)).float()  # (B, H_kv, group, width)
@@ -62,7 +62,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
     probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(work))
     attn = times(probs[..., :-1], values.to(work)) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
-    return attn.reshape(batch, heads * dim).to(keys.dtype)
+    return attn.reshape(batch, heads * dim).to(dtype)
 
 
 def attention_dtype(q: torch.Tensor) -> torch.dtype:

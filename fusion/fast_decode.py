@@ -154,9 +154,6 @@ class FastDecoder(nn.Module):
         full-attention `GrowingLayer`s."""
         return bool(layers) and all(type(layer) is GrowingLayer and layer.keys is not None for layer in layers)
 
-    def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps)
-
     def forward(
         self,
         ids: torch.Tensor,  # (B,) the new id of each row
@@ -173,7 +170,7 @@ class FastDecoder(nn.Module):
         caller writes into the buffers. Keys and values of one row serve every row: B different next
         ids after one shared history (a lookahead), read once, never copied per row. The step reads the
         buffers and writes nothing: a compiled graph then has no mutated inputs (which CUDA graphs
-        refuse). A compiled step is given the buffers' whole capacity, masked, so shapes change only
+        refuse). A whole compiled step is given the buffers' whole capacity, masked, so shapes change only
         when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
         columns are zeros (GrowingLayer allocates them so), never NaN."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
@@ -184,7 +181,7 @@ class FastDecoder(nn.Module):
             x, k, v = block(*args) if run_layer is None else run_layer(block, *args)
             new_keys.append(k)
             new_values.append(v)
-        logits = project(self._rmsnorm(x, self.norm), self.lm_head, linear=linear).float()
+        logits = project(rms_norm(x, self.norm, self.eps), self.lm_head, linear=linear).float()
         return logits, torch.stack(new_keys), torch.stack(new_values)
 
 

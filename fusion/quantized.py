@@ -17,6 +17,10 @@ errors reach the logits unaveraged). Sibling projections of one input (query/key
 packed as one matrix, each sibling a row view of it (a copy where the packed layout does not split at
 its rows), so the fast decode step runs them as one product and transformers' forward (prefill) still
 calls each sibling alone (`QuantizedLinear.fused`).
+Two kernels compute the products (`KERNELS`): "native", the project's own (fusion/native_kernels.py:
+activations as 16-bit codes times the weights' codes in integers, as llama.cpp does with 8-bit ones; the
+4-bit codes packed two a byte, group after group along each row), used wherever a C compiler built them;
+and "torch", torch's kernels above (activations in their own dtype; the tinygemm layout), used elsewhere.
 The embedding table stays as it is: a step reads one row of it. Products of many rows (prefill, a
 step of many sessions) use the dense weight the codes were made from (`DENSE_FROM_ROWS`): the 4-bit
 kernel wins by reading fewer bytes, which matters while a product reads its weight once for a few rows.
@@ -38,9 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion import native_kernels
+
 logger = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("dense", "int8", "int4")
+KERNELS = ("native", "torch")
 INT4_GROUP = 32  # inputs per 4-bit group: Q4_1's block
 INT8_MAX = 127
 # Products of at least this many rows (prefill, prompt chunks, a step of many sessions) use the dense
@@ -114,23 +121,49 @@ def int4_row_block() -> int:
     return 512
 
 
+def default_kernel() -> str:
+    """The kernel quantized projections use unless told otherwise: the project's own where they are built."""
+    return "native" if native_kernels.available() else "torch"
+
+
+def kernel_for(in_features: int, kernel: str | None) -> str:
+    """The kernel a projection of `in_features` inputs uses when `kernel` is asked for (None: the default):
+    the native kernels take whole groups of 32 inputs."""
+    kernel = kernel or default_kernel()
+    return "torch" if kernel == "native" and in_features % INT4_GROUP else kernel
+
+
+def tensor_names(weights: str, kernel: str) -> tuple[str, ...]:
+    """The buffers of a `QuantizedLinear` of `weights` codes for `kernel`."""
+    if weights == "int8":
+        return ("codes", "scales")
+    return ("nibbles", "scale_bias") if kernel == "native" else ("codes", "scales_offsets")
+
+
 # --- the projection --------------------------------------------------------------------------------
 
 class QuantizedLinear(nn.Module):
     """`nn.Linear` with quantized weights (module docstring). Buffers: int8: `codes` (N, K) int8 and
-    `scales` (N,); int4: `codes` (N, K/2) uint8, packed, and `scales_offsets` (K/32, N, 2); scales in the
-    activations' dtype. `fused`: the one matrix this projection is a row view of, with its siblings
+    `scales` (N,); int4: `codes` (N, K/2) uint8, packed, and `scales_offsets` (K/32, N, 2), scales in the
+    activations' dtype (torch's kernels), or `nibbles` (N, K/2) uint8 and `scale_bias` (N, 2, K/32) float32
+    for w = q·s + b (the native kernels, whose scales are float32). `fused`: the one matrix this projection is a row view of, with its siblings
     (None: it stands alone)."""
 
     def __init__(self, weights: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor],
-                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None, kernel: str = "torch") -> None:
         super().__init__()
         # The weight (N, K) in the activations' dtype, for products of many rows (`DENSE_FROM_ROWS`):
         # not a buffer, so neither the codes file nor a state dict holds it.
         self.dense = None if dense is None else dense.detach()
         if weights not in ("int8", "int4"):
             raise ValueError(f"weights must be int8 or int4, got {weights!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if set(tensors) != set(tensor_names(weights, kernel)):
+            raise ValueError(f"{weights} codes for the {kernel} kernel are {tensor_names(weights, kernel)}, "
+                             f"got {sorted(tensors)}")
         self.weights, self.in_features, self.out_features = weights, in_features, out_features
+        self.kernel = kernel
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -144,13 +177,16 @@ class QuantizedLinear(nn.Module):
             super().__setattr__(name, value)
 
     @classmethod
-    def of(cls, linear: nn.Linear, weights: str, dtype: torch.dtype) -> QuantizedLinear:
-        """`linear` quantized; scales in `dtype` (the activations')."""
-        return cls.stack([linear], weights, dtype)
+    def of(cls, linear: nn.Linear, weights: str, dtype: torch.dtype, kernel: str | None = None) -> QuantizedLinear:
+        """`linear` quantized; `dtype`: the activations'."""
+        return cls.stack([linear], weights, dtype, kernel)
 
     @classmethod
-    def stack(cls, linears: Sequence[nn.Linear], weights: str, dtype: torch.dtype) -> QuantizedLinear:
-        """One projection for `linears` of one input, their outputs side by side."""
+    def stack(cls, linears: Sequence[nn.Linear], weights: str, dtype: torch.dtype, kernel: str | None = None
+              ) -> QuantizedLinear:
+        """One projection for `linears` of one input, their outputs side by side, for `kernel` (None: the
+        default one)."""
+        kernel = kernel_for(linears[0].in_features, kernel)
         for linear in linears:
             reason = unsupported_reason(linear, weights)
             if reason is not None:
@@ -162,18 +198,24 @@ class QuantizedLinear(nn.Module):
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         if weights == "int8":
             codes, scales = quantize_int8(weight)
-            tensors = {"codes": codes, "scales": scales.to(dtype)}
+            tensors = {"codes": codes, "scales": scales if kernel == "native" else scales.to(dtype)}
+        elif kernel == "native":
+            codes, scales, offsets = quantize_int4(weight)
+            tensors = {"nibbles": native_kernels.pack_nibbles(codes),
+                       "scale_bias": torch.stack((scales, offsets - 8 * scales), dim=1).contiguous()}
         else:
             codes, scales, offsets = quantize_int4(weight)
             tensors = {"codes": pack_int4(codes),
                        "scales_offsets": torch.stack((scales, offsets), dim=-1).transpose(0, 1).contiguous().to(dtype)}
-        return cls(weights, weight.shape[1], weight.shape[0], tensors, bias, weight.to(dtype))
+        return cls(weights, weight.shape[1], weight.shape[0], tensors, bias, weight.to(dtype), kernel)
 
     def rows(self, start: int, stop: int) -> QuantizedLinear | None:
         """Output rows [start, stop) as a projection whose codes are a view of this one's (its scales are
         copied: they are small), or None where the packed layout does not split there."""
         if self.weights == "int8":
             tensors = {"codes": self.codes[start:stop], "scales": self.scales[start:stop].clone()}
+        elif self.kernel == "native":  # rows of codes and scales, each a row's own
+            tensors = {"nibbles": self.nibbles[start:stop], "scale_bias": self.scale_bias[start:stop]}
         else:
             block = int4_row_block()
             if start % block or stop % block:
@@ -181,7 +223,7 @@ class QuantizedLinear(nn.Module):
             tensors = {"codes": self.codes[start:stop], "scales_offsets": self.scales_offsets[:, start:stop].contiguous()}
         bias = None if self.bias is None else self.bias[start:stop]
         dense = None if self.dense is None else self.dense[start:stop]
-        sub = QuantizedLinear(self.weights, self.in_features, stop - start, tensors, bias, dense)
+        sub = QuantizedLinear(self.weights, self.in_features, stop - start, tensors, bias, dense, self.kernel)
         sub.fused, sub.fused_rows = self, (start, stop)
         return sub
 
@@ -192,7 +234,12 @@ class QuantizedLinear(nn.Module):
             return F.linear(rows, self.dense.to(rows.dtype), self.bias).view(*x.shape[:-1], self.out_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if self.weights == "int8":
+        if self.kernel == "native":
+            if self.weights == "int8":
+                out = native_kernels.int8_mm(rows, self.codes, self.scales)
+            else:
+                out = native_kernels.int4_mm(rows, self.nibbles, self.scale_bias)
+        elif self.weights == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales.to(rows.dtype))
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.codes, INT4_GROUP,
@@ -202,7 +249,7 @@ class QuantizedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.weights}"
+        return f"{self.in_features} -> {self.out_features}, {self.weights}, {self.kernel} kernel"
 
 
 @contextlib.contextmanager
@@ -246,29 +293,31 @@ def projection_groups(model) -> Iterator[tuple[nn.Module, tuple[str, ...]]]:
                 yield block, names
 
 
-def quantize_model(model, weights: str, cache_file: Path | None = None) -> None:
+def quantize_model(model, weights: str, cache_file: Path | None = None, kernel: str | None = None) -> None:
     """Replace the decoder layers' projections and the output head of `model` (a Llama-, Mistral-, Qwen2-
     or Gemma3-style *ForCausalLM on CPU) with `QuantizedLinear`s, in place. "dense" leaves it as it is.
     `cache_file` (see `packed_cache_file`): codes read from it when it exists, else written to it, so a
-    second start skips quantizing and packing."""
+    second start skips quantizing and packing. `kernel`: which kernel's layout (None: the default one)."""
     if weights == "dense":
         return
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     started = time.perf_counter()
+    kernel = kernel or default_kernel()
     dtype = model.get_input_embeddings().weight.dtype
     stored = _read_codes(cache_file)
     made: dict[str, torch.Tensor] = {}
 
     def matrix(key: str, linears: Sequence[nn.Linear], kind: str) -> QuantizedLinear:
         """The quantized matrix of `linears` stacked: from the cache file, or made (and kept for it)."""
-        names = ("codes", "scales") if kind == "int8" else ("codes", "scales_offsets")
+        own_kernel = kernel_for(linears[0].in_features, kernel)
+        names = tensor_names(kind, own_kernel)
         if stored is not None:
             dense = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight
             return QuantizedLinear(kind, linears[0].in_features, sum(lin.out_features for lin in linears),
                                    {n: stored[f"{key}.{n}"] for n in names}, stored.get(f"{key}.bias"),
-                                   dense.to(dtype))
-        made_here = QuantizedLinear.stack(linears, kind, dtype)
+                                   dense.to(dtype), own_kernel)
+        made_here = QuantizedLinear.stack(linears, kind, dtype, kernel)
         made.update({f"{key}.{n}": getattr(made_here, n) for n in names})
         if made_here.bias is not None:
             made[f"{key}.bias"] = made_here.bias.detach()
@@ -293,8 +342,8 @@ def quantize_model(model, weights: str, cache_file: Path | None = None) -> None:
         model.config.get_text_config().tie_word_embeddings = False
     if cache_file is not None and stored is None:
         _write_codes(cache_file, made)
-    logger.info("weights %s to %s in %.2f s (output head int8): %.0f MB of codes and scales",
-                "read" if stored is not None else "quantized", weights, time.perf_counter() - started,
+    logger.info("weights %s to %s in %.2f s (output head int8, %s kernels): %.0f MB of codes and scales",
+                "read" if stored is not None else "quantized", weights, time.perf_counter() - started, kernel,
                 quantized_bytes(model) / 1e6)
 
 
@@ -303,10 +352,13 @@ def quantize_model(model, weights: str, cache_file: Path | None = None) -> None:
 CODES_FORMAT = 1  # bump when the layout of a cache file changes
 
 
-def packed_cache_file(cache_dir: Path, source: str, weights: str, dtype: str, adapter: str | None = None) -> Path:
-    """Where the codes of `source` (a model folder or hub id, with `adapter` merged) at `weights` live:
-    the name hashes the source's files (names, sizes, modification times), the format, the activations'
-    dtype, torch's version and the CPU's kernel (the 4-bit layout is the kernel's own)."""
+def packed_cache_file(cache_dir: Path, source: str, weights: str, dtype: str, adapter: str | None = None,
+                      kernel: str | None = None) -> Path:
+    """Where the codes of `source` (a model folder or hub id, with `adapter` merged) at `weights` for
+    `kernel` (None: the default one) live: the name hashes the source's files (names, sizes, modification
+    times), the format, the activations' dtype, the kernel, torch's version and the CPU's kernel (torch's
+    4-bit layout is its CPU kernel's own)."""
+    kernel = kernel or default_kernel()
     digest = hashlib.sha256()
     for ref in (source, adapter):
         digest.update(repr(ref).encode())
@@ -316,7 +368,7 @@ def packed_cache_file(cache_dir: Path, source: str, weights: str, dtype: str, ad
                 if path.is_file():
                     stat = path.stat()
                     digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    digest.update(f"{weights}:{dtype}:{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:"
+    digest.update(f"{weights}:{dtype}:{kernel}:{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:"
                   f"{int4_row_block()}:{CODES_FORMAT}".encode())
     return Path(cache_dir) / f"{Path(str(source)).name}-{weights}-{digest.hexdigest()[:16]}.safetensors"
 

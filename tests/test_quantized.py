@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import fusion.kv_cache as kv_cache
 import fusion.quantized as quantized
+from fusion import native_kernels
 from fusion.config import parse_config
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
@@ -29,25 +30,57 @@ def _linear(n: int, k: int, seed: int, bias: bool = True) -> torch.nn.Linear:
     return linear
 
 
+KERNELS = pytest.mark.parametrize("kernel", quantized.KERNELS)
+
+
+@pytest.fixture
+def default_kernel(request, monkeypatch) -> str:
+    """Every projection quantized in the test uses the parametrized kernel."""
+    monkeypatch.setattr(quantized, "default_kernel", lambda: request.param)
+    return request.param
+
+
+DEFAULT_KERNELS = pytest.mark.parametrize("default_kernel", quantized.KERNELS, indirect=True)
+
+
 def _dequantized(q: QuantizedLinear, linear: torch.nn.Linear) -> torch.Tensor:
     """The weight (N, K) float32 that `q`'s codes stand for, from the quantization functions alone."""
     if q.weights == "int8":
         codes, scales = quantize_int8(linear.weight)
         return codes.float() * scales.to(q.scales.dtype).float()[:, None]
     codes, scales, offsets = quantize_int4(linear.weight)
-    dtype = q.scales_offsets.dtype
+    dtype = q.scales_offsets.dtype if q.kernel == "torch" else torch.float32
     return dequantize_int4(codes, scales.to(dtype).float(), offsets.to(dtype).float())
 
 
+def _reference(q: QuantizedLinear, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What `q(x)` computes, float32, from the quantization functions and plain products: torch's kernels
+    multiply the activations as they are; the native ones multiply their 16-bit codes
+    (`native_kernels.quantized_activations`) with the weights' codes, and the 4-bit biases with the
+    activations as they are."""
+    rows = x.reshape(-1, x.shape[-1])
+    if q.kernel == "torch":
+        out = rows.double() @ _dequantized(q, linear).double().T
+    elif q.weights == "int8":
+        codes, scales = quantize_int8(linear.weight)
+        out = native_kernels.int8_mm_reference(rows, codes, scales)
+    else:
+        codes, scales, offsets = quantize_int4(linear.weight)
+        out = native_kernels.int4_mm_reference(rows, codes, torch.stack((scales, offsets - 8 * scales), 1))
+    return (out + linear.bias.detach().double()).float().view(*x.shape[:-1], -1)
+
+
+@KERNELS
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_quantized_product_is_the_product_with_the_dequantized_weight(weights, dtype):
+def test_a_quantized_product_is_the_product_with_the_dequantized_weight(weights, dtype, kernel):
     linear = _linear(96, 128, seed=1)
-    q = QuantizedLinear.of(linear, weights, dtype)
+    q = QuantizedLinear.of(linear, weights, dtype, kernel)
+    assert q.kernel == kernel
     x = torch.randn(5, 3, 128).to(dtype)  # (B, S, K): leading axes kept
     got = q(x)
     assert got.shape == (5, 3, 96) and got.dtype == dtype
-    want = F.linear(x.float(), _dequantized(q, linear), linear.bias.detach())
+    want = _reference(q, linear, x)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # and the codes are close to the weight itself (the quantization error is bounded by half a step)
@@ -55,17 +88,18 @@ def test_a_quantized_product_is_the_product_with_the_dequantized_weight(weights,
     assert error < (0.2 * 4 / (127 if weights == "int8" else 7.5))
 
 
+@KERNELS
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_products_of_many_rows_use_the_dense_weight_the_codes_came_from(weights):
+def test_products_of_many_rows_use_the_dense_weight_the_codes_came_from(weights, kernel):
     """From DENSE_FROM_ROWS rows on (prefill, many sessions) the product is the dense one, exactly, with
     no copy of a lone projection's weight; below, the codes'."""
     linear = _linear(64, 128, seed=4)
-    q = QuantizedLinear.of(linear, weights, torch.float32)
+    q = QuantizedLinear.of(linear, weights, torch.float32, kernel)
     assert q.dense.untyped_storage().data_ptr() == linear.weight.untyped_storage().data_ptr()
     many = torch.randn(quantized.DENSE_FROM_ROWS, 128)
     torch.testing.assert_close(q(many), F.linear(many, linear.weight, linear.bias), rtol=0, atol=0)
     few = many[: quantized.DENSE_FROM_ROWS - 1]
-    torch.testing.assert_close(q(few), F.linear(few, _dequantized(q, linear), linear.bias), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(q(few), _reference(q, linear, few), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(q(few), F.linear(few, linear.weight, linear.bias), rtol=0, atol=1e-6)
 
 
@@ -95,9 +129,10 @@ def _tiny_llama(hidden: int, heads: int, kv_heads: int, seed: int = 5) -> LlamaF
     return LlamaForCausalLM(config).eval()
 
 
+@DEFAULT_KERNELS
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("hidden,kv_heads", [(128, 4), (64, 2)])
-def test_siblings_are_the_rows_of_one_matrix(weights, hidden, kv_heads):
+def test_siblings_are_the_rows_of_one_matrix(weights, hidden, kv_heads, default_kernel):
     """Query/key/value (and gate/up) become rows of one quantized matrix: views of its codes where the
     packed layout splits at their rows, copies elsewhere; either way each sibling's product is its
     slice of the whole one, and the model's forward is unchanged by building the fast decoder."""
@@ -110,8 +145,11 @@ def test_siblings_are_the_rows_of_one_matrix(weights, hidden, kv_heads):
     x = torch.randn(3, hidden)
     torch.testing.assert_close(torch.cat([p(x) for p in parts], -1), whole(x), rtol=1e-5, atol=1e-5)
     bounds = [p.fused_rows for p in parts]
-    views = [weights == "int8" or (a % int4_row_block() == 0 and b % int4_row_block() == 0) for a, b in bounds]
-    shares = [p.codes.untyped_storage().data_ptr() == whole.codes.untyped_storage().data_ptr() for p in parts]
+    views = [weights == "int8" or default_kernel == "native"  # the native layout splits at any row
+             or (a % int4_row_block() == 0 and b % int4_row_block() == 0) for a, b in bounds]
+    codes = "nibbles" if weights == "int4" and default_kernel == "native" else "codes"
+    shares = [getattr(p, codes).untyped_storage().data_ptr() == getattr(whole, codes).untyped_storage().data_ptr()
+              for p in parts]
     assert shares == views
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad():
@@ -129,8 +167,9 @@ def _expert(path, weights: str, decode: str = "fast") -> LocalExpert:
     return LocalExpert.load(config.experts[0])
 
 
+@DEFAULT_KERNELS
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, monkeypatch, weights):
+def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, monkeypatch, weights, default_kernel):
     """The fast decode step over quantized projections, batched and alone, through buffer growths, gives
     the logits of the same model's uncached forward (transformers' own, through the same projections;
     every product from the codes, however many rows)."""
@@ -139,14 +178,18 @@ def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, mon
     expert = _expert(tiny_dir / "c", weights)
     assert isinstance(expert.model.lm_head, QuantizedLinear) and expert.model.lm_head.weights == "int8"
     assert isinstance(expert.model.model.layers[1].mlp.down_proj, QuantizedLinear)
+    assert expert.model.model.layers[1].mlp.down_proj.kernel == default_kernel
     assert expert.info.vocab_size == expert.model.lm_head.out_features
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
+    # The native kernels' activation codes are a row's max / 32767 apart: inputs that differ in their last
+    # float bits (the cached step against the uncached forward) can round to neighbouring codes.
+    tol = 1e-4 if default_kernel == "torch" else 1e-3
 
     def step(names):
         got = expert.step([StepRequest(s, histories[s]) for s in names])
         with torch.no_grad():
             want = torch.stack([expert.model(torch.tensor([histories[s]])).logits[0, -1] for s in names])
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         for s, row in zip(names, got):
             histories[s] = histories[s] + [int(row[:250].argmax())]
 
@@ -157,7 +200,8 @@ def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, mon
     assert expert.fast_decode_steps >= 7  # all but the first (the prefill)
 
 
-def test_quantized_logits_stay_close_to_the_dense_ones(tiny_dir):
+@DEFAULT_KERNELS
+def test_quantized_logits_stay_close_to_the_dense_ones(tiny_dir, default_kernel):
     """Quantization moves the next-token distribution a little, int8 less than int4 (KL per position),
     every product from the codes (`codes_only`); without it, a long text takes the dense weight."""
     dense = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32).eval()
@@ -176,7 +220,8 @@ def test_quantized_logits_stay_close_to_the_dense_ones(tiny_dir):
     assert 0 < kl["int8"] < kl["int4"] < 0.05, kl
 
 
-def test_shared_base_with_quantized_weights_runs_adapters_on_both_paths(tiny_dir, tmp_path, monkeypatch):
+@DEFAULT_KERNELS
+def test_shared_base_with_quantized_weights_runs_adapters_on_both_paths(tiny_dir, tmp_path, monkeypatch, default_kernel):
     """Adapters over a quantized base: the fast joint step equals transformers' forward through the
     adapted quantized projections (the reference for that base)."""
     monkeypatch.setattr(quantized, "DENSE_FROM_ROWS", 10**9)
@@ -200,7 +245,15 @@ def test_shared_base_with_quantized_weights_runs_adapters_on_both_paths(tiny_dir
         want = plain[0].shared_base.step_members(
             [(plain[i], requests) for i, (_, requests) in enumerate(parts)])
         for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            if default_kernel == "torch":
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            else:
+                # The native kernels round activations to 16-bit codes: where the two paths' float sums
+                # differ in the last bit, an activation on a rounding boundary takes the neighbouring
+                # code, and later layers carry the difference on (the kernels themselves are tested
+                # against their exact reference in test_native_kernels.py).
+                assert (g - w).abs().max() <= 0.01 * w.abs().max()
+                assert torch.equal(g.argmax(-1), w.argmax(-1))
         prompts = [p + [(5 * step + k) % 40 + 3] for k, p in enumerate(prompts)]
     assert fast[0].shared_base.fast_decode_steps > 0
 
@@ -219,8 +272,9 @@ def test_bad_weights_are_config_errors_naming_the_field(tiny_dir, tmp_path):
     assert _expert(tmp_path / "narrow", "int8").model.lm_head.weights == "int8"
 
 
+@DEFAULT_KERNELS
 @pytest.mark.parametrize("hidden,kv_heads", [(128, 4), (64, 2)])
-def test_codes_come_back_from_the_cache_file_as_they_were_made(tmp_path, hidden, kv_heads):
+def test_codes_come_back_from_the_cache_file_as_they_were_made(tmp_path, hidden, kv_heads, default_kernel):
     """A second quantization of the same model reads the codes the first wrote (views and copies alike)
     and computes the same logits; a damaged file is made again."""
     ids = torch.tensor([[3, 4, 5, 6, 7]])
@@ -253,6 +307,8 @@ def test_an_experts_codes_are_kept_under_the_cache_and_named_by_what_made_them(t
     assert [f.name for f in files] == [packed_cache_file(tmp_path / "compiled" / "weights", str(tiny_dir / "a"),
                                                          "int8", "float32").name]
     assert packed_cache_file(tmp_path, str(tiny_dir / "a"), "int4", "float32") != files[0]
+    assert len({packed_cache_file(tmp_path, str(tiny_dir / "a"), "int8", "float32", kernel=k).name
+                for k in quantized.KERNELS}) == 2
     assert packed_cache_file(tmp_path, str(tiny_dir / "b"), "int8", "float32").name != files[0].name
     second = LocalExpert.load(config, compile_cache_dir=tmp_path / "compiled")
     ids = [5, 17, 42, 9]

@@ -1,0 +1,201 @@
+"""The project's own CPU kernels for quantized products of a few rows (fusion/kernels/quantized_mm.c), built
+with the machine's C compiler on first use and loaded through ctypes.
+
+Why our own: a decode step multiplies each weight matrix by a few rows, and torch's 4-bit kernel converts
+every weight to float before multiplying. These kernels turn each row of activations into int16 codes with
+one scale and multiply integers (AVX2's multiply-add of int16 pairs), as llama.cpp's CPU
+kernels do with 8-bit codes; 16 bits keep the activations finer than bf16 itself, where 8-bit codes
+measured a fourfold KL against the bf16 model (docs/performance.md). A plain C loop runs where the compiler
+does not target AVX2.
+
+The build is one C file, about a second with gcc; the library is kept under the cache folder, named by
+the source's hash, the compiler and the CPU, so a second start loads it. Where no compiler is found, the
+build fails, or `FUSION_NATIVE_KERNELS=0` is set, `library()` is None and the projections keep torch's
+kernels (fusion/quantized.py). The products are torch custom operators too (`fusion::int4_mm`,
+`fusion::int8_mm`), so a compiled step (torch.compile) calls them as opaque kernels; an eager step calls
+the library directly, skipping the dispatcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "quantized_mm.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+ENV_SWITCH = "FUSION_NATIVE_KERNELS"
+
+
+def _cache_dir() -> Path:
+    from fusion.models import default_cache_dir
+
+    return Path(default_cache_dir()) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _machine_signature() -> str:
+    """What the library's machine code depends on besides its source: the CPU's model and features."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    import platform
+
+    return "\n".join(wanted) or platform.processor() or platform.machine()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)  # concurrent builders each write a whole file
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None where they cannot be had (module docstring)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C compiler found: quantized products use torch's kernels")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        digest = hashlib.sha256()
+        for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _machine_signature().encode()):
+            digest.update(part)
+        target = _cache_dir() / f"quantized_mm-{digest.hexdigest()[:16]}.so"
+        if not target.exists():
+            started = time.perf_counter()
+            _build(compiler, target)
+            logger.info("built the quantized-product kernels in %.1f s: %s", time.perf_counter() - started, target)
+        # torch is imported first, so the library's OpenMP calls use the runtime torch already loaded.
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        logger.warning("quantized products use torch's kernels: the project's own could not be built (%s)", err)
+        return None
+    for function in (lib.fusion_int4_mm, lib.fusion_int8_mm):
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        function.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _product(function_name: str, rows: torch.Tensor, codes: torch.Tensor, params: torch.Tensor,
+             out_features: int) -> torch.Tensor:
+    """rows (M, K), contiguous -> (M, N) in rows' dtype (the kernels read float32 and bfloat16; other
+    dtypes go through float32)."""
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        return _product(function_name, rows.float(), codes, params, out_features).to(rows.dtype)
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the project's quantized kernels are not available")
+    out = torch.empty(rows.shape[0], out_features, dtype=rows.dtype)
+    status = getattr(lib, function_name)(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
+                                         params.data_ptr(), out_features, out.data_ptr(),
+                                         int(rows.dtype == torch.bfloat16), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"{function_name}: could not allocate the activations' buffers")
+    return out
+
+
+def int4_mm(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) @ the int4 weight (N, K) whose codes are `nibbles` (N, K/2) uint8 and whose per-group
+    scales and biases are `scale_bias` (N, 2, K/32) float32 -> (M, N)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fusion.int4_mm(rows, nibbles, scale_bias)
+    return _product("fusion_int4_mm", rows, nibbles, scale_bias, nibbles.shape[0])
+
+
+def int8_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) @ (codes (N, K) int8 · scales (N,) float32 per row).T -> (M, N)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fusion.int8_mm(rows, codes, scales)
+    return _product("fusion_int8_mm", rows, codes, scales, codes.shape[0])
+
+
+@torch.library.custom_op("fusion::int4_mm", mutates_args=())
+def _int4_mm_op(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
+    return _product("fusion_int4_mm", rows.contiguous(), nibbles, scale_bias, nibbles.shape[0])
+
+
+@_int4_mm_op.register_fake
+def _(rows, nibbles, scale_bias):
+    return rows.new_empty(rows.shape[0], nibbles.shape[0])
+
+
+@torch.library.custom_op("fusion::int8_mm", mutates_args=())
+def _int8_mm_op(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return _product("fusion_int8_mm", rows.contiguous(), codes, scales, codes.shape[0])
+
+
+@_int8_mm_op.register_fake
+def _(rows, codes, scales):
+    return rows.new_empty(rows.shape[0], codes.shape[0])
+
+
+# --- references: what the kernels compute, in plain torch (for tests and for reading) ---------------
+
+CODE_MAX = 32767  # the activations' codes: int16
+
+
+def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) as the kernels' integer products see them, float64: each row rounded to int16 codes
+    times its max|x| / 32767 (halves rounded away from zero; the arithmetic in float32, as in C)."""
+    x = rows.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, CODE_MAX / amax, torch.zeros_like(amax))
+    scaled = x * inverse
+    codes = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (codes.double() * (amax / CODE_MAX).double()).view(rows.shape)
+
+
+def int4_mm_reference(rows: torch.Tensor, codes: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
+    """What `int4_mm` computes, float64, from codes (N, K) in [0, 15]: the codes' part multiplies the
+    quantized activations, the biases' part the exact ones."""
+    n, k = codes.shape
+    scales, biases = scale_bias.double().unbind(1)  # (N, K/32) each
+    weight_codes = (codes.double().view(n, -1, 32) * scales[..., None]).view(n, k)
+    weight_biases = biases.repeat_interleave(32, dim=1)  # (N, K)
+    return quantized_activations(rows) @ weight_codes.T + rows.double() @ weight_biases.T
+
+
+def int8_mm_reference(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What `int8_mm` computes, float64."""
+    return quantized_activations(rows) @ (codes.double() * scales.double()[:, None]).T
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) in [0, 15] in the kernels' layout, (N, K/2) uint8: group g's byte j holds code 32g + j
+    in its low nibble and code 32g + 16 + j in its high one."""
+    n, k = codes.shape
+    halves = codes.view(n, k // 32, 2, 16).to(torch.uint8)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()

@@ -1,0 +1,126 @@
+"""`fusion/native_kernels.py`: the project's own quantized products against their plain references (the
+weights' codes times the activations' 16-bit codes, in float64), their build and its cache, the switch that
+turns them off, and the custom operators a compiled step calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion.quantized as quantized
+from fusion import native_kernels
+from fusion.quantized import QuantizedLinear, quantize_int4, quantize_int8
+
+
+def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (N, K) in [0, 15] and their scales and biases (N, 2, K/32) of a random weight."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    codes, scales, offsets = quantize_int4(weight)
+    return codes, torch.stack((scales, offsets - 8 * scales), dim=1).contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 23])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_product_is_its_reference(rows, dtype):
+    codes, scale_bias = _int4(80, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0, :32] = 0  # an all-zero group: its codes are all 0
+    got = native_kernels.int4_mm(x, native_kernels.pack_nibbles(codes), scale_bias)
+    assert got.shape == (rows, 80) and got.dtype == dtype
+    want = native_kernels.int4_mm_reference(x, codes, scale_bias)
+    # float32 sums; the output rounded once to the activations' dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_int8_product_is_its_reference(rows):
+    weight = torch.randn(72, 96, generator=torch.Generator().manual_seed(rows))
+    codes, scales = quantize_int8(weight)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(2)) * 3
+    got = native_kernels.int8_mm(x, codes, scales)
+    torch.testing.assert_close(got.double(), native_kernels.int8_mm_reference(x, codes, scales), rtol=1e-5, atol=1e-4)
+
+
+def test_rows_are_computed_alone():
+    """A row's product does not depend on the rows beside it (a batched step equals steps alone)."""
+    codes, scale_bias = _int4(48, 64, seed=3)
+    nibbles = native_kernels.pack_nibbles(codes)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    together = native_kernels.int4_mm(x, nibbles, scale_bias)
+    alone = torch.cat([native_kernels.int4_mm(x[i:i + 1], nibbles, scale_bias) for i in range(7)])
+    assert torch.equal(together, alone)
+
+
+def test_the_activations_reference_rounds_each_row_to_16_bit_codes():
+    x = torch.tensor([[2.0, 1.0, -0.5, 0.25] + [0.0] * 60, [0.0] * 63 + [-3.0]])
+    got = native_kernels.quantized_activations(x)  # (2, 64)
+    step = 2.0 / 32767  # the first row's max over the largest code
+    assert got[0, 0] == pytest.approx(2.0) and got[1, 63] == pytest.approx(-3.0)
+    assert got[0, 1] == pytest.approx(16384 * step)  # 16383.5 rounds away from zero
+    assert got[0, 2] == pytest.approx(-8192 * step)  # -8191.75
+    assert got[0, 3] == pytest.approx(4096 * step)  # 4095.875
+    assert torch.count_nonzero(got[1]) == 1
+
+
+def test_nibbles_pack_two_codes_a_byte_per_group():
+    codes = torch.arange(64, dtype=torch.int32).remainder(16).view(1, 64)
+    packed = native_kernels.pack_nibbles(codes)
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    assert int(packed[0, 0]) == codes[0, 0] | (codes[0, 16] << 4)
+    assert int(packed[0, 17]) == codes[0, 33] | (codes[0, 49] << 4)
+
+
+def test_the_library_is_built_once_and_kept_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+    native_kernels.library.cache_clear()
+    try:
+        assert native_kernels.library() is not None
+        built = list(tmp_path.glob("quantized_mm-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        native_kernels.library.cache_clear()
+        assert native_kernels.library() is not None
+        assert [p.stat().st_mtime_ns for p in tmp_path.glob("quantized_mm-*.so")] == [stamp]
+    finally:
+        native_kernels.library.cache_clear()
+
+
+def test_without_the_kernels_projections_use_torchs(tmp_path, monkeypatch, caplog):
+    """Switched off, or with a compiler that fails, the library is None and a quantized projection takes
+    torch's kernel, with the same codes."""
+    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+    linear = torch.nn.Linear(64, 32)
+    try:
+        monkeypatch.setenv(native_kernels.ENV_SWITCH, "0")
+        native_kernels.library.cache_clear()
+        assert native_kernels.library() is None
+        assert QuantizedLinear.of(linear, "int4", torch.float32).kernel == "torch"
+        monkeypatch.delenv(native_kernels.ENV_SWITCH)
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        native_kernels.library.cache_clear()
+        with caplog.at_level("WARNING"):
+            assert native_kernels.library() is None
+        assert "false failed" in caplog.text
+        assert quantized.default_kernel() == "torch"
+    finally:
+        monkeypatch.delenv("CC", raising=False)
+        native_kernels.library.cache_clear()
+    assert QuantizedLinear.of(linear, "int4", torch.float32).kernel == "native"
+    # inputs not in whole groups of 32 keep torch's kernel
+    assert QuantizedLinear.of(torch.nn.Linear(48, 32), "int8", torch.float32).kernel == "torch"
+
+
+def test_the_products_are_operators_a_compiled_step_can_call():
+    codes, scale_bias = _int4(32, 64, seed=5)
+    nibbles = native_kernels.pack_nibbles(codes)
+    int8_codes, scales = quantize_int8(torch.randn(32, 64))
+    x = torch.randn(3, 64)
+    torch.library.opcheck(torch.ops.fusion.int4_mm.default, (x, nibbles, scale_bias))
+    torch.library.opcheck(torch.ops.fusion.int8_mm.default, (x, int8_codes, scales))
+
+    def step(rows):
+        return torch.relu(native_kernels.int4_mm(rows, nibbles, scale_bias)) @ native_kernels.int8_mm(rows, int8_codes, scales).T
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)

@@ -51,7 +51,7 @@ def main() -> None:
                                                             for e in config.experts]})
             with kernel(name):
                 experts = load_service(variant, default_cache_dir(), router=False).engine.experts
-            assert experts[0].shared_base.model.model.layers[0].mlp.down_proj.kernel == name
+            assert experts[0].shared_base.model.model.layers[0].mlp.down_proj.base.kernel == name
             groups[f"{decode}_{name}"] = experts
             load_s[f"{decode}_{name}"] = time.perf_counter() - started
 

@@ -43,6 +43,7 @@ from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row,
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
+from fusion.native_decoder import NativeLayers
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,15 @@ class FastDecoder(nn.Module):
                                     self.o_proj[i], self.gate_up[i], self.down[i], self.input_norm[i], self.post_norm[i])
                        for i in range(len(self.qkv))]
         self._adapters = None
+        # Whether eager steps may run the layers in the project's C step (fusion.native_decoder), and its
+        # table of the layers' weights, built on the first eager step (False: none can run them).
+        self.native_layers = True
+        self._native: NativeLayers | None | bool = None
+
+    def _native_step(self) -> NativeLayers | None:
+        if self._native is None:
+            self._native = NativeLayers.of(self) or False
+        return self._native or None
 
     @property
     def adapters(self):
@@ -145,6 +155,7 @@ class FastDecoder(nn.Module):
     @adapters.setter
     def adapters(self, multi) -> None:
         self._adapters = multi
+        self._native = None  # the C step's table holds the adapters' stacks: rebuilt on the next step
         for index, block in enumerate(self.blocks):
             block.set_stacks({} if multi is None else {name: multi.fused(index, name) for name in ADAPTED})
 
@@ -174,6 +185,14 @@ class FastDecoder(nn.Module):
         when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
         columns are zeros (GrowingLayer allocates them so), never NaN."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
+        if (self.native_layers and run_layer is None and linear is F.linear and times is rows_times
+                and not torch.compiler.is_compiling() and NativeLayers.reads(keys, values)):
+            native = self._native_step()
+            if native is not None:
+                cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
+                x, new_keys, new_values = native.run(x, cos, sin, keys, values, mask, adapter_rows)  # float32
+                logits = project(rms_norm(x, self.norm, self.eps), self.lm_head, linear=linear).float()
+                return logits, new_keys.to(keys[0].dtype), new_values.to(values[0].dtype)
         cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
         new_keys, new_values = [], []
         for layer, block in enumerate(self.blocks):

@@ -8,7 +8,7 @@ kernels do with 8-bit codes; 16 bits keep the activations finer than bf16 itself
 measured a fourfold KL against the bf16 model (docs/performance.md). A plain C loop runs where the compiler
 does not target AVX2.
 
-The build is one C file, about a second with gcc; the library is kept under the cache folder, named by
+The build is one translation unit, about a second with gcc; the library is kept under the cache folder, named by
 the source's hash, the compiler and the CPU, so a second start loads it. Where no compiler is found, the
 build fails, or `FUSION_NATIVE_KERNELS=0` is set, `library()` is None and the projections keep torch's
 kernels (fusion/quantized.py). The products are torch custom operators too (`fusion::int4_mm`,
@@ -33,7 +33,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "quantized_mm.c"
+KERNELS_DIR = Path(__file__).with_name("kernels")
+# One translation unit: the decode step's layers (decoder_step.c) include the products (quantized_mm.c).
+SOURCE = KERNELS_DIR / "decoder_step.c"
+SOURCES = (KERNELS_DIR / "quantized_mm.c", SOURCE)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ENV_SWITCH = "FUSION_NATIVE_KERNELS"
 
@@ -67,7 +70,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True,
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -86,9 +89,11 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         digest = hashlib.sha256()
-        for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _machine_signature().encode()):
+        parts = (*(path.read_bytes() for path in SOURCES), version.encode(), " ".join(FLAGS).encode(),
+                 _machine_signature().encode())
+        for part in parts:
             digest.update(part)
-        target = _cache_dir() / f"quantized_mm-{digest.hexdigest()[:16]}.so"
+        target = _cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
         if not target.exists():
             started = time.perf_counter()
             _build(compiler, target)
@@ -102,6 +107,9 @@ def library() -> ctypes.CDLL | None:
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         function.restype = ctypes.c_int
+    lib.fusion_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_void_p]
+    lib.fusion_decode_layers.restype = ctypes.c_int
     return lib
 
 

@@ -1,0 +1,245 @@
+/* A Llama-family decode step's decoder layers in one call, for rows of one new token each, over 4-bit
+ * weights (fusion/native_decoder.py builds the layer table and calls it; fusion/fast_decode.py documents
+ * the arithmetic). Eagerly, torch runs each layer as some sixty small operators whose dispatch costs more
+ * than the layer's arithmetic at one row; here a layer is its four quantized products (quantized_mm.c's
+ * kernels) and a few loops over float32 activations:
+ *
+ *   h = rmsnorm(x) ; qkv = h W_qkv (+ bias) (+ adapter) ; rotary(q, k) ; attention over the cached columns
+ *   (masked) and the new key ; x += attn W_o (+ adapter) ; h = rmsnorm(x) ;
+ *   x += (silu(h W_gate) * h W_up) W_down (+ adapters)
+ *
+ * Adapters are LoRA stacks as fusion/multi_lora.py lays them out: `down` (k, columns) and `up` (columns, n)
+ * hold every adapter's matrices side by side, adapter a owning columns [ranges[2a], ranges[2a + 1]); a row
+ * with adapter a adds ((x down)[cols of a]) up[cols of a]. Cached keys and values are read in place
+ * (bfloat16 or float32, any strides but a contiguous last axis); the new ones are written out, float32,
+ * for the caller to append. */
+
+#include "quantized_mm.c" /* one translation unit: the products' helpers stay static */
+
+#include <math.h>
+
+enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
+
+typedef struct {
+    const uint8_t *nibbles;   /* (n, k/2) */
+    const float *scale_bias;  /* (n, 2, k/32) */
+    int64_t n, k;
+} int4_weight;
+
+typedef struct {
+    const float *down;       /* (k, columns); NULL: the projection has no adapters */
+    const float *up;         /* (columns, n), scaled */
+    const int64_t *ranges;   /* (adapters, 2) */
+    int64_t columns, adapters;
+} lora_stack;
+
+typedef struct {
+    int4_weight projection[PROJECTIONS];
+    lora_stack lora[PROJECTIONS];
+    const float *qkv_bias;    /* (n_qkv,) or NULL */
+    const float *input_norm;  /* (hidden,) */
+    const float *post_norm;
+    const void *keys, *values;          /* cached columns of this layer */
+    int64_t key_strides[3], value_strides[3];  /* row, head, column (elements) */
+} decoder_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+    int64_t rows;          /* B */
+    int64_t cache_rows;    /* 1 (one history serves every row) or B */
+    int64_t width;         /* cached columns */
+    int cache_is_bf16;
+    const uint8_t *mask;   /* (mask_rows, width): the columns each row attends */
+    int64_t mask_rows;     /* 1 or B */
+    const int64_t *adapter_rows;  /* (B,): each row's adapter, -1 none; NULL: no adapters */
+    const float *cos, *sin;       /* (B, head_dim) */
+    int threads;
+} step_shape;
+
+static float cached(const void *base, int64_t index, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+/* q . key over `dim` values, the key in the cache's dtype. */
+static float dot_cached(const float *q, const void *key, int64_t offset, int64_t dim, int is_bf16) {
+    if (!is_bf16) return dot(q, (const float *)key + offset, dim);
+    const uint16_t *k = (const uint16_t *)key + offset;
+    float total = 0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= dim; i += 8) {
+        __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + i))), 16);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(wide), acc);
+    }
+    total = horizontal_sum(acc);
+#endif
+    for (; i < dim; i++) total += q[i] * bf16_to_float(k[i]);
+    return total;
+}
+
+/* out += p * value over `dim` values, the value in the cache's dtype. */
+static void add_scaled_cached(float *out, float p, const void *value, int64_t offset, int64_t dim, int is_bf16) {
+    for (int64_t i = 0; i < dim; i++) out[i] += p * cached(value, offset + i, is_bf16);
+}
+
+static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * n;
+        float squares = dot(row, row, n);
+        float inverse = 1.0f / sqrtf(squares / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) out[m * n + i] = row[i] * inverse * weight[i];
+    }
+}
+
+/* out (rows, w->n) = x (rows, w->k) times the 4-bit weight; `q` is scratch for the rows' codes. */
+static void int4_product(const float *x, int64_t rows, const int4_weight *w, quantized_rows *q, float *out,
+                         int threads) {
+    const int64_t k = w->k, groups = k / GROUP;
+    for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, q->q + m * k, q->d + m, q->sums + m * groups);
+    for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+        int count = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t i = 0; i < w->n; i++) int4_output(q, m0, count, k, w->nibbles, w->scale_bias, i, w->n, out, 0);
+    }
+}
+
+/* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of `columns` floats. */
+static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const float *x, int64_t rows, int64_t k,
+                         int64_t n, float *out, float *t) {
+    if (s->down == NULL || adapter_rows == NULL) return;
+    for (int64_t m = 0; m < rows; m++) {
+        int64_t a = adapter_rows[m];
+        if (a < 0 || a >= s->adapters) continue;
+        int64_t start = s->ranges[2 * a], stop = s->ranges[2 * a + 1];
+        if (start >= stop) continue;
+        for (int64_t c = start; c < stop; c++) t[c] = 0;
+        for (int64_t i = 0; i < k; i++) {
+            const float xi = x[m * k + i], *down = s->down + i * s->columns;
+            for (int64_t c = start; c < stop; c++) t[c] += xi * down[c];
+        }
+        float *row = out + m * n;
+        for (int64_t c = start; c < stop; c++) {
+            const float tc = t[c], *up = s->up + c * n;
+            for (int64_t j = 0; j < n; j++) row[j] += tc * up[j];
+        }
+    }
+}
+
+/* transformers' rotate_half rotary embedding of one head (dim values) in place. */
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* Each row's heads attend its cached columns (masked) and its own new key: out (B, heads * dim). */
+static void attend(const decoder_layer *layer, const step_shape *s, const float *qkv, int64_t qkv_width,
+                   float *scores, float *out) {
+    const int64_t heads = s->heads, kv_heads = s->kv_heads, dim = s->head_dim, width = s->width;
+    const int64_t group = heads / kv_heads;
+    const float scale = 1.0f / sqrtf((float)dim);
+#pragma omp parallel for schedule(static) num_threads(s->threads)
+    for (int64_t task = 0; task < s->rows * heads; task++) {
+        const int64_t m = task / heads, h = task % heads, g = h / group;
+        const float *q = qkv + m * qkv_width + h * dim;
+        const float *k_new = qkv + m * qkv_width + heads * dim + g * dim;
+        const float *v_new = k_new + kv_heads * dim;
+        const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
+        const uint8_t *mask = s->mask + (s->mask_rows == 1 ? 0 : m) * width;
+        const int64_t key_base = cache_row * layer->key_strides[0] + g * layer->key_strides[1];
+        const int64_t value_base = cache_row * layer->value_strides[0] + g * layer->value_strides[1];
+        float *score = scores + task * (width + 1);
+        float top = dot(q, k_new, dim) * scale;
+        score[width] = top;
+        for (int64_t c = 0; c < width; c++) {
+            if (!mask[c]) continue;
+            score[c] = dot_cached(q, layer->keys, key_base + c * layer->key_strides[2], dim, s->cache_is_bf16) * scale;
+            if (score[c] > top) top = score[c];
+        }
+        float total = 0;
+        for (int64_t c = 0; c < width; c++)
+            if (mask[c]) total += (score[c] = expf(score[c] - top));
+        total += (score[width] = expf(score[width] - top));
+        float *o = out + m * heads * dim + h * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = score[width] / total * v_new[i];
+        for (int64_t c = 0; c < width; c++)
+            if (mask[c])
+                add_scaled_cached(o, score[c] / total, layer->values, value_base + c * layer->value_strides[2], dim,
+                                  s->cache_is_bf16);
+    }
+}
+
+/* x (B, hidden) float32 through `count` layers, in place; new_keys and new_values (layers, B, kv_heads,
+ * head_dim) float32. Returns 0, or -1 when scratch cannot be allocated. */
+int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_shape *s, float *x,
+                         float *new_keys, float *new_values) {
+    const int64_t rows = s->rows, hidden = s->hidden, dim = s->head_dim;
+    const int64_t q_width = s->heads * dim, kv_width = s->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
+    const int64_t inter = s->intermediate, widest = inter > hidden ? inter : hidden;
+    int64_t columns = 1;
+    for (int64_t l = 0; l < count; l++)
+        for (int p = 0; p < PROJECTIONS; p++)
+            if (layers[l].lora[p].columns > columns) columns = layers[l].lora[p].columns;
+    float *h = malloc((size_t)(rows * widest) * sizeof(float));
+    float *qkv = malloc((size_t)(rows * qkv_width) * sizeof(float));
+    float *attn = malloc((size_t)(rows * q_width) * sizeof(float));
+    float *gate_up = malloc((size_t)(rows * 2 * inter) * sizeof(float));
+    float *delta = malloc((size_t)(rows * hidden) * sizeof(float));
+    float *scores = malloc((size_t)(rows * s->heads * (s->width + 1)) * sizeof(float));
+    float *t = malloc((size_t)columns * sizeof(float));
+    quantized_rows q = {0};
+    q.q = aligned_alloc(32, (size_t)((rows * widest * 2 + 31) / 32 * 32));
+    q.d = malloc((size_t)rows * sizeof(float));
+    q.sums = malloc((size_t)(rows * (widest / GROUP)) * sizeof(float));
+    int status = -1;
+    if (!h || !qkv || !attn || !gate_up || !delta || !scores || !t || !q.q || !q.d || !q.sums) goto done;
+
+    for (int64_t l = 0; l < count; l++) {
+        const decoder_layer *layer = layers + l;
+        rms_norm(x, layer->input_norm, rows, hidden, s->eps, h);
+        int4_product(h, rows, &layer->projection[QKV], &q, qkv, s->threads);
+        if (layer->qkv_bias)
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t j = 0; j < qkv_width; j++) qkv[m * qkv_width + j] += layer->qkv_bias[j];
+        add_adapters(&layer->lora[QKV], s->adapter_rows, h, rows, hidden, qkv_width, qkv, t);
+        for (int64_t m = 0; m < rows; m++) {
+            float *row = qkv + m * qkv_width;
+            for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* the queries' heads, then the keys' */
+                rotate(row + head * dim, s->cos + m * dim, s->sin + m * dim, dim);
+            memcpy(new_keys + (l * rows + m) * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
+            memcpy(new_values + (l * rows + m) * kv_width, row + q_width + kv_width, (size_t)kv_width * sizeof(float));
+        }
+        attend(layer, s, qkv, qkv_width, scores, attn);
+        int4_product(attn, rows, &layer->projection[O], &q, delta, s->threads);
+        add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t);
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+
+        rms_norm(x, layer->post_norm, rows, hidden, s->eps, h);
+        int4_product(h, rows, &layer->projection[GATE_UP], &q, gate_up, s->threads);
+        add_adapters(&layer->lora[GATE_UP], s->adapter_rows, h, rows, hidden, 2 * inter, gate_up, t);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < inter; j++) {
+                float gate = gate_up[m * 2 * inter + j], up = gate_up[m * 2 * inter + inter + j];
+                h[m * inter + j] = gate / (1.0f + expf(-gate)) * up;
+            }
+        int4_product(h, rows, &layer->projection[DOWN], &q, delta, s->threads);
+        add_adapters(&layer->lora[DOWN], s->adapter_rows, h, rows, inter, hidden, delta, t);
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+    }
+    status = 0;
+done:
+    free(h);
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    free(delta);
+    free(scores);
+    free(t);
+    free_rows(&q);
+    return status;
+}

@@ -1,0 +1,164 @@
+"""A `FastDecoder`'s layers as one call into the project's own C step (fusion/kernels/decoder_step.c), for
+CPU decoding over 4-bit weights in the native kernel's layout (fusion/quantized.py).
+
+Why: at a few rows, an eager step's time goes less to reading the weights than to dispatching some sixty
+torch operators per layer (norms, rotary, attention's pieces, residuals, dtype conversions); the C step
+runs a layer as its four quantized products and a few loops, in float32, with the adapters' deltas and
+attention over the cached columns read in place. `NativeLayers.of` builds the table of every layer's
+weights once (pointers into the decoder's own tensors, which it keeps alive); it is None where the step
+cannot run them: no kernels built, a projection that is not native 4-bit, or adapters whose columns are
+not one run per adapter.
+
+Everything else of the step (the embedding, the rotary table, the final norm and the head) stays in
+`FastDecoder.forward`, as do compiled steps, which never take this path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from fusion import native_kernels
+from fusion.quantized import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decoder_step.c's order (and `fast_decode.ADAPTED`'s names)
+
+
+class _Int4Weight(ctypes.Structure):
+    _fields_ = [("nibbles", ctypes.c_void_p), ("scale_bias", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64)]
+
+
+class _LoraStack(ctypes.Structure):
+    _fields_ = [("down", ctypes.c_void_p), ("up", ctypes.c_void_p), ("ranges", ctypes.c_void_p),
+                ("columns", ctypes.c_int64), ("adapters", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("projection", _Int4Weight * 4), ("lora", _LoraStack * 4), ("qkv_bias", ctypes.c_void_p),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("key_strides", ctypes.c_int64 * 3), ("value_strides", ctypes.c_int64 * 3)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("rows", ctypes.c_int64), ("cache_rows", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("cache_is_bf16", ctypes.c_int), ("mask", ctypes.c_void_p), ("mask_rows", ctypes.c_int64),
+                ("adapter_rows", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("threads", ctypes.c_int)]
+
+
+def _native_int4(projection) -> bool:
+    return (isinstance(projection, QuantizedLinear) and projection.kernel == "native"
+            and projection.weights == "int4" and projection.in_features % 32 == 0)
+
+
+def adapter_ranges(owner: torch.Tensor, adapters: int) -> torch.Tensor | None:
+    """(adapters, 2) int64: the run of columns [start, stop) each adapter owns in a stack whose columns
+    belong to adapters `owner` (columns,); None if some adapter's columns are not one run."""
+    ranges = torch.zeros(adapters, 2, dtype=torch.int64)
+    for adapter in range(adapters):
+        columns = (owner == adapter).nonzero().flatten()
+        if columns.numel() == 0:
+            continue
+        start, stop = int(columns[0]), int(columns[-1]) + 1
+        if stop - start != columns.numel():
+            return None
+        ranges[adapter] = torch.tensor([start, stop])
+    return ranges
+
+
+class NativeLayers:
+    """Every decoder layer of one `FastDecoder` as a table for `fusion_decode_layers` (module docstring)."""
+
+    def __init__(self, decoder, library: ctypes.CDLL) -> None:
+        self.library = library
+        self.shape = (decoder.num_heads, decoder.num_kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps)
+        self.hidden = decoder.embed.shape[1]
+        self.adapters = 0 if decoder.adapters is None else len(decoder.adapters.names)
+        self._keep: list[torch.Tensor] = []  # every tensor the table points into
+        self.table = (_Layer * len(decoder.blocks))()
+        for entry, block in zip(self.table, decoder.blocks):
+            for index, name in enumerate(PROJECTIONS):
+                weight = getattr(block, "o_proj" if name == "o" else name)
+                entry.projection[index] = _Int4Weight(self._pointer(weight.nibbles), self._pointer(weight.scale_bias),
+                                                      weight.out_features, weight.in_features)
+                stack = block.stacks[name] if name in block.stacks else None
+                if stack is not None:
+                    ranges = adapter_ranges(stack.owner.cpu(), self.adapters)
+                    if ranges is None:
+                        raise ValueError(f"an adapter's columns of {name} are not one run")
+                    entry.lora[index] = _LoraStack(self._pointer(stack.down), self._pointer(stack.up),
+                                                   self._pointer(ranges), stack.down.shape[1], self.adapters)
+            # A quantized projection keeps its own bias (the fused query/key/value one; the others have none).
+            qkv_bias = block.qkv_bias if block.qkv_bias is not None else block.qkv.bias
+            if qkv_bias is not None:
+                entry.qkv_bias = self._pointer(qkv_bias.float())
+            entry.input_norm = self._pointer(block.input_norm.float())
+            entry.post_norm = self._pointer(block.post_norm.float())
+
+    def _pointer(self, tensor: torch.Tensor) -> int:
+        tensor = tensor.detach().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    @classmethod
+    def of(cls, decoder) -> NativeLayers | None:
+        """The table for `decoder`'s layers, or None where the C step cannot run them (module docstring)."""
+        library = native_kernels.library()
+        if library is None or decoder.embed.device.type != "cpu":
+            return None
+        if not all(_native_int4(getattr(block, name)) for block in decoder.blocks
+                   for name in ("qkv", "o_proj", "gate_up", "down")):
+            return None
+        if any(getattr(block, name).bias is not None for block in decoder.blocks for name in ("o_proj", "gate_up", "down")):
+            return None
+        try:
+            return cls(decoder, library)
+        except ValueError as err:
+            logger.info("decode layers run as torch operators: %s", err)
+            return None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+            values: list[torch.Tensor], mask: torch.Tensor, adapter_rows: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, hidden) after every layer, float32, and the new keys and values (layers, B, H_kv, D) float32
+        (`FastDecoder.forward`'s arguments: cos and sin (B, 1, D), keys and values per layer (B or 1, H_kv,
+        width, D), mask (B or 1, 1, 1, width) bool, adapter_rows (B,) or None)."""
+        heads, kv_heads, head_dim, intermediate, eps = self.shape
+        rows, layers = x.shape[0], len(self.table)
+        x = x.float().contiguous()
+        cos = cos.float().reshape(-1, head_dim).expand(rows, head_dim).contiguous()  # (B, D)
+        sin = sin.float().reshape(-1, head_dim).expand(rows, head_dim).contiguous()
+        mask = mask.reshape(mask.shape[0], -1).contiguous()  # (B or 1, width) bool
+        if adapter_rows is not None:
+            adapter_rows = adapter_rows.to(torch.int64).expand(rows).contiguous()
+        for entry, layer_keys, layer_values in zip(self.table, keys, values):
+            entry.keys, entry.values = layer_keys.data_ptr(), layer_values.data_ptr()
+            entry.key_strides[:] = layer_keys.stride()[:3]
+            entry.value_strides[:] = layer_values.stride()[:3]
+        cache = keys[0]
+        shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate, eps, rows, cache.shape[0], cache.shape[2],
+                       int(cache.dtype == torch.bfloat16), mask.data_ptr(), mask.shape[0],
+                       None if adapter_rows is None else adapter_rows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                       torch.get_num_threads())
+        new_keys = torch.empty(layers, rows, kv_heads, head_dim)
+        new_values = torch.empty(layers, rows, kv_heads, head_dim)
+        status = self.library.fusion_decode_layers(ctypes.addressof(self.table), layers, ctypes.byref(shape),
+                                                   x.data_ptr(), new_keys.data_ptr(), new_values.data_ptr())
+        if status != 0:
+            raise MemoryError("fusion_decode_layers: could not allocate its scratch buffers")
+        return x, new_keys, new_values
+
+    @staticmethod
+    def reads(keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Whether the C step reads these cached columns in place: bfloat16 or float32 with a contiguous last
+        axis."""
+        return all(t.dtype in (torch.bfloat16, torch.float32) and t.stride(-1) == 1 and t.device.type == "cpu"
+                   for t in (*keys, *values))

@@ -1,0 +1,137 @@
+"""The decode step's layers in the project's C step (fusion/native_decoder.py) against the same
+`FastDecoder` run as torch operators, on the same inputs: batched rows of different lengths (masked),
+one shared history for every row, adapters per row, query/key/value biases, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from fusion.fast_decode import FastDecoder
+from fusion.multi_lora import LoraPair, MultiAdapter
+from fusion.native_decoder import NativeLayers, adapter_ranges
+from fusion.quantized import quantize_model
+
+
+HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 3
+HEAD_DIM = HIDDEN // HEADS
+
+
+def _model(kind: str, dtype: torch.dtype, kernel: str = "native"):
+    torch.manual_seed(3)
+    common = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama"
+             else Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))).eval()
+    with torch.no_grad():  # biases away from zero, so that a missing one shows
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                bias = getattr(layer.self_attn, name).bias
+                if bias is not None:
+                    bias.normal_(0, 0.5)
+    model = model.to(dtype)
+    quantize_model(model, "int4", kernel=kernel)
+    return model
+
+
+def _adapters(model, count: int = 2) -> MultiAdapter:
+    """`count` random LoRA adapters over every projection but o_proj (so one fused projection has none)."""
+    generator = torch.Generator().manual_seed(7)
+    adapters = []
+    for _ in range(count):
+        pairs = {}
+        for index, layer in enumerate(model.model.layers):
+            for path, linear in ((f"model.layers.{index}.self_attn.{n}", getattr(layer.self_attn, n))
+                                 for n in ("q_proj", "k_proj", "v_proj")):
+                pairs[path] = LoraPair(torch.randn(4, linear.in_features, generator=generator) * 0.3,
+                                       torch.randn(linear.out_features, 4, generator=generator) * 0.3, 2.0)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                linear = getattr(layer.mlp, name)
+                pairs[f"model.layers.{index}.mlp.{name}"] = LoraPair(
+                    torch.randn(4, linear.in_features, generator=generator) * 0.3,
+                    torch.randn(linear.out_features, 4, generator=generator) * 0.3, 2.0)
+        adapters.append(pairs)
+    return MultiAdapter(model, adapters, [f"adapter{k}" for k in range(count)])
+
+
+def _inputs(dtype: torch.dtype, rows: int, cache_rows: int, width: int = 11):
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (rows,), generator=generator)
+    lengths = torch.tensor([width, width - 4, 3][:rows]) if cache_rows == rows else torch.full((rows,), width)
+    columns = torch.arange(width)
+    mask = (columns[None, :] >= width - lengths[:, None])[:cache_rows if cache_rows == 1 else rows]
+    # Buffers wider than the columns read, as a cache's spare capacity is: the strides are the buffers'.
+    keys = [torch.randn(cache_rows, KV_HEADS, width + 5, HEAD_DIM, generator=generator).to(dtype)[:, :, :width]
+            for _ in range(LAYERS)]
+    values = [torch.randn(cache_rows, KV_HEADS, width + 5, HEAD_DIM, generator=generator).to(dtype)[:, :, :width]
+              for _ in range(LAYERS)]
+    return ids, lengths, keys, values, mask.view(mask.shape[0], 1, 1, width)
+
+
+def _both(decoder: FastDecoder, *inputs):
+    with torch.no_grad():
+        decoder.native_layers = True
+        native = decoder(*inputs)
+        assert isinstance(decoder._native, NativeLayers)  # the C step ran
+        decoder.native_layers = False
+        reference = decoder(*inputs)
+    return native, reference
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("cache_rows", [3, 1])
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_the_c_step_equals_the_torch_step_in_float32(kind, cache_rows, with_adapters):
+    """Three rows (their own masked histories, or one history for all), with and without a row per
+    adapter: logits and new keys and values as the torch operators compute them. The products' 16-bit
+    activation codes are why not bit for bit: inputs that differ in their last float bits may round to
+    neighbouring codes."""
+    model = _model(kind, torch.float32)
+    decoder = FastDecoder(model)
+    rows = None
+    if with_adapters:
+        decoder.adapters = _adapters(model)
+        rows = torch.tensor([-1, 0, 1])
+    ids, lengths, keys, values, mask = _inputs(torch.float32, 3, cache_rows)
+    (logits, new_keys, new_values), (want_logits, want_keys, want_values) = _both(
+        decoder, ids, lengths, keys, values, mask, *(() if rows is None else (rows,)))
+    assert (decoder.qkv[0].bias is not None) == (kind == "qwen2")
+    torch.testing.assert_close(logits, want_logits, rtol=1e-3, atol=1e-3 * float(want_logits.abs().max()))
+    torch.testing.assert_close(new_keys, want_keys, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(new_values, want_values, rtol=1e-3, atol=1e-3)
+    if with_adapters:  # the adapters change the rows they run on
+        decoder.adapters = None
+        (plain, _, _), _ = _both(decoder, ids, lengths, keys, values, mask)
+        assert (plain[1:] - logits[1:]).abs().max() > 0.1 * float(want_logits.abs().max())
+        torch.testing.assert_close(plain[0], logits[0], rtol=1e-3, atol=1e-3 * float(want_logits.abs().max()))
+
+
+def test_the_c_step_over_a_bfloat16_cache_stays_close_to_the_torch_step():
+    """A bfloat16 model: the C step keeps its activations in float32 where the torch step rounds each
+    operator's result to bfloat16, so the two differ by that rounding, not more."""
+    model = _model("llama", torch.bfloat16)
+    decoder = FastDecoder(model)
+    decoder.adapters = _adapters(model)
+    ids, lengths, keys, values, mask = _inputs(torch.bfloat16, 3, 3)
+    (logits, new_keys, _), (want_logits, want_keys, _) = _both(decoder, ids, lengths, keys, values, mask,
+                                                               torch.tensor([1, -1, 0]))
+    assert new_keys.dtype == torch.bfloat16
+    assert (logits - want_logits).abs().max() <= 0.03 * want_logits.abs().max()
+    assert (new_keys.float() - want_keys.float()).abs().max() <= 0.05 * want_keys.float().abs().max()
+
+
+def test_layers_the_c_step_cannot_run_stay_torch_operators():
+    """Projections in torch's kernel layout: no table, and the torch step runs."""
+    decoder = FastDecoder(_model("llama", torch.float32, kernel="torch"))
+    assert NativeLayers.of(decoder) is None
+    ids, lengths, keys, values, mask = _inputs(torch.float32, 3, 3)
+    with torch.no_grad():
+        logits, _, _ = decoder(ids, lengths, keys, values, mask)
+    assert decoder._native is False and logits.shape == (3, 96)
+
+
+def test_adapter_columns_must_each_be_one_run():
+    assert adapter_ranges(torch.tensor([0, 0, 1, 1, 1]), 3).tolist() == [[0, 2], [2, 5], [0, 0]]
+    assert adapter_ranges(torch.tensor([0, 1, 0]), 2) is None

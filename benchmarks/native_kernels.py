@@ -1,7 +1,9 @@
 """The default trio's decode step with torch's quantized kernels against the project's own
 (fusion/native_kernels.py), side by side in one run, alternating rounds: the three members' step (one
 session each) and the base member's step alone, at a short and a longer history, eager (`decode: fast`)
-and, with `--regional`, one compiled layer (`decode: regional`).
+and, with `--regional`, one compiled layer (`decode: regional`). The eager step with the project's kernels
+runs twice: its layers in the C step (`fast_native`, fusion/native_decoder.py, the default) and as torch
+operators calling the kernels one product at a time (`fast_native_ops`).
 
     python benchmarks/native_kernels.py --json docs/bench_native_kernels.json
 """
@@ -55,9 +57,16 @@ def main() -> None:
             groups[f"{decode}_{name}"] = experts
             load_s[f"{decode}_{name}"] = time.perf_counter() - started
 
+    groups["fast_native_ops"] = groups["fast_native"]  # the same experts, their layers as torch operators
+
+    def use_c_step(members, on: bool) -> None:
+        members[0].shared_base._fast_step.decoder.native_layers = on
+
     rounds: dict[str, list[float]] = {}
     for r in range(options.rounds):
         for variant, members in groups.items():
+            if variant.startswith("fast_native"):
+                use_c_step(members, variant == "fast_native")
             for history_len in (60, 600):
                 for part, which in (("three_members", [0, 1, 2]), ("base_only", [0])):
                     rounds.setdefault(f"{variant}_{part}_history{history_len}", []).append(
@@ -70,7 +79,9 @@ def main() -> None:
         "load_s": load_s,
         "rounds_ms": rounds, "median_ms": median,
         "native_over_torch": {k.replace("_native", ""): median[k] / median[k.replace("_native", "_torch")]
-                              for k in median if "_native_" in k},
+                              for k in median if "_native_" in k and "_ops_" not in k},
+        "c_step_over_native_ops": {k.replace("_native", ""): median[k] / median[k.replace("_native", "_native_ops")]
+                                   for k in median if k.startswith("fast_native_") and "_ops_" not in k},
         "three_members_over_base_only": {k.replace("_three_members", ""): median[k] / median[k.replace("three_members", "base_only")]
                                          for k in median if "three_members" in k},
     }

@@ -349,7 +349,7 @@ def quantize_model(model, weights: str, cache_file: Path | None = None, kernel: 
 
 # --- the cache of codes ---------------------------------------------------------------------------
 
-CODES_FORMAT = 1  # bump when the layout of a cache file changes
+CODES_FORMAT = 2  # bump when the layout or the meaning of a cache file changes
 
 
 def packed_cache_file(cache_dir: Path, source: str, weights: str, dtype: str, adapter: str | None = None,

@@ -34,25 +34,56 @@ def gguf_beside(model_path: str) -> Path | None:
 
 
 class LlamaCpp:
-    """llama.cpp (through llama-cpp-python) on one GGUF file, with as many threads as torch uses."""
+    """llama.cpp on one GGUF file, with as many threads as torch uses, through llama-cpp-python (built from
+    source with the machine's flags, ~40 minutes on 2 cores) or, where that is not installed,
+    llama-cpp-py-sync (prebuilt CPU wheels of a recent llama.cpp, installed in seconds). ImportError if
+    neither is."""
 
     def __init__(self, gguf: Path) -> None:
-        from llama_cpp import Llama
-
         self.threads = torch.get_num_threads()
-        self.llm = Llama(str(gguf), n_ctx=2048, n_threads=self.threads, n_threads_batch=self.threads,
-                         verbose=False)
         self.path = gguf
+        try:
+            from llama_cpp import Llama, __version__
+
+            self.binding = f"llama-cpp-python {__version__}"
+            self.llm = Llama(str(gguf), n_ctx=2048, n_threads=self.threads, n_threads_batch=self.threads,
+                             verbose=False)
+            self._sync = None
+        except ImportError:
+            import llama_cpp_py_sync
+
+            self.binding = f"llama-cpp-py-sync {llama_cpp_py_sync.__version__} (llama.cpp {llama_cpp_py_sync.__llama_cpp_commit__[:10]})"
+            self._sync = llama_cpp_py_sync.Llama(str(gguf), n_ctx=2048, n_threads=self.threads,
+                                                 n_threads_batch=self.threads, verbose=False)
+            lib = self._sync._lib  # its default sampler draws; a greedy chain, as the fused stream's
+            greedy = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+            lib.llama_sampler_chain_add(greedy, lib.llama_sampler_init_greedy())
+            lib.llama_sampler_free(self._sync._sampler)
+            self._sync._sampler = greedy
+
+    def _start(self, prompt: list[int]) -> int:
+        """A fresh context that has read `prompt`: the number of ids it holds."""
+        if self._sync is None:
+            self.llm.reset()
+            self.llm.eval(prompt)
+            return len(prompt)
+        self._sync._clear_context_state()
+        return self._sync._eval_tokens(prompt, 0)
+
+    def _next(self, token: int, held: int) -> int:
+        if self._sync is None:
+            self.llm.eval([token])
+            return held + 1
+        return self._sync._eval_tokens([token], held)
 
     def step_times(self, prompt: list[int], steps: int) -> list[float]:
         """Seconds of each single-token decode after the prompt (the same token fed each step: a decode
         forward costs the same whatever the token)."""
-        self.llm.reset()
-        self.llm.eval(prompt)
+        held = self._start(prompt)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            self.llm.eval([prompt[-1]])
+            held = self._next(prompt[-1], held)
             times.append(time.perf_counter() - start)
         return times
 
@@ -61,10 +92,19 @@ class LlamaCpp:
         fused stream's rate includes its prefill."""
         start = time.perf_counter()
         produced = 0
-        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-            produced += 1
-            if produced == tokens:
-                break
+        if self._sync is None:
+            for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                produced += 1
+                if produced == tokens:
+                    break
+        else:
+            held = self._start(prompt)
+            while True:
+                token = self._sync._sample_token()
+                produced += 1
+                if produced == tokens:
+                    break
+                held = self._next(token, held)
         return produced / (time.perf_counter() - start)
 
 
@@ -94,8 +134,8 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
     try:
         llama = LlamaCpp(gguf) if gguf is not None else None
     except ImportError:
-        logger.warning("weights suite: llama-cpp-python is not installed; no llama.cpp figures (pip install "
-                       "'logit-fusion[llamacpp]')")
+        logger.warning("weights suite: no llama.cpp binding is installed; no llama.cpp figures (pip install "
+                       "'logit-fusion[llamacpp-wheel]', or 'logit-fusion[llamacpp]' to build it from source)")
     if gguf is None:
         logger.warning("weights suite: no GGUF file beside %s; no llama.cpp figures", reference.info.model)
     timings: dict[str, list[float]] = {path: [] for path in paths}
@@ -109,7 +149,7 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
     ms = {path: statistics.median(values) for path, values in timings.items()}
     for path, value in ms.items():
         report.add(f"weights.decode_ms.{path}", value, f"decode step, {name}'s base, {path}: {value:.2f} ms"
-                   + (f" ({llama.threads} threads, {llama.path.name})" if path == "llama.cpp" else ""))
+                   + (f" ({llama.binding}, {llama.threads} threads, {llama.path.name})" if path == "llama.cpp" else ""))
     for path in paths:
         if path != "dense fast":
             report.add(f"weights.{path}_over_dense", ms[path] / ms["dense fast"],

@@ -1,12 +1,12 @@
 """A `FastDecoder`'s layers as one call into the project's own C step (fusion/kernels/decoder_step.c), for
-CPU decoding over 4-bit weights in the native kernel's layout (fusion/quantized.py).
+CPU decoding over 4- or 8-bit weights in the native kernels' layouts (fusion/quantized.py).
 
 Why: at a few rows, an eager step's time goes less to reading the weights than to dispatching some sixty
 torch operators per layer (norms, rotary, attention's pieces, residuals, dtype conversions); the C step
 runs a layer as its four quantized products and a few loops, in float32, with the adapters' deltas and
 attention over the cached columns read in place. `NativeLayers.of` builds the table of every layer's
 weights once (pointers into the decoder's own tensors, which it keeps alive); it is None where the step
-cannot run them: no kernels built, a projection that is not native 4-bit, or adapters whose columns are
+cannot run them: no kernels built, a projection not in a native layout, or adapters whose columns are
 not one run per adapter.
 
 Everything else of the step (the embedding, the rotary table, the final norm and the head) stays in
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
 import torch
 
@@ -28,9 +29,9 @@ logger = logging.getLogger(__name__)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decoder_step.c's order (and `fast_decode.ADAPTED`'s names)
 
 
-class _Int4Weight(ctypes.Structure):
-    _fields_ = [("nibbles", ctypes.c_void_p), ("scale_bias", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("k", ctypes.c_int64)]
+class _Weight(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("params", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("bits", ctypes.c_int)]
 
 
 class _LoraStack(ctypes.Structure):
@@ -39,7 +40,7 @@ class _LoraStack(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("projection", _Int4Weight * 4), ("lora", _LoraStack * 4), ("qkv_bias", ctypes.c_void_p),
+    _fields_ = [("projection", _Weight * 4), ("lora", _LoraStack * 4), ("qkv_bias", ctypes.c_void_p),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
                 ("key_strides", ctypes.c_int64 * 3), ("value_strides", ctypes.c_int64 * 3)]
@@ -54,9 +55,9 @@ class _Shape(ctypes.Structure):
                 ("threads", ctypes.c_int)]
 
 
-def _native_int4(projection) -> bool:
+def _native(projection) -> bool:
     return (isinstance(projection, QuantizedLinear) and projection.kernel == "native"
-            and projection.weights == "int4" and projection.in_features % 32 == 0)
+            and projection.in_features % 32 == 0)
 
 
 def adapter_ranges(owner: torch.Tensor, adapters: int) -> torch.Tensor | None:
@@ -83,12 +84,17 @@ class NativeLayers:
         self.hidden = decoder.embed.shape[1]
         self.adapters = 0 if decoder.adapters is None else len(decoder.adapters.names)
         self._keep: list[torch.Tensor] = []  # every tensor the table points into
+        self._lock = threading.Lock()  # a step writes its cache pointers into the one table
         self.table = (_Layer * len(decoder.blocks))()
         for entry, block in zip(self.table, decoder.blocks):
             for index, name in enumerate(PROJECTIONS):
                 weight = getattr(block, "o_proj" if name == "o" else name)
-                entry.projection[index] = _Int4Weight(self._pointer(weight.nibbles), self._pointer(weight.scale_bias),
-                                                      weight.out_features, weight.in_features)
+                if weight.weights == "int4":
+                    codes, params, bits = weight.nibbles, weight.scale_bias, 4
+                else:
+                    codes, params, bits = weight.codes, weight.scales, 8
+                entry.projection[index] = _Weight(self._pointer(codes), self._pointer(params), weight.out_features,
+                                                  weight.in_features, bits)
                 stack = block.stacks[name] if name in block.stacks else None
                 if stack is not None:
                     ranges = adapter_ranges(stack.owner.cpu(), self.adapters)
@@ -114,7 +120,7 @@ class NativeLayers:
         library = native_kernels.library()
         if library is None or decoder.embed.device.type != "cpu":
             return None
-        if not all(_native_int4(getattr(block, name)) for block in decoder.blocks
+        if not all(_native(getattr(block, name)) for block in decoder.blocks
                    for name in ("qkv", "o_proj", "gate_up", "down")):
             return None
         if any(getattr(block, name).bias is not None for block in decoder.blocks for name in ("o_proj", "gate_up", "down")):
@@ -139,10 +145,6 @@ class NativeLayers:
         mask = mask.reshape(mask.shape[0], -1).contiguous()  # (B or 1, width) bool
         if adapter_rows is not None:
             adapter_rows = adapter_rows.to(torch.int64).expand(rows).contiguous()
-        for entry, layer_keys, layer_values in zip(self.table, keys, values):
-            entry.keys, entry.values = layer_keys.data_ptr(), layer_values.data_ptr()
-            entry.key_strides[:] = layer_keys.stride()[:3]
-            entry.value_strides[:] = layer_values.stride()[:3]
         cache = keys[0]
         shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate, eps, rows, cache.shape[0], cache.shape[2],
                        int(cache.dtype == torch.bfloat16), mask.data_ptr(), mask.shape[0],
@@ -150,8 +152,13 @@ class NativeLayers:
                        torch.get_num_threads())
         new_keys = torch.empty(layers, rows, kv_heads, head_dim)
         new_values = torch.empty(layers, rows, kv_heads, head_dim)
-        status = self.library.fusion_decode_layers(ctypes.addressof(self.table), layers, ctypes.byref(shape),
-                                                   x.data_ptr(), new_keys.data_ptr(), new_values.data_ptr())
+        with self._lock:
+            for entry, layer_keys, layer_values in zip(self.table, keys, values):
+                entry.keys, entry.values = layer_keys.data_ptr(), layer_values.data_ptr()
+                entry.key_strides[:] = layer_keys.stride()[:3]
+                entry.value_strides[:] = layer_values.stride()[:3]
+            status = self.library.fusion_decode_layers(ctypes.addressof(self.table), layers, ctypes.byref(shape),
+                                                       x.data_ptr(), new_keys.data_ptr(), new_values.data_ptr())
         if status != 0:
             raise MemoryError("fusion_decode_layers: could not allocate its scratch buffers")
         return x, new_keys, new_values

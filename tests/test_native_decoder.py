@@ -18,7 +18,7 @@ HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 3
 HEAD_DIM = HIDDEN // HEADS
 
 
-def _model(kind: str, dtype: torch.dtype, kernel: str = "native"):
+def _model(kind: str, dtype: torch.dtype, kernel: str = "native", weights: str = "int4"):
     torch.manual_seed(3)
     common = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
@@ -32,7 +32,7 @@ def _model(kind: str, dtype: torch.dtype, kernel: str = "native"):
                 if bias is not None:
                     bias.normal_(0, 0.5)
     model = model.to(dtype)
-    quantize_model(model, "int4", kernel=kernel)
+    quantize_model(model, weights, kernel=kernel)
     return model
 
 
@@ -80,15 +80,16 @@ def _both(decoder: FastDecoder, *inputs):
     return native, reference
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("cache_rows", [3, 1])
 @pytest.mark.parametrize("with_adapters", [False, True])
-def test_the_c_step_equals_the_torch_step_in_float32(kind, cache_rows, with_adapters):
+def test_the_c_step_equals_the_torch_step_in_float32(kind, cache_rows, with_adapters, weights):
     """Three rows (their own masked histories, or one history for all), with and without a row per
     adapter: logits and new keys and values as the torch operators compute them. The products' 16-bit
     activation codes are why not bit for bit: inputs that differ in their last float bits may round to
     neighbouring codes."""
-    model = _model(kind, torch.float32)
+    model = _model(kind, torch.float32, weights=weights)
     decoder = FastDecoder(model)
     rows = None
     if with_adapters:

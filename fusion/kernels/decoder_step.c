@@ -1,5 +1,5 @@
-/* A Llama-family decode step's decoder layers in one call, for rows of one new token each, over 4-bit
- * weights (fusion/native_decoder.py builds the layer table and calls it; fusion/fast_decode.py documents
+/* A Llama-family decode step's decoder layers in one call, for rows of one new token each, over 4- or
+ * 8-bit weights (fusion/native_decoder.py builds the layer table and calls it; fusion/fast_decode.py documents
  * the arithmetic). Eagerly, torch runs each layer as some sixty small operators whose dispatch costs more
  * than the layer's arithmetic at one row; here a layer is its four quantized products (quantized_mm.c's
  * kernels) and a few loops over float32 activations:
@@ -21,10 +21,11 @@
 enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 
 typedef struct {
-    const uint8_t *nibbles;   /* (n, k/2) */
-    const float *scale_bias;  /* (n, 2, k/32) */
+    const void *codes;    /* 4-bit: (n, k/2) nibbles; 8-bit: (n, k) int8 */
+    const float *params;  /* 4-bit: (n, 2, k/32) scales and biases; 8-bit: (n,) scales */
     int64_t n, k;
-} int4_weight;
+    int bits;             /* 4 or 8 */
+} quantized_weight;
 
 typedef struct {
     const float *down;       /* (k, columns); NULL: the projection has no adapters */
@@ -34,7 +35,7 @@ typedef struct {
 } lora_stack;
 
 typedef struct {
-    int4_weight projection[PROJECTIONS];
+    quantized_weight projection[PROJECTIONS];
     lora_stack lora[PROJECTIONS];
     const float *qkv_bias;    /* (n_qkv,) or NULL */
     const float *input_norm;  /* (hidden,) */
@@ -93,15 +94,20 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
     }
 }
 
-/* out (rows, w->n) = x (rows, w->k) times the 4-bit weight; `q` is scratch for the rows' codes. */
-static void int4_product(const float *x, int64_t rows, const int4_weight *w, quantized_rows *q, float *out,
-                         int threads) {
+/* out (rows, w->n) = x (rows, w->k) times the quantized weight; `q` is scratch for the rows' codes. */
+static void product(const float *x, int64_t rows, const quantized_weight *w, quantized_rows *q, float *out,
+                    int threads) {
     const int64_t k = w->k, groups = k / GROUP;
     for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, q->q + m * k, q->d + m, q->sums + m * groups);
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
         int count = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
+        if (w->bits == 4) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t i = 0; i < w->n; i++) int4_output(q, m0, count, k, w->nibbles, w->scale_bias, i, w->n, out, 0);
+            for (int64_t i = 0; i < w->n; i++) int4_output(q, m0, count, k, w->codes, w->params, i, w->n, out, 0);
+        } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t i = 0; i < w->n; i++) int8_output(q, m0, count, k, w->codes, w->params, i, w->n, out, 0);
+        }
     }
 }
 
@@ -202,7 +208,7 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     for (int64_t l = 0; l < count; l++) {
         const decoder_layer *layer = layers + l;
         rms_norm(x, layer->input_norm, rows, hidden, s->eps, h);
-        int4_product(h, rows, &layer->projection[QKV], &q, qkv, s->threads);
+        product(h, rows, &layer->projection[QKV], &q, qkv, s->threads);
         if (layer->qkv_bias)
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[m * qkv_width + j] += layer->qkv_bias[j];
@@ -215,19 +221,19 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
             memcpy(new_values + (l * rows + m) * kv_width, row + q_width + kv_width, (size_t)kv_width * sizeof(float));
         }
         attend(layer, s, qkv, qkv_width, scores, attn);
-        int4_product(attn, rows, &layer->projection[O], &q, delta, s->threads);
+        product(attn, rows, &layer->projection[O], &q, delta, s->threads);
         add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
 
         rms_norm(x, layer->post_norm, rows, hidden, s->eps, h);
-        int4_product(h, rows, &layer->projection[GATE_UP], &q, gate_up, s->threads);
+        product(h, rows, &layer->projection[GATE_UP], &q, gate_up, s->threads);
         add_adapters(&layer->lora[GATE_UP], s->adapter_rows, h, rows, hidden, 2 * inter, gate_up, t);
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < inter; j++) {
                 float gate = gate_up[m * 2 * inter + j], up = gate_up[m * 2 * inter + inter + j];
                 h[m * inter + j] = gate / (1.0f + expf(-gate)) * up;
             }
-        int4_product(h, rows, &layer->projection[DOWN], &q, delta, s->threads);
+        product(h, rows, &layer->projection[DOWN], &q, delta, s->threads);
         add_adapters(&layer->lora[DOWN], s->adapter_rows, h, rows, inter, hidden, delta, t);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
     }

@@ -43,16 +43,19 @@ class LlamaCpp:
         self.threads = torch.get_num_threads()
         self.path = gguf
         try:
-            from llama_cpp import Llama, __version__
+            from llama_cpp import Llama, __version__, llama_print_system_info
 
             self.binding = f"llama-cpp-python {__version__}"
+            self.system_info = llama_print_system_info().decode()
             self.llm = Llama(str(gguf), n_ctx=2048, n_threads=self.threads, n_threads_batch=self.threads,
                              verbose=False)
             self._sync = None
         except ImportError:
             import llama_cpp_py_sync
 
-            self.binding = f"llama-cpp-py-sync {llama_cpp_py_sync.__version__} (llama.cpp {llama_cpp_py_sync.__llama_cpp_commit__[:10]})"
+            self.binding = (f"llama-cpp-py-sync {llama_cpp_py_sync.__version__} "
+                            f"(llama.cpp {llama_cpp_py_sync.__llama_cpp_commit__[:10]})")
+            self.system_info = llama_cpp_py_sync.Llama.print_system_info()
             self._sync = llama_cpp_py_sync.Llama(str(gguf), n_ctx=2048, n_threads=self.threads,
                                                  n_threads_batch=self.threads, verbose=False)
             lib = self._sync._lib  # its default sampler draws; a greedy chain, as the fused stream's
@@ -155,6 +158,8 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
             report.add(f"weights.{path}_over_dense", ms[path] / ms["dense fast"],
                        f"decode step {path} / dense fast: {ms[path] / ms['dense fast']:.3f}")
     if llama is not None:
+        report.add("weights.llamacpp_build", {"binding": llama.binding, "system_info": llama.system_info.strip()},
+                   f"llama.cpp: {llama.binding}; {llama.system_info.strip()}")
         for path in paths:
             if path.startswith("int4"):
                 ratio = ms[path] / ms["llama.cpp"]

@@ -19,6 +19,11 @@ rows end at a common column (a session alone, or an expert's `Cohort`). Prefill,
 every other shape stay on transformers' forward, over the same caches, so prefix reuse, cohort
 batching and chunked prefill see no difference.
 
+On a CPU, when every projection is in one of the project's own quantized layouts (`weights: int4 |
+int8`, fusion.quantized), an eager step runs its layers as one call into C instead
+(fusion.native_decoder): the same arithmetic in float32, without dispatching some sixty torch operators a
+layer. The embedding, the rotary table, the final norm and the head stay here.
+
 `DecodeStep` modes: "off" runs the function eagerly (already fewer ops than transformers');
 "inductor" compiles it with dynamic shapes (one compilation serves every batch size and cache length;
 inductor's on-disk cache makes a second start cheap); "cudagraphs" adds `mode="reduce-overhead"` on

@@ -58,31 +58,30 @@ typedef struct {
     int threads;
 } step_shape;
 
-static float cached(const void *base, int64_t index, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
-}
-
-/* q . key over `dim` values, the key in the cache's dtype. */
-static float dot_cached(const float *q, const void *key, int64_t offset, int64_t dim, int is_bf16) {
-    if (!is_bf16) return dot(q, (const float *)key + offset, dim);
-    const uint16_t *k = (const uint16_t *)key + offset;
-    float total = 0;
+/* dim values of the cache (bfloat16 or float32) from `offset` as float32; the cache itself where it is
+ * float32, else `scratch`. */
+static const float *cached_row(const void *cache, int64_t offset, int64_t dim, int is_bf16, float *scratch) {
+    if (!is_bf16) return (const float *)cache + offset;
+    const uint16_t *row = (const uint16_t *)cache + offset;
     int64_t i = 0;
 #ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= dim; i += 8) {
-        __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + i))), 16);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(wide), acc);
-    }
-    total = horizontal_sum(acc);
+    for (; i + 8 <= dim; i += 8)
+        _mm256_storeu_ps(scratch + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i))), 16)));
 #endif
-    for (; i < dim; i++) total += q[i] * bf16_to_float(k[i]);
-    return total;
+    for (; i < dim; i++) scratch[i] = bf16_to_float(row[i]);
+    return scratch;
 }
 
-/* out += p * value over `dim` values, the value in the cache's dtype. */
-static void add_scaled_cached(float *out, float p, const void *value, int64_t offset, int64_t dim, int is_bf16) {
-    for (int64_t i = 0; i < dim; i++) out[i] += p * cached(value, offset + i, is_bf16);
+/* out += p * v over n floats. */
+static void add_scaled(float *out, float p, const float *v, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 scale = _mm256_set1_ps(p);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+#endif
+    for (; i < n; i++) out[i] += p * v[i];
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out) {
@@ -143,40 +142,50 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
     }
 }
 
-/* Each row's heads attend its cached columns (masked) and its own new key: out (B, heads * dim). */
+/* Each row's heads attend its cached columns (masked) and its own new key: out (B, heads * dim). One task per
+ * row and kv head: each cached key and value is read (and widened from bfloat16) once for the group of
+ * query heads that share it. `scores` holds (B, heads, width + 1) floats, `scratch` dim floats a thread. */
 static void attend(const decoder_layer *layer, const step_shape *s, const float *qkv, int64_t qkv_width,
-                   float *scores, float *out) {
+                   float *scores, float *scratch, float *out) {
     const int64_t heads = s->heads, kv_heads = s->kv_heads, dim = s->head_dim, width = s->width;
     const int64_t group = heads / kv_heads;
     const float scale = 1.0f / sqrtf((float)dim);
+    const int is_bf16 = s->cache_is_bf16;
 #pragma omp parallel for schedule(static) num_threads(s->threads)
-    for (int64_t task = 0; task < s->rows * heads; task++) {
-        const int64_t m = task / heads, h = task % heads, g = h / group;
-        const float *q = qkv + m * qkv_width + h * dim;
+    for (int64_t task = 0; task < s->rows * kv_heads; task++) {
+        const int64_t m = task / kv_heads, g = task % kv_heads;
+        const float *q = qkv + m * qkv_width + g * group * dim;  /* the group's queries, one after another */
         const float *k_new = qkv + m * qkv_width + heads * dim + g * dim;
         const float *v_new = k_new + kv_heads * dim;
         const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
         const uint8_t *mask = s->mask + (s->mask_rows == 1 ? 0 : m) * width;
         const int64_t key_base = cache_row * layer->key_strides[0] + g * layer->key_strides[1];
         const int64_t value_base = cache_row * layer->value_strides[0] + g * layer->value_strides[1];
-        float *score = scores + task * (width + 1);
-        float top = dot(q, k_new, dim) * scale;
-        score[width] = top;
+        float *score = scores + (m * heads + g * group) * (width + 1);  /* (group, width + 1) */
+        float *row = scratch + task * dim;
+        for (int64_t h = 0; h < group; h++) score[h * (width + 1) + width] = dot(q + h * dim, k_new, dim) * scale;
         for (int64_t c = 0; c < width; c++) {
             if (!mask[c]) continue;
-            score[c] = dot_cached(q, layer->keys, key_base + c * layer->key_strides[2], dim, s->cache_is_bf16) * scale;
-            if (score[c] > top) top = score[c];
+            const float *key = cached_row(layer->keys, key_base + c * layer->key_strides[2], dim, is_bf16, row);
+            for (int64_t h = 0; h < group; h++) score[h * (width + 1) + c] = dot(q + h * dim, key, dim) * scale;
         }
-        float total = 0;
-        for (int64_t c = 0; c < width; c++)
-            if (mask[c]) total += (score[c] = expf(score[c] - top));
-        total += (score[width] = expf(score[width] - top));
-        float *o = out + m * heads * dim + h * dim;
-        for (int64_t i = 0; i < dim; i++) o[i] = score[width] / total * v_new[i];
-        for (int64_t c = 0; c < width; c++)
-            if (mask[c])
-                add_scaled_cached(o, score[c] / total, layer->values, value_base + c * layer->value_strides[2], dim,
-                                  s->cache_is_bf16);
+        for (int64_t h = 0; h < group; h++) {  /* softmax over the attended columns and the new one */
+            float *p = score + h * (width + 1), top = p[width], total = 0;
+            for (int64_t c = 0; c < width; c++)
+                if (mask[c] && p[c] > top) top = p[c];
+            for (int64_t c = 0; c < width; c++)
+                if (mask[c]) total += (p[c] = expf(p[c] - top));
+            total += (p[width] = expf(p[width] - top));
+            for (int64_t c = 0; c <= width; c++) p[c] /= total;
+            float *o = out + m * heads * dim + (g * group + h) * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = p[width] * v_new[i];
+        }
+        for (int64_t c = 0; c < width; c++) {
+            if (!mask[c]) continue;
+            const float *value = cached_row(layer->values, value_base + c * layer->value_strides[2], dim, is_bf16, row);
+            for (int64_t h = 0; h < group; h++)
+                add_scaled(out + m * heads * dim + (g * group + h) * dim, score[h * (width + 1) + c], value, dim);
+        }
     }
 }
 
@@ -197,13 +206,14 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     float *gate_up = malloc((size_t)(rows * 2 * inter) * sizeof(float));
     float *delta = malloc((size_t)(rows * hidden) * sizeof(float));
     float *scores = malloc((size_t)(rows * s->heads * (s->width + 1)) * sizeof(float));
+    float *scratch = malloc((size_t)(rows * s->kv_heads * dim) * sizeof(float));
     float *t = malloc((size_t)columns * sizeof(float));
     quantized_rows q = {0};
     q.q = aligned_alloc(32, (size_t)((rows * widest * 2 + 31) / 32 * 32));
     q.d = malloc((size_t)rows * sizeof(float));
     q.sums = malloc((size_t)(rows * (widest / GROUP)) * sizeof(float));
     int status = -1;
-    if (!h || !qkv || !attn || !gate_up || !delta || !scores || !t || !q.q || !q.d || !q.sums) goto done;
+    if (!h || !qkv || !attn || !gate_up || !delta || !scores || !scratch || !t || !q.q || !q.d || !q.sums) goto done;
 
     for (int64_t l = 0; l < count; l++) {
         const decoder_layer *layer = layers + l;
@@ -220,7 +230,7 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
             memcpy(new_keys + (l * rows + m) * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
             memcpy(new_values + (l * rows + m) * kv_width, row + q_width + kv_width, (size_t)kv_width * sizeof(float));
         }
-        attend(layer, s, qkv, qkv_width, scores, attn);
+        attend(layer, s, qkv, qkv_width, scores, scratch, attn);
         product(attn, rows, &layer->projection[O], &q, delta, s->threads);
         add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
@@ -245,6 +255,7 @@ done:
     free(gate_up);
     free(delta);
     free(scores);
+    free(scratch);
     free(t);
     free_rows(&q);
     return status;

@@ -24,6 +24,9 @@ and "torch", torch's kernels above (activations in their own dtype; the tinygemm
 The embedding table stays as it is: a step reads one row of it. Products of many rows (prefill, a
 step of many sessions) use the dense weight the codes were made from (`DENSE_FROM_ROWS`): the 4-bit
 kernel wins by reading fewer bytes, which matters while a product reads its weight once for a few rows.
+Except where that dense product is itself slow (`keeps_dense`): a CPU without bfloat16 instructions
+multiplies a bfloat16 weight several times slower than the native kernels multiply its codes, at any
+number of rows, so there the codes serve every product and the dense weight is not kept.
 """
 
 from __future__ import annotations
@@ -54,6 +57,18 @@ INT8_MAX = 127
 # weight the codes were made from: the 4-bit kernel reads a quarter of the bytes but dequantizes for
 # every row block, so past a few dozen rows it falls behind the dense product (docs/performance.md).
 DENSE_FROM_ROWS = 24
+
+
+def keeps_dense(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether a projection in `kernel`'s layout keeps the dense weight (in activations of `dtype`) for
+    products of many rows: not for the native kernels' bfloat16 or float16 activations on a CPU without
+    AVX-512 bfloat16 instructions, where torch's dense product measured about five times slower than the
+    native 4-bit one from 4 to 512 rows (docs/performance.md)."""
+    if kernel != "native" or dtype == torch.float32:
+        return True
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)())
+
+
 # Siblings that read one input, packed as one matrix (in the order of their outputs).
 SIBLINGS = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
             "mlp": (("gate_proj", "up_proj"), ("down_proj",))}
@@ -154,7 +169,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         # The weight (N, K) in the activations' dtype, for products of many rows (`DENSE_FROM_ROWS`):
         # not a buffer, so neither the codes file nor a state dict holds it.
-        self.dense = None if dense is None else dense.detach()
+        self.dense = None if dense is None or not keeps_dense(kernel, dense.dtype) else dense.detach()
         if weights not in ("int8", "int4"):
             raise ValueError(f"weights must be int8 or int4, got {weights!r}")
         if kernel not in KERNELS:

@@ -314,3 +314,19 @@ def test_an_experts_codes_are_kept_under_the_cache_and_named_by_what_made_them(t
     ids = [5, 17, 42, 9]
     torch.testing.assert_close(second.step([StepRequest("s", ids)]), first.step([StepRequest("s", ids)]),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+def test_native_bfloat16_projections_keep_the_dense_weight_only_where_it_is_fast(monkeypatch, bf16_instructions):
+    """Without AVX-512 bfloat16 instructions the native codes serve every product of a bfloat16 model (its
+    dense product is the slow one there) and the dense weight is dropped; with them, or in float32, or
+    with torch's kernel, many rows still take the dense weight."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_instructions)
+    linear = _linear(64, 128, seed=4).to(torch.bfloat16)
+    native = QuantizedLinear.of(linear, "int4", torch.bfloat16, "native")
+    assert (native.dense is not None) == bf16_instructions
+    many = torch.randn(quantized.DENSE_FROM_ROWS + 8, 128, dtype=torch.bfloat16)
+    dense_product = F.linear(many, linear.weight, linear.bias)
+    assert torch.equal(native(many), dense_product) == bf16_instructions
+    assert QuantizedLinear.of(linear, "int4", torch.bfloat16, "torch").dense is not None
+    assert QuantizedLinear.of(_linear(64, 128, seed=4), "int4", torch.float32, "native").dense is not None

@@ -137,7 +137,9 @@ def _product(function_name: str, rows: torch.Tensor, codes: torch.Tensor, params
 
 def int4_mm(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
     """rows (M, K) @ the int4 weight (N, K) whose codes are `nibbles` (N, K/2) uint8 and whose per-group
-    scales and biases are `scale_bias` (N, 2, K/32) float32 -> (M, N)."""
+    scales and biases are `scale_bias` (N, 2, K/32) float16 -> (M, N)."""
+    if scale_bias.dtype != torch.float16:
+        raise TypeError(f"int4_mm: scale_bias must be float16, got {scale_bias.dtype}")
     if torch.compiler.is_compiling():
         return torch.ops.fusion.int4_mm(rows, nibbles, scale_bias)
     return _product("fusion_int4_mm", rows, nibbles, scale_bias, nibbles.shape[0])

@@ -4,6 +4,8 @@ turns them off, and the custom operators a compiled step calls."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -13,10 +15,10 @@ from fusion.quantized import QuantizedLinear, quantize_int4, quantize_int8
 
 
 def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (N, K) in [0, 15] and their scales and biases (N, 2, K/32) of a random weight."""
+    """Codes (N, K) in [0, 15] and their scales and biases (N, 2, K/32) float16 of a random weight."""
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
     codes, scales, offsets = quantize_int4(weight)
-    return codes, torch.stack((scales, offsets - 8 * scales), dim=1).contiguous()
+    return codes, quantized.native_scale_bias(scales, offsets)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 23])
@@ -124,3 +126,37 @@ def test_the_products_are_operators_a_compiled_step_can_call():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="baseline x86-64 flags")
+def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch):
+    """Built for the baseline x86-64 (no AVX2, no F16C: the plain C loops and the portable float16
+    conversion), the products are their references, and the decode step's layers in C give what the
+    vectorised build gives."""
+    from tests.test_native_decoder import _both, _inputs, _model
+    from fusion.fast_decode import FastDecoder
+
+    vector = {}
+    model = _model("qwen2", torch.float32)
+    inputs = _inputs(torch.bfloat16, 3, 3)
+    vector["step"], _ = _both(FastDecoder(model), *inputs)
+    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(native_kernels, "FLAGS", tuple("-march=x86-64" if f == "-march=native" else f
+                                                       for f in native_kernels.FLAGS))
+    native_kernels.library.cache_clear()
+    try:
+        codes, scale_bias = _int4(80, 160, seed=2)
+        x = torch.randn(5, 160)
+        want = native_kernels.int4_mm_reference(x, codes, scale_bias)
+        torch.testing.assert_close(native_kernels.int4_mm(x, native_kernels.pack_nibbles(codes), scale_bias).double(),
+                                   want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        int8_codes, scales = quantize_int8(torch.randn(48, 160) * 0.1)
+        want = native_kernels.int8_mm_reference(x, int8_codes, scales)
+        torch.testing.assert_close(native_kernels.int8_mm(x, int8_codes, scales).double(), want, rtol=1e-5,
+                                   atol=1e-5 * want.abs().max().item())
+        plain, _ = _both(FastDecoder(model), *inputs)
+        for got, want in zip(plain, vector["step"]):  # logits float32; new keys and values the cache's bf16
+            tol = 1e-4 if got.dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
+    finally:
+        native_kernels.library.cache_clear()

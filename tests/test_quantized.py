@@ -49,7 +49,10 @@ def _dequantized(q: QuantizedLinear, linear: torch.nn.Linear) -> torch.Tensor:
         codes, scales = quantize_int8(linear.weight)
         return codes.float() * scales.to(q.scales.dtype).float()[:, None]
     codes, scales, offsets = quantize_int4(linear.weight)
-    dtype = q.scales_offsets.dtype if q.kernel == "torch" else torch.float32
+    if q.kernel == "native":  # w = q·s + b, both float16
+        scales, biases = quantized.native_scale_bias(scales, offsets).float().unbind(1)
+        return (codes.float().view(codes.shape[0], -1, 32) * scales[..., None] + biases[..., None]).view(codes.shape)
+    dtype = q.scales_offsets.dtype
     return dequantize_int4(codes, scales.to(dtype).float(), offsets.to(dtype).float())
 
 
@@ -66,7 +69,7 @@ def _reference(q: QuantizedLinear, linear: torch.nn.Linear, x: torch.Tensor) -> 
         out = native_kernels.int8_mm_reference(rows, codes, scales)
     else:
         codes, scales, offsets = quantize_int4(linear.weight)
-        out = native_kernels.int4_mm_reference(rows, codes, torch.stack((scales, offsets - 8 * scales), 1))
+        out = native_kernels.int4_mm_reference(rows, codes, quantized.native_scale_bias(scales, offsets))
     return (out + linear.bias.detach().double()).float().view(*x.shape[:-1], -1)
 
 

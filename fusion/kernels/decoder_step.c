@@ -22,7 +22,7 @@ enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 
 typedef struct {
     const void *codes;    /* 4-bit: (n, k/2) nibbles; 8-bit: (n, k) int8 */
-    const float *params;  /* 4-bit: (n, 2, k/32) scales and biases; 8-bit: (n,) scales */
+    const void *params;   /* 4-bit: (n, 2, k/32) float16 scales and biases; 8-bit: (n,) float32 scales */
     int64_t n, k;
     int bits;             /* 4 or 8 */
 } quantized_weight;

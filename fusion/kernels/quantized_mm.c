@@ -3,7 +3,7 @@
  *
  *   int4: out[m, n] = sum_k x[m, k] * (q[n, k] * s[n, g] + b[n, g]),  g = k / 32,  q in [0, 15]
  *         row n: K/2 bytes, group g's byte j holds q[32g + j] (low nibble) and q[32g + 16 + j] (high);
- *         scale_bias[n] = (s[n, :], b[n, :]), float32 (N, 2, K/32)
+ *         scale_bias[n] = (s[n, :], b[n, :]), float16 (N, 2, K/32), as GGUF's Q4_1 keeps them
  *   int8: out[m, n] = scale[n] * sum_k x[m, k] * q[n, k],  q int8, scale float32
  *
  * Activations and outputs are float32 or bfloat16 (is_bf16). The products are integer ones: each row of
@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -50,6 +50,26 @@ static float *activations(const void *x, int64_t rows, int64_t k, int is_bf16) {
         memcpy(out, x, bytes);
     }
     return out;
+}
+
+/* IEEE half precision to float32 (F16C's instruction where the compiler targets it). */
+static float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);  /* inf, NaN */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {  /* zero or subnormal: mantissa * 2^-24 */
+        float f = (float)mantissa * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
 }
 
 static void store(void *out, int64_t index, float value, int is_bf16) {
@@ -111,6 +131,20 @@ static void free_rows(quantized_rows *rows) {
     free(rows->sums);
 }
 
+/* sum_i h[i] * b[i] over n values, h float16. */
+static float dot_half(const uint16_t *h, const float *b, int64_t n) {
+    float total = 0;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(b + i), acc);
+    total = horizontal_sum(acc);
+#endif
+    for (; i < n; i++) total += half_to_float(h[i]) * b[i];
+    return total;
+}
+
 /* sum_i a[i] * b[i] over n floats. */
 static float dot(const float *a, const float *b, int64_t n) {
     float total = 0;
@@ -135,10 +169,10 @@ static __m256i group_dot(__m256i w0, __m256i w1, const int16_t *x) {
 
 /* Output n of rows [m0, m0 + count) of the int4 product: d_x * sum_g s[g] * (q . q_x)[g] + b . sum_x. */
 static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
-                        const float *scale_bias, int64_t n, int64_t n_total, void *out, int is_bf16) {
+                        const void *scale_bias, int64_t n, int64_t n_total, void *out, int is_bf16) {
     const int64_t groups = k / GROUP;
     const uint8_t *row = codes + n * (k / 2);
-    const float *scales = scale_bias + n * groups * 2, *biases = scales + groups;
+    const uint16_t *scales = (const uint16_t *)scale_bias + n * groups * 2, *biases = scales + groups;
     float total[ROW_BLOCK] = {0};
 #ifdef __AVX2__
     __m256 acc[ROW_BLOCK];
@@ -148,7 +182,7 @@ static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t 
         __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * 16));
         __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));                   /* codes 0..15 */
         __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));  /* 16..31 */
-        __m256 s = _mm256_set1_ps(scales[g]);
+        __m256 s = _mm256_set1_ps(half_to_float(scales[g]));
         for (int r = 0; r < count; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), s, acc[r]);
     }
@@ -162,18 +196,19 @@ static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t 
                 uint8_t byte = row[g * 16 + j];
                 sum += (byte & 0x0f) * xq[j] + (byte >> 4) * xq[j + 16];
             }
-            total[r] += (float)sum * scales[g];
+            total[r] += (float)sum * half_to_float(scales[g]);
         }
 #endif
     for (int r = 0; r < count; r++) {
         int64_t m = m0 + r;
-        store(out, m * n_total + n, total[r] * x->d[m] + dot(biases, x->sums + m * groups, groups), is_bf16);
+        store(out, m * n_total + n, total[r] * x->d[m] + dot_half(biases, x->sums + m * groups, groups), is_bf16);
     }
 }
 
 /* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). */
 static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes,
-                        const float *scales, int64_t n, int64_t n_total, void *out, int is_bf16) {
+                        const void *scale_params, int64_t n, int64_t n_total, void *out, int is_bf16) {
+    const float *scales = scale_params;
     const int64_t groups = k / GROUP;
     const int8_t *row = codes + n * k;
     float total[ROW_BLOCK] = {0};
@@ -200,8 +235,8 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
 
 /* Both products: x (rows, k) -> out (rows, n), k a multiple of 32, over `threads` threads splitting the
  * outputs. Returns 0, or -1 when a buffer cannot be allocated. */
-#define PRODUCT(name, code_type, param_type, output)                                                          \
-    int name(const void *x, int64_t rows, int64_t k, const code_type *codes, const float *param, int64_t n,  \
+#define PRODUCT(name, code_type, output)                                                          \
+    int name(const void *x, int64_t rows, int64_t k, const code_type *codes, const void *param, int64_t n,   \
              void *out, int is_bf16, int threads) {                                                         \
         float *xf = activations(x, rows, k, is_bf16);                                                       \
         quantized_rows q = {0};                                                                              \
@@ -220,5 +255,5 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
         return 0;                                                                                            \
     }
 
-PRODUCT(fusion_int4_mm, uint8_t, float, int4_output)
-PRODUCT(fusion_int8_mm, int8_t, float, int8_output)
+PRODUCT(fusion_int4_mm, uint8_t, int4_output)
+PRODUCT(fusion_int8_mm, int8_t, int8_output)

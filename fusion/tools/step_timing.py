@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from fusion.compute import run_on_compute_thread
 from fusion.expert import StepRequest
 
 
@@ -15,7 +16,13 @@ def members_step_ms(members: Sequence, which: Sequence[int], session: str, steps
                     warm_steps: int = 4) -> float:
     """Milliseconds per decode step of `members[m]` for m in `which` (adapter members of one shared base),
     one session each named `session` + m, stepped together (greedy) from a `history_len`-id history;
-    the sessions are released afterwards."""
+    the sessions are released afterwards. On the compute thread, as the engine steps them: elsewhere a
+    step runs on one thread (`fusion.compute.single_team`)."""
+    return run_on_compute_thread(_members_step_ms, members, which, session, steps, history_len, warm_steps)
+
+
+def _members_step_ms(members: Sequence, which: Sequence[int], session: str, steps: int, history_len: int,
+                     warm_steps: int) -> float:
     group = members[0].shared_base
     history = {m: [100 + (7 * k) % 900 for k in range(history_len)] for m in which}
 

@@ -167,24 +167,6 @@ static __m256i group_dot(__m256i w0, __m256i w1, const int16_t *x) {
 }
 #endif
 
-#ifdef __AVX2__
-/* acc[r] += the groups' products of row m0 + r, for a `count` the compiler knows (each case of
- * `int4_output`'s switch): the accumulators then stay in registers. */
-static inline __attribute__((always_inline)) void int4_groups(const quantized_rows *x, int64_t m0, const int count,
-                                                              int64_t k, const uint8_t *row, const uint16_t *scales,
-                                                              __m256 *acc) {
-    const __m128i low_mask = _mm_set1_epi8(0x0f);
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));                   /* codes 0..15 */
-        __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));  /* 16..31 */
-        __m256 s = _mm256_set1_ps(half_to_float(scales[g]));
-        for (int r = 0; r < count; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), s, acc[r]);
-    }
-}
-#endif
-
 /* Output n of rows [m0, m0 + count) of the int4 product: d_x * sum_g s[g] * (q . q_x)[g] + b . sum_x. */
 static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
                         const void *scale_bias, int64_t n, int64_t n_total, void *out, int is_bf16) {
@@ -195,11 +177,14 @@ static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t 
 #ifdef __AVX2__
     __m256 acc[ROW_BLOCK];
     for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
-    switch (count) {
-        case 1: int4_groups(x, m0, 1, k, row, scales, acc); break;
-        case 2: int4_groups(x, m0, 2, k, row, scales, acc); break;
-        case 3: int4_groups(x, m0, 3, k, row, scales, acc); break;
-        default: int4_groups(x, m0, ROW_BLOCK, k, row, scales, acc); break;
+    const __m128i low_mask = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * 16));
+        __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));                   /* codes 0..15 */
+        __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));  /* 16..31 */
+        __m256 s = _mm256_set1_ps(half_to_float(scales[g]));
+        for (int r = 0; r < count; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), s, acc[r]);
     }
     for (int r = 0; r < count; r++) total[r] = horizontal_sum(acc[r]);
 #else
@@ -220,37 +205,25 @@ static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t 
     }
 }
 
-#ifdef __AVX2__
-/* As `int4_groups`, for 8-bit codes: int32 sums of a group, then float32 (no overflow, any k). */
-static inline __attribute__((always_inline)) void int8_groups(const quantized_rows *x, int64_t m0, const int count,
-                                                              int64_t k, const int8_t *row, __m256 *acc) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
-        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
-        for (int r = 0; r < count; r++)
-            acc[r] = _mm256_add_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), acc[r]);
-    }
-}
-#endif
-
 /* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). */
 static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes,
                         const void *scale_params, int64_t n, int64_t n_total, void *out, int is_bf16) {
     const float *scales = scale_params;
+    const int64_t groups = k / GROUP;
     const int8_t *row = codes + n * k;
     float total[ROW_BLOCK] = {0};
 #ifdef __AVX2__
     __m256 acc[ROW_BLOCK];
     for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
-    switch (count) {
-        case 1: int8_groups(x, m0, 1, k, row, acc); break;
-        case 2: int8_groups(x, m0, 2, k, row, acc); break;
-        case 3: int8_groups(x, m0, 3, k, row, acc); break;
-        default: int8_groups(x, m0, ROW_BLOCK, k, row, acc); break;
+    for (int64_t g = 0; g < groups; g++) {  /* int32 sums of a group, then float32 (no overflow, any k) */
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+        for (int r = 0; r < count; r++)
+            acc[r] = _mm256_add_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), acc[r]);
     }
     for (int r = 0; r < count; r++) total[r] = horizontal_sum(acc[r]);
 #else
-    for (int64_t g = 0; g < k / GROUP; g++)
+    for (int64_t g = 0; g < groups; g++)
         for (int r = 0; r < count; r++) {
             int32_t sum = 0;
             for (int j = 0; j < GROUP; j++) sum += row[g * GROUP + j] * x->q[(m0 + r) * k + g * GROUP + j];

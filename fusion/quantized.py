@@ -62,8 +62,8 @@ DENSE_FROM_ROWS = 24
 def keeps_dense(kernel: str, dtype: torch.dtype) -> bool:
     """Whether a projection in `kernel`'s layout keeps the dense weight (in activations of `dtype`) for
     products of many rows: not for the native kernels' bfloat16 or float16 activations on a CPU without
-    AVX-512 bfloat16 instructions, where torch's dense product measured about five times slower than the
-    native 4-bit one from 4 to 512 rows (docs/performance.md)."""
+    AVX-512 bfloat16 instructions, where torch's dense bfloat16 product measured several times slower than
+    the native 4-bit one at every number of rows tried (docs/performance.md)."""
     if kernel != "native" or dtype == torch.float32:
         return True
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)())

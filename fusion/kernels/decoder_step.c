@@ -62,14 +62,7 @@ typedef struct {
  * float32, else `scratch`. */
 static const float *cached_row(const void *cache, int64_t offset, int64_t dim, int is_bf16, float *scratch) {
     if (!is_bf16) return (const float *)cache + offset;
-    const uint16_t *row = (const uint16_t *)cache + offset;
-    int64_t i = 0;
-#ifdef __AVX2__
-    for (; i + 8 <= dim; i += 8)
-        _mm256_storeu_ps(scratch + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i))), 16)));
-#endif
-    for (; i < dim; i++) scratch[i] = bf16_to_float(row[i]);
+    widen_bf16((const uint16_t *)cache + offset, scratch, dim);
     return scratch;
 }
 
@@ -96,18 +89,8 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
 /* out (rows, w->n) = x (rows, w->k) times the quantized weight; `q` is scratch for the rows' codes. */
 static void product(const float *x, int64_t rows, const quantized_weight *w, quantized_rows *q, float *out,
                     int threads) {
-    const int64_t k = w->k, groups = k / GROUP;
-    for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, q->q + m * k, q->d + m, q->sums + m * groups);
-    for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
-        int count = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
-        if (w->bits == 4) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t i = 0; i < w->n; i++) int4_output(q, m0, count, k, w->codes, w->params, i, w->n, out, 0);
-        } else {
-#pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t i = 0; i < w->n; i++) int8_output(q, m0, count, k, w->codes, w->params, i, w->n, out, 0);
-        }
-    }
+    quantize_rows(x, rows, w->k, q);
+    multiply(q, rows, w->k, w->bits, w->codes, w->params, w->n, out, 0, threads);
 }
 
 /* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of `columns` floats. */
@@ -209,11 +192,9 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     float *scratch = malloc((size_t)(rows * s->kv_heads * dim) * sizeof(float));
     float *t = malloc((size_t)columns * sizeof(float));
     quantized_rows q = {0};
-    q.q = aligned_alloc(32, (size_t)((rows * widest * 2 + 31) / 32 * 32));
-    q.d = malloc((size_t)rows * sizeof(float));
-    q.sums = malloc((size_t)(rows * (widest / GROUP)) * sizeof(float));
     int status = -1;
-    if (!h || !qkv || !attn || !gate_up || !delta || !scores || !scratch || !t || !q.q || !q.d || !q.sums) goto done;
+    if (alloc_rows(rows, widest, &q) || !h || !qkv || !attn || !gate_up || !delta || !scores || !scratch || !t)
+        goto done;
 
     for (int64_t l = 0; l < count; l++) {
         const decoder_layer *layer = layers + l;

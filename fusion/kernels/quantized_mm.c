@@ -38,14 +38,24 @@ static uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch doe
     return (uint16_t)(bits >> 16);
 }
 
+/* n bfloat16 values -> float32. */
+static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
 /* x (rows, k) in its dtype -> float32, 32-byte aligned (the caller frees it). */
 static float *activations(const void *x, int64_t rows, int64_t k, int is_bf16) {
     size_t bytes = (size_t)(rows * k) * sizeof(float);
     float *out = aligned_alloc(32, (bytes + 31) / 32 * 32);
     if (!out) return NULL;
     if (is_bf16) {
-        const uint16_t *src = x;
-        for (int64_t i = 0; i < rows * k; i++) out[i] = bf16_to_float(src[i]);
+        widen_bf16(x, out, rows * k);
     } else {
         memcpy(out, x, bytes);
     }
@@ -114,15 +124,18 @@ typedef struct {
     float *sums;    /* (rows, k/32) */
 } quantized_rows;
 
-static int quantize_rows(const float *xf, int64_t rows, int64_t k, quantized_rows *out) {
-    int64_t groups = k / GROUP;
+/* Room for the codes of `rows` rows of up to k activations (free with free_rows). 0, or -1 when out of
+ * memory. */
+static int alloc_rows(int64_t rows, int64_t k, quantized_rows *out) {
     out->q = aligned_alloc(32, (size_t)((rows * k * 2 + 31) / 32 * 32));
     out->d = malloc((size_t)rows * sizeof(float));
-    out->sums = malloc((size_t)(rows * groups) * sizeof(float));
-    if (!out->q || !out->d || !out->sums) return -1;
+    out->sums = malloc((size_t)(rows * (k / GROUP)) * sizeof(float));
+    return out->q && out->d && out->sums ? 0 : -1;
+}
+
+static void quantize_rows(const float *xf, int64_t rows, int64_t k, quantized_rows *out) {
     for (int64_t m = 0; m < rows; m++)
-        quantize_row(xf + m * k, k, out->q + m * k, out->d + m, out->sums + m * groups);
-    return 0;
+        quantize_row(xf + m * k, k, out->q + m * k, out->d + m, out->sums + m * (k / GROUP));
 }
 
 static void free_rows(quantized_rows *rows) {
@@ -233,27 +246,46 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
     for (int r = 0; r < count; r++) store(out, (m0 + r) * n_total + n, total[r] * x->d[m0 + r] * scales[n], is_bf16);
 }
 
-/* Both products: x (rows, k) -> out (rows, n), k a multiple of 32, over `threads` threads splitting the
- * outputs. Returns 0, or -1 when a buffer cannot be allocated. */
-#define PRODUCT(name, code_type, output)                                                          \
-    int name(const void *x, int64_t rows, int64_t k, const code_type *codes, const void *param, int64_t n,   \
-             void *out, int is_bf16, int threads) {                                                         \
-        float *xf = activations(x, rows, k, is_bf16);                                                       \
-        quantized_rows q = {0};                                                                              \
-        if (!xf || quantize_rows(xf, rows, k, &q)) {                                                         \
-            free(xf);                                                                                        \
-            free_rows(&q);                                                                                   \
-            return -1;                                                                                       \
-        }                                                                                                    \
-        free(xf);                                                                                            \
-        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {                                                   \
-            int count = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;                               \
-            _Pragma("omp parallel for schedule(static) num_threads(threads)")                                \
-            for (int64_t i = 0; i < n; i++) output(&q, m0, count, k, codes, param, i, n, out, is_bf16);     \
-        }                                                                                                    \
-        free_rows(&q);                                                                                       \
-        return 0;                                                                                            \
+/* out (rows, n) = the quantized rows `q` (k activations each) times the 4-bit (`bits` 4: nibbles, float16
+ * scales and biases) or 8-bit weight (int8 codes, float32 scales), over `threads` threads splitting the
+ * outputs. */
+static void multiply(const quantized_rows *q, int64_t rows, int64_t k, int bits, const void *codes,
+                     const void *params, int64_t n, void *out, int is_bf16, int threads) {
+    for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+        int count = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
+        if (bits == 4) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t i = 0; i < n; i++) int4_output(q, m0, count, k, codes, params, i, n, out, is_bf16);
+        } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t i = 0; i < n; i++) int8_output(q, m0, count, k, codes, params, i, n, out, is_bf16);
+        }
     }
+}
 
-PRODUCT(fusion_int4_mm, uint8_t, int4_output)
-PRODUCT(fusion_int8_mm, int8_t, int8_output)
+/* x (rows, k) in its dtype -> out (rows, n), k a multiple of 32. Returns 0, or -1 when a buffer cannot be
+ * allocated. */
+static int product_of(const void *x, int64_t rows, int64_t k, int bits, const void *codes, const void *params,
+                      int64_t n, void *out, int is_bf16, int threads) {
+    float *xf = activations(x, rows, k, is_bf16);
+    quantized_rows q = {0};
+    int status = -1;
+    if (xf && alloc_rows(rows, k, &q) == 0) {
+        quantize_rows(xf, rows, k, &q);
+        multiply(&q, rows, k, bits, codes, params, n, out, is_bf16, threads);
+        status = 0;
+    }
+    free(xf);
+    free_rows(&q);
+    return status;
+}
+
+int fusion_int4_mm(const void *x, int64_t rows, int64_t k, const uint8_t *codes, const void *params, int64_t n,
+                   void *out, int is_bf16, int threads) {
+    return product_of(x, rows, k, 4, codes, params, n, out, is_bf16, threads);
+}
+
+int fusion_int8_mm(const void *x, int64_t rows, int64_t k, const int8_t *codes, const void *params, int64_t n,
+                   void *out, int is_bf16, int threads) {
+    return product_of(x, rows, k, 8, codes, params, n, out, is_bf16, threads);
+}

@@ -190,23 +190,24 @@ class FastDecoder(nn.Module):
         when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
         columns are zeros (GrowingLayer allocates them so), never NaN."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
-        if (self.native_layers and run_layer is None and linear is F.linear and times is rows_times
-                and not torch.compiler.is_compiling() and NativeLayers.reads(keys, values)):
-            native = self._native_step()
-            if native is not None:
-                cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
-                x, new_keys, new_values = native.run(x, cos, sin, keys, values, mask, adapter_rows)  # float32
-                logits = project(rms_norm(x, self.norm, self.eps), self.lm_head, linear=linear).float()
-                return logits, new_keys.to(keys[0].dtype), new_values.to(values[0].dtype)
-        cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
-        new_keys, new_values = [], []
-        for layer, block in enumerate(self.blocks):
-            args = (x, cos, sin, keys[layer], values[layer], mask, adapter_rows, linear, times)
-            x, k, v = block(*args) if run_layer is None else run_layer(block, *args)
-            new_keys.append(k)
-            new_values.append(v)
+        native = (self._native_step() if self.native_layers and run_layer is None and linear is F.linear
+                  and times is rows_times and not torch.compiler.is_compiling() and NativeLayers.reads(keys, values)
+                  else None)
+        if native is not None:
+            cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
+            x, new_keys, new_values = native.run(x, cos, sin, keys, values, mask, adapter_rows)  # float32
+            new_keys, new_values = new_keys.to(keys[0].dtype), new_values.to(values[0].dtype)
+        else:
+            cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
+            new_keys, new_values = [], []
+            for layer, block in enumerate(self.blocks):
+                args = (x, cos, sin, keys[layer], values[layer], mask, adapter_rows, linear, times)
+                x, k, v = block(*args) if run_layer is None else run_layer(block, *args)
+                new_keys.append(k)
+                new_values.append(v)
+            new_keys, new_values = torch.stack(new_keys), torch.stack(new_values)
         logits = project(rms_norm(x, self.norm, self.eps), self.lm_head, linear=linear).float()
-        return logits, torch.stack(new_keys), torch.stack(new_values)
+        return logits, new_keys, new_values
 
 
 # The fused projections an adapter may add to, as `MultiAdapter.fused` names them.

@@ -56,8 +56,8 @@ class _Shape(ctypes.Structure):
 
 
 def _native(projection) -> bool:
-    return (isinstance(projection, QuantizedLinear) and projection.kernel == "native"
-            and projection.in_features % 32 == 0)
+    # (`quantized.kernel_for` gives the native layout only to inputs in whole groups of 32)
+    return isinstance(projection, QuantizedLinear) and projection.kernel == "native"
 
 
 def adapter_ranges(owner: torch.Tensor, adapters: int) -> torch.Tensor | None:
@@ -102,7 +102,8 @@ class NativeLayers:
                         raise ValueError(f"an adapter's columns of {name} are not one run")
                     entry.lora[index] = _LoraStack(self._pointer(stack.down), self._pointer(stack.up),
                                                    self._pointer(ranges), stack.down.shape[1], self.adapters)
-            # A quantized projection keeps its own bias (the fused query/key/value one; the others have none).
+            # A quantized projection keeps its own bias (the fused query/key/value one; `FastDecoder` takes
+            # no model whose other projections have one).
             qkv_bias = block.qkv_bias if block.qkv_bias is not None else block.qkv.bias
             if qkv_bias is not None:
                 entry.qkv_bias = self._pointer(qkv_bias.float())
@@ -122,8 +123,6 @@ class NativeLayers:
             return None
         if not all(_native(getattr(block, name)) for block in decoder.blocks
                    for name in ("qkv", "o_proj", "gate_up", "down")):
-            return None
-        if any(getattr(block, name).bias is not None for block in decoder.blocks for name in ("o_proj", "gate_up", "down")):
             return None
         try:
             return cls(decoder, library)

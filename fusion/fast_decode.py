@@ -21,7 +21,7 @@ batching and chunked prefill see no difference.
 
 On a CPU, when every projection is in one of the project's own quantized layouts (`weights: int4 |
 int8`, fusion.quantized), an eager step runs its layers as one call into C instead
-(fusion.native_decoder): the same arithmetic in float32, without dispatching some sixty torch operators a
+(fusion.native_decoder): the same arithmetic in float32, without dispatching dozens of small torch operators a
 layer. The embedding, the rotary table, the final norm and the head stay here.
 
 `DecodeStep` modes: "off" runs the function eagerly (already fewer ops than transformers');

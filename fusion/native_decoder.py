@@ -1,7 +1,7 @@
 """A `FastDecoder`'s layers as one call into the project's own C step (fusion/kernels/decoder_step.c), for
 CPU decoding over 4- or 8-bit weights in the native kernels' layouts (fusion/quantized.py).
 
-Why: at a few rows, an eager step's time goes less to reading the weights than to dispatching some sixty
+Why: at a few rows, an eager step's time goes less to reading the weights than to dispatching dozens of small
 torch operators per layer (norms, rotary, attention's pieces, residuals, dtype conversions); the C step
 runs a layer as its four quantized products and a few loops, in float32, with the adapters' deltas and
 attention over the cached columns read in place. `NativeLayers.of` builds the table of every layer's

@@ -1,6 +1,6 @@
 /* A Llama-family decode step's decoder layers in one call, for rows of one new token each, over 4- or
  * 8-bit weights (fusion/native_decoder.py builds the layer table and calls it; fusion/fast_decode.py documents
- * the arithmetic). Eagerly, torch runs each layer as some sixty small operators whose dispatch costs more
+ * the arithmetic). Eagerly, torch runs each layer as dozens of small operators whose dispatch costs more
  * than the layer's arithmetic at one row; here a layer is its four quantized products (quantized_mm.c's
  * kernels) and a few loops over float32 activations:
  *

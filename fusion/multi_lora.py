@@ -5,7 +5,7 @@ one batch over one copy of the base weights: on a CPU or a GPU at small batch a 
 by reading the weights, so three experts' rows cost little more than one. Each row names its
 adapter (`AdapterStack.rows`, -1: the plain base); every adapted projection adds
 
-    delta = ((x @ down) * own_columns) @ up        x (B, [S,] in), down (in, K·r), up (K·r, out)
+    delta = ((x @ down.T) * own_columns) @ up      x (B, [S,] in), down (K·r, in), up (K·r, out)
 
 where `down` and `up` hold the K adapters' A and B matrices side by side (the scaling folded into
 `up`) and `own_columns` (B, K·r) keeps only the row's own adapter's r columns: two plain matrix
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from fusion.errors import AssetError
 from fusion.models import resolve_adapter
@@ -127,7 +128,7 @@ class AdapterStack(nn.Module):
                  rows: AdapterRows | None = None) -> None:
         super().__init__()
         # float32: at a few rows and rank 8, float32 products on a CPU took about half the time of bf16 ones
-        self.register_buffer("down", down.float(), persistent=False)  # (in, K·r)
+        self.register_buffer("down", down.float(), persistent=False)  # (K·r, in): nn.Linear's layout, rows contiguous
         self.register_buffer("up", up.float(), persistent=False)  # (K·r, out), scaled
         owner = owner if rows is None else rows.shared_owner(owner)
         self.register_buffer("owner", owner, persistent=False)  # (K·r,) long: the adapter of each column
@@ -151,10 +152,10 @@ class AdapterStack(nn.Module):
                 up = torch.zeros(r, total_out, dtype=torch.float32)
                 start = sum(widths[:j])
                 up[:, start:start + widths[j]] = pair.b.float().t() * pair.scale
-                downs.append(pair.a.float().t())
+                downs.append(pair.a.float())
                 ups.append(up)
                 owners.append(torch.full((r,), k, dtype=torch.long))
-        return cls(torch.cat(downs, 1).to(device), torch.cat(ups, 0).to(device), torch.cat(owners).to(device), rows)
+        return cls(torch.cat(downs, 0).to(device), torch.cat(ups, 0).to(device), torch.cat(owners).to(device), rows)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The delta for x (B, in) or (B, S, in), row b adapted by adapter rows[b] (B,) (BASE: none); in
@@ -167,7 +168,7 @@ class AdapterStack(nn.Module):
             own = (rows[:, None] == self.owner[None, :]).float()
         if x.dim() == 3:
             own = own[:, None, :]
-        return (((x.float() @ self.down) * own) @ self.up).to(x.dtype)
+        return ((F.linear(x.float(), self.down) * own) @ self.up).to(x.dtype)
 
 
 class MultiLoraLinear(nn.Module):

@@ -36,7 +36,7 @@ class _Weight(ctypes.Structure):
 
 class _LoraStack(ctypes.Structure):
     _fields_ = [("down", ctypes.c_void_p), ("up", ctypes.c_void_p), ("ranges", ctypes.c_void_p),
-                ("columns", ctypes.c_int64), ("adapters", ctypes.c_int64)]
+                ("spans", ctypes.c_void_p), ("columns", ctypes.c_int64), ("adapters", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,6 +75,16 @@ def adapter_ranges(owner: torch.Tensor, adapters: int) -> torch.Tensor | None:
     return ranges
 
 
+def output_spans(up: torch.Tensor) -> torch.Tensor:
+    """(columns, 2) int64: for each row of a stack's `up` (columns, n), the outputs [start, stop) outside which
+    it is zero ([0, 0) for a zero row)."""
+    nonzero = up != 0  # (columns, n)
+    outputs = torch.arange(up.shape[1])
+    start = torch.where(nonzero, outputs, up.shape[1]).amin(1)
+    stop = torch.where(nonzero, outputs + 1, 0).amax(1)
+    return torch.stack([start.clamp(max=stop), stop], 1).to(torch.int64)
+
+
 class NativeLayers:
     """Every decoder layer of one `FastDecoder` as a table for `fusion_decode_layers` (module docstring)."""
 
@@ -101,7 +111,8 @@ class NativeLayers:
                     if ranges is None:
                         raise ValueError(f"an adapter's columns of {name} are not one run")
                     entry.lora[index] = _LoraStack(self._pointer(stack.down), self._pointer(stack.up),
-                                                   self._pointer(ranges), stack.down.shape[1], self.adapters)
+                                                   self._pointer(ranges), self._pointer(output_spans(stack.up.cpu())),
+                                                   stack.down.shape[0], self.adapters)
             # A quantized projection keeps its own bias (the fused query/key/value one; `FastDecoder` takes
             # no model whose other projections have one).
             qkv_bias = block.qkv_bias if block.qkv_bias is not None else block.qkv.bias

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from fusion.fast_decode import FastDecoder
 from fusion.multi_lora import LoraPair, MultiAdapter
-from fusion.native_decoder import NativeLayers, adapter_ranges
+from fusion.native_decoder import NativeLayers, adapter_ranges, output_spans
 from fusion.quantized import quantize_model
 
 
@@ -136,3 +136,10 @@ def test_layers_the_c_step_cannot_run_stay_torch_operators():
 def test_adapter_columns_must_each_be_one_run():
     assert adapter_ranges(torch.tensor([0, 0, 1, 1, 1]), 3).tolist() == [[0, 2], [2, 5], [0, 0]]
     assert adapter_ranges(torch.tensor([0, 1, 0]), 2) is None
+
+
+def test_output_spans_bound_each_up_row_nonzeros():
+    up = torch.zeros(3, 6)
+    up[0, 1:3] = 1.0
+    up[1, 4] = -2.0
+    assert output_spans(up).tolist() == [[1, 3], [4, 5], [0, 0]]

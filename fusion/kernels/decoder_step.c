@@ -8,7 +8,7 @@
  *   (masked) and the new key ; x += attn W_o (+ adapter) ; h = rmsnorm(x) ;
  *   x += (silu(h W_gate) * h W_up) W_down (+ adapters)
  *
- * Adapters are LoRA stacks as fusion/multi_lora.py lays them out: `down` (k, columns) and `up` (columns, n)
+ * Adapters are LoRA stacks as fusion/multi_lora.py lays them out: `down` (columns, k) and `up` (columns, n)
  * hold every adapter's matrices side by side, adapter a owning columns [ranges[2a], ranges[2a + 1]); a row
  * with adapter a adds ((x down)[cols of a]) up[cols of a]. Cached keys and values are read in place
  * (bfloat16 or float32, any strides but a contiguous last axis); the new ones are written out, float32,
@@ -28,9 +28,10 @@ typedef struct {
 } quantized_weight;
 
 typedef struct {
-    const float *down;       /* (k, columns); NULL: the projection has no adapters */
+    const float *down;       /* (columns, k); NULL: the projection has no adapters */
     const float *up;         /* (columns, n), scaled */
-    const int64_t *ranges;   /* (adapters, 2) */
+    const int64_t *ranges;   /* (adapters, 2): the columns [start, stop) of each adapter */
+    const int64_t *spans;    /* (columns, 2): the outputs [start, stop) outside which a column's `up` row is 0 */
     int64_t columns, adapters;
 } lora_stack;
 
@@ -93,24 +94,35 @@ static void product(const float *x, int64_t rows, const quantized_weight *w, qua
     multiply(q, rows, w->k, w->bits, w->codes, w->params, w->n, out, 0, threads);
 }
 
-/* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of `columns` floats. */
+/* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of rows * columns floats. A column's
+ * `up` row is read only over its span of outputs: a fused projection's stack is block-diagonal (each adapted
+ * part's columns write that part's outputs), so the zeros outside the spans are skipped, not multiplied. */
+#define SPAN_BLOCK 256
 static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const float *x, int64_t rows, int64_t k,
-                         int64_t n, float *out, float *t) {
+                         int64_t n, float *out, float *t, int threads) {
     if (s->down == NULL || adapter_rows == NULL) return;
-    for (int64_t m = 0; m < rows; m++) {
-        int64_t a = adapter_rows[m];
-        if (a < 0 || a >= s->adapters) continue;
-        int64_t start = s->ranges[2 * a], stop = s->ranges[2 * a + 1];
-        if (start >= stop) continue;
-        for (int64_t c = start; c < stop; c++) t[c] = 0;
-        for (int64_t i = 0; i < k; i++) {
-            const float xi = x[m * k + i], *down = s->down + i * s->columns;
-            for (int64_t c = start; c < stop; c++) t[c] += xi * down[c];
-        }
-        float *row = out + m * n;
-        for (int64_t c = start; c < stop; c++) {
-            const float tc = t[c], *up = s->up + c * n;
-            for (int64_t j = 0; j < n; j++) row[j] += tc * up[j];
+    const int64_t columns = s->columns;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t c = 0; c < columns; c++) {
+                const int64_t a = adapter_rows[m];
+                if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
+                t[m * columns + c] = dot(x + m * k, s->down + c * k, k);
+            }
+#pragma omp for schedule(static)
+        for (int64_t j0 = 0; j0 < n; j0 += SPAN_BLOCK) {
+            const int64_t j1 = j0 + SPAN_BLOCK < n ? j0 + SPAN_BLOCK : n;
+            for (int64_t m = 0; m < rows; m++) {
+                const int64_t a = adapter_rows[m];
+                if (a < 0 || a >= s->adapters) continue;
+                for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
+                    const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
+                    const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
+                    if (lo < hi) add_scaled(out + m * n + lo, t[m * columns + c], s->up + c * n + lo, hi - lo);
+                }
+            }
         }
     }
 }
@@ -190,7 +202,7 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     float *delta = malloc((size_t)(rows * hidden) * sizeof(float));
     float *scores = malloc((size_t)(rows * s->heads * (s->width + 1)) * sizeof(float));
     float *scratch = malloc((size_t)(rows * s->kv_heads * dim) * sizeof(float));
-    float *t = malloc((size_t)columns * sizeof(float));
+    float *t = malloc((size_t)(rows * columns) * sizeof(float));
     quantized_rows q = {0};
     int status = -1;
     if (alloc_rows(rows, widest, &q) || !h || !qkv || !attn || !gate_up || !delta || !scores || !scratch || !t)
@@ -203,7 +215,7 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
         if (layer->qkv_bias)
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[m * qkv_width + j] += layer->qkv_bias[j];
-        add_adapters(&layer->lora[QKV], s->adapter_rows, h, rows, hidden, qkv_width, qkv, t);
+        add_adapters(&layer->lora[QKV], s->adapter_rows, h, rows, hidden, qkv_width, qkv, t, s->threads);
         for (int64_t m = 0; m < rows; m++) {
             float *row = qkv + m * qkv_width;
             for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* the queries' heads, then the keys' */
@@ -213,19 +225,19 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
         }
         attend(layer, s, qkv, qkv_width, scores, scratch, attn);
         product(attn, rows, &layer->projection[O], &q, delta, s->threads);
-        add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t);
+        add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t, s->threads);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
 
         rms_norm(x, layer->post_norm, rows, hidden, s->eps, h);
         product(h, rows, &layer->projection[GATE_UP], &q, gate_up, s->threads);
-        add_adapters(&layer->lora[GATE_UP], s->adapter_rows, h, rows, hidden, 2 * inter, gate_up, t);
+        add_adapters(&layer->lora[GATE_UP], s->adapter_rows, h, rows, hidden, 2 * inter, gate_up, t, s->threads);
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < inter; j++) {
                 float gate = gate_up[m * 2 * inter + j], up = gate_up[m * 2 * inter + inter + j];
                 h[m * inter + j] = gate / (1.0f + expf(-gate)) * up;
             }
         product(h, rows, &layer->projection[DOWN], &q, delta, s->threads);
-        add_adapters(&layer->lora[DOWN], s->adapter_rows, h, rows, inter, hidden, delta, t);
+        add_adapters(&layer->lora[DOWN], s->adapter_rows, h, rows, inter, hidden, delta, t, s->threads);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
     }
     status = 0;

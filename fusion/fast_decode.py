@@ -181,22 +181,27 @@ class FastDecoder(nn.Module):
         linear=F.linear,  # how every projection is computed (`linear_one_row` in CPU-compiled steps)
         times=rows_times,  # attention's two products (`one_row_times` in CPU-compiled steps)
         run_layer=None,  # how each `DecoderLayer` is called (a compiled `call_layer` in regional steps)
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        append: bool = False,  # keys/values are B rows of views with room for column `width`: the C step may write
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next
         ids after one shared history (a lookahead), read once, never copied per row. The step reads the
         buffers and writes nothing: a compiled graph then has no mutated inputs (which CUDA graphs
         refuse). A whole compiled step is given the buffers' whole capacity, masked, so shapes change only
         when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
-        columns are zeros (GrowingLayer allocates them so), never NaN."""
+        columns are zeros (GrowingLayer allocates them so), never NaN. With `append`, the eager C step (which
+        never runs compiled) writes the new keys and values into the column after the views instead, and
+        returns None for them; the step as torch operators returns them as ever."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
         native = (self._native_step() if self.native_layers and run_layer is None and linear is F.linear
                   and times is rows_times and not torch.compiler.is_compiling() and NativeLayers.reads(keys, values)
                   else None)
         if native is not None:
             cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
-            x, new_keys, new_values = native.run(x, cos, sin, keys, values, mask, adapter_rows)  # float32
-            new_keys, new_values = new_keys.to(keys[0].dtype), new_values.to(values[0].dtype)
+            append = append and keys[0].shape[0] == x.shape[0]
+            x, new_keys, new_values = native.run(x, cos, sin, keys, values, mask, adapter_rows, append)  # float32
+            if not append:
+                new_keys, new_values = new_keys.to(keys[0].dtype), new_values.to(values[0].dtype)
         else:
             cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
             new_keys, new_values = [], []
@@ -350,8 +355,8 @@ class DecodeStep:
         at a time) rather than masked columns of batch buffers (`FastDecoder`)."""
         return isinstance(self.decoder, Gemma3Decoder)
 
-    def __call__(self, *inputs):
-        """The decoder's forward: its arguments and results."""
+    def __call__(self, *inputs, **options):
+        """The decoder's forward: its arguments and results (`options` only for an eager step: `append`)."""
         start = time.perf_counter() if self.first_call_s is None else None
         if self.mode == "cudagraphs":
             # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
@@ -359,7 +364,7 @@ class DecodeStep:
             torch.compiler.cudagraph_mark_step_begin()
             out = tuple(t.clone() for t in self._run(*inputs))
         else:
-            out = self._run(*inputs)
+            out = self._run(*inputs, **options)
         if start is not None:
             self.first_call_s = time.perf_counter() - start
             if self.mode != "off":
@@ -398,7 +403,12 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
         [layer._value_buffer[:, :, :width] for layer in layers],
         mask.view(batch, 1, 1, width),
         *(() if adapter_rows is None else (adapter_rows,)),
-    )  # (B, V), (layers, B, H_kv, D) x2
+        **({"append": True} if step.mode == "off" else {}),
+    )  # (B, V), (layers, B, H_kv, D) x2, or None x2 where the step wrote them after the filled columns
+    if new_keys is None:
+        for layer in layers:
+            layer.filled(frontier + 1)
+        return logits
     for layer, keys, values in zip(layers, new_keys, new_values):
         layer.update(keys[:, :, None], values[:, :, None])
     return logits

@@ -124,6 +124,12 @@ class GrowingLayer(DynamicLayer):
         self._length = end
         return self.keys, self.values
 
+    def filled(self, length: int) -> None:
+        """Mark the first `length` columns filled: ones written into the buffers in place (within capacity)."""
+        if not self._length <= length <= self.capacity:
+            raise ValueError(f"cannot mark {length} columns filled: {self._length} are, of {self.capacity}")
+        self._length = length
+
     def get_seq_length(self) -> int:
         return self._length
 

@@ -52,7 +52,7 @@ class _Shape(ctypes.Structure):
                 ("rows", ctypes.c_int64), ("cache_rows", ctypes.c_int64), ("width", ctypes.c_int64),
                 ("cache_is_bf16", ctypes.c_int), ("mask", ctypes.c_void_p), ("mask_rows", ctypes.c_int64),
                 ("adapter_rows", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("threads", ctypes.c_int)]
+                ("threads", ctypes.c_int), ("append", ctypes.c_int)]
 
 
 def _native(projection) -> bool:
@@ -142,11 +142,13 @@ class NativeLayers:
             return None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
-            values: list[torch.Tensor], mask: torch.Tensor, adapter_rows: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            values: list[torch.Tensor], mask: torch.Tensor, adapter_rows: torch.Tensor | None, append: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x (B, hidden) after every layer, float32, and the new keys and values (layers, B, H_kv, D) float32
         (`FastDecoder.forward`'s arguments: cos and sin (B, 1, D), keys and values per layer (B or 1, H_kv,
-        width, D), mask (B or 1, 1, 1, width) bool, adapter_rows (B,) or None)."""
+        width, D), mask (B or 1, 1, 1, width) bool, adapter_rows (B,) or None). With `append`, the keys and
+        values are B rows of views with room for one more column (`FastDecoder.forward`), which the new ones
+        are written into: None for them instead."""
         heads, kv_heads, head_dim, intermediate, eps = self.shape
         rows, layers = x.shape[0], len(self.table)
         x = x.float().contiguous()
@@ -159,16 +161,19 @@ class NativeLayers:
         shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate, eps, rows, cache.shape[0], cache.shape[2],
                        int(cache.dtype == torch.bfloat16), mask.data_ptr(), mask.shape[0],
                        None if adapter_rows is None else adapter_rows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                       torch.get_num_threads())
-        new_keys = torch.empty(layers, rows, kv_heads, head_dim)
-        new_values = torch.empty(layers, rows, kv_heads, head_dim)
+                       torch.get_num_threads(), int(append))
+        if append and cache.shape[0] != rows:
+            raise ValueError(f"appending needs a cache row per row, got {cache.shape[0]} for {rows}")
+        new_keys = None if append else torch.empty(layers, rows, kv_heads, head_dim)
+        new_values = None if append else torch.empty(layers, rows, kv_heads, head_dim)
         with self._lock:
             for entry, layer_keys, layer_values in zip(self.table, keys, values):
                 entry.keys, entry.values = layer_keys.data_ptr(), layer_values.data_ptr()
                 entry.key_strides[:] = layer_keys.stride()[:3]
                 entry.value_strides[:] = layer_values.stride()[:3]
             status = self.library.fusion_decode_layers(ctypes.addressof(self.table), layers, ctypes.byref(shape),
-                                                       x.data_ptr(), new_keys.data_ptr(), new_values.data_ptr())
+                                                       x.data_ptr(), None if append else new_keys.data_ptr(),
+                                                       None if append else new_values.data_ptr())
         if status != 0:
             raise MemoryError("fusion_decode_layers: could not allocate its scratch buffers")
         return x, new_keys, new_values

@@ -123,6 +123,40 @@ def test_the_c_step_over_a_bfloat16_cache_stays_close_to_the_torch_step():
     assert (new_keys.float() - want_keys.float()).abs().max() <= 0.05 * want_keys.float().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_appending_writes_the_new_keys_and_values_after_the_columns_read(dtype):
+    """With `append`, the C step writes each row's new key and value into the column after the views (the
+    buffers' spare room), exactly what it returns without, and touches no other column."""
+    model = _model("llama", dtype)
+    decoder = FastDecoder(model)
+    decoder.adapters = _adapters(model)
+    ids, lengths, keys, values, mask = _inputs(dtype, 3, 3)
+    width = keys[0].shape[2]
+    rows = torch.tensor([1, -1, 0])
+    before = [(k._base.clone(), v._base.clone()) for k, v in zip(keys, values)]
+    with torch.no_grad():
+        logits, want_keys, want_values = decoder(ids, lengths, keys, values, mask, rows)
+        appended, none_keys, none_values = decoder(ids, lengths, keys, values, mask, rows, append=True)
+    assert none_keys is None and none_values is None
+    torch.testing.assert_close(appended, logits, rtol=0, atol=0)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        for buffer, old, want in ((k._base, before[layer][0], want_keys), (v._base, before[layer][1], want_values)):
+            assert torch.equal(buffer[:, :, width], want[layer])
+            others = torch.ones(buffer.shape[2], dtype=torch.bool)
+            others[width] = False
+            assert torch.equal(buffer[:, :, others], old[:, :, others])
+
+
+def test_a_shared_history_is_never_appended_to():
+    """One cached row for three: `append` is ignored and the new keys come back."""
+    model = _model("llama", torch.float32)
+    decoder = FastDecoder(model)
+    ids, lengths, keys, values, mask = _inputs(torch.float32, 3, 1)
+    with torch.no_grad():
+        _, new_keys, _ = decoder(ids, lengths, keys, values, mask, append=True)
+    assert new_keys.shape == (LAYERS, 3, KV_HEADS, HEAD_DIM)
+
+
 def test_layers_the_c_step_cannot_run_stay_torch_operators():
     """Projections in torch's kernel layout: no table, and the torch step runs."""
     decoder = FastDecoder(_model("llama", torch.float32, kernel="torch"))

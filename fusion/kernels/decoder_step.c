@@ -57,6 +57,8 @@ typedef struct {
     const int64_t *adapter_rows;  /* (B,): each row's adapter, -1 none; NULL: no adapters */
     const float *cos, *sin;       /* (B, head_dim) */
     int threads;
+    int append;            /* 1: each row's new key and value go into column `width` of its cached ones (the
+                              caller's buffers have room; cache_rows is B), not into new_keys / new_values */
 } step_shape;
 
 /* dim values of the cache (bfloat16 or float32) from `offset` as float32; the cache itself where it is
@@ -65,6 +67,15 @@ static const float *cached_row(const void *cache, int64_t offset, int64_t dim, i
     if (!is_bf16) return (const float *)cache + offset;
     widen_bf16((const uint16_t *)cache + offset, scratch, dim);
     return scratch;
+}
+
+/* n float32 values into the cache (bfloat16 or float32) from `offset`. */
+static void store_cached(void *cache, int64_t offset, const float *v, int64_t n, int is_bf16) {
+    if (!is_bf16) {
+        memcpy((float *)cache + offset, v, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) ((uint16_t *)cache)[offset + i] = float_to_bf16(v[i]);
 }
 
 /* out += p * v over n floats. */
@@ -185,7 +196,7 @@ static void attend(const decoder_layer *layer, const step_shape *s, const float 
 }
 
 /* x (B, hidden) float32 through `count` layers, in place; new_keys and new_values (layers, B, kv_heads,
- * head_dim) float32. Returns 0, or -1 when scratch cannot be allocated. */
+ * head_dim) float32 (unused with `append`). Returns 0, or -1 when scratch cannot be allocated. */
 int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_shape *s, float *x,
                          float *new_keys, float *new_values) {
     const int64_t rows = s->rows, hidden = s->hidden, dim = s->head_dim;
@@ -220,6 +231,16 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
             float *row = qkv + m * qkv_width;
             for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* the queries' heads, then the keys' */
                 rotate(row + head * dim, s->cos + m * dim, s->sin + m * dim, dim);
+            if (s->append) {
+                for (int64_t g = 0; g < s->kv_heads; g++) {
+                    store_cached((void *)layer->keys, m * layer->key_strides[0] + g * layer->key_strides[1]
+                                 + s->width * layer->key_strides[2], row + q_width + g * dim, dim, s->cache_is_bf16);
+                    store_cached((void *)layer->values, m * layer->value_strides[0] + g * layer->value_strides[1]
+                                 + s->width * layer->value_strides[2], row + q_width + kv_width + g * dim, dim,
+                                 s->cache_is_bf16);
+                }
+                continue;
+            }
             memcpy(new_keys + (l * rows + m) * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
             memcpy(new_values + (l * rows + m) * kv_width, row + q_width + kv_width, (size_t)kv_width * sizeof(float));
         }

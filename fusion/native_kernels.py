@@ -136,13 +136,13 @@ def _product(function_name: str, rows: torch.Tensor, codes: torch.Tensor, params
 
 
 def int4_mm(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) @ the int4 weight (N, K) whose codes are `nibbles` (N, K/2) uint8 and whose per-group
-    scales and biases are `scale_bias` (N, 2, K/32) float16 -> (M, N)."""
+    """rows (M, K) @ the int4 weight (N, K) whose codes are `nibbles` (N/8, 4K) uint8 (`pack_nibbles`) and
+    whose per-group scales and biases are `scale_bias` (N/8, K/32, 2, 8) float16 (`pack_scale_bias`) -> (M, N)."""
     if scale_bias.dtype != torch.float16:
         raise TypeError(f"int4_mm: scale_bias must be float16, got {scale_bias.dtype}")
     if torch.compiler.is_compiling():
         return torch.ops.fusion.int4_mm(rows, nibbles, scale_bias)
-    return _product("fusion_int4_mm", rows, nibbles, scale_bias, nibbles.shape[0])
+    return _product("fusion_int4_mm", rows, nibbles, scale_bias, nibbles.shape[0] * OUT_BLOCK)
 
 
 def int8_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -154,12 +154,12 @@ def int8_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> to
 
 @torch.library.custom_op("fusion::int4_mm", mutates_args=())
 def _int4_mm_op(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
-    return _product("fusion_int4_mm", rows.contiguous(), nibbles, scale_bias, nibbles.shape[0])
+    return _product("fusion_int4_mm", rows.contiguous(), nibbles, scale_bias, nibbles.shape[0] * OUT_BLOCK)
 
 
 @_int4_mm_op.register_fake
 def _(rows, nibbles, scale_bias):
-    return rows.new_empty(rows.shape[0], nibbles.shape[0])
+    return rows.new_empty(rows.shape[0], nibbles.shape[0] * OUT_BLOCK)
 
 
 @torch.library.custom_op("fusion::int8_mm", mutates_args=())
@@ -174,11 +174,13 @@ def _(rows, codes, scales):
 
 # --- references: what the kernels compute, in plain torch (for tests and for reading) ---------------
 
-CODE_MAX = 32767  # the activations' codes: int16
+CODE_MAX = 32767  # the int8 weights' activation codes: int16
+SPLIT_MAX = 128 * 127  # the int4 weights' activation codes: two signed bytes each, a scale a group of 32
+OUT_BLOCK = 8  # the int4 layout's outputs a block
 
 
 def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
-    """rows (M, K) as the kernels' integer products see them, float64: each row rounded to int16 codes
+    """rows (M, K) as the int8 weights' integer products see them, float64: each row rounded to int16 codes
     times its max|x| / 32767 (halves rounded away from zero; the arithmetic in float32, as in C)."""
     x = rows.float()
     amax = x.abs().amax(-1, keepdim=True)
@@ -188,14 +190,25 @@ def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (amax / CODE_MAX).double()).view(rows.shape)
 
 
+def grouped_activations(rows: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) as the int4 weights' integer products see them, float64: each group of 32 rounded to codes
+    (to nearest, ties to even) times its max|x| / (128 · 127) (the arithmetic in float32, as in C; the C
+    holds each code as two bytes, 128 · high + low, which is exact)."""
+    x = rows.float().view(rows.shape[0], -1, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, SPLIT_MAX / amax, torch.zeros_like(amax))
+    codes = torch.round(x * inverse)
+    return (codes.double() * (amax / SPLIT_MAX).double()).view(rows.shape)
+
+
 def int4_mm_reference(rows: torch.Tensor, codes: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
-    """What `int4_mm` computes, float64, from codes (N, K) in [0, 15]: the codes' part multiplies the
-    quantized activations, the biases' part the exact ones."""
+    """What `int4_mm` computes, float64, from codes (N, K) in [0, 15] and scale_bias (N, 2, K/32) (before
+    packing): the codes' part multiplies the quantized activations, the biases' part the exact ones."""
     n, k = codes.shape
     scales, biases = scale_bias.double().unbind(1)  # (N, K/32) each
     weight_codes = (codes.double().view(n, -1, 32) * scales[..., None]).view(n, k)
     weight_biases = biases.repeat_interleave(32, dim=1)  # (N, K)
-    return quantized_activations(rows) @ weight_codes.T + rows.double() @ weight_biases.T
+    return grouped_activations(rows) @ weight_codes.T + rows.double() @ weight_biases.T
 
 
 def int8_mm_reference(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -204,8 +217,17 @@ def int8_mm_reference(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes (N, K) in [0, 15] in the kernels' layout, (N, K/2) uint8: group g's byte j holds code 32g + j
-    in its low nibble and code 32g + 16 + j in its high one."""
+    """Codes (N, K) in [0, 15], N a multiple of 8, in the kernel's layout (N/8, 4K) uint8: block b, group g
+    is 128 bytes, byte 32t + 4o + i holding the code of output 8b + o, input 32g + 8t + i in its low nibble
+    and that of input 32g + 8t + 4 + i in its high one (quantized_mm.c)."""
     n, k = codes.shape
-    halves = codes.view(n, k // 32, 2, 16).to(torch.uint8)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    # (blocks, o, groups, t, half, i) -> (blocks, groups, t, o, i) per half
+    quads = codes.to(torch.uint8).view(n // OUT_BLOCK, OUT_BLOCK, k // 32, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    return (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).reshape(n // OUT_BLOCK, 4 * k).contiguous()
+
+
+def pack_scale_bias(scale_bias: torch.Tensor) -> torch.Tensor:
+    """Scales and biases (N, 2, K/32) in the kernel's layout (N/8, K/32, 2, 8): each block's eight outputs'
+    for a group side by side."""
+    n, _, groups = scale_bias.shape
+    return scale_bias.view(n // OUT_BLOCK, OUT_BLOCK, 2, groups).permute(0, 3, 2, 1).contiguous()

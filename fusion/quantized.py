@@ -18,8 +18,9 @@ packed as one matrix, each sibling a row view of it (a copy where the packed lay
 its rows), so the fast decode step runs them as one product and transformers' forward (prefill) still
 calls each sibling alone (`QuantizedLinear.fused`).
 Two kernels compute the products (`KERNELS`): "native", the project's own (fusion/native_kernels.py:
-activations as 16-bit codes times the weights' codes in integers, as llama.cpp does with 8-bit ones; the
-4-bit codes packed two a byte, group after group along each row), used wherever a C compiler built them;
+activations as integer codes times the weights' codes in integers: 8-bit codes a group of 32 for 4-bit
+weights, as llama.cpp does, 16-bit ones a row for 8-bit weights; the 4-bit codes packed two a byte in blocks
+of 8 outputs, so that a SIMD lane computes one output), used wherever a C compiler built them;
 and "torch", torch's kernels above (activations in their own dtype; the tinygemm layout), used elsewhere.
 The embedding table stays as it is: a step reads one row of it. Products of many rows (prefill, a
 step of many sessions) use the dense weight the codes were made from (`DENSE_FROM_ROWS`): the 4-bit
@@ -141,11 +142,15 @@ def default_kernel() -> str:
     return "native" if native_kernels.available() else "torch"
 
 
-def kernel_for(in_features: int, kernel: str | None) -> str:
-    """The kernel a projection of `in_features` inputs uses when `kernel` is asked for (None: the default):
-    the native kernels take whole groups of 32 inputs."""
+def kernel_for(in_features: int, out_features: int, weights: str, kernel: str | None) -> str:
+    """The kernel a projection of `in_features` inputs and `out_features` outputs uses when `kernel` is asked
+    for (None: the default): the native kernels take whole groups of 32 inputs, and whole blocks of 8 outputs
+    at 4 bits."""
     kernel = kernel or default_kernel()
-    return "torch" if kernel == "native" and in_features % INT4_GROUP else kernel
+    if kernel == "native" and (in_features % INT4_GROUP
+                               or (weights == "int4" and out_features % native_kernels.OUT_BLOCK)):
+        return "torch"
+    return kernel
 
 
 def native_scale_bias(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -167,7 +172,7 @@ def tensor_names(weights: str, kernel: str) -> tuple[str, ...]:
 class QuantizedLinear(nn.Module):
     """`nn.Linear` with quantized weights (module docstring). Buffers: int8: `codes` (N, K) int8 and
     `scales` (N,); int4: `codes` (N, K/2) uint8, packed, and `scales_offsets` (K/32, N, 2), scales in the
-    activations' dtype (torch's kernels), or `nibbles` (N, K/2) uint8 and `scale_bias` (N, 2, K/32) float16
+    activations' dtype (torch's kernels), or `nibbles` (N/8, 4K) uint8 and `scale_bias` (N/8, K/32, 2, 8) float16 (`native_kernels.pack_nibbles`)
     for w = q·s + b (the native kernels; float16, as GGUF's Q4_1 keeps them). `fused`: the one matrix this projection is a row view of, with its siblings
     (None: it stands alone)."""
 
@@ -208,7 +213,7 @@ class QuantizedLinear(nn.Module):
               ) -> QuantizedLinear:
         """One projection for `linears` of one input, their outputs side by side, for `kernel` (None: the
         default one)."""
-        kernel = kernel_for(linears[0].in_features, kernel)
+        kernel = kernel_for(linears[0].in_features, sum(lin.out_features for lin in linears), weights, kernel)
         for linear in linears:
             reason = unsupported_reason(linear, weights)
             if reason is not None:
@@ -224,7 +229,7 @@ class QuantizedLinear(nn.Module):
         elif kernel == "native":
             codes, scales, offsets = quantize_int4(weight)
             tensors = {"nibbles": native_kernels.pack_nibbles(codes),
-                       "scale_bias": native_scale_bias(scales, offsets)}
+                       "scale_bias": native_kernels.pack_scale_bias(native_scale_bias(scales, offsets))}
         else:
             codes, scales, offsets = quantize_int4(weight)
             tensors = {"codes": pack_int4(codes),
@@ -236,8 +241,12 @@ class QuantizedLinear(nn.Module):
         copied: they are small), or None where the packed layout does not split there."""
         if self.weights == "int8":
             tensors = {"codes": self.codes[start:stop], "scales": self.scales[start:stop].clone()}
-        elif self.kernel == "native":  # rows of codes and scales, each a row's own
-            tensors = {"nibbles": self.nibbles[start:stop], "scale_bias": self.scale_bias[start:stop]}
+        elif self.kernel == "native":  # whole blocks of outputs
+            block = native_kernels.OUT_BLOCK
+            if start % block or stop % block:
+                return None
+            tensors = {"nibbles": self.nibbles[start // block:stop // block],
+                       "scale_bias": self.scale_bias[start // block:stop // block]}
         else:
             block = int4_row_block()
             if start % block or stop % block:
@@ -332,7 +341,7 @@ def quantize_model(model, weights: str, cache_file: Path | None = None, kernel: 
 
     def matrix(key: str, linears: Sequence[nn.Linear], kind: str) -> QuantizedLinear:
         """The quantized matrix of `linears` stacked: from the cache file, or made (and kept for it)."""
-        own_kernel = kernel_for(linears[0].in_features, kernel)
+        own_kernel = kernel_for(linears[0].in_features, sum(lin.out_features for lin in linears), kind, kernel)
         names = tensor_names(kind, own_kernel)
         if stored is not None:
             dense = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight
@@ -371,7 +380,7 @@ def quantize_model(model, weights: str, cache_file: Path | None = None, kernel: 
 
 # --- the cache of codes ---------------------------------------------------------------------------
 
-CODES_FORMAT = 3  # bump when the layout or the meaning of a cache file changes
+CODES_FORMAT = 4  # bump when the layout or the meaning of a cache file changes
 
 
 def packed_cache_file(cache_dir: Path, source: str, weights: str, dtype: str, adapter: str | None = None,

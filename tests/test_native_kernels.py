@@ -1,5 +1,5 @@
 """`fusion/native_kernels.py`: the project's own quantized products against their plain references (the
-weights' codes times the activations' 16-bit codes, in float64), their build and its cache, the switch that
+weights' codes times the activations' integer codes, in float64), their build and its cache, the switch that
 turns them off, and the custom operators a compiled step calls."""
 
 from __future__ import annotations
@@ -21,13 +21,18 @@ def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, quantized.native_scale_bias(scales, offsets)
 
 
+def _packed(codes: torch.Tensor, scale_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layouts of `_int4`'s codes and scales and biases."""
+    return native_kernels.pack_nibbles(codes), native_kernels.pack_scale_bias(scale_bias)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 23])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int4_product_is_its_reference(rows, dtype):
     codes, scale_bias = _int4(80, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, :32] = 0  # an all-zero group: its codes are all 0
-    got = native_kernels.int4_mm(x, native_kernels.pack_nibbles(codes), scale_bias)
+    got = native_kernels.int4_mm(x, *_packed(codes, scale_bias))
     assert got.shape == (rows, 80) and got.dtype == dtype
     want = native_kernels.int4_mm_reference(x, codes, scale_bias)
     # float32 sums; the output rounded once to the activations' dtype
@@ -47,14 +52,14 @@ def test_int8_product_is_its_reference(rows):
 def test_rows_are_computed_alone():
     """A row's product does not depend on the rows beside it (a batched step equals steps alone)."""
     codes, scale_bias = _int4(48, 64, seed=3)
-    nibbles = native_kernels.pack_nibbles(codes)
+    nibbles, scale_bias = _packed(codes, scale_bias)
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     together = native_kernels.int4_mm(x, nibbles, scale_bias)
     alone = torch.cat([native_kernels.int4_mm(x[i:i + 1], nibbles, scale_bias) for i in range(7)])
     assert torch.equal(together, alone)
 
 
-def test_the_activations_reference_rounds_each_row_to_16_bit_codes():
+def test_the_int8_weights_activations_reference_rounds_each_row_to_16_bit_codes():
     x = torch.tensor([[2.0, 1.0, -0.5, 0.25] + [0.0] * 60, [0.0] * 63 + [-3.0]])
     got = native_kernels.quantized_activations(x)  # (2, 64)
     step = 2.0 / 32767  # the first row's max over the largest code
@@ -65,12 +70,32 @@ def test_the_activations_reference_rounds_each_row_to_16_bit_codes():
     assert torch.count_nonzero(got[1]) == 1
 
 
-def test_nibbles_pack_two_codes_a_byte_per_group():
-    codes = torch.arange(64, dtype=torch.int32).remainder(16).view(1, 64)
+def test_the_int4_weights_activations_reference_rounds_each_group_to_its_own_codes():
+    """A code per activation, 128 · 127 of them to a group's max|x|, a scale a group."""
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([2.0, 1.0, -0.5, 0.0])  # group 0: its max is 2.0
+    x[0, 32] = -16256 / 16384  # group 1: its own scale, 1/16384 a code, whatever group 0 holds
+    x[0, 33] = 0.5 / 16384  # exactly half a code: a tie, rounded to even (0)
+    x[0, 34] = 1.5 / 16384  # one and a half codes: to even (2)
+    got = native_kernels.grouped_activations(x)[0]  # (64,)
+    step = 2.0 / 16256
+    assert got[0] == pytest.approx(2.0) and got[32] == pytest.approx(-16256 / 16384)
+    assert got[1] == pytest.approx(8128 * step)
+    assert got[2] == pytest.approx(-4064 * step)
+    assert got[33] == 0 and got[34] == pytest.approx(2 / 16384)
+
+
+def test_nibbles_pack_eight_outputs_a_block_two_codes_a_byte():
+    codes = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(0))
     packed = native_kernels.pack_nibbles(codes)
-    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
-    assert int(packed[0, 0]) == codes[0, 0] | (codes[0, 16] << 4)
-    assert int(packed[0, 17]) == codes[0, 33] | (codes[0, 49] << 4)
+    assert packed.shape == (2, 256) and packed.dtype == torch.uint8
+    # block 1, group 1, quad t = 2, output o = 3, input i = 1: byte 128 + 32·2 + 4·3 + 1
+    byte = int(packed[1, 128 + 64 + 12 + 1])
+    assert byte & 0x0F == codes[8 + 3, 32 + 16 + 1] and byte >> 4 == codes[8 + 3, 32 + 16 + 4 + 1]
+    scale_bias = torch.randn(16, 2, 2).half()
+    params = native_kernels.pack_scale_bias(scale_bias)
+    assert params.shape == (2, 2, 2, 8) and params[1, 1, 0, 3] == scale_bias[11, 0, 1]
+    assert params[0, 0, 1, 7] == scale_bias[7, 1, 0]
 
 
 def test_the_library_is_built_once_and_kept_in_the_cache(tmp_path, monkeypatch):
@@ -115,7 +140,7 @@ def test_without_the_kernels_projections_use_torchs(tmp_path, monkeypatch, caplo
 
 def test_the_products_are_operators_a_compiled_step_can_call():
     codes, scale_bias = _int4(32, 64, seed=5)
-    nibbles = native_kernels.pack_nibbles(codes)
+    nibbles, scale_bias = _packed(codes, scale_bias)
     int8_codes, scales = quantize_int8(torch.randn(32, 64))
     x = torch.randn(3, 64)
     torch.library.opcheck(torch.ops.fusion.int4_mm.default, (x, nibbles, scale_bias))
@@ -148,7 +173,7 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch
         codes, scale_bias = _int4(80, 160, seed=2)
         x = torch.randn(5, 160)
         want = native_kernels.int4_mm_reference(x, codes, scale_bias)
-        torch.testing.assert_close(native_kernels.int4_mm(x, native_kernels.pack_nibbles(codes), scale_bias).double(),
+        torch.testing.assert_close(native_kernels.int4_mm(x, *_packed(codes, scale_bias)).double(),
                                    want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         int8_codes, scales = quantize_int8(torch.randn(48, 160) * 0.1)
         want = native_kernels.int8_mm_reference(x, int8_codes, scales)

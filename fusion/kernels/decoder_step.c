@@ -101,8 +101,8 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
 /* out (rows, w->n) = x (rows, w->k) times the quantized weight; `q` is scratch for the rows' codes. */
 static void product(const float *x, int64_t rows, const quantized_weight *w, quantized_rows *q, float *out,
                     int threads) {
-    quantize_rows(x, rows, w->k, q);
-    multiply(q, rows, w->k, w->bits, w->codes, w->params, w->n, out, 0, threads);
+    quantize_rows(x, rows, w->k, w->bits, q);
+    multiply(q, rows, w->k, w->codes, w->params, w->n, out, 0, threads);
 }
 
 /* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of rows * columns floats. A column's

@@ -2,16 +2,23 @@
  * loads this file; fusion/quantized.py documents the formats).
  *
  *   int4: out[m, n] = sum_k x[m, k] * (q[n, k] * s[n, g] + b[n, g]),  g = k / 32,  q in [0, 15]
- *         row n: K/2 bytes, group g's byte j holds q[32g + j] (low nibble) and q[32g + 16 + j] (high);
- *         scale_bias[n] = (s[n, :], b[n, :]), float16 (N, 2, K/32), as GGUF's Q4_1 keeps them
+ *         outputs in blocks of 8 (n a multiple of 8): block B, group g holds 128 bytes of codes, byte
+ *         32t + 4o + i holding q[8B + o, 32g + 8t + i] in its low nibble and q[8B + o, 32g + 8t + 4 + i] in its
+ *         high one; then its 8 scales and 8 biases, float16 (params (n/8, k/32, 2, 8))
  *   int8: out[m, n] = scale[n] * sum_k x[m, k] * q[n, k],  q int8, scale float32
  *
- * Activations and outputs are float32 or bfloat16 (is_bf16). The products are integer ones: each row of
- * activations becomes int16 codes and a float32 scale (quantize_row), multiplied with the weights' codes
- * by AVX2's multiply-add of int16 pairs; each group's sum goes to float32 times its weights' scale. A step of a small model
- * reads each weight once for a few rows, so the loops walk the weights once and keep every row's
- * accumulator in registers (rows in blocks of ROW_BLOCK). */
+ * Activations and outputs are float32 or bfloat16 (is_bf16). The products are integer ones. For int4 each
+ * group of 32 activations becomes a float32 scale d and integer codes c = 128 h + l (|c| <= 128 * 127, about
+ * 15 bits a group), held as two signed bytes h and l (|l| <= 64); one SIMD lane holds one output of the
+ * block: AVX2's multiply-add of unsigned by signed bytes sums four inputs of eight outputs at once, once for
+ * h and once for l, a group's partial sums stay int16 (8 * 2 * 15 * 127 < 32767), and one conversion to
+ * float32 per group serves the block's eight outputs, which leave as one vector, with no horizontal sums.
+ * (One byte a code, as llama.cpp's Q8 blocks, is twice as fast but moved SmolLM2's logits about fifteen
+ * times as far from bf16's.) For int8 weights each row becomes int16 codes and one scale, multiplied by the
+ * multiply-add of int16 pairs. A step of a small model reads each weight once for a few rows, so the loops
+ * walk the weights once and keep every row's accumulators in registers (rows in blocks). */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,8 +27,11 @@
 #endif
 
 #define GROUP 32
-#define ROW_BLOCK 4
-#define CODE_MAX 32767.0f  /* activations' codes: int16 */
+#define OUT_BLOCK 8        /* the int4 layout's outputs a block */
+#define ROW_BLOCK 4        /* rows an int8 weight's loop carries */
+#define INT4_ROW_BLOCK 3   /* rows an int4 block's loop carries: two int16 sums and a float32 one each, in registers */
+#define CODE_MAX 32767.0f  /* int8 weights' activation codes: int16, a scale a row */
+#define SPLIT_MAX 16256.0f /* int4 weights' activation codes: 128 * 127, a scale a group, two bytes each */
 
 static float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -96,10 +106,10 @@ static float horizontal_sum(__m256 v) {
 }
 #endif
 
-/* Activations of one row for the integer products: x[j] ~ q[j] * d, q int16, d = max|x| / 32767 (one scale
- * a row, so a group's product needs only the weights' scale: 15 bits a row, against bf16's 8-bit mantissa);
- * sums[g] = the exact float sum of group g (the 4-bit biases multiply it). */
-static void quantize_row(const float *x, int64_t k, int16_t *q, float *d, float *sums) {
+/* Activations of one row for the int8 weights' products: x[j] ~ q[j] * d, q int16, d = max|x| / 32767 (one
+ * scale a row, so a product needs only the weights' scale at its end: 15 bits a row, against bf16's 8-bit
+ * mantissa). */
+static void quantize_row_int16(const float *x, int64_t k, int16_t *q, float *d) {
     float amax = 0;
     for (int64_t j = 0; j < k; j++) {
         float a = x[j] < 0 ? -x[j] : x[j];
@@ -111,51 +121,97 @@ static void quantize_row(const float *x, int64_t k, int16_t *q, float *d, float 
         q[j] = (int16_t)(v < 0 ? -(int32_t)(-v + 0.5f) : (int32_t)(v + 0.5f));
     }
     *d = amax / CODE_MAX;
+}
+
+/* Activations of one row for the int4 weights' products, a group of 32 at a time: x[32g + j] ~ c * d[g],
+ * d[g] = max|x| over the group / 16256, c rounded to nearest (ties to even), held as c = 128 high + low with
+ * low in [-64, 63]; sums[g] = the exact float sum of the group (the weights' biases multiply it). */
+static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *low, float *d, float *sums) {
     for (int64_t g = 0; g < k / GROUP; g++) {
-        float sum = 0;
-        for (int j = 0; j < GROUP; j++) sum += x[g * GROUP + j];
+        const float *xg = x + g * GROUP;
+        float amax = 0, sum = 0;
+#ifdef __AVX2__
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 most = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+        for (int j = 0; j < GROUP; j += 8) {
+            __m256 v = _mm256_loadu_ps(xg + j);
+            total = _mm256_add_ps(total, v);
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, v));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        sum = horizontal_sum(total);
+        const __m256 inverse = _mm256_set1_ps(amax > 0 ? SPLIT_MAX / amax : 0);
+        __m256i highs[4], lows[4];
+        for (int j = 0; j < 4; j++) {
+            __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + 8 * j), inverse),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            highs[j] = _mm256_srai_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(64)), 7);
+            lows[j] = _mm256_sub_epi32(c, _mm256_slli_epi32(highs[j], 7));
+        }
+        /* the packs interleave 128-bit lanes: the permutation puts the 32 codes back in order */
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256((__m256i *)(high + g * GROUP), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+            _mm256_packs_epi32(highs[0], highs[1]), _mm256_packs_epi32(highs[2], highs[3])), order));
+        _mm256_storeu_si256((__m256i *)(low + g * GROUP), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+            _mm256_packs_epi32(lows[0], lows[1]), _mm256_packs_epi32(lows[2], lows[3])), order));
+#else
+        float lanes[8] = {0};  /* the vector loop's sums, in its order, so that both builds agree bit for bit */
+        for (int j = 0; j < GROUP; j++) {
+            float a = xg[j] < 0 ? -xg[j] : xg[j];
+            if (a > amax) amax = a;
+            lanes[j % 8] += xg[j];
+        }
+        sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        const float inverse = amax > 0 ? SPLIT_MAX / amax : 0;
+        for (int j = 0; j < GROUP; j++) {
+            int32_t c = (int32_t)nearbyintf(xg[j] * inverse), h = (c + 64) >> 7;
+            high[g * GROUP + j] = (int8_t)h;
+            low[g * GROUP + j] = (int8_t)(c - 128 * h);
+        }
+#endif
+        d[g] = amax / SPLIT_MAX;
         sums[g] = sum;
     }
 }
 
 typedef struct {
-    int16_t *q;     /* (rows, k) */
-    float *d;       /* (rows,) */
+    int bits;       /* the weights' codes these rows are for: 4 (split codes, a scale a group) or 8 (int16, a row) */
+    int16_t *q16;   /* (rows, k) */
+    int8_t *high, *low;  /* (rows, k) each */
+    float *d;       /* (rows, k/32) for 4 bits, (rows,) for 8 */
     float *sums;    /* (rows, k/32) */
 } quantized_rows;
 
-/* Room for the codes of `rows` rows of up to k activations (free with free_rows). 0, or -1 when out of
- * memory. */
+/* Room for the codes of `rows` rows of up to k activations, for either weights (free with free_rows). 0, or
+ * -1 when out of memory. */
 static int alloc_rows(int64_t rows, int64_t k, quantized_rows *out) {
-    out->q = aligned_alloc(32, (size_t)((rows * k * 2 + 31) / 32 * 32));
-    out->d = malloc((size_t)rows * sizeof(float));
+    out->q16 = aligned_alloc(32, (size_t)((rows * k * 2 + 31) / 32 * 32));
+    out->high = aligned_alloc(32, (size_t)((rows * k + 31) / 32 * 32));
+    out->low = aligned_alloc(32, (size_t)((rows * k + 31) / 32 * 32));
+    out->d = malloc((size_t)(rows * (k / GROUP) + rows) * sizeof(float));
     out->sums = malloc((size_t)(rows * (k / GROUP)) * sizeof(float));
-    return out->q && out->d && out->sums ? 0 : -1;
+    return out->q16 && out->high && out->low && out->d && out->sums ? 0 : -1;
 }
 
-static void quantize_rows(const float *xf, int64_t rows, int64_t k, quantized_rows *out) {
-    for (int64_t m = 0; m < rows; m++)
-        quantize_row(xf + m * k, k, out->q + m * k, out->d + m, out->sums + m * (k / GROUP));
+static void quantize_rows(const float *xf, int64_t rows, int64_t k, int bits, quantized_rows *out) {
+    out->bits = bits;
+    for (int64_t m = 0; m < rows; m++) {
+        if (bits == 4)
+            quantize_row_split(xf + m * k, k, out->high + m * k, out->low + m * k, out->d + m * (k / GROUP),
+                               out->sums + m * (k / GROUP));
+        else
+            quantize_row_int16(xf + m * k, k, out->q16 + m * k, out->d + m);
+    }
 }
 
 static void free_rows(quantized_rows *rows) {
-    free(rows->q);
+    free(rows->q16);
+    free(rows->high);
+    free(rows->low);
     free(rows->d);
     free(rows->sums);
-}
-
-/* sum_i h[i] * b[i] over n values, h float16. */
-static float dot_half(const uint16_t *h, const float *b, int64_t n) {
-    float total = 0;
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(b + i), acc);
-    total = horizontal_sum(acc);
-#endif
-    for (; i < n; i++) total += half_to_float(h[i]) * b[i];
-    return total;
 }
 
 /* sum_i a[i] * b[i] over n floats. */
@@ -178,44 +234,75 @@ static __m256i group_dot(__m256i w0, __m256i w1, const int16_t *x) {
     return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)x)),
                             _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(x + 16))));
 }
+
+static __m256i broadcast4(const int8_t *x) {  /* four activation bytes into every 32-bit lane */
+    int32_t four;
+    memcpy(&four, x, sizeof four);
+    return _mm256_set1_epi32(four);
+}
 #endif
 
-/* Output n of rows [m0, m0 + count) of the int4 product: d_x * sum_g s[g] * (q . q_x)[g] + b . sum_x. */
-static void int4_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
-                        const void *scale_bias, int64_t n, int64_t n_total, void *out, int is_bf16) {
+/* Outputs [8b, 8b + 8) of rows [m0, m0 + count) of the int4 product: per group,
+ * d_x * s * (q . (128 high + low)) + b * sum_x. */
+static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
+                       const uint16_t *params, int64_t b, int64_t n_total, void *out, int is_bf16) {
     const int64_t groups = k / GROUP;
-    const uint8_t *row = codes + n * (k / 2);
-    const uint16_t *scales = (const uint16_t *)scale_bias + n * groups * 2, *biases = scales + groups;
-    float total[ROW_BLOCK] = {0};
+    const uint8_t *block = codes + b * groups * 128;
+    const uint16_t *block_params = params + b * groups * 2 * OUT_BLOCK;
+    const float *d = x->d + m0 * groups, *sums = x->sums + m0 * groups;
+    float total[INT4_ROW_BLOCK][OUT_BLOCK];
 #ifdef __AVX2__
-    __m256 acc[ROW_BLOCK];
-    for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
-    const __m128i low_mask = _mm_set1_epi8(0x0f);
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), shift = _mm256_set1_epi16(128);
+    __m256 acc[INT4_ROW_BLOCK];
+    for (int r = 0; r < INT4_ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));                   /* codes 0..15 */
-        __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));  /* 16..31 */
-        __m256 s = _mm256_set1_ps(half_to_float(scales[g]));
-        for (int r = 0; r < count; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), s, acc[r]);
-    }
-    for (int r = 0; r < count; r++) total[r] = horizontal_sum(acc[r]);
-#else
-    for (int64_t g = 0; g < groups; g++)
-        for (int r = 0; r < count; r++) {
-            const int16_t *xq = x->q + (m0 + r) * k + g * GROUP;
-            int32_t sum = 0;
-            for (int j = 0; j < 16; j++) {
-                uint8_t byte = row[g * 16 + j];
-                sum += (byte & 0x0f) * xq[j] + (byte >> 4) * xq[j + 16];
+        __m256i high[INT4_ROW_BLOCK], low[INT4_ROW_BLOCK];  /* int16: two products a lane, over the group's quads */
+        for (int r = 0; r < INT4_ROW_BLOCK; r++) high[r] = low[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(block + g * 128 + t * 32));
+            __m256i first = _mm256_and_si256(v, nibble), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < count; r++) {
+                const int64_t at = (m0 + r) * k + g * GROUP + t * 8;
+                high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(first, broadcast4(x->high + at)));
+                high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(second, broadcast4(x->high + at + 4)));
+                low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(first, broadcast4(x->low + at)));
+                low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(second, broadcast4(x->low + at + 4)));
             }
-            total[r] += (float)sum * half_to_float(scales[g]);
+        }
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK)));
+        const __m256 bias = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK + OUT_BLOCK)));
+        for (int r = 0; r < count; r++) {
+            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(high[r], shift), _mm256_madd_epi16(low[r], ones));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * groups + g])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(bias, _mm256_set1_ps(sums[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < count; r++) _mm256_storeu_ps(total[r], acc[r]);
+#else
+    for (int r = 0; r < count; r++)
+        for (int o = 0; o < OUT_BLOCK; o++) total[r][o] = 0;
+    for (int64_t g = 0; g < groups; g++)
+        for (int o = 0; o < OUT_BLOCK; o++) {
+            const float scale = half_to_float(block_params[g * 2 * OUT_BLOCK + o]);
+            const float bias = half_to_float(block_params[g * 2 * OUT_BLOCK + OUT_BLOCK + o]);
+            for (int r = 0; r < count; r++) {
+                const int64_t at = (m0 + r) * k + g * GROUP;
+                int32_t high = 0, low = 0;
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = block[g * 128 + t * 32 + 4 * o + i];
+                        const int64_t first = at + 8 * t + i, second = first + 4;
+                        high += (byte & 0x0f) * x->high[first] + (byte >> 4) * x->high[second];
+                        low += (byte & 0x0f) * x->low[first] + (byte >> 4) * x->low[second];
+                    }
+                /* as the vector loop: its fused multiply-adds, in its order, so that both builds agree */
+                total[r][o] = fmaf((float)(128 * high + low), scale * d[r * groups + g], total[r][o]);
+                total[r][o] = fmaf(bias, sums[r * groups + g], total[r][o]);
+            }
         }
 #endif
-    for (int r = 0; r < count; r++) {
-        int64_t m = m0 + r;
-        store(out, m * n_total + n, total[r] * x->d[m] + dot_half(biases, x->sums + m * groups, groups), is_bf16);
-    }
+    for (int r = 0; r < count; r++)
+        for (int o = 0; o < OUT_BLOCK; o++) store(out, (m0 + r) * n_total + b * OUT_BLOCK + o, total[r][o], is_bf16);
 }
 
 /* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). */
@@ -232,34 +319,38 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
         __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
         __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
         for (int r = 0; r < count; r++)
-            acc[r] = _mm256_add_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q + (m0 + r) * k + g * GROUP)), acc[r]);
+            acc[r] = _mm256_add_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q16 + (m0 + r) * k + g * GROUP)), acc[r]);
     }
     for (int r = 0; r < count; r++) total[r] = horizontal_sum(acc[r]);
 #else
     for (int64_t g = 0; g < groups; g++)
         for (int r = 0; r < count; r++) {
             int32_t sum = 0;
-            for (int j = 0; j < GROUP; j++) sum += row[g * GROUP + j] * x->q[(m0 + r) * k + g * GROUP + j];
+            for (int j = 0; j < GROUP; j++) sum += row[g * GROUP + j] * x->q16[(m0 + r) * k + g * GROUP + j];
             total[r] += (float)sum;
         }
 #endif
     for (int r = 0; r < count; r++) store(out, (m0 + r) * n_total + n, total[r] * x->d[m0 + r] * scales[n], is_bf16);
 }
 
-/* out (rows, n) = the quantized rows `q` (k activations each) times the 4-bit (`bits` 4: nibbles, float16
- * scales and biases) or 8-bit weight (int8 codes, float32 scales), over `threads` threads splitting the
- * outputs. */
-static void multiply(const quantized_rows *q, int64_t rows, int64_t k, int bits, const void *codes,
-                     const void *params, int64_t n, void *out, int is_bf16, int threads) {
+/* out (rows, n) = the quantized rows `q` (k activations each, quantized for `q->bits`) times the 4-bit weight
+ * (blocked nibbles and float16 scales and biases, n a multiple of 8) or the 8-bit one (int8 codes, float32
+ * scales), over `threads` threads splitting the outputs. */
+static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const void *codes, const void *params,
+                     int64_t n, void *out, int is_bf16, int threads) {
+    if (q->bits == 4) {
+        /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t b = 0; b < n / OUT_BLOCK; b++)
+            for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)
+                int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params, b,
+                           n, out, is_bf16);
+        return;
+    }
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
         int count = rows - m0 < ROW_BLOCK ? (int)(rows - m0) : ROW_BLOCK;
-        if (bits == 4) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t i = 0; i < n; i++) int4_output(q, m0, count, k, codes, params, i, n, out, is_bf16);
-        } else {
-#pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t i = 0; i < n; i++) int8_output(q, m0, count, k, codes, params, i, n, out, is_bf16);
-        }
+        for (int64_t i = 0; i < n; i++) int8_output(q, m0, count, k, codes, params, i, n, out, is_bf16);
     }
 }
 
@@ -271,8 +362,8 @@ static int product_of(const void *x, int64_t rows, int64_t k, int bits, const vo
     quantized_rows q = {0};
     int status = -1;
     if (xf && alloc_rows(rows, k, &q) == 0) {
-        quantize_rows(xf, rows, k, &q);
-        multiply(&q, rows, k, bits, codes, params, n, out, is_bf16, threads);
+        quantize_rows(xf, rows, k, bits, &q);
+        multiply(&q, rows, k, codes, params, n, out, is_bf16, threads);
         status = 0;
     }
     free(xf);

@@ -36,7 +36,8 @@ class _Weight(ctypes.Structure):
 
 class _LoraStack(ctypes.Structure):
     _fields_ = [("down", ctypes.c_void_p), ("up", ctypes.c_void_p), ("ranges", ctypes.c_void_p),
-                ("spans", ctypes.c_void_p), ("columns", ctypes.c_int64), ("adapters", ctypes.c_int64)]
+                ("spans", ctypes.c_void_p), ("columns", ctypes.c_int64), ("adapters", ctypes.c_int64),
+                ("is_bf16", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,6 +76,14 @@ def adapter_ranges(owner: torch.Tensor, adapters: int) -> torch.Tensor | None:
     return ranges
 
 
+def exactly_narrowed(stack_matrix: torch.Tensor) -> torch.Tensor:
+    """A float32 adapter matrix as bfloat16 where that holds every value exactly (adapters trained and saved
+    in bfloat16, scaled by a power of two: the shipped ones), else as it is. The C step reads the adapters'
+    matrices once a step per row block, and at a few rows that reading is what their products cost."""
+    narrow = stack_matrix.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.float(), stack_matrix) else stack_matrix
+
+
 def output_spans(up: torch.Tensor) -> torch.Tensor:
     """(columns, 2) int64: for each row of a stack's `up` (columns, n), the outputs [start, stop) outside which
     it is zero ([0, 0) for a zero row)."""
@@ -110,9 +119,10 @@ class NativeLayers:
                     ranges = adapter_ranges(stack.owner.cpu(), self.adapters)
                     if ranges is None:
                         raise ValueError(f"an adapter's columns of {name} are not one run")
-                    entry.lora[index] = _LoraStack(self._pointer(stack.down), self._pointer(stack.up),
-                                                   self._pointer(ranges), self._pointer(output_spans(stack.up.cpu())),
-                                                   stack.down.shape[0], self.adapters)
+                    down, up = exactly_narrowed(stack.down), exactly_narrowed(stack.up)
+                    entry.lora[index] = _LoraStack(self._pointer(down), self._pointer(up), self._pointer(ranges),
+                                                   self._pointer(output_spans(stack.up.cpu())), stack.down.shape[0],
+                                                   self.adapters, int(down.dtype == torch.bfloat16))
             # A quantized projection keeps its own bias (the fused query/key/value one; `FastDecoder` takes
             # no model whose other projections have one).
             qkv_bias = block.qkv_bias if block.qkv_bias is not None else block.qkv.bias

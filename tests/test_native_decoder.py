@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from fusion.fast_decode import FastDecoder
 from fusion.multi_lora import LoraPair, MultiAdapter
-from fusion.native_decoder import NativeLayers, adapter_ranges, output_spans
+from fusion.native_decoder import NativeLayers, adapter_ranges, exactly_narrowed, output_spans
 from fusion.quantized import quantize_model
 
 
@@ -37,22 +37,28 @@ def _model(kind: str, dtype: torch.dtype, kernel: str = "native", weights: str =
     return model
 
 
-def _adapters(model, count: int = 2) -> MultiAdapter:
-    """`count` random LoRA adapters over every projection but o_proj (so one fused projection has none)."""
+def _adapters(model, count: int = 2, dtype: torch.dtype = torch.float32) -> MultiAdapter:
+    """`count` random LoRA adapters over every projection but o_proj (so one fused projection has none), their
+    values `dtype`'s (bfloat16: as adapters saved in bfloat16 are)."""
     generator = torch.Generator().manual_seed(7)
+    real_randn = torch.randn
+
+    def randn(*shape, generator):  # N(0, 0.3²), rounded to `dtype`
+        return (real_randn(*shape, generator=generator) * 0.3).to(dtype).float()
+
     adapters = []
     for _ in range(count):
         pairs = {}
         for index, layer in enumerate(model.model.layers):
             for path, linear in ((f"model.layers.{index}.self_attn.{n}", getattr(layer.self_attn, n))
                                  for n in ("q_proj", "k_proj", "v_proj")):
-                pairs[path] = LoraPair(torch.randn(4, linear.in_features, generator=generator) * 0.3,
-                                       torch.randn(linear.out_features, 4, generator=generator) * 0.3, 2.0)
+                pairs[path] = LoraPair(randn(4, linear.in_features, generator=generator),
+                                       randn(linear.out_features, 4, generator=generator), 2.0)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 linear = getattr(layer.mlp, name)
                 pairs[f"model.layers.{index}.mlp.{name}"] = LoraPair(
-                    torch.randn(4, linear.in_features, generator=generator) * 0.3,
-                    torch.randn(linear.out_features, 4, generator=generator) * 0.3, 2.0)
+                    randn(4, linear.in_features, generator=generator),
+                    randn(linear.out_features, 4, generator=generator), 2.0)
         adapters.append(pairs)
     return MultiAdapter(model, adapters, [f"adapter{k}" for k in range(count)])
 
@@ -181,6 +187,20 @@ def test_layers_the_c_step_cannot_run_stay_torch_operators():
 def test_adapter_columns_must_each_be_one_run():
     assert adapter_ranges(torch.tensor([0, 0, 1, 1, 1]), 3).tolist() == [[0, 2], [2, 5], [0, 0]]
     assert adapter_ranges(torch.tensor([0, 1, 0]), 2) is None
+
+
+def test_adapters_saved_in_bfloat16_are_read_as_such_and_give_the_same_step():
+    """Adapters whose values bfloat16 holds exactly (scaled by a power of two) are read as bfloat16 by the C
+    step: the same products, from half the bytes; others stay float32."""
+    model = _model("llama", torch.float32)
+    decoder = FastDecoder(model)
+    decoder.adapters = _adapters(model, dtype=torch.bfloat16)
+    ids, lengths, keys, values, mask = _inputs(torch.float32, 3, 3)
+    (logits, _, _), (want, _, _) = _both(decoder, ids, lengths, keys, values, mask, torch.tensor([-1, 0, 1]))
+    assert decoder._native.table[0].lora[0].is_bf16 == 1  # qkv's stack
+    torch.testing.assert_close(logits, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+    exact, inexact = torch.tensor([0.5, -0.375]), torch.tensor([0.1, 1.0])
+    assert exactly_narrowed(exact).dtype == torch.bfloat16 and exactly_narrowed(inexact).dtype == torch.float32
 
 
 def test_output_spans_bound_each_up_row_nonzeros():

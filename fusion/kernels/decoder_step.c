@@ -9,7 +9,8 @@
  *   x += (silu(h W_gate) * h W_up) W_down (+ adapters)
  *
  * Adapters are LoRA stacks as fusion/multi_lora.py lays them out: `down` (columns, k) and `up` (columns, n)
- * hold every adapter's matrices side by side, adapter a owning columns [ranges[2a], ranges[2a + 1]); a row
+ * hold every adapter's matrices side by side (bfloat16 where that holds them exactly, else float32), adapter a
+ * owning columns [ranges[2a], ranges[2a + 1]); a row
  * with adapter a adds ((x down)[cols of a]) up[cols of a]. Cached keys and values are read in place
  * (bfloat16 or float32, any strides but a contiguous last axis); the new ones are written out, float32,
  * for the caller to append. */
@@ -28,11 +29,12 @@ typedef struct {
 } quantized_weight;
 
 typedef struct {
-    const float *down;       /* (columns, k); NULL: the projection has no adapters */
-    const float *up;         /* (columns, n), scaled */
+    const void *down;        /* (columns, k); NULL: the projection has no adapters */
+    const void *up;          /* (columns, n), scaled */
     const int64_t *ranges;   /* (adapters, 2): the columns [start, stop) of each adapter */
     const int64_t *spans;    /* (columns, 2): the outputs [start, stop) outside which a column's `up` row is 0 */
     int64_t columns, adapters;
+    int is_bf16;             /* down and up bfloat16 (else float32) */
 } lora_stack;
 
 typedef struct {
@@ -78,6 +80,33 @@ static void store_cached(void *cache, int64_t offset, const float *v, int64_t n,
     for (int64_t i = 0; i < n; i++) ((uint16_t *)cache)[offset + i] = float_to_bf16(v[i]);
 }
 
+/* sum_i a[i] * b[i] over n values, b bfloat16: `dot`'s sums in `dot`'s order (widening is exact). */
+static float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+    float total = 0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i))), 16)), acc);
+    total = horizontal_sum(acc);
+#endif
+    for (; i < n; i++) total += a[i] * bf16_to_float(b[i]);
+    return total;
+}
+
+/* out += p * v over n values, v bfloat16. */
+static void add_scaled_bf16(float *out, float p, const uint16_t *v, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 scale = _mm256_set1_ps(p);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, _mm256_castsi256_ps(_mm256_slli_epi32(
+                             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(v + i))), 16)), _mm256_loadu_ps(out + i)));
+#endif
+    for (; i < n; i++) out[i] += p * bf16_to_float(v[i]);
+}
+
 /* out += p * v over n floats. */
 static void add_scaled(float *out, float p, const float *v, int64_t n) {
     int64_t i = 0;
@@ -120,7 +149,8 @@ static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const
             for (int64_t c = 0; c < columns; c++) {
                 const int64_t a = adapter_rows[m];
                 if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
-                t[m * columns + c] = dot(x + m * k, s->down + c * k, k);
+                t[m * columns + c] = s->is_bf16 ? dot_bf16(x + m * k, (const uint16_t *)s->down + c * k, k)
+                                                : dot(x + m * k, (const float *)s->down + c * k, k);
             }
 #pragma omp for schedule(static)
         for (int64_t j0 = 0; j0 < n; j0 += SPAN_BLOCK) {
@@ -131,7 +161,11 @@ static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const
                 for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
                     const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
                     const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
-                    if (lo < hi) add_scaled(out + m * n + lo, t[m * columns + c], s->up + c * n + lo, hi - lo);
+                    if (lo >= hi) continue;
+                    if (s->is_bf16)
+                        add_scaled_bf16(out + m * n + lo, t[m * columns + c], (const uint16_t *)s->up + c * n + lo, hi - lo);
+                    else
+                        add_scaled(out + m * n + lo, t[m * columns + c], (const float *)s->up + c * n + lo, hi - lo);
                 }
             }
         }

@@ -107,6 +107,58 @@ static void add_scaled_bf16(float *out, float p, const uint16_t *v, int64_t n) {
     for (; i < n; i++) out[i] += p * bf16_to_float(v[i]);
 }
 
+#ifdef __AVX2__
+/* e^x of 8 floats (Cephes' expf: a degree-6 polynomial of the remainder after ln 2 multiples, about an ulp);
+ * below -88.38, 0 (-inf: exactly 0). */
+static __m256 exp8(__m256 x) {
+    const __m256 floor = _mm256_set1_ps(-88.3762626647949f), ceiling = _mm256_set1_ps(88.3762626647949f);
+    const __m256 below = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, floor), ceiling);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(power)));
+}
+#endif
+
+/* p = softmax(p) over n floats in place (-inf: weight 0). */
+static void softmax(float *p, int64_t n) {
+    float top = -INFINITY, total = 0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 most = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(p + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#endif
+    for (; i < n; i++)
+        if (p[i] > top) top = p[i];
+    i = 0;
+#ifdef __AVX2__
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
+        _mm256_storeu_ps(p + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    total = horizontal_sum(sum);
+#endif
+    for (; i < n; i++) total += (p[i] = expf(p[i] - top));
+    const float inverse = 1.0f / total;
+    for (i = 0; i < n; i++) p[i] *= inverse;
+}
+
 /* out += p * v over n floats. */
 static void add_scaled(float *out, float p, const float *v, int64_t n) {
     int64_t i = 0;
@@ -205,18 +257,16 @@ static void attend(const decoder_layer *layer, const step_shape *s, const float 
         float *row = scratch + task * dim;
         for (int64_t h = 0; h < group; h++) score[h * (width + 1) + width] = dot(q + h * dim, k_new, dim) * scale;
         for (int64_t c = 0; c < width; c++) {
-            if (!mask[c]) continue;
+            if (!mask[c]) {
+                for (int64_t h = 0; h < group; h++) score[h * (width + 1) + c] = -INFINITY;
+                continue;
+            }
             const float *key = cached_row(layer->keys, key_base + c * layer->key_strides[2], dim, is_bf16, row);
             for (int64_t h = 0; h < group; h++) score[h * (width + 1) + c] = dot(q + h * dim, key, dim) * scale;
         }
-        for (int64_t h = 0; h < group; h++) {  /* softmax over the attended columns and the new one */
-            float *p = score + h * (width + 1), top = p[width], total = 0;
-            for (int64_t c = 0; c < width; c++)
-                if (mask[c] && p[c] > top) top = p[c];
-            for (int64_t c = 0; c < width; c++)
-                if (mask[c]) total += (p[c] = expf(p[c] - top));
-            total += (p[width] = expf(p[width] - top));
-            for (int64_t c = 0; c <= width; c++) p[c] /= total;
+        for (int64_t h = 0; h < group; h++) {  /* over the attended columns and the new one */
+            float *p = score + h * (width + 1);
+            softmax(p, width + 1);
             float *o = out + m * heads * dim + (g * group + h) * dim;
             for (int64_t i = 0; i < dim; i++) o[i] = p[width] * v_new[i];
         }

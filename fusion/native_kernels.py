@@ -1,12 +1,14 @@
-"""The project's own CPU kernels for quantized products of a few rows (fusion/kernels/quantized_mm.c), built
-with the machine's C compiler on first use and loaded through ctypes.
+"""The project's own CPU kernels for quantized products of a few rows (fusion/kernels/quantized_mm.c) and the
+decode step's layers (fusion/kernels/decoder_step.c), built with the machine's C compiler on first use and
+loaded through ctypes.
 
 Why our own: a decode step multiplies each weight matrix by a few rows, and torch's 4-bit kernel converts
-every weight to float before multiplying. These kernels turn each row of activations into int16 codes with
-one scale and multiply integers (AVX2's multiply-add of int16 pairs), as llama.cpp's CPU
-kernels do with 8-bit codes; 16 bits keep the activations finer than bf16 itself, where 8-bit codes
-measured a fourfold KL against the bf16 model (docs/performance.md). A plain C loop runs where the compiler
-does not target AVX2.
+every weight to float before multiplying. These kernels multiply integers, as llama.cpp's CPU kernels do:
+for 4-bit weights each group of 32 activations becomes its own scale and codes of about 15 bits, held as two
+bytes, multiplied by AVX2's byte multiply-add with eight outputs a vector (llama.cpp's one byte a code
+moved SmolLM2's next-token distribution about fifteen times as far from bf16's: docs/performance.md); for
+8-bit weights each row becomes int16 codes with one scale. A plain C loop runs where the compiler does not
+target AVX2.
 
 The build is one translation unit, about a second with gcc; the library is kept under the cache folder, named by
 the source's hash, the compiler and the CPU, so a second start loads it. Where no compiler is found, the

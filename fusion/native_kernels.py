@@ -36,9 +36,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
-# One translation unit: the decode step's layers (decoder_step.c) include the products (quantized_mm.c).
-SOURCE = KERNELS_DIR / "decoder_step.c"
-SOURCES = (KERNELS_DIR / "quantized_mm.c", SOURCE)
+# One translation unit (library.c) of the products, the decode step's layers and the route rule's passes.
+SOURCE = KERNELS_DIR / "library.c"
+SOURCES = (KERNELS_DIR / "quantized_mm.c", KERNELS_DIR / "decoder_step.c", KERNELS_DIR / "logit_rows.c", SOURCE)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ENV_SWITCH = "FUSION_NATIVE_KERNELS"
 
@@ -112,6 +112,12 @@ def library() -> ctypes.CDLL | None:
     lib.fusion_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p, ctypes.c_void_p]
     lib.fusion_decode_layers.restype = ctypes.c_int
+    lib.fusion_logit_statistics.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                            ctypes.c_int, *[ctypes.c_void_p] * 5]
+    lib.fusion_logit_statistics.restype = None
+    lib.fusion_mixture.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.fusion_mixture.restype = None
     return lib
 
 
@@ -152,6 +158,41 @@ def int8_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> to
     if torch.compiler.is_compiling():
         return torch.ops.fusion.int8_mm(rows, codes, scales)
     return _product("fusion_int8_mm", rows, codes, scales, codes.shape[0])
+
+
+# --- the route rule's passes over the vocabulary (logit_rows.c) ---------------------------------------
+
+MIXTURE_MAX = 16  # the experts `mixture` takes (logit_rows.c)
+
+
+def reads_logits(logits: torch.Tensor) -> bool:
+    """Whether `logit_statistics` and `mixture` take these logits: float32 on a CPU, the kernels built."""
+    return logits.dtype == torch.float32 and logits.device.type == "cpu" and available()
+
+
+def logit_statistics(rows: torch.Tensor, floor: float) -> tuple[torch.Tensor, ...]:
+    """rows (R, V) float32 -> per row (R,): the first id holding the maximum (long), the maximum, the runner-up
+    less it (0 where the maximum ties), ln Σ e^y and the entropy, y = max(z - max, floor) (float32 each)."""
+    rows = rows.contiguous()
+    count, width = rows.shape
+    best_ids = torch.empty(count, dtype=torch.int64)
+    best, runner_up, log_total, entropy = (torch.empty(count) for _ in range(4))
+    library().fusion_logit_statistics(rows.data_ptr(), count, width, floor, torch.get_num_threads(),
+                                      best_ids.data_ptr(), best.data_ptr(), runner_up.data_ptr(), log_total.data_ptr(),
+                                      entropy.data_ptr())
+    return best_ids, best, runner_up, log_total, entropy
+
+
+def mixture(logits: torch.Tensor, log_weights: torch.Tensor, normalizers: torch.Tensor) -> torch.Tensor:
+    """logsumexp over experts of log_weights (E, B) + logits (E, B, V) - normalizers (E, B): (B, V) float32."""
+    experts, count, width = logits.shape
+    if experts > MIXTURE_MAX:
+        raise ValueError(f"mixture takes at most {MIXTURE_MAX} experts, got {experts}")
+    logits, log_weights, normalizers = (t.float().contiguous() for t in (logits, log_weights, normalizers))
+    out = torch.empty(count, width)
+    library().fusion_mixture(logits.data_ptr(), log_weights.data_ptr(), normalizers.data_ptr(), experts, count, width,
+                             torch.get_num_threads(), out.data_ptr())
+    return out
 
 
 @torch.library.custom_op("fusion::int4_mm", mutates_args=())

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fusion import native_kernels
 from fusion.compute import single_team
 from fusion.errors import ConfigError, InvalidArgumentError
 from fusion.rules import CONTEXT_TOKENS, LOGPROB_FLOOR, FusedLogits, FusionRule, row_argmax
@@ -97,14 +98,29 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`logit_features(log_softmax(logits))` and the logsumexp the log-softmax subtracts, from the raw
     logits without materialising the log-probabilities: two maxima, one exp and two reductions over
     (E, B, V). logits (E, B, V) float, every row with a finite maximum → (B, 3E + E²), (E, B)."""
-    top1_ids = row_argmax(logits)  # (E, B)
-    features, normalizer, runner_up = _statistics(logits, top1_ids)
+    if _native_passes(logits):  # two reads of each row in C, where torch makes a dozen passes
+        E, B, V = logits.shape
+        top1_ids, best, runner_up, log_total, entropy = (
+            t.view(E, B) for t in native_kernels.logit_statistics(logits.reshape(E * B, V), LOGPROB_FLOOR))
+        normalizer = best + log_total
+        features = _features(logits, log_total, normalizer, entropy, runner_up, top1_ids)
+    else:
+        top1_ids = row_argmax(logits)  # (E, B)
+        features, normalizer, runner_up = _statistics(logits, top1_ids)
     # Tied maxima name the id `topk` names, as in `logit_features` (the router's training); so does a
     # GPU, where topk is cheap and checking for ties would wait for the device.
     if logits.device.type != "cpu" or bool((runner_up == 0).any()):
         top1_ids = logits.topk(2, dim=-1).indices[..., 0]
         features[:, -top1_ids.shape[0] ** 2:] = _agreement(logits, normalizer, top1_ids)
     return features, normalizer
+
+
+def _native_passes(*tensors: torch.Tensor) -> bool:
+    """Whether the vocabulary-wide passes run in the project's C (`native_kernels.logit_statistics`,
+    `mixture`): float32 CPU tensors, eagerly, with no gradient to carry (training and compiled steps keep
+    torch's operators)."""
+    return (native_kernels.reads_logits(tensors[0]) and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def _softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,8 +330,11 @@ class Router(nn.Module):
             weights = torch.nn.functional.one_hot(picked, weights.shape[0]).T.to(weights.dtype)
             fused = _picked_log_probs(logits, normalizer, picked)  # (B, V)
         else:
-            log_probs = logits - normalizer[..., None]  # (E, B, V)
-            fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
+            if _native_passes(logits, weights) and logits.shape[0] <= native_kernels.MIXTURE_MAX:
+                fused = native_kernels.mixture(logits, torch.log(weights), normalizer)  # (B, V), one pass in C
+            else:
+                log_probs = logits - normalizer[..., None]  # (E, B, V)
+                fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
         if self.comp is not None and complementary:
             fused = self._add_complementary(fused, h, keep)
         return FusedLogits(fused, weights, normalizer)

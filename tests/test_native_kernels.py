@@ -179,6 +179,16 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch
         want = native_kernels.int8_mm_reference(x, int8_codes, scales)
         torch.testing.assert_close(native_kernels.int8_mm(x, int8_codes, scales).double(), want, rtol=1e-5,
                                    atol=1e-5 * want.abs().max().item())
+        from tests.test_logit_rows import _logits  # the route rule's passes: plain loops against torch
+
+        z = _logits(1003)
+        _, best, _, log_total, _ = native_kernels.logit_statistics(z.reshape(6, -1), -1e4)
+        torch.testing.assert_close(best + log_total, torch.logsumexp(z, -1).reshape(6), rtol=1e-6, atol=1e-5)
+        weights = torch.tensor([[0.5, 0.0], [0.0, 0.3], [0.5, 0.7]])
+        normalizer = torch.logsumexp(z, -1)
+        torch.testing.assert_close(native_kernels.mixture(z, torch.log(weights), normalizer),
+                                   torch.logsumexp(torch.log(weights)[..., None] + z - normalizer[..., None], 0),
+                                   rtol=1e-5, atol=1e-5)
         plain, _ = _both(FastDecoder(model), *inputs)
         for got, want in zip(plain, vector["step"]):  # logits float32; new keys and values the cache's bf16
             tol = 1e-4 if got.dtype == torch.float32 else 1e-2

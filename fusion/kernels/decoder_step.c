@@ -15,7 +15,7 @@
  * (bfloat16 or float32, any strides but a contiguous last axis); the new ones are written out, float32,
  * for the caller to append. */
 
-#include "quantized_mm.c" /* one translation unit: the products' helpers stay static */
+/* (library.c includes quantized_mm.c first: its products and helpers serve here) */
 
 #include <math.h>
 

@@ -116,7 +116,8 @@ def library() -> ctypes.CDLL | None:
                                             ctypes.c_int, *[ctypes.c_void_p] * 5]
     lib.fusion_logit_statistics.restype = None
     lib.fusion_mixture.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+                                   ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.fusion_mixture.restype = None
     return lib
 
@@ -183,15 +184,24 @@ def logit_statistics(rows: torch.Tensor, floor: float) -> tuple[torch.Tensor, ..
     return best_ids, best, runner_up, log_total, entropy
 
 
-def mixture(logits: torch.Tensor, log_weights: torch.Tensor, normalizers: torch.Tensor) -> torch.Tensor:
-    """logsumexp over experts of log_weights (E, B) + logits (E, B, V) - normalizers (E, B): (B, V) float32."""
+def mixture(logits: torch.Tensor, log_weights: torch.Tensor, normalizers: torch.Tensor,
+            complementary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """logsumexp over experts of log_weights (E, B) + logits (E, B, V) - normalizers (E, B): (B, V) float32.
+    `complementary` = (inputs (B, C), weight (C, V), bias (V,), scale (B,)): adds scale[b] · bias + inputs[b] @
+    weight to row b in the same pass (the route rule's complementary logit)."""
     experts, count, width = logits.shape
     if experts > MIXTURE_MAX:
         raise ValueError(f"mixture takes at most {MIXTURE_MAX} experts, got {experts}")
     logits, log_weights, normalizers = (t.float().contiguous() for t in (logits, log_weights, normalizers))
+    comp = [None, 0, None, None, None]
+    if complementary is not None:
+        inputs, weight, bias, scale = (t.float().contiguous() for t in complementary)
+        if inputs.shape[0] != count or weight.shape != (inputs.shape[1], width) or bias.shape != (width,):
+            raise ValueError("mixture: the complementary logit's inputs, weight and bias do not fit the logits")
+        comp = [inputs.data_ptr(), inputs.shape[1], weight.data_ptr(), bias.data_ptr(), scale.data_ptr()]
     out = torch.empty(count, width)
     library().fusion_mixture(logits.data_ptr(), log_weights.data_ptr(), normalizers.data_ptr(), experts, count, width,
-                             torch.get_num_threads(), out.data_ptr())
+                             torch.get_num_threads(), *comp, out.data_ptr())
     return out
 
 

@@ -325,19 +325,30 @@ class Router(nn.Module):
         keep = None  # (B,) the share of the complementary logit the gate leaves; None: all of it
         if fail_safe and self.gate is not None:
             weights, keep = self._pull_to_generalist(inputs, weights, allowed)
+        add_comp = self.comp is not None and complementary
         if hard:  # pick one expert per row: the mixture is that expert's log-probabilities
             picked = weights.argmax(0)  # (B,)
             weights = torch.nn.functional.one_hot(picked, weights.shape[0]).T.to(weights.dtype)
             fused = _picked_log_probs(logits, normalizer, picked)  # (B, V)
+        elif _native_passes(logits, weights) and logits.shape[0] <= native_kernels.MIXTURE_MAX:
+            # one pass in C over the logits, the complementary logit added in it
+            fused = native_kernels.mixture(logits, torch.log(weights), normalizer,
+                                           self._complementary_parts(h, keep) if add_comp else None)  # (B, V)
+            return FusedLogits(fused, weights, normalizer)
         else:
-            if _native_passes(logits, weights) and logits.shape[0] <= native_kernels.MIXTURE_MAX:
-                fused = native_kernels.mixture(logits, torch.log(weights), normalizer)  # (B, V), one pass in C
-            else:
-                log_probs = logits - normalizer[..., None]  # (E, B, V)
-                fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
-        if self.comp is not None and complementary:
+            log_probs = logits - normalizer[..., None]  # (E, B, V)
+            fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
+        if add_comp:
             fused = self._add_complementary(fused, h, keep)
         return FusedLogits(fused, weights, normalizer)
+
+    def _complementary_parts(self, h: torch.Tensor, keep: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_add_complementary`'s terms for `native_kernels.mixture`: keep · comp input (B, comp_width), Wᵀ
+        (comp_width, V), the bias (V,) and keep (B,) (ones without the gate)."""
+        h = self._comp_input(h)  # (B, comp_width)
+        keep = torch.ones(h.shape[0], device=h.device) if keep is None else keep
+        return h * keep[:, None], self.comp.weight.T, self.comp.bias, keep
 
     def _pull_to_generalist(self, inputs: torch.Tensor, weights: torch.Tensor, allowed: torch.Tensor | None
                             ) -> tuple[torch.Tensor, torch.Tensor]:

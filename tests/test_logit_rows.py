@@ -66,3 +66,17 @@ def test_the_route_rule_fuses_alike_through_either(monkeypatch, hard):
     torch.testing.assert_close(native.weights, plain.weights, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(native.log_normalizers, plain.log_normalizers, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(native.logits, plain.logits, rtol=1e-5, atol=1e-4)
+
+
+def test_the_mixture_adds_a_complementary_logit_in_its_pass():
+    z = _logits(1003, seed=5)
+    normalizer = torch.logsumexp(z, -1)
+    weights = torch.tensor([[0.5, 0.2], [0.25, 0.3], [0.25, 0.5]])
+    generator = torch.Generator().manual_seed(6)
+    inputs, weight, bias = torch.randn(2, 5, generator=generator), torch.randn(5, 1003, generator=generator), \
+        torch.randn(1003, generator=generator)
+    scale = torch.tensor([1.0, 0.25])
+    got = native_kernels.mixture(z, torch.log(weights), normalizer, (inputs, weight, bias, scale))
+    want = (torch.logsumexp(torch.log(weights)[..., None] + z - normalizer[..., None], dim=0)
+            + scale[:, None] * bias + inputs @ weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

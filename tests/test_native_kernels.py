@@ -186,9 +186,10 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch
         torch.testing.assert_close(best + log_total, torch.logsumexp(z, -1).reshape(6), rtol=1e-6, atol=1e-5)
         weights = torch.tensor([[0.5, 0.0], [0.0, 0.3], [0.5, 0.7]])
         normalizer = torch.logsumexp(z, -1)
-        torch.testing.assert_close(native_kernels.mixture(z, torch.log(weights), normalizer),
-                                   torch.logsumexp(torch.log(weights)[..., None] + z - normalizer[..., None], 0),
-                                   rtol=1e-5, atol=1e-5)
+        comp, weight, bias, scale = torch.randn(2, 3), torch.randn(3, 1003), torch.randn(1003), torch.tensor([1.0, 0.5])
+        torch.testing.assert_close(native_kernels.mixture(z, torch.log(weights), normalizer, (comp, weight, bias, scale)),
+                                   torch.logsumexp(torch.log(weights)[..., None] + z - normalizer[..., None], 0)
+                                   + scale[:, None] * bias + comp @ weight, rtol=1e-5, atol=1e-4)
         plain, _ = _both(FastDecoder(model), *inputs)
         for got, want in zip(plain, vector["step"]):  # logits float32; new keys and values the cache's bf16
             tol = 1e-4 if got.dtype == torch.float32 else 1e-2

@@ -94,10 +94,13 @@ void fusion_logit_statistics(const float *logits, int64_t rows, int64_t width, f
 
 /* out (rows, width) = ln sum_e e^(a_e), a_e = log_weights[e, r] + logits[e, r, :] - normalizers[e, r], over
  * `experts` experts (logits (experts, rows, width)), at most MIXTURE_MAX; an expert of weight 0 (log_weights
- * -inf) adds nothing, and an id every expert rules out (logits -inf) stays -inf. */
+ * -inf) adds nothing, and an id every expert rules out (logits -inf) stays -inf. With `comp_inputs` (rows,
+ * comp_width), the route rule's complementary logit is added in the same pass: out[r, v] += comp_scale[r] *
+ * comp_bias[v] + sum_k comp_inputs[r, k] * comp_weight[k, v], comp_weight (comp_width, width). */
 #define MIXTURE_MAX 16
 void fusion_mixture(const float *logits, const float *log_weights, const float *normalizers, int64_t experts,
-                    int64_t rows, int64_t width, int threads, float *out) {
+                    int64_t rows, int64_t width, int threads, const float *comp_inputs, int64_t comp_width,
+                    const float *comp_weight, const float *comp_bias, const float *comp_scale, float *out) {
     enum { CHUNK = 2048 };
     const int64_t chunks = (width + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -120,7 +123,14 @@ void fusion_mixture(const float *logits, const float *log_weights, const float *
             for (int64_t e = 0; e < used; e++) total = _mm256_add_ps(total, exp8(_mm256_sub_ps(a[e], top)));
             /* an id every expert rules out (-inf) stays -inf */
             const __m256 excluded = _mm256_cmp_ps(top, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-            _mm256_storeu_ps(o + i, _mm256_blendv_ps(_mm256_add_ps(top, log8(total)), top, excluded));
+            __m256 fused = _mm256_blendv_ps(_mm256_add_ps(top, log8(total)), top, excluded);
+            if (comp_inputs) {
+                fused = _mm256_fmadd_ps(_mm256_set1_ps(comp_scale[r]), _mm256_loadu_ps(comp_bias + i), fused);
+                for (int64_t k = 0; k < comp_width; k++)
+                    fused = _mm256_fmadd_ps(_mm256_set1_ps(comp_inputs[r * comp_width + k]),
+                                            _mm256_loadu_ps(comp_weight + k * width + i), fused);
+            }
+            _mm256_storeu_ps(o + i, fused);
         }
 #endif
         for (; i < stop; i++) {
@@ -137,6 +147,10 @@ void fusion_mixture(const float *logits, const float *log_weights, const float *
                 total += expf(lw + logits[(e * rows + r) * width + i] - normalizers[e * rows + r] - top);
             }
             o[i] = top == -INFINITY ? top : top + logf(total);
+            if (comp_inputs) {
+                o[i] = fmaf(comp_scale[r], comp_bias[i], o[i]);
+                for (int64_t k = 0; k < comp_width; k++) o[i] = fmaf(comp_inputs[r * comp_width + k], comp_weight[k * width + i], o[i]);
+            }
         }
     }
 }

@@ -137,9 +137,7 @@ static void softmax(float *p, int64_t n) {
 #ifdef __AVX2__
     __m256 most = _mm256_set1_ps(-INFINITY);
     for (; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(p + i));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    top = horizontal_max(most);
 #endif
     for (; i < n; i++)
         if (p[i] > top) top = p[i];

@@ -104,6 +104,12 @@ static float horizontal_sum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+static float horizontal_max(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 #endif
 
 /* Activations of one row for the int8 weights' products: x[j] ~ q[j] * d, q int16, d = max|x| / 32767 (one
@@ -138,9 +144,7 @@ static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *
             total = _mm256_add_ps(total, v);
             most = _mm256_max_ps(most, _mm256_andnot_ps(sign, v));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        amax = horizontal_max(most);
         sum = horizontal_sum(total);
         const __m256 inverse = _mm256_set1_ps(amax > 0 ? SPLIT_MAX / amax : 0);
         __m256i highs[4], lows[4];

@@ -10,10 +10,9 @@
  *
  * Adapters are LoRA stacks as fusion/multi_lora.py lays them out: `down` (columns, k) and `up` (columns, n)
  * hold every adapter's matrices side by side (bfloat16 where that holds them exactly, else float32), adapter a
- * owning columns [ranges[2a], ranges[2a + 1]); a row
- * with adapter a adds ((x down)[cols of a]) up[cols of a]. Cached keys and values are read in place
- * (bfloat16 or float32, any strides but a contiguous last axis); the new ones are written out, float32,
- * for the caller to append. */
+ * owning columns [ranges[2a], ranges[2a + 1]); a row with adapter a adds ((x down)[cols of a]) up[cols of a].
+ * Cached keys and values are read in place (bfloat16 or float32, any strides but a contiguous last axis); the
+ * new ones are written out, float32, for the caller to append, or (`append`) into the cache's next column. */
 
 /* (library.c includes quantized_mm.c first: its products and helpers serve here) */
 
@@ -22,8 +21,8 @@
 enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 
 typedef struct {
-    const void *codes;    /* 4-bit: (n, k/2) nibbles; 8-bit: (n, k) int8 */
-    const void *params;   /* 4-bit: (n, 2, k/32) float16 scales and biases; 8-bit: (n,) float32 scales */
+    const void *codes;    /* 4-bit: (n/8, 4k) nibbles in blocks of 8 outputs (quantized_mm.c); 8-bit: (n, k) int8 */
+    const void *params;   /* 4-bit: (n/8, k/32, 2, 8) float16 scales and biases; 8-bit: (n,) float32 scales */
     int64_t n, k;
     int bits;             /* 4 or 8 */
 } quantized_weight;

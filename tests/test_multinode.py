@@ -9,6 +9,7 @@ clients and back down, and the coordinator's node killed under streams (two node
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -53,7 +54,10 @@ def test_experts_are_placed_by_resources_and_survive_a_node_loss(three_nodes, ti
 
     # every replica's metrics are reachable where the registry says, labelled with its replica and node:
     # the six expert replicas' on the workers, the coordinator's on the head
-    scraped = sc.scraped_replicas()
+    # (listings are heartbeats: under load one may land a beat after the deployment reports ready)
+    deadline = time.monotonic() + 30
+    while len(scraped := sc.scraped_replicas()) < 7 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert len(scraped) == 7
     for replica in scraped:
         assert replica["served"] == replica["target"]

@@ -167,8 +167,11 @@ MIXTURE_MAX = 16  # the experts `mixture` takes (logit_rows.c)
 
 
 def reads_logits(logits: torch.Tensor) -> bool:
-    """Whether `logit_statistics` and `mixture` take these logits: float32 on a CPU, the kernels built."""
-    return logits.dtype == torch.float32 and logits.device.type == "cpu" and available()
+    """Whether `logit_statistics` and `mixture` take these logits: float32 on a CPU, the kernels already loaded
+    in this process (for the experts' quantized weights). The fusion step never builds them itself: a build
+    on a request's path would stall that request's first token by seconds."""
+    return (logits.dtype == torch.float32 and logits.device.type == "cpu" and library.cache_info().currsize > 0
+            and library() is not None)
 
 
 def logit_statistics(rows: torch.Tensor, floor: float) -> tuple[torch.Tensor, ...]:

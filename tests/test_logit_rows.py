@@ -57,6 +57,7 @@ def test_the_route_rule_fuses_alike_through_either(monkeypatch, hard):
     with torch.no_grad():
         router.comp.weight.normal_(0, 0.1)
     rule = Route(["a", "b", "c"], router=router, hard=hard)
+    assert native_kernels.library() is not None  # loaded: the rule takes the C passes
     z = _logits(1003, seed=2)
     weights = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 1.0]])
     context = torch.randint(0, 1003, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -86,8 +86,7 @@ static float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i))), 16)), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), widen8_bf16(b + i), acc);
     total = horizontal_sum(acc);
 #endif
     for (; i < n; i++) total += a[i] * bf16_to_float(b[i]);
@@ -100,8 +99,7 @@ static void add_scaled_bf16(float *out, float p, const uint16_t *v, int64_t n) {
 #ifdef __AVX2__
     __m256 scale = _mm256_set1_ps(p);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, _mm256_castsi256_ps(_mm256_slli_epi32(
-                             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(v + i))), 16)), _mm256_loadu_ps(out + i)));
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, widen8_bf16(v + i), _mm256_loadu_ps(out + i)));
 #endif
     for (; i < n; i++) out[i] += p * bf16_to_float(v[i]);
 }

@@ -48,13 +48,18 @@ static uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch doe
     return (uint16_t)(bits >> 16);
 }
 
+#ifdef __AVX2__
+/* 8 bfloat16 values -> float32 (exact: a bfloat16 is a float32's upper half). */
+static __m256 widen8_bf16(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+#endif
+
 /* n bfloat16 values -> float32. */
 static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
 #ifdef __AVX2__
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8_bf16(src + i));
 #endif
     for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
 }

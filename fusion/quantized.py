@@ -18,9 +18,9 @@ packed as one matrix, each sibling a row view of it (a copy where the packed lay
 its rows), so the fast decode step runs them as one product and transformers' forward (prefill) still
 calls each sibling alone (`QuantizedLinear.fused`).
 Two kernels compute the products (`KERNELS`): "native", the project's own (fusion/native_kernels.py:
-activations as integer codes times the weights' codes in integers: 8-bit codes a group of 32 for 4-bit
-weights, as llama.cpp does, 16-bit ones a row for 8-bit weights; the 4-bit codes packed two a byte in blocks
-of 8 outputs, so that a SIMD lane computes one output), used wherever a C compiler built them;
+activations as integer codes times the weights' codes in integers: for 4-bit weights a scale and ~15-bit
+codes a group of 32, held as two bytes, for 8-bit weights 16-bit codes a row; the 4-bit codes packed two a
+byte in blocks of 8 outputs, so that a SIMD lane computes one output), used wherever a C compiler built them;
 and "torch", torch's kernels above (activations in their own dtype; the tinygemm layout), used elsewhere.
 The embedding table stays as it is: a step reads one row of it. Products of many rows (prefill, a
 step of many sessions) use the dense weight the codes were made from (`DENSE_FROM_ROWS`): the 4-bit
@@ -172,8 +172,9 @@ def tensor_names(weights: str, kernel: str) -> tuple[str, ...]:
 class QuantizedLinear(nn.Module):
     """`nn.Linear` with quantized weights (module docstring). Buffers: int8: `codes` (N, K) int8 and
     `scales` (N,); int4: `codes` (N, K/2) uint8, packed, and `scales_offsets` (K/32, N, 2), scales in the
-    activations' dtype (torch's kernels), or `nibbles` (N/8, 4K) uint8 and `scale_bias` (N/8, K/32, 2, 8) float16 (`native_kernels.pack_nibbles`)
-    for w = q·s + b (the native kernels; float16, as GGUF's Q4_1 keeps them). `fused`: the one matrix this projection is a row view of, with its siblings
+    activations' dtype (torch's kernels), or `nibbles` (N/8, 4K) uint8 and `scale_bias` (N/8, K/32, 2, 8)
+    float16 (`native_kernels.pack_nibbles`, `pack_scale_bias`) for w = q·s + b (the native kernels; float16,
+    as GGUF's Q4_1 keeps them). `fused`: the one matrix this projection is a row view of, with its siblings
     (None: it stands alone)."""
 
     def __init__(self, weights: str, in_features: int, out_features: int, tensors: dict[str, torch.Tensor],

@@ -193,9 +193,9 @@ class FastDecoder(nn.Module):
         never runs compiled) writes the new keys and values into the column after the views instead, and
         returns None for them; the step as torch operators returns them as ever."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
-        native = (self._native_step() if self.native_layers and run_layer is None and linear is F.linear
-                  and times is rows_times and not torch.compiler.is_compiling() and NativeLayers.reads(keys, values)
-                  else None)
+        # is_compiling first: dynamo folds it, and nothing after it is traced
+        native = (self._native_step() if not torch.compiler.is_compiling() and self.native_layers and run_layer is None
+                  and linear is F.linear and times is rows_times and NativeLayers.reads(keys, values) else None)
         if native is not None:
             cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
             append = append and keys[0].shape[0] == x.shape[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusion import native_kernels
 from fusion.compute import one_thread
 from fusion.config import SpecOverrides, parse_config
 from fusion.router import FamiliarityGate, Route, expert_fingerprint, save_router
@@ -30,8 +31,15 @@ def _gated_route(vocab: int, hard: bool, comp_rank: int) -> tuple[Route, torch.T
     return Route(["a", "b", "c"], router=router, hard=hard, fail_safe=True), logits, context, weights
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["C-passes-loaded", "torch-passes"])
 @pytest.mark.parametrize("hard,comp_rank", [(True, 16), (False, 0)])
-def test_compiled_step_equals_the_eager_step(hard, comp_rank):
+def test_compiled_step_equals_the_eager_step(hard, comp_rank, native, monkeypatch):
+    """With the C passes loaded (a server with quantized experts) the eager step takes them and the compiled
+    graph must still keep torch's operators: tracing into the C call would hand it fake tensors' pointers."""
+    if native:
+        assert native_kernels.library() is not None
+    else:
+        monkeypatch.setattr(native_kernels, "reads_logits", lambda logits: False)
     vocab = 1024
     rule, logits, context, weights = _gated_route(vocab, hard, comp_rank)
     logits[0, 1, 290] = logits[0, 1, 7] - 0.5  # no tied maximum: the compiled step's result is used

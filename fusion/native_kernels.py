@@ -20,6 +20,7 @@ the library directly, skipping the dispatcher.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -30,6 +31,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -119,7 +121,28 @@ def library() -> ctypes.CDLL | None:
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.fusion_mixture.restype = None
+    lib.fusion_set_coarse_spread.argtypes = [ctypes.c_int]
+    lib.fusion_set_coarse_spread(_coarse_spread)
     return lib
+
+
+@contextlib.contextmanager
+def coarse_spread(spread: int) -> Iterator[None]:
+    """Within the block, the int4 products keep a group of activations at one byte a code when its max|x| is
+    at most `spread` times its mean |x| (0: never; the default is COARSE_SPREAD), in the kernels and in
+    `grouped_activations`. For comparisons of two steps whose float sums differ in their last bits: at one
+    byte a code such a difference can round a code a whole step apart."""
+    global _coarse_spread
+    previous, _coarse_spread = _coarse_spread, spread
+    loaded = library.cache_info().currsize > 0 and library() is not None
+    if loaded:
+        library().fusion_set_coarse_spread(spread)
+    try:
+        yield
+    finally:
+        _coarse_spread = previous
+        if loaded or (library.cache_info().currsize > 0 and library() is not None):
+            library().fusion_set_coarse_spread(previous)
 
 
 def available() -> bool:
@@ -232,6 +255,8 @@ def _(rows, codes, scales):
 
 CODE_MAX = 32767  # the int8 weights' activation codes: int16
 SPLIT_MAX = 128 * 127  # the int4 weights' activation codes: two signed bytes each, a scale a group of 32
+COARSE_SPREAD = 6  # a group whose max|x| is at most this many times its mean |x| keeps one byte a code
+_coarse_spread = COARSE_SPREAD  # as the loaded kernels have it (`coarse_spread`)
 OUT_BLOCK = 8  # the int4 layout's outputs a block
 
 
@@ -248,12 +273,16 @@ def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
 
 def grouped_activations(rows: torch.Tensor) -> torch.Tensor:
     """rows (M, K) as the int4 weights' integer products see them, float64: each group of 32 rounded to codes
-    (to nearest, ties to even) times its max|x| / (128 · 127) (the arithmetic in float32, as in C; the C
-    holds each code as two bytes, 128 · high + low, which is exact)."""
+    c (to nearest, ties to even) times its max|x| / (128 · 127) (the arithmetic in float32, as in C; the C
+    holds each code as two bytes, 128 · high + low, which is exact). A group without outliers
+    (COARSE_SPREAD · Σ|c| ≥ 32 · 128 · 127, or as `coarse_spread` sets it) keeps its high bytes alone: c
+    rounded to a multiple of 128, halves up."""
     x = rows.float().view(rows.shape[0], -1, 32)
     amax = x.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, SPLIT_MAX / amax, torch.zeros_like(amax))
     codes = torch.round(x * inverse)
+    coarse = _coarse_spread * codes.abs().sum(-1, keepdim=True) >= 32 * SPLIT_MAX  # (M, K/32, 1)
+    codes = torch.where(coarse, 128 * torch.floor((codes + 64) / 128), codes)
     return (codes.double() * (amax / SPLIT_MAX).double()).view(rows.shape)
 
 

@@ -32,6 +32,7 @@ def test_int4_product_is_its_reference(rows, dtype):
     codes, scale_bias = _int4(80, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, :32] = 0  # an all-zero group: its codes are all 0
+    x[-1, 64] = 40.0  # an outlier: its group keeps two bytes a code, the others one
     got = native_kernels.int4_mm(x, *_packed(codes, scale_bias))
     assert got.shape == (rows, 80) and got.dtype == dtype
     want = native_kernels.int4_mm_reference(x, codes, scale_bias)
@@ -83,6 +84,30 @@ def test_the_int4_weights_activations_reference_rounds_each_group_to_its_own_cod
     assert got[1] == pytest.approx(8128 * step)
     assert got[2] == pytest.approx(-4064 * step)
     assert got[33] == 0 and got[34] == pytest.approx(2 / 16384)
+
+
+def test_a_group_without_outliers_keeps_one_byte_a_code():
+    """A group whose max|x| is at most COARSE_SPREAD times its mean |x| rounds to 127 steps (codes of 128,
+    halves up); one with an outlier keeps 128 · 127; `coarse_spread(0)` keeps every group's two bytes. The
+    kernel takes the same codes (the products equal their reference with either)."""
+    x = torch.zeros(1, 64)
+    x[0, :32] = torch.linspace(-1.0, 1.0, 32)  # spread 2: one byte a code
+    x[0, 32:] = 0.01
+    x[0, 32] = 1.0  # spread 1 / ((1 + 31 · 0.01) / 32) ≈ 24: two bytes
+    got = native_kernels.grouped_activations(x)[0]
+    coarse = torch.floor(x[0, :32] * 127 + 0.5) / 127  # whole steps of max|x| / 127
+    torch.testing.assert_close(got[:32], coarse.double(), rtol=0, atol=1e-7)
+    assert got[33] == pytest.approx(round(0.01 * 16256) / 16256)  # 162.56 codes: not a multiple of 128
+    with native_kernels.coarse_spread(0):
+        fine = native_kernels.grouped_activations(x)[0]
+    torch.testing.assert_close(fine[:32], (torch.round(x[0, :32] * 16256) / 16256).double(), rtol=0, atol=1e-7)
+    assert (fine[:32] - x[0, :32].double()).abs().max() < (got[:32] - x[0, :32].double()).abs().max()
+    codes, scale_bias = _int4(16, 64, seed=5)
+    for spread in (native_kernels.COARSE_SPREAD, 0):
+        with native_kernels.coarse_spread(spread):
+            want = native_kernels.int4_mm_reference(x, codes, scale_bias)
+            got = native_kernels.int4_mm(x, *_packed(codes, scale_bias)).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_nibbles_pack_eight_outputs_a_block_two_codes_a_byte():

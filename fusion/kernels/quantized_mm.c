@@ -13,8 +13,8 @@
  * block: AVX2's multiply-add of unsigned by signed bytes sums four inputs of eight outputs at once, once for
  * h and once for l, a group's partial sums stay int16 (8 * 2 * 15 * 127 < 32767), and one conversion to
  * float32 per group serves the block's eight outputs, which leave as one vector, with no horizontal sums.
- * (One byte a code, as llama.cpp's Q8 blocks, is twice as fast but moved SmolLM2's logits about fifteen
- * times as far from bf16's.) For int8 weights each row becomes int16 codes and one scale, multiplied by the
+ * A group without outliers keeps h alone (l = 0, its multiply-adds skipped): one byte a code there, as
+ * llama.cpp's Q8 blocks everywhere; groups with an outlier keep both (quantize_row_split). For int8 weights each row becomes int16 codes and one scale, multiplied by the
  * multiply-add of int16 pairs. A step of a small model reads each weight once for a few rows, so the loops
  * walk the weights once and keep every row's accumulators in registers (rows in blocks). */
 
@@ -32,6 +32,12 @@
 #define INT4_ROW_BLOCK 3   /* rows an int4 block's loop carries: two int16 sums and a float32 one each, in registers */
 #define CODE_MAX 32767.0f  /* int8 weights' activation codes: int16, a scale a row */
 #define SPLIT_MAX 16256.0f /* int4 weights' activation codes: 128 * 127, a scale a group, two bytes each */
+#define COARSE_SPREAD 6    /* a group whose max|x| is at most this many times its mean |x| drops its low bytes */
+
+/* COARSE_SPREAD unless set otherwise (fusion_set_coarse_spread; 0: every group keeps both bytes). */
+static int coarse_spread = COARSE_SPREAD;
+
+void fusion_set_coarse_spread(int spread) { coarse_spread = spread; }
 
 static float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -136,8 +142,14 @@ static void quantize_row_int16(const float *x, int64_t k, int16_t *q, float *d) 
 
 /* Activations of one row for the int4 weights' products, a group of 32 at a time: x[32g + j] ~ c * d[g],
  * d[g] = max|x| over the group / 16256, c rounded to nearest (ties to even), held as c = 128 high + low with
- * low in [-64, 63]; sums[g] = the exact float sum of the group (the weights' biases multiply it). */
-static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *low, float *d, float *sums) {
+ * low in [-64, 63]; sums[g] = the exact float sum of the group (the weights' biases multiply it).
+ * A group without outliers (coarse_spread * sum |c| >= 32 * 16256: max|x| at most 6 times its mean |x|)
+ * keeps only its high bytes (low = 0, fine[g] = 0): its rounding step, max|x| / 127, is then within 5% of
+ * its mean |x|, and the product skips the low bytes' multiply-adds. Groups with an outlier, which would
+ * round their other values to a few steps, keep both bytes (fine[g] = 1). The test is on the integer
+ * codes, so every build and the reference decide alike. */
+static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *low, uint8_t *fine, float *d,
+                               float *sums) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
         float amax = 0, sum = 0;
@@ -152,13 +164,21 @@ static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *
         amax = horizontal_max(most);
         sum = horizontal_sum(total);
         const __m256 inverse = _mm256_set1_ps(amax > 0 ? SPLIT_MAX / amax : 0);
-        __m256i highs[4], lows[4];
+        __m256i highs[4], lows[4], magnitude = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + 8 * j), inverse),
                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            magnitude = _mm256_add_epi32(magnitude, _mm256_abs_epi32(c));
             highs[j] = _mm256_srai_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(64)), 7);
             lows[j] = _mm256_sub_epi32(c, _mm256_slli_epi32(highs[j], 7));
         }
+        int32_t magnitudes[8];
+        _mm256_storeu_si256((__m256i *)magnitudes, magnitude);
+        int32_t total_magnitude = 0;
+        for (int lane = 0; lane < 8; lane++) total_magnitude += magnitudes[lane];
+        fine[g] = coarse_spread * total_magnitude < GROUP * (int32_t)SPLIT_MAX;
+        if (!fine[g])
+            for (int j = 0; j < 4; j++) lows[j] = _mm256_setzero_si256();
         /* the packs interleave 128-bit lanes: the permutation puts the 32 codes back in order */
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         _mm256_storeu_si256((__m256i *)(high + g * GROUP), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
@@ -174,11 +194,15 @@ static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *
         }
         sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
         const float inverse = amax > 0 ? SPLIT_MAX / amax : 0;
+        int32_t total_magnitude = 0;
         for (int j = 0; j < GROUP; j++) {
             int32_t c = (int32_t)nearbyintf(xg[j] * inverse), h = (c + 64) >> 7;
+            total_magnitude += c < 0 ? -c : c;
             high[g * GROUP + j] = (int8_t)h;
             low[g * GROUP + j] = (int8_t)(c - 128 * h);
         }
+        fine[g] = coarse_spread * total_magnitude < GROUP * (int32_t)SPLIT_MAX;
+        if (!fine[g]) memset(low + g * GROUP, 0, GROUP);
 #endif
         d[g] = amax / SPLIT_MAX;
         sums[g] = sum;
@@ -189,6 +213,7 @@ typedef struct {
     int bits;       /* the weights' codes these rows are for: 4 (split codes, a scale a group) or 8 (int16, a row) */
     int16_t *q16;   /* (rows, k) */
     int8_t *high, *low;  /* (rows, k) each */
+    uint8_t *fine;  /* (rows, k/32): whether the group's low bytes count (quantize_row_split) */
     float *d;       /* (rows, k/32) for 4 bits, (rows,) for 8 */
     float *sums;    /* (rows, k/32) */
 } quantized_rows;
@@ -201,15 +226,16 @@ static int alloc_rows(int64_t rows, int64_t k, quantized_rows *out) {
     out->low = aligned_alloc(32, (size_t)((rows * k + 31) / 32 * 32));
     out->d = malloc((size_t)(rows * (k / GROUP) + rows) * sizeof(float));
     out->sums = malloc((size_t)(rows * (k / GROUP)) * sizeof(float));
-    return out->q16 && out->high && out->low && out->d && out->sums ? 0 : -1;
+    out->fine = malloc((size_t)(rows * (k / GROUP)) + 1);
+    return out->q16 && out->high && out->low && out->d && out->sums && out->fine ? 0 : -1;
 }
 
 static void quantize_rows(const float *xf, int64_t rows, int64_t k, int bits, quantized_rows *out) {
     out->bits = bits;
     for (int64_t m = 0; m < rows; m++) {
         if (bits == 4)
-            quantize_row_split(xf + m * k, k, out->high + m * k, out->low + m * k, out->d + m * (k / GROUP),
-                               out->sums + m * (k / GROUP));
+            quantize_row_split(xf + m * k, k, out->high + m * k, out->low + m * k, out->fine + m * (k / GROUP),
+                               out->d + m * (k / GROUP), out->sums + m * (k / GROUP));
         else
             quantize_row_int16(xf + m * k, k, out->q16 + m * k, out->d + m);
     }
@@ -221,6 +247,7 @@ static void free_rows(quantized_rows *rows) {
     free(rows->low);
     free(rows->d);
     free(rows->sums);
+    free(rows->fine);
 }
 
 /* sum_i a[i] * b[i] over n floats. */
@@ -266,7 +293,11 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
     for (int r = 0; r < INT4_ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256i high[INT4_ROW_BLOCK], low[INT4_ROW_BLOCK];  /* int16: two products a lane, over the group's quads */
-        for (int r = 0; r < INT4_ROW_BLOCK; r++) high[r] = low[r] = _mm256_setzero_si256();
+        int fine[INT4_ROW_BLOCK];  /* the rows whose group has low bytes: the others' are zeros, skipped */
+        for (int r = 0; r < INT4_ROW_BLOCK; r++) {
+            high[r] = low[r] = _mm256_setzero_si256();
+            fine[r] = r < count && x->fine[(m0 + r) * groups + g];
+        }
         for (int t = 0; t < 4; t++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(block + g * 128 + t * 32));
             __m256i first = _mm256_and_si256(v, nibble), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
@@ -274,8 +305,10 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
                 const int64_t at = (m0 + r) * k + g * GROUP + t * 8;
                 high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(first, broadcast4(x->high + at)));
                 high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(second, broadcast4(x->high + at + 4)));
-                low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(first, broadcast4(x->low + at)));
-                low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(second, broadcast4(x->low + at + 4)));
+                if (fine[r]) {
+                    low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(first, broadcast4(x->low + at)));
+                    low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(second, broadcast4(x->low + at + 4)));
+                }
             }
         }
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK)));

@@ -255,7 +255,7 @@ def _(rows, codes, scales):
 
 CODE_MAX = 32767  # the int8 weights' activation codes: int16
 SPLIT_MAX = 128 * 127  # the int4 weights' activation codes: two signed bytes each, a scale a group of 32
-COARSE_SPREAD = 6  # a group whose max|x| is at most this many times its mean |x| keeps one byte a code
+COARSE_SPREAD = 4  # a group whose max|x| is at most this many times its mean |x| keeps one byte a code
 _coarse_spread = COARSE_SPREAD  # as the loaded kernels have it (`coarse_spread`)
 OUT_BLOCK = 8  # the int4 layout's outputs a block
 

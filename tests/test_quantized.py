@@ -184,13 +184,15 @@ def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, mon
     assert expert.model.model.layers[1].mlp.down_proj.kernel == default_kernel
     assert expert.info.vocab_size == expert.model.lm_head.out_features
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
-    # The native kernels' activation codes are a row's max / 32767 apart: inputs that differ in their last
-    # float bits (the cached step against the uncached forward) can round to neighbouring codes.
+    # The native kernels' activation codes are a row's max / 32767 (int8) or a group's max / 16256 (int4,
+    # kept so: `coarse_spread(0)`; at one byte a code, 127 steps) apart: inputs that differ in their last float bits (the cached step against
+    # the uncached forward) can round to neighbouring codes.
     tol = 1e-4 if default_kernel == "torch" else 1e-3
 
     def step(names):
-        got = expert.step([StepRequest(s, histories[s]) for s in names])
-        with torch.no_grad():
+        with native_kernels.coarse_spread(0):
+            got = expert.step([StepRequest(s, histories[s]) for s in names])
+        with torch.no_grad(), native_kernels.coarse_spread(0):
             want = torch.stack([expert.model(torch.tensor([histories[s]])).logits[0, -1] for s in names])
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         for s, row in zip(names, got):

@@ -32,7 +32,7 @@
 #define INT4_ROW_BLOCK 3   /* rows an int4 block's loop carries: two int16 sums and a float32 one each, in registers */
 #define CODE_MAX 32767.0f  /* int8 weights' activation codes: int16, a scale a row */
 #define SPLIT_MAX 16256.0f /* int4 weights' activation codes: 128 * 127, a scale a group, two bytes each */
-#define COARSE_SPREAD 6    /* a group whose max|x| is at most this many times its mean |x| drops its low bytes */
+#define COARSE_SPREAD 4    /* a group whose max|x| is at most this many times its mean |x| drops its low bytes */
 
 /* COARSE_SPREAD unless set otherwise (fusion_set_coarse_spread; 0: every group keeps both bytes). */
 static int coarse_spread = COARSE_SPREAD;
@@ -143,11 +143,12 @@ static void quantize_row_int16(const float *x, int64_t k, int16_t *q, float *d) 
 /* Activations of one row for the int4 weights' products, a group of 32 at a time: x[32g + j] ~ c * d[g],
  * d[g] = max|x| over the group / 16256, c rounded to nearest (ties to even), held as c = 128 high + low with
  * low in [-64, 63]; sums[g] = the exact float sum of the group (the weights' biases multiply it).
- * A group without outliers (coarse_spread * sum |c| >= 32 * 16256: max|x| at most 6 times its mean |x|)
- * keeps only its high bytes (low = 0, fine[g] = 0): its rounding step, max|x| / 127, is then within 5% of
+ * A group without outliers (coarse_spread * sum |c| >= 32 * 16256: max|x| at most 4 times its mean |x|)
+ * keeps only its high bytes (low = 0, fine[g] = 0): its rounding step, max|x| / 127, is then within 3.2% of
  * its mean |x|, and the product skips the low bytes' multiply-adds. Groups with an outlier, which would
  * round their other values to a few steps, keep both bytes (fine[g] = 1). The test is on the integer
- * codes, so every build and the reference decide alike. */
+ * codes, so every build and the reference decide alike. The spread trades speed for closeness to the
+ * two-byte codes (docs/performance.md measures both). */
 static void quantize_row_split(const float *x, int64_t k, int8_t *high, int8_t *low, uint8_t *fine, float *d,
                                float *sums) {
     for (int64_t g = 0; g < k / GROUP; g++) {

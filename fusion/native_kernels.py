@@ -5,8 +5,9 @@ loaded through ctypes.
 Why our own: a decode step multiplies each weight matrix by a few rows, and torch's 4-bit kernel converts
 every weight to float before multiplying. These kernels multiply integers, as llama.cpp's CPU kernels do:
 for 4-bit weights each group of 32 activations becomes its own scale and codes of about 15 bits, held as two
-bytes, multiplied by AVX2's byte multiply-add with eight outputs a vector (llama.cpp's one byte a code
-moved SmolLM2's next-token distribution about fifteen times as far from bf16's: docs/performance.md); for
+bytes, multiplied by AVX2's byte multiply-add with eight outputs a vector; a group without outliers keeps one
+byte a code (as llama.cpp's blocks all do; one byte everywhere moved SmolLM2's next-token distribution about
+ten times as far from bf16's, docs/performance.md), and `FUSION_INT4_COARSE_SPREAD` sets which groups do; for
 8-bit weights each row becomes int16 codes with one scale. A plain C loop runs where the compiler does not
 target AVX2.
 
@@ -255,7 +256,16 @@ def _(rows, codes, scales):
 
 CODE_MAX = 32767  # the int8 weights' activation codes: int16
 SPLIT_MAX = 128 * 127  # the int4 weights' activation codes: two signed bytes each, a scale a group of 32
-COARSE_SPREAD = 4  # a group whose max|x| is at most this many times its mean |x| keeps one byte a code
+# A group whose max|x| is at most this many times its mean |x| keeps one byte a code (0: none does): a step
+# about a tenth faster for about twice the KL to bf16 at 4 (docs/performance.md).
+def _spread_setting() -> int:
+    value = os.environ.get("FUSION_INT4_COARSE_SPREAD", "4")
+    if not value.isdigit():
+        raise ValueError(f"FUSION_INT4_COARSE_SPREAD: a whole number >= 0 is expected, got {value!r}")
+    return int(value)
+
+
+COARSE_SPREAD = _spread_setting()
 _coarse_spread = COARSE_SPREAD  # as the loaded kernels have it (`coarse_spread`)
 OUT_BLOCK = 8  # the int4 layout's outputs a block
 

@@ -178,6 +178,43 @@ def test_the_products_are_operators_a_compiled_step_can_call():
     torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 flags")
+def test_the_build_without_avx512_gives_the_same_bits(tmp_path, monkeypatch):
+    """Where the machine has AVX-512's byte dot products (VNNI), the 4-bit products use them, sixteen outputs
+    a vector; built without AVX-512 they use AVX2's multiply-adds. The integer sums are exact and each
+    output's float operations the same, in the same order, so both builds give the same bits: products of
+    several row counts, with an odd number of output blocks, and the C decode step. (On a machine without
+    AVX-512 both builds are the AVX2 one.)"""
+    from tests.test_native_decoder import _both, _inputs, _model
+    from fusion.fast_decode import FastDecoder
+
+    cases = [(24, 160, 5), (80, 160, 3), (96, 64, 1), (128, 96, 9)]  # (outputs, inputs, rows)
+    data = []
+    for n, k, rows in cases:
+        codes, scale_bias = _int4(n, k, seed=rows)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+        x[-1, 40] = 30.0  # an outlier: its group keeps two bytes a code, the others one
+        data.append((x, *_packed(codes, scale_bias)))
+    model = _model("qwen2", torch.float32)
+    inputs = _inputs(torch.bfloat16, 3, 3)
+
+    def outputs():
+        products = [native_kernels.int4_mm(*args) for args in data]
+        step, _ = _both(FastDecoder(model), *inputs, spread=native_kernels.COARSE_SPREAD)
+        return products, step
+
+    native = outputs()
+    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-mno-avx512f"))
+    native_kernels.library.cache_clear()
+    try:
+        without = outputs()
+    finally:
+        native_kernels.library.cache_clear()
+    for got, want in zip(without[0] + list(without[1]), native[0] + list(native[1])):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="baseline x86-64 flags")
 def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch):
     """Built for the baseline x86-64 (no AVX2, no F16C: the plain C loops and the portable float16

@@ -14,7 +14,9 @@
  * h and once for l, a group's partial sums stay int16 (8 * 2 * 15 * 127 < 32767), and one conversion to
  * float32 per group serves the block's eight outputs, which leave as one vector, with no horizontal sums.
  * A group without outliers keeps h alone (l = 0, its multiply-adds skipped): one byte a code there, as
- * llama.cpp's Q8 blocks everywhere; groups with an outlier keep both (quantize_row_split). For int8 weights each row becomes int16 codes and one scale, multiplied by the
+ * llama.cpp's Q8 blocks everywhere; groups with an outlier keep both (quantize_row_split). Where the compiler
+ * targets AVX-512 with its byte dot products (VNNI), two blocks go in one vector and each dot product adds four
+ * products into an int32 lane (int4_block_pair): the same sums, fewer instructions. For int8 weights each row becomes int16 codes and one scale, multiplied by the
  * multiply-add of int16 pairs. A step of a small model reads each weight once for a few rows, so the loops
  * walk the weights once and keep every row's accumulators in registers (rows in blocks). */
 
@@ -348,6 +350,70 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
         for (int o = 0; o < OUT_BLOCK; o++) store(out, (m0 + r) * n_total + b * OUT_BLOCK + o, total[r][o], is_bf16);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI_ROW_BLOCK 4   /* rows int4_block_pair carries (AVX-512 has 32 vector registers) */
+
+/* Outputs [8b, 8b + 16) (blocks b and b + 1) of rows [m0, m0 + count) of the int4 product: int4_block's sums
+ * with AVX-512's byte dot product (VNNI), which adds four products into an int32 lane in one instruction
+ * (no int16 sums to widen), sixteen outputs a vector, each row's activation bytes broadcast once for both
+ * blocks. Every lane's integer and float operations are int4_block's, in its order: both give the same bits. */
+static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
+                            const uint16_t *params, int64_t b, int64_t n_total, void *out, int is_bf16) {
+    const int64_t groups = k / GROUP;
+    const uint8_t *block = codes + b * groups * 128, *next_block = block + groups * 128;
+    const uint16_t *block_params = params + b * groups * 2 * OUT_BLOCK;
+    const uint16_t *next_params = block_params + groups * 2 * OUT_BLOCK;
+    const float *d = x->d + m0 * groups, *sums = x->sums + m0 * groups;
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    __m512 acc[VNNI_ROW_BLOCK];
+    for (int r = 0; r < VNNI_ROW_BLOCK; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i high[VNNI_ROW_BLOCK], low[VNNI_ROW_BLOCK];
+        int fine[VNNI_ROW_BLOCK];
+        for (int r = 0; r < VNNI_ROW_BLOCK; r++) {
+            high[r] = low[r] = _mm512_setzero_si512();
+            fine[r] = r < count && x->fine[(m0 + r) * groups + g];
+        }
+        for (int t = 0; t < 4; t++) {
+            __m512i v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(block + g * 128 + t * 32))),
+                _mm256_loadu_si256((const __m256i *)(next_block + g * 128 + t * 32)), 1);
+            __m512i first = _mm512_and_si512(v, nibble), second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < count; r++) {
+                const int64_t at = (m0 + r) * k + g * GROUP + t * 8;
+                int32_t a, c;
+                memcpy(&a, x->high + at, sizeof a);
+                memcpy(&c, x->high + at + 4, sizeof c);
+                high[r] = _mm512_dpbusd_epi32(high[r], first, _mm512_set1_epi32(a));
+                high[r] = _mm512_dpbusd_epi32(high[r], second, _mm512_set1_epi32(c));
+                if (fine[r]) {
+                    memcpy(&a, x->low + at, sizeof a);
+                    memcpy(&c, x->low + at + 4, sizeof c);
+                    low[r] = _mm512_dpbusd_epi32(low[r], first, _mm512_set1_epi32(a));
+                    low[r] = _mm512_dpbusd_epi32(low[r], second, _mm512_set1_epi32(c));
+                }
+            }
+        }
+        const __m512 scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK))),
+            _mm_loadu_si128((const __m128i *)(next_params + g * 2 * OUT_BLOCK)), 1));
+        const __m512 bias = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK + OUT_BLOCK))),
+            _mm_loadu_si128((const __m128i *)(next_params + g * 2 * OUT_BLOCK + OUT_BLOCK)), 1));
+        for (int r = 0; r < count; r++) {
+            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(high[r], 7), low[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        float total[2 * OUT_BLOCK];
+        _mm512_storeu_ps(total, acc[r]);
+        for (int o = 0; o < 2 * OUT_BLOCK; o++) store(out, (m0 + r) * n_total + b * OUT_BLOCK + o, total[o], is_bf16);
+    }
+}
+#endif
+
 /* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). */
 static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes,
                         const void *scale_params, int64_t n, int64_t n_total, void *out, int is_bf16) {
@@ -383,6 +449,19 @@ static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const voi
                      int64_t n, void *out, int is_bf16, int threads) {
     if (q->bits == 4) {
         /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        const int64_t pairs = n / OUT_BLOCK / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROW_BLOCK)
+                int4_block_pair(q, m0, rows - m0 < VNNI_ROW_BLOCK ? (int)(rows - m0) : VNNI_ROW_BLOCK, k, codes, params,
+                                2 * p, n, out, is_bf16);
+        if ((n / OUT_BLOCK) % 2 == 0) return;
+        for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)  /* an odd last block */
+            int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params,
+                       n / OUT_BLOCK - 1, n, out, is_bf16);
+        return;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t b = 0; b < n / OUT_BLOCK; b++)
             for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)

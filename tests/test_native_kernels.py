@@ -188,7 +188,7 @@ def test_the_build_without_avx512_gives_the_same_bits(tmp_path, monkeypatch):
     from tests.test_native_decoder import _both, _inputs, _model
     from fusion.fast_decode import FastDecoder
 
-    cases = [(24, 160, 5), (80, 160, 3), (96, 64, 1), (128, 96, 9)]  # (outputs, inputs, rows)
+    cases = [(24, 160, 7), (80, 160, 3), (96, 64, 1), (128, 96, 9)]  # (outputs, inputs, rows)
     data = []
     for n, k, rows in cases:
         codes, scale_bias = _int4(n, k, seed=rows)

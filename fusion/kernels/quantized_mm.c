@@ -15,8 +15,10 @@
  * float32 per group serves the block's eight outputs, which leave as one vector, with no horizontal sums.
  * A group without outliers keeps h alone (l = 0, its multiply-adds skipped): one byte a code there, as
  * llama.cpp's Q8 blocks everywhere; groups with an outlier keep both (quantize_row_split). Where the compiler
- * targets AVX-512 with its byte dot products (VNNI), two blocks go in one vector and each dot product adds four
- * products into an int32 lane (int4_block_pair): the same sums, fewer instructions. For int8 weights each row becomes int16 codes and one scale, multiplied by the
+ * targets AVX-512 with its byte dot products (VNNI), each dot product adds four products into an int32 lane (the
+ * same sums in fewer instructions), and from PAIR_MIN_ROWS rows two blocks go in one vector (int4_block_pair),
+ * each row's activations broadcast once for both; below that, where a product is bound by reading its weights,
+ * one block at a time reads them as one stream, which measured faster than two interleaved. For int8 weights each row becomes int16 codes and one scale, multiplied by the
  * multiply-add of int16 pairs. A step of a small model reads each weight once for a few rows, so the loops
  * walk the weights once and keep every row's accumulators in registers (rows in blocks). */
 
@@ -274,6 +276,16 @@ static __m256i group_dot(__m256i w0, __m256i w1, const int16_t *x) {
                             _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(x + 16))));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* AVX-512's byte dot product: four products into each int32 lane in one instruction */
+#define DOT4(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#define WIDEN(high, low, shift, ones) _mm256_add_epi32(_mm256_slli_epi32(high, 7), low)
+#else
+/* AVX2: two products into each int16 lane, widened to int32 once a group */
+#define DOT4(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
+#define WIDEN(high, low, shift, ones) _mm256_add_epi32(_mm256_madd_epi16(high, shift), _mm256_madd_epi16(low, ones))
+#endif
+
 static __m256i broadcast4(const int8_t *x) {  /* four activation bytes into every 32-bit lane */
     int32_t four;
     memcpy(&four, x, sizeof four);
@@ -306,18 +318,18 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
             __m256i first = _mm256_and_si256(v, nibble), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             for (int r = 0; r < count; r++) {
                 const int64_t at = (m0 + r) * k + g * GROUP + t * 8;
-                high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(first, broadcast4(x->high + at)));
-                high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(second, broadcast4(x->high + at + 4)));
+                high[r] = DOT4(high[r], first, broadcast4(x->high + at));
+                high[r] = DOT4(high[r], second, broadcast4(x->high + at + 4));
                 if (fine[r]) {
-                    low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(first, broadcast4(x->low + at)));
-                    low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(second, broadcast4(x->low + at + 4)));
+                    low[r] = DOT4(low[r], first, broadcast4(x->low + at));
+                    low[r] = DOT4(low[r], second, broadcast4(x->low + at + 4));
                 }
             }
         }
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK)));
         const __m256 bias = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK + OUT_BLOCK)));
         for (int r = 0; r < count; r++) {
-            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(high[r], shift), _mm256_madd_epi16(low[r], ones));
+            __m256i dot = WIDEN(high[r], low[r], shift, ones);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * groups + g])), acc[r]);
             acc[r] = _mm256_fmadd_ps(bias, _mm256_set1_ps(sums[r * groups + g]), acc[r]);
         }
@@ -352,6 +364,12 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define VNNI_ROW_BLOCK 4   /* rows int4_block_pair carries (AVX-512 has 32 vector registers) */
+#ifndef PREFETCH_GROUPS
+#define PREFETCH_GROUPS 16  /* how far ahead int4_block_pair asks for both blocks' codes */
+#endif
+#ifndef PAIR_MIN_ROWS
+#define PAIR_MIN_ROWS 6     /* rows from which int4_block_pair serves */
+#endif
 
 /* Outputs [8b, 8b + 16) (blocks b and b + 1) of rows [m0, m0 + count) of the int4 product: int4_block's sums
  * with AVX-512's byte dot product (VNNI), which adds four products into an int32 lane in one instruction
@@ -373,6 +391,10 @@ static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int6
         for (int r = 0; r < VNNI_ROW_BLOCK; r++) {
             high[r] = low[r] = _mm512_setzero_si512();
             fine[r] = r < count && x->fine[(m0 + r) * groups + g];
+        }
+        for (int line = 0; line < 128; line += 64) {  /* both streams a few groups ahead */
+            _mm_prefetch((const char *)(block + (g + PREFETCH_GROUPS) * 128 + line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next_block + (g + PREFETCH_GROUPS) * 128 + line), _MM_HINT_T0);
         }
         for (int t = 0; t < 4; t++) {
             __m512i v = _mm512_inserti64x4(
@@ -450,6 +472,7 @@ static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const voi
     if (q->bits == 4) {
         /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (rows >= PAIR_MIN_ROWS) {
         const int64_t pairs = n / OUT_BLOCK / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t p = 0; p < pairs; p++)
@@ -461,6 +484,7 @@ static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const voi
             int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params,
                        n / OUT_BLOCK - 1, n, out, is_bf16);
         return;
+        }
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t b = 0; b < n / OUT_BLOCK; b++)

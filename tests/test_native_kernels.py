@@ -4,6 +4,7 @@ turns them off, and the custom operators a compiled step calls."""
 
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
@@ -108,6 +109,30 @@ def test_a_group_without_outliers_keeps_one_byte_a_code():
             want = native_kernels.int4_mm_reference(x, codes, scale_bias)
             got = native_kernels.int4_mm(x, *_packed(codes, scale_bias)).double()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_spread_setting_comes_from_the_environment(monkeypatch):
+    """FUSION_INT4_COARSE_SPREAD sets the spread (unset: 4); anything but a whole number is refused by name.
+    In a fresh process the setting reaches the loaded kernels: a group without outliers then keeps two bytes."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("FUSION_INT4_COARSE_SPREAD", raising=False)
+    assert native_kernels._spread_setting() == 4
+    monkeypatch.setenv("FUSION_INT4_COARSE_SPREAD", "6")
+    assert native_kernels._spread_setting() == 6
+    for bad in ("abc", "-1", "2.5", ""):
+        monkeypatch.setenv("FUSION_INT4_COARSE_SPREAD", bad)
+        with pytest.raises(ValueError, match="FUSION_INT4_COARSE_SPREAD"):
+            native_kernels._spread_setting()
+    probe = ("import torch; from fusion import native_kernels as nk; x = torch.linspace(-1.0, 1.0, 32)[None]; "
+             "print(nk.COARSE_SPREAD, nk.available(), nk._coarse_spread, "
+             "float(((y := nk.grouped_activations(x)[0] * 16256 / 128) - y.round()).abs().max()))")
+    env = {**os.environ, "FUSION_INT4_COARSE_SPREAD": "0"}
+    spread, available, loaded, off_grid = subprocess.run([sys.executable, "-c", probe], env=env, check=True,
+                                                         capture_output=True, text=True).stdout.split()
+    assert (spread, available, loaded) == ("0", "True", "0")
+    assert float(off_grid) > 0.1  # codes between whole steps of 128: two bytes a code
 
 
 def test_nibbles_pack_eight_outputs_a_block_two_codes_a_byte():

@@ -121,6 +121,32 @@ def test_the_c_step_equals_the_torch_step_in_float32(kind, cache_rows, with_adap
         torch.testing.assert_close(plain[0], logits[0], rtol=tol, atol=tol * float(want_logits.abs().max()))
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_row_of_the_c_step_does_not_depend_on_the_other_rows(weights):
+    """Each row of an eight-row C step (past the 4-bit kernel's switch to two blocks a vector where AVX-512
+    has it; adapters on some rows, histories of three lengths) is bit for bit that row's step alone: the
+    products quantize each row on its own, attention reads the row's own columns, and no sum runs across
+    rows. An exact replay of a session elsewhere would rest on this."""
+    model = _model("qwen2", torch.float32, weights=weights)
+    decoder = FastDecoder(model)
+    decoder.adapters = _adapters(model)
+    _, lengths, keys, values, mask = _inputs(torch.bfloat16, 3, 3)
+    pick = torch.tensor([0, 1, 2, 2, 1, 0, 1, 2])
+    ids = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(9))
+    lengths, mask = lengths[pick], mask[pick]
+    keys, values = [k[pick] for k in keys], [v[pick] for v in values]
+    rows = torch.tensor([-1, 0, 1, -1, 1, 0, 0, -1])
+    with torch.no_grad():
+        together = decoder(ids, lengths, keys, values, mask, rows)
+        assert isinstance(decoder._native, NativeLayers)  # the C step ran
+        for b in range(8):
+            alone = decoder(ids[b:b + 1], lengths[b:b + 1], [k[b:b + 1] for k in keys], [v[b:b + 1] for v in values],
+                            mask[b:b + 1], rows[b:b + 1])
+            assert torch.equal(together[0][b:b + 1], alone[0])  # logits (B, V)
+            for both, one in zip(together[1:], alone[1:]):  # new keys and values (layers, B, H_kv, D)
+                assert torch.equal(both[:, b:b + 1], one)
+
+
 def test_the_c_step_over_a_bfloat16_cache_stays_close_to_the_torch_step():
     """A bfloat16 model: the C step keeps its activations in float32 where the torch step rounds each
     operator's result to bfloat16. Against the torch step run in float32 over the same codes and cache, the

@@ -135,15 +135,17 @@ def coarse_spread(spread: int) -> Iterator[None]:
     byte a code such a difference can round a code a whole step apart."""
     global _coarse_spread
     previous, _coarse_spread = _coarse_spread, spread
-    loaded = library.cache_info().currsize > 0 and library() is not None
-    if loaded:
-        library().fusion_set_coarse_spread(spread)
+    _apply_spread_if_loaded()  # (a library loaded later reads `_coarse_spread` itself)
     try:
         yield
     finally:
         _coarse_spread = previous
-        if loaded or (library.cache_info().currsize > 0 and library() is not None):
-            library().fusion_set_coarse_spread(previous)
+        _apply_spread_if_loaded()
+
+
+def _apply_spread_if_loaded() -> None:
+    if library.cache_info().currsize > 0 and library() is not None:
+        library().fusion_set_coarse_spread(_coarse_spread)
 
 
 def available() -> bool:
@@ -256,8 +258,8 @@ def _(rows, codes, scales):
 
 CODE_MAX = 32767  # the int8 weights' activation codes: int16
 SPLIT_MAX = 128 * 127  # the int4 weights' activation codes: two signed bytes each, a scale a group of 32
-# A group whose max|x| is at most this many times its mean |x| keeps one byte a code (0: none does): a step
-# about a tenth faster for about twice the KL to bf16 at 4 (docs/performance.md).
+
+
 def _spread_setting() -> int:
     value = os.environ.get("FUSION_INT4_COARSE_SPREAD", "4")
     if not value.isdigit():
@@ -265,6 +267,8 @@ def _spread_setting() -> int:
     return int(value)
 
 
+# A group whose max|x| is at most this many times its mean |x| keeps one byte a code (0: none does): a step
+# about a tenth faster for about twice the KL to bf16 at 4 (docs/performance.md).
 COARSE_SPREAD = _spread_setting()
 _coarse_spread = COARSE_SPREAD  # as the loaded kernels have it (`coarse_spread`)
 OUT_BLOCK = 8  # the int4 layout's outputs a block

@@ -185,8 +185,8 @@ def test_quantized_fast_decode_equals_the_quantized_models_forward(tiny_dir, mon
     assert expert.info.vocab_size == expert.model.lm_head.out_features
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
     # The native kernels' activation codes are a row's max / 32767 (int8) or a group's max / 16256 (int4,
-    # kept so: `coarse_spread(0)`; at one byte a code, 127 steps) apart: inputs that differ in their last float bits (the cached step against
-    # the uncached forward) can round to neighbouring codes.
+    # kept so by `coarse_spread(0)`; at one byte a code, 127 steps) apart: inputs that differ in their last
+    # float bits (the cached step against the uncached forward) can round to neighbouring codes.
     tol = 1e-4 if default_kernel == "torch" else 1e-3
 
     def step(names):

@@ -371,6 +371,12 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
 #define PAIR_MIN_ROWS 6     /* rows from which int4_block_pair serves */
 #endif
 
+static __m512i broadcast4_512(const int8_t *x) {  /* four activation bytes into every 32-bit lane */
+    int32_t four;
+    memcpy(&four, x, sizeof four);
+    return _mm512_set1_epi32(four);
+}
+
 /* Outputs [8b, 8b + 16) (blocks b and b + 1) of rows [m0, m0 + count) of the int4 product: int4_block's sums
  * with AVX-512's byte dot product (VNNI), which adds four products into an int32 lane in one instruction
  * (no int16 sums to widen), sixteen outputs a vector, each row's activation bytes broadcast once for both
@@ -403,16 +409,11 @@ static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int6
             __m512i first = _mm512_and_si512(v, nibble), second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             for (int r = 0; r < count; r++) {
                 const int64_t at = (m0 + r) * k + g * GROUP + t * 8;
-                int32_t a, c;
-                memcpy(&a, x->high + at, sizeof a);
-                memcpy(&c, x->high + at + 4, sizeof c);
-                high[r] = _mm512_dpbusd_epi32(high[r], first, _mm512_set1_epi32(a));
-                high[r] = _mm512_dpbusd_epi32(high[r], second, _mm512_set1_epi32(c));
+                high[r] = _mm512_dpbusd_epi32(high[r], first, broadcast4_512(x->high + at));
+                high[r] = _mm512_dpbusd_epi32(high[r], second, broadcast4_512(x->high + at + 4));
                 if (fine[r]) {
-                    memcpy(&a, x->low + at, sizeof a);
-                    memcpy(&c, x->low + at + 4, sizeof c);
-                    low[r] = _mm512_dpbusd_epi32(low[r], first, _mm512_set1_epi32(a));
-                    low[r] = _mm512_dpbusd_epi32(low[r], second, _mm512_set1_epi32(c));
+                    low[r] = _mm512_dpbusd_epi32(low[r], first, broadcast4_512(x->low + at));
+                    low[r] = _mm512_dpbusd_epi32(low[r], second, broadcast4_512(x->low + at + 4));
                 }
             }
         }
@@ -471,23 +472,20 @@ static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const voi
                      int64_t n, void *out, int is_bf16, int threads) {
     if (q->bits == 4) {
         /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
+        int64_t single = 0;  /* the first block that goes alone (the ones before it went in pairs) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         if (rows >= PAIR_MIN_ROWS) {
-        const int64_t pairs = n / OUT_BLOCK / 2;
+            const int64_t pairs = n / OUT_BLOCK / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROW_BLOCK)
-                int4_block_pair(q, m0, rows - m0 < VNNI_ROW_BLOCK ? (int)(rows - m0) : VNNI_ROW_BLOCK, k, codes, params,
-                                2 * p, n, out, is_bf16);
-        if ((n / OUT_BLOCK) % 2 == 0) return;
-        for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)  /* an odd last block */
-            int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params,
-                       n / OUT_BLOCK - 1, n, out, is_bf16);
-        return;
+            for (int64_t p = 0; p < pairs; p++)
+                for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROW_BLOCK)
+                    int4_block_pair(q, m0, rows - m0 < VNNI_ROW_BLOCK ? (int)(rows - m0) : VNNI_ROW_BLOCK, k, codes,
+                                    params, 2 * p, n, out, is_bf16);
+            single = 2 * pairs;  /* an odd last block, if any */
         }
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t b = 0; b < n / OUT_BLOCK; b++)
+        for (int64_t b = single; b < n / OUT_BLOCK; b++)
             for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)
                 int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params, b,
                            n, out, is_bf16);

@@ -31,9 +31,9 @@ class ExpertConfig(_Strict):
     gguf_file: str | None = None
     # A PEFT adapter (LoRA) over `model`: a local folder, a hub id or `builtin:NAME` (shipped).
     adapter: str | None = Field(default=None, min_length=1)
-    # Experts naming the same base (model, GGUF file, dtype, device, decode) load it once and run their
-    # rows of a step as one batch, each row with its own adapter (fusion.shared_base). False: this
-    # expert loads its own copy with its adapter merged into the weights.
+    # Experts naming the same base (model, GGUF file, dtype, device, decode, weights, batch_invariant) load
+    # it once and run their rows of a step as one batch, each row with its own adapter
+    # (fusion.shared_base). False: this expert loads its own copy with its adapter merged into the weights.
     share_base: bool = True
     dtype: DType = "bfloat16"
     device: str = "cpu"
@@ -63,6 +63,23 @@ class ExpertConfig(_Strict):
     # (8-bit codes, a scale per output row) or "int4" (4-bit codes, a scale and offset per 32 inputs,
     # GGUF Q4_1's recipe; the output head at 8 bits). Quantized weights run on CPU.
     weights: Literal["dense", "int8", "int4"] = "dense"
+    # Every forward of this expert (a prompt, a prompt chunk, a history computed again after eviction or on
+    # another replica) runs its ids one row each through the C decode step (`FastDecoder.prefill`), and
+    # decode steps read no weight but the codes: an id's keys, values and logits then depend on the ids
+    # before it alone, never on the batch, the chunking, prefix reuse or the replica, so a greedy stream
+    # that fails over continues with the tokens it would have had. Needs the C step: weights int4 or int8,
+    # decode: fast, a CPU, a Llama-family model. A prompt then costs more than with transformers' forward
+    # (docs/performance.md).
+    batch_invariant: bool = False
+
+    @model_validator(mode="after")
+    def _batch_invariant_has_the_c_step(self) -> ExpertConfig:
+        if self.batch_invariant and (self.weights == "dense" or self.decode != "fast"
+                                     or not self.device.startswith("cpu")):
+            raise ValueError(f"expert {self.name!r}: batch_invariant needs the C decode step: weights int4 or int8, "
+                             f"decode: fast and a cpu device (got weights: {self.weights}, decode: {self.decode}, "
+                             f"device: {self.device})")
+        return self
 
     @field_validator("weight")
     @classmethod

@@ -30,8 +30,8 @@ from fusion.errors import InvalidArgumentError
 from fusion.expert_batching import BatchedForwardsMixin
 from fusion.expert_extensions import ExtendMixin, ExtensionCall
 from fusion.expert_loading import codes_folder, eos_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from fusion.fast_decode import (COMPILED_DECODES, GEMMA3, DecodeStep, configure_compile_cache, decode_on_layers,
-                                 unsupported_reason)
+from fusion.fast_decode import (COMPILED_DECODES, GEMMA3, DecodeStep, FastDecoder, configure_compile_cache,
+                                 decode_on_layers, prefill_on_layers, unsupported_reason)
 from fusion.kv_cache import Cohort, GrowingLayer, is_plain, new_cache
 from fusion.session_cache import SessionCache
 
@@ -112,6 +112,10 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
             and getattr(model.config, "_attn_implementation", None) == "sdpa"
         )
         self._fast_step = self._decode_step(config, model)  # None: decode steps run transformers' forward
+        # Every forward row by row through the C step (config `batch_invariant`; `_forward_tail`)
+        self._row_by_row = config.batch_invariant
+        if self._row_by_row:
+            self.check_row_by_row()
         # The adapter of each row of the next forward, for experts whose rows run different adapters over
         # one base (fusion.shared_base); None: no adapters.
         self._rows_now: torch.Tensor | None = None
@@ -171,6 +175,18 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         if config.decode == "regional":
             return DecodeStep(model, "regional")
         return DecodeStep(model, "cudagraphs" if self.device.type == "cuda" else "inductor")
+
+    def check_row_by_row(self) -> None:
+        """ValueError unless the C step can run every forward of this expert (config `batch_invariant`)."""
+        step = self._fast_step
+        reason = None
+        if step is None or not isinstance(step.decoder, FastDecoder):
+            reason = "its decode step is not the fast Llama-family one"
+        elif step.decoder._native_step() is None:
+            reason = ("the C step cannot run its layers (the kernels did not build, or a projection or adapter "
+                      "is not in their layouts; see the log)")
+        if reason is not None:
+            raise ValueError(f"expert {self.config.name!r}: batch_invariant: {reason}")
 
     def warm_up(self) -> float:
         """Compile a compiled decode step's graphs now (or load them from inductor's cache), before the
@@ -326,6 +342,9 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         try:
             if fast:
                 logits = self._fast_forward(entry.kv.layers, token_ids[-1:], [reuse])  # (1, V)
+            elif self._row_by_row:
+                logits = prefill_on_layers(self._fast_step, entry.kv.layers, token_ids[reuse:], self._rows_now,
+                                           num_logits)  # (n, V)
             else:
                 logits = self.model(input_ids=suffix, attention_mask=mask, cache=entry.kv, use_cache=True,
                                     logits_to_keep=num_logits).logits[0, -num_logits:].float()  # (n, V)

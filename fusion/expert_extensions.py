@@ -70,7 +70,7 @@ def _croppable(layer) -> bool:
 
 class ExtendMixin:
     """`extend` and the kept rows it adopts, for `LocalExpert`. The host provides `model`, `device`,
-    `info`, `cache`, `_lock`, `_fast_step`, `_rows_now`, `fast_decode_steps`, `_check_ids`,
+    `info`, `cache`, `_lock`, `_fast_step`, `_row_by_row`, `_rows_now`, `fast_decode_steps`, `_check_ids`,
     `_select_rows` and `_forward_tail`, and owns `_extensions` (per session: its `extend` calls on its
     current history, oldest first), which `release` empties for the sessions it frees."""
 
@@ -108,7 +108,9 @@ class ExtendMixin:
             else:
                 call = ExtensionCall(token_ids, base_logits, [], [], None, base_logits[None])
             earlier = self._extensions.get(session_id, [])  # calls on this same history (see `_advance`)
-            self._extensions[session_id] = (earlier + [call])[-MAX_KEPT_CALLS:]
+            # (rows of transformers' forward are not adopted where every forward must be the C step's)
+            if not (self._row_by_row and call.batch_kv is not None):
+                self._extensions[session_id] = (earlier + [call])[-MAX_KEPT_CALLS:]
             self.cache.evict(keep=[session_id])
             for gone in [s for s in self._extensions if s not in self.cache]:  # evicted sessions
                 del self._extensions[gone]

@@ -49,6 +49,7 @@ from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
 from fusion.native_decoder import NativeLayers
+from fusion.quantized import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +212,38 @@ class FastDecoder(nn.Module):
                 new_keys.append(k)
                 new_values.append(v)
             new_keys, new_values = torch.stack(new_keys), torch.stack(new_values)
-        logits = project(rms_norm(x, self.norm, self.eps), self.lm_head, linear=linear).float()
+        logits = self._head(rms_norm(x, self.norm, self.eps), native is not None, linear)
         return logits, new_keys, new_values
+
+    def _head(self, x: torch.Tensor, native: bool, linear=F.linear) -> torch.Tensor:
+        """The logits (B, V) float32 of normed rows x (B, hidden). After the C step's layers, a quantized head
+        multiplies from its codes at any number of rows, as the layers do: a row's logits then never depend on
+        how many rows share the step (`FastDecoder.prefill`)."""
+        if native and isinstance(self.lm_head, QuantizedLinear):
+            return self.lm_head.codes_product(x).float()
+        return project(x, self.lm_head, linear=linear).float()
+
+
+    def prefill(self, ids: torch.Tensor, start: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+                adapter_rows: torch.Tensor | None = None, num_logits: int = 1) -> torch.Tensor:
+        """The k ids `ids` (k,) of one history after its `start` cached ones, one row each through the C step,
+        writing their keys and values into columns [start, start + k) of `keys`/`values` (per layer (1, H_kv,
+        start + k, D) views of the history's buffers). Each row attends the columns before its own, packed,
+        and its products, norms and rotary run per row: its keys, values and logits are bit for bit those of
+        that id stepped alone after the ones before it, whatever the chunking, batch or cache reuse around it.
+        Returns the logits of the last `num_logits` rows (n, V) float32. ValueError where the C step cannot
+        run these layers."""
+        native = self._native_step() if self.native_layers else None
+        if native is None or not NativeLayers.reads(keys, values):
+            raise ValueError("a prefill row by row needs the C step: int4 or int8 weights in the native kernels' "
+                             "layouts on a CPU, over bfloat16 or float32 caches")
+        rows, width = ids.shape[0], start + ids.shape[0]
+        positions = torch.arange(start, width, device=ids.device)  # (k,)
+        cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
+        mask = torch.arange(width, device=ids.device)[None, :] < positions[:, None]  # (k, width)
+        x, _, _ = native.run(F.embedding(ids, self.embed), cos, sin, keys, values, mask.view(rows, 1, 1, width),
+                             adapter_rows, append=True, columns=positions)
+        return self._head(rms_norm(x[-num_logits:], self.norm, self.eps), True)
 
 
 # The fused projections an adapter may add to, as `MultiAdapter.fused` names them.
@@ -411,6 +442,25 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
         return logits
     for layer, keys, values in zip(layers, new_keys, new_values):
         layer.update(keys[:, :, None], values[:, :, None])
+    return logits
+
+
+def prefill_on_layers(step: DecodeStep, layers: list, new_ids: list[int], adapter_rows: torch.Tensor | None = None,
+                      num_logits: int = 1) -> torch.Tensor:
+    """Append `new_ids` to one history's `GrowingLayer`s (one row; empty, or filled with the ids before)
+    through `FastDecoder.prefill`: each id's keys, values and logits as a decode step of it would make them.
+    (num_logits, V) float32: the logits after each of the last `num_logits` ids."""
+    decoder = step.decoder
+    start, width = layers[0].get_seq_length(), layers[0].get_seq_length() + len(new_ids)
+    like = torch.empty(1, decoder.num_kv_heads, 0, decoder.head_dim, dtype=decoder.embed.dtype,
+                       device=decoder.embed.device)
+    for layer in layers:
+        layer.reserve(width, like)
+    logits = decoder.prefill(torch.tensor(new_ids, device=decoder.embed.device), start,
+                             [layer._key_buffer[:, :, :width] for layer in layers],
+                             [layer._value_buffer[:, :, :width] for layer in layers], adapter_rows, num_logits)
+    for layer in layers:
+        layer.filled(width)
     return logits
 
 

@@ -72,10 +72,16 @@ class GrowingLayer(DynamicLayer):
             values[..., : self._length, :] = self._value_buffer[..., : self._length, :]
         self._key_buffer, self._value_buffer = keys, values
 
-    def reserve(self, needed: int) -> None:
-        """Make room for `needed` columns in the existing buffers (growing them as `update` would)."""
+    def reserve(self, needed: int, like: torch.Tensor | None = None) -> None:
+        """Make room for `needed` columns in the existing buffers (growing them as `update` would); a layer
+        that holds none yet allocates them shaped as `like` (B, H, 0, D), in its dtype."""
         if self._key_buffer is None:
-            raise ValueError("reserve needs a layer that holds keys already")
+            if like is None:
+                raise ValueError("reserve needs a layer that holds keys already, or a tensor to shape its buffers")
+            if not self.is_initialized:
+                self.lazy_initialization(like, like)
+            self._reserve(needed, like, like)
+            return
         self._reserve(needed, self._key_buffer, self._value_buffer)
 
     def row_view(self, row: int, start: int, length: int) -> GrowingLayer:

@@ -53,7 +53,7 @@ class _Shape(ctypes.Structure):
                 ("rows", ctypes.c_int64), ("cache_rows", ctypes.c_int64), ("width", ctypes.c_int64),
                 ("cache_is_bf16", ctypes.c_int), ("mask", ctypes.c_void_p), ("mask_rows", ctypes.c_int64),
                 ("adapter_rows", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("threads", ctypes.c_int), ("append", ctypes.c_int)]
+                ("threads", ctypes.c_int), ("append", ctypes.c_int), ("columns", ctypes.c_void_p)]
 
 
 def _native(projection) -> bool:
@@ -152,13 +152,15 @@ class NativeLayers:
             return None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
-            values: list[torch.Tensor], mask: torch.Tensor, adapter_rows: torch.Tensor | None, append: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            values: list[torch.Tensor], mask: torch.Tensor, adapter_rows: torch.Tensor | None, append: bool = False,
+            columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x (B, hidden) after every layer, float32, and the new keys and values (layers, B, H_kv, D) float32
         (`FastDecoder.forward`'s arguments: cos and sin (B, 1, D), keys and values per layer (B or 1, H_kv,
         width, D), mask (B or 1, 1, 1, width) bool, adapter_rows (B,) or None). With `append`, the keys and
         values are B rows of views with room for one more column (`FastDecoder.forward`), which the new ones
-        are written into: None for them instead."""
+        are written into: None for them instead. With `columns` (B,) as well, the keys and values are one
+        history's (1 row) whose views take in the rows' own columns, and row b's go into column `columns[b]`
+        (`FastDecoder.prefill`)."""
         heads, kv_heads, head_dim, intermediate, eps = self.shape
         rows, layers = x.shape[0], len(self.table)
         x = x.float().contiguous()
@@ -168,12 +170,19 @@ class NativeLayers:
         if adapter_rows is not None:
             adapter_rows = adapter_rows.to(torch.int64).expand(rows).contiguous()
         cache = keys[0]
+        if columns is not None:
+            columns = columns.to(torch.int64).contiguous()
+            if not append or cache.shape[0] != 1 or columns.shape != (rows,):
+                raise ValueError(f"columns name one column a row of one history, appended: got {tuple(columns.shape)} "
+                                 f"for {rows} rows over {cache.shape[0]} cache rows")
+            if not 0 <= int(columns.min()) <= int(columns.max()) < cache.shape[2]:
+                raise ValueError(f"columns must lie within the {cache.shape[2]} columns given")
+        elif append and cache.shape[0] != rows:
+            raise ValueError(f"appending needs a cache row per row, got {cache.shape[0]} for {rows}")
         shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate, eps, rows, cache.shape[0], cache.shape[2],
                        int(cache.dtype == torch.bfloat16), mask.data_ptr(), mask.shape[0],
                        None if adapter_rows is None else adapter_rows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                       torch.get_num_threads(), int(append))
-        if append and cache.shape[0] != rows:
-            raise ValueError(f"appending needs a cache row per row, got {cache.shape[0]} for {rows}")
+                       torch.get_num_threads(), int(append), None if columns is None else columns.data_ptr())
         new_keys = None if append else torch.empty(layers, rows, kv_heads, head_dim)
         new_values = None if append else torch.empty(layers, rows, kv_heads, head_dim)
         with self._lock:

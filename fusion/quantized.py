@@ -264,6 +264,12 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.dense is not None and rows.shape[0] >= DENSE_FROM_ROWS:
             return F.linear(rows, self.dense.to(rows.dtype), self.bias).view(*x.shape[:-1], self.out_features)
+        return self.codes_product(x)
+
+    def codes_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N) from the codes, however many rows: each row's product is then the same
+        whatever rows come with it (the native kernels quantize and sum each row on its own)."""
+        rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         if self.kernel == "native":

@@ -9,7 +9,7 @@ entry, with the Expert contract, stepping through the group. The engine steps a 
 in one call (`step_members`) so that their rows share a forward; alone, a member still works.
 
 `load_local_experts` builds the experts of a config: members that name the same base (same model,
-GGUF file, dtype, device, decode and weights) and opt in (`share_base`, the default) share one, the others
+GGUF file, dtype, device, decode, weights and batch_invariant) and opt in (`share_base`, the default) share one, the others
 load their own copy, with an adapter merged into it.
 """
 
@@ -55,6 +55,8 @@ class SharedBaseExpert(LocalExpert):
                 logger.info("experts %s: %s runs no adapters; decode steps run transformers' forward",
                             group.name, type(self._fast_step.decoder).__name__)
                 self._fast_step = None
+        if self._row_by_row:  # the C step's table now holds the adapters too
+            self.check_row_by_row()
         self.members = [AdapterMember(self, c, f"{model_ref} + {a}" if a else model_ref) for c, a in zip(configs, adapters)]
 
     def _select_rows(self, session_ids: list[str]) -> None:
@@ -125,7 +127,8 @@ class AdapterMember:
 
 def base_key(config: ExpertConfig, model_path: str) -> tuple:
     """Experts with equal keys can share one loaded base."""
-    return (model_path, config.gguf_file, config.dtype, config.device, config.decode, config.weights)
+    return (model_path, config.gguf_file, config.dtype, config.device, config.decode, config.weights,
+            config.batch_invariant)
 
 
 def load_local_experts(configs: Sequence[ExpertConfig], resolve_model: Callable[[str], str],

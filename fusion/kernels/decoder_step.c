@@ -1,4 +1,5 @@
-/* A Llama-family decode step's decoder layers in one call, for rows of one new token each, over 4- or
+/* A Llama-family decode step's decoder layers in one call, for rows of one new token each (a session's
+ * next id, or one of a prompt's ids over its history: each row's arithmetic is the same either way), over 4- or
  * 8-bit weights (fusion/native_decoder.py builds the layer table and calls it; fusion/fast_decode.py documents
  * the arithmetic). Eagerly, torch runs each layer as dozens of small operators whose dispatch costs more
  * than the layer's arithmetic at one row; here a layer is its four quantized products (quantized_mm.c's
@@ -12,11 +13,13 @@
  * hold every adapter's matrices side by side (bfloat16 where that holds them exactly, else float32), adapter a
  * owning columns [ranges[2a], ranges[2a + 1]); a row with adapter a adds ((x down)[cols of a]) up[cols of a].
  * Cached keys and values are read in place (bfloat16 or float32, any strides but a contiguous last axis); the
- * new ones are written out, float32, for the caller to append, or (`append`) into the cache's next column. */
+ * new ones are written out, float32, for the caller to append, or (`append`) into the cache's next column
+ * (or the columns the caller names). */
 
 /* (library.c includes quantized_mm.c first: its products and helpers serve here) */
 
 #include <math.h>
+#include <omp.h>
 
 enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 
@@ -58,8 +61,12 @@ typedef struct {
     const int64_t *adapter_rows;  /* (B,): each row's adapter, -1 none; NULL: no adapters */
     const float *cos, *sin;       /* (B, head_dim) */
     int threads;
-    int append;            /* 1: each row's new key and value go into column `width` of its cached ones (the
-                              caller's buffers have room; cache_rows is B), not into new_keys / new_values */
+    int append;            /* 1: each row's new key and value go into its cache row (cache_rows B), or the one
+                              history (cache_rows 1, with `columns`), not into new_keys / new_values: at column
+                              `width` (the caller's buffers have room), or at columns[m] */
+    const int64_t *columns;  /* (B,) or NULL: with `append`, the column each row's key and value go into. Rows
+                                of one history (a prompt's ids, one a row) each write their column before any
+                                row attends, so a row's mask may take the columns of the rows before it */
 } step_shape;
 
 /* dim values of the cache (bfloat16 or float32) from `offset` as float32; the cache itself where it is
@@ -229,47 +236,59 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
     }
 }
 
-/* Each row's heads attend its cached columns (masked) and its own new key: out (B, heads * dim). One task per
- * row and kv head: each cached key and value is read (and widened from bfloat16) once for the group of
- * query heads that share it. `scores` holds (B, heads, width + 1) floats, `scratch` dim floats a thread. */
+/* Each row's heads attend the cached columns its mask allows, in column order, and its own new key last:
+ * out (B, heads * dim). The attended columns' scores are packed before the softmax, so that a row's result
+ * depends on those columns' keys and values alone, not on where they sit among masked ones (a batch row's
+ * left padding, a cohort wider than the row's history, a chunk's later rows): one history gives the same
+ * bits in any batch. One task per row and kv head: each cached key and value is read (and widened from
+ * bfloat16) once for the group of query heads that share it. `scratch` holds, per thread,
+ * group * (width + 1) + dim floats (attend_scratch). */
+static int64_t attend_scratch(const step_shape *s) {
+    return s->heads / s->kv_heads * (s->width + 1) + s->head_dim;
+}
+
 static void attend(const decoder_layer *layer, const step_shape *s, const float *qkv, int64_t qkv_width,
-                   float *scores, float *scratch, float *out) {
+                   float *scratch, float *out) {
     const int64_t heads = s->heads, kv_heads = s->kv_heads, dim = s->head_dim, width = s->width;
-    const int64_t group = heads / kv_heads;
+    const int64_t group = heads / kv_heads, stride = width + 1;
     const float scale = 1.0f / sqrtf((float)dim);
     const int is_bf16 = s->cache_is_bf16;
-#pragma omp parallel for schedule(static) num_threads(s->threads)
-    for (int64_t task = 0; task < s->rows * kv_heads; task++) {
-        const int64_t m = task / kv_heads, g = task % kv_heads;
-        const float *q = qkv + m * qkv_width + g * group * dim;  /* the group's queries, one after another */
-        const float *k_new = qkv + m * qkv_width + heads * dim + g * dim;
-        const float *v_new = k_new + kv_heads * dim;
-        const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
-        const uint8_t *mask = s->mask + (s->mask_rows == 1 ? 0 : m) * width;
-        const int64_t key_base = cache_row * layer->key_strides[0] + g * layer->key_strides[1];
-        const int64_t value_base = cache_row * layer->value_strides[0] + g * layer->value_strides[1];
-        float *score = scores + (m * heads + g * group) * (width + 1);  /* (group, width + 1) */
-        float *row = scratch + task * dim;
-        for (int64_t h = 0; h < group; h++) score[h * (width + 1) + width] = dot(q + h * dim, k_new, dim) * scale;
-        for (int64_t c = 0; c < width; c++) {
-            if (!mask[c]) {
-                for (int64_t h = 0; h < group; h++) score[h * (width + 1) + c] = -INFINITY;
-                continue;
+#pragma omp parallel num_threads(s->threads)
+    {
+        float *score = scratch + (int64_t)omp_get_thread_num() * attend_scratch(s);  /* (group, width + 1) */
+        float *row = score + group * stride;  /* one widened key or value */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < s->rows * kv_heads; task++) {
+            const int64_t m = task / kv_heads, g = task % kv_heads;
+            const float *q = qkv + m * qkv_width + g * group * dim;  /* the group's queries, one after another */
+            const float *k_new = qkv + m * qkv_width + heads * dim + g * dim;
+            const float *v_new = k_new + kv_heads * dim;
+            const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
+            const uint8_t *mask = s->mask + (s->mask_rows == 1 ? 0 : m) * width;
+            const int64_t key_base = cache_row * layer->key_strides[0] + g * layer->key_strides[1];
+            const int64_t value_base = cache_row * layer->value_strides[0] + g * layer->value_strides[1];
+            int64_t attended = 0;
+            for (int64_t c = 0; c < width; c++) {
+                if (!mask[c]) continue;
+                const float *key = cached_row(layer->keys, key_base + c * layer->key_strides[2], dim, is_bf16, row);
+                for (int64_t h = 0; h < group; h++) score[h * stride + attended] = dot(q + h * dim, key, dim) * scale;
+                attended++;
             }
-            const float *key = cached_row(layer->keys, key_base + c * layer->key_strides[2], dim, is_bf16, row);
-            for (int64_t h = 0; h < group; h++) score[h * (width + 1) + c] = dot(q + h * dim, key, dim) * scale;
-        }
-        for (int64_t h = 0; h < group; h++) {  /* over the attended columns and the new one */
-            float *p = score + h * (width + 1);
-            softmax(p, width + 1);
-            float *o = out + m * heads * dim + (g * group + h) * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = p[width] * v_new[i];
-        }
-        for (int64_t c = 0; c < width; c++) {
-            if (!mask[c]) continue;
-            const float *value = cached_row(layer->values, value_base + c * layer->value_strides[2], dim, is_bf16, row);
-            for (int64_t h = 0; h < group; h++)
-                add_scaled(out + m * heads * dim + (g * group + h) * dim, score[h * (width + 1) + c], value, dim);
+            for (int64_t h = 0; h < group; h++) {  /* the new key after the attended columns */
+                float *p = score + h * stride;
+                p[attended] = dot(q + h * dim, k_new, dim) * scale;
+                softmax(p, attended + 1);
+                float *o = out + m * heads * dim + (g * group + h) * dim;
+                for (int64_t i = 0; i < dim; i++) o[i] = p[attended] * v_new[i];
+            }
+            for (int64_t c = 0, j = 0; c < width; c++) {
+                if (!mask[c]) continue;
+                const float *value = cached_row(layer->values, value_base + c * layer->value_strides[2], dim, is_bf16,
+                                                row);
+                for (int64_t h = 0; h < group; h++)
+                    add_scaled(out + m * heads * dim + (g * group + h) * dim, score[h * stride + j], value, dim);
+                j++;
+            }
         }
     }
 }
@@ -290,12 +309,11 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     float *attn = malloc((size_t)(rows * q_width) * sizeof(float));
     float *gate_up = malloc((size_t)(rows * 2 * inter) * sizeof(float));
     float *delta = malloc((size_t)(rows * hidden) * sizeof(float));
-    float *scores = malloc((size_t)(rows * s->heads * (s->width + 1)) * sizeof(float));
-    float *scratch = malloc((size_t)(rows * s->kv_heads * dim) * sizeof(float));
+    float *scratch = malloc((size_t)(s->threads * attend_scratch(s)) * sizeof(float));
     float *t = malloc((size_t)(rows * columns) * sizeof(float));
     quantized_rows q = {0};
     int status = -1;
-    if (alloc_rows(rows, widest, &q) || !h || !qkv || !attn || !gate_up || !delta || !scores || !scratch || !t)
+    if (alloc_rows(rows, widest, &q) || !h || !qkv || !attn || !gate_up || !delta || !scratch || !t)
         goto done;
 
     for (int64_t l = 0; l < count; l++) {
@@ -311,19 +329,21 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
             for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* the queries' heads, then the keys' */
                 rotate(row + head * dim, s->cos + m * dim, s->sin + m * dim, dim);
             if (s->append) {
+                const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
+                const int64_t column = s->columns == NULL ? s->width : s->columns[m];
                 for (int64_t g = 0; g < s->kv_heads; g++) {
-                    store_cached((void *)layer->keys, m * layer->key_strides[0] + g * layer->key_strides[1]
-                                 + s->width * layer->key_strides[2], row + q_width + g * dim, dim, s->cache_is_bf16);
-                    store_cached((void *)layer->values, m * layer->value_strides[0] + g * layer->value_strides[1]
-                                 + s->width * layer->value_strides[2], row + q_width + kv_width + g * dim, dim,
-                                 s->cache_is_bf16);
+                    store_cached((void *)layer->keys, cache_row * layer->key_strides[0] + g * layer->key_strides[1]
+                                 + column * layer->key_strides[2], row + q_width + g * dim, dim, s->cache_is_bf16);
+                    store_cached((void *)layer->values, cache_row * layer->value_strides[0]
+                                 + g * layer->value_strides[1] + column * layer->value_strides[2],
+                                 row + q_width + kv_width + g * dim, dim, s->cache_is_bf16);
                 }
                 continue;
             }
             memcpy(new_keys + (l * rows + m) * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
             memcpy(new_values + (l * rows + m) * kv_width, row + q_width + kv_width, (size_t)kv_width * sizeof(float));
         }
-        attend(layer, s, qkv, qkv_width, scores, scratch, attn);
+        attend(layer, s, qkv, qkv_width, scratch, attn);
         product(attn, rows, &layer->projection[O], &q, delta, s->threads);
         add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t, s->threads);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
@@ -347,7 +367,6 @@ done:
     free(attn);
     free(gate_up);
     free(delta);
-    free(scores);
     free(scratch);
     free(t);
     free_rows(&q);

@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fusion import native_kernels
-from fusion.fast_decode import FastDecoder
+from fusion.fast_decode import DecodeStep, FastDecoder, decode_on_layers, prefill_on_layers
+from fusion.kv_cache import new_cache
 from fusion.multi_lora import LoraPair, MultiAdapter
 from fusion.native_decoder import NativeLayers, adapter_ranges, exactly_narrowed, output_spans
 from fusion.quantized import quantize_model
@@ -238,3 +239,77 @@ def test_output_spans_bound_each_up_row_nonzeros():
     up[0, 1:3] = 1.0
     up[1, 4] = -2.0
     assert output_spans(up).tolist() == [[1, 3], [4, 5], [0, 0]]
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_row_by_row_is_bit_for_bit_its_ids_stepped_one_at_a_time(dtype, weights):
+    """`prefill_on_layers` over 40 ids (past the 4-bit kernel's switch to two blocks a vector and the head's
+    switch to its dense weight), in one call or in chunks of 7, 20 and 13, gives the logits, keys and values
+    of stepping the ids one at a time: each row attends the columns before its own, packed, as a decode
+    step attends the history it follows. A failed-over stream's history replayed this way continues bit
+    for bit."""
+    model = _model("qwen2", dtype, weights=weights)
+    step = DecodeStep(model, "off")
+    step.decoder.adapters = _adapters(model)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    adapter = torch.tensor([1])
+    with torch.no_grad():
+        whole = new_cache(model.config).layers
+        at_once = prefill_on_layers(step, whole, ids, adapter, num_logits=40)  # (40, V)
+        assert isinstance(step.decoder._native, NativeLayers)
+        chunked = new_cache(model.config).layers
+        in_chunks = torch.cat([prefill_on_layers(step, chunked, ids[a:b], adapter, num_logits=b - a)
+                               for a, b in ((0, 7), (7, 27), (27, 40))])
+        stepped = new_cache(model.config).layers
+        one_by_one = [prefill_on_layers(step, stepped, ids[:1], adapter)]
+        for n in range(1, 40):
+            one_by_one.append(decode_on_layers(step, stepped, ids[n:n + 1], [n], adapter))
+    assert torch.equal(at_once, in_chunks)
+    assert torch.equal(at_once, torch.cat(one_by_one))
+    for a, b, c in zip(whole, chunked, stepped):
+        assert a.get_seq_length() == b.get_seq_length() == c.get_seq_length() == 40
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.keys, c.keys)
+        assert torch.equal(a.values, b.values) and torch.equal(a.values, c.values)
+    # and the adapter's rows are its own: the base's differ
+    with torch.no_grad():
+        plain = prefill_on_layers(step, new_cache(model.config).layers, ids, None)
+    assert not torch.equal(plain, at_once[-1:])
+
+
+def test_a_row_attends_its_history_the_same_wherever_it_sits_in_the_batch():
+    """Histories of 6 and 21 ids stepped alone and as rows of a batch whose other history is 30 ids long
+    (left-padded by 24 and 9 columns): the attended columns' scores are packed before the softmax, so each
+    row's logits and new keys are bit for bit the same (summed where they sit, the vector lanes would
+    group other columns)."""
+    model = _model("llama", torch.bfloat16)
+    decoder = FastDecoder(model)
+    generator = torch.Generator().manual_seed(4)
+    width = 30
+    keys = [torch.randn(3, KV_HEADS, width, HEAD_DIM, generator=generator).to(torch.bfloat16) for _ in range(LAYERS)]
+    values = [torch.randn(3, KV_HEADS, width, HEAD_DIM, generator=generator).to(torch.bfloat16) for _ in range(LAYERS)]
+    ids, lengths = torch.tensor([5, 17, 40]), torch.tensor([width, 6, 21])
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).view(3, 1, 1, width)
+    with torch.no_grad():
+        batch = decoder(ids, lengths, keys, values, mask)
+        assert isinstance(decoder._native, NativeLayers)
+        for row in (1, 2):
+            pad = width - int(lengths[row])
+            alone = decoder(ids[row:row + 1], lengths[row:row + 1], [k[row:row + 1, :, pad:] for k in keys],
+                            [v[row:row + 1, :, pad:] for v in values],
+                            torch.ones(1, 1, 1, width - pad, dtype=torch.bool))
+            assert torch.equal(batch[0][row:row + 1], alone[0])
+            assert torch.equal(batch[1][:, row:row + 1], alone[1]) and torch.equal(batch[2][:, row:row + 1], alone[2])
+
+
+def test_rows_of_one_history_name_their_columns_within_those_given():
+    model = _model("llama", torch.float32)
+    decoder = FastDecoder(model)
+    native = NativeLayers.of(decoder)
+    keys = [torch.zeros(1, KV_HEADS, 4, HEAD_DIM) for _ in range(LAYERS)]
+    x, cos, sin = torch.zeros(2, HIDDEN), torch.ones(2, HEAD_DIM), torch.zeros(2, HEAD_DIM)
+    mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="within the 4 columns"):
+        native.run(x, cos, sin, keys, keys, mask, None, append=True, columns=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="one column a row of one history"):
+        native.run(x, cos, sin, keys, keys, mask, None, append=False, columns=torch.tensor([2, 3]))

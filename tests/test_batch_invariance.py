@@ -1,0 +1,102 @@
+"""Batch-invariant experts (`batch_invariant: true`): every forward runs its ids one row each through the C
+decode step, so a session's logits are bit for bit the same whatever it is computed beside, however its
+prompt is chunked, and on whichever replica its history is computed again. What exact failover rests on:
+a greedy stream whose replica is lost continues, elsewhere, with the tokens it would have had."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from fusion.config import ExpertConfig, parse_config
+from fusion.expert import LocalExpert, StepRequest
+from fusion.service import FusionService
+from tests.conftest import tiny_config_dict
+
+PROMPT = [5, 17, 40, 33, 8, 91, 12, 64, 3, 27, 50]
+OTHERS = {"left": [7, 7, 21, 90, 4], "right": [60, 2, 11, 35, 19, 44, 80, 23, 9, 14, 71, 30, 6, 55, 47, 38, 29]}
+STEPS = 10
+
+
+def _expert(tiny_dir, dtype: str) -> LocalExpert:
+    return LocalExpert.load(ExpertConfig(name="a", model=str(tiny_dir / "a"), dtype=dtype, weights="int4",
+                                         batch_invariant=True))
+
+
+def _greedy_alone(expert: LocalExpert, session: str, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    history, rows = list(prompt), []
+    for _ in range(steps):
+        logits = expert.step([StepRequest(session, history)])[0]
+        rows.append(logits)
+        history.append(int(logits.argmax()))
+    expert.release([session])
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_session_gets_the_same_bits_in_any_company_chunking_or_replica(tiny_dir, dtype):
+    """One greedy session, stepped alone on one expert (the reference), then on another: its prompt in two
+    chunks, decoded in a cohort with two sessions of other lengths (left-padded around it), then failed over
+    to a third expert that computes its whole history at once and decodes it beside a fresh prompt. Every
+    step's logits are the reference's, bit for bit."""
+    reference = _greedy_alone(_expert(tiny_dir, dtype), "s", PROMPT, STEPS)
+    first, replica = _expert(tiny_dir, dtype), _expert(tiny_dir, dtype)
+    assert first._row_by_row and replica._row_by_row
+
+    first.step([StepRequest("s", PROMPT[:4])])  # a first chunk of the prompt
+    histories = {"s": list(PROMPT), **{name: list(ids) for name, ids in OTHERS.items()}}
+    moved_at = 6
+    for step in range(STEPS):
+        expert, names = (first, list(histories)) if step < moved_at else (replica, ["s", "fresh"])
+        if step == moved_at:
+            histories["fresh"] = [1, 2, 3, 4, 5, 6, 7, 8]
+        logits = expert.step([StepRequest(name, histories[name]) for name in names])
+        assert torch.equal(logits[0], reference[step]), f"step {step}"
+        for name, row in zip(names, logits):
+            histories[name].append(int(row.argmax()))
+    assert first.decode_batches["rebuilt"] + first.decode_batches["in_place"] > 0  # the cohort did decode
+
+
+def test_a_prompt_scored_row_by_row_equals_its_steps(tiny_dir):
+    """`score` runs row by row too: the logits at each position of a history are the ones stepping its ids
+    gave."""
+    expert = _expert(tiny_dir, "float32")
+    stepped = [expert.step([StepRequest("s", PROMPT[:n])])[0] for n in range(4, len(PROMPT) + 1)]
+    scored = expert.score("t", PROMPT + [1], len(PROMPT) - 3)
+    assert torch.equal(scored, torch.stack(stepped))
+
+
+def test_batch_invariant_needs_the_c_step():
+    for fields in ({"weights": "dense"}, {"weights": "int4", "decode": "compiled"},
+                   {"weights": "int4", "device": "cuda"}):
+        with pytest.raises(ValidationError, match="batch_invariant needs the C decode step"):
+            ExpertConfig(name="a", model="m", batch_invariant=True, **fields)
+
+
+def test_greedy_streams_side_by_side_are_each_the_stream_alone(tiny_dir):
+    """The tiny trio, batch-invariant, through the service: six greedy streams at once (their prompts,
+    steps and fusion sharing batches) give each the tokens it gives alone."""
+    experts = {"weights": "int4", "batch_invariant": True}
+    data = tiny_config_dict(tiny_dir)
+    data["experts"] = [{**e, **experts} for e in data["experts"]]
+    service = FusionService.from_config(parse_config(data))
+    prompts = ["what is 12 + 35 ?", "def add", "hello world , fusion", "the quick brown fox", "a b c", "fusion"]
+    sampling = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    try:
+        alone = [service.complete(p, sampling).token_ids for p in prompts]
+        together: list[list[int] | None] = [None] * len(prompts)
+
+        def run(i: int) -> None:
+            together[i] = service.complete(prompts[i], sampling).token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        service.close()
+    assert together == alone

@@ -16,9 +16,13 @@ config's experts deployed with two replicas each on distinct workers, then
    (UNAVAILABLE, none hanging), how long until the same address answers again from the other node,
    and whether the streams asked again there get the undisturbed run's tokens.
 
+Every expert is made batch-invariant (`batch_invariant: true`: a history computed again on another replica
+gives the lost one's bits, so failed-over greedy streams keep their tokens; docs/configuration.md) unless
+--no-batch-invariant, which keeps the config as it is.
+
     python benchmarks/multinode.py --json docs/multinode.json     # the default trio (fetched first)
     python benchmarks/multinode.py --config my.yaml --streams 8 --tokens 48
-    python benchmarks/multinode.py --scenarios coordinator_loss
+    python benchmarks/multinode.py --scenarios coordinator_loss --no-batch-invariant
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"some of {','.join(SCENARIOS)}")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                        help="make every expert batch-invariant (default), or keep the config's setting")
     options = parser.parse_args()
     chosen = set(options.scenarios.split(","))
     if chosen - set(SCENARIOS):
@@ -63,13 +69,15 @@ def main() -> None:
     config = yaml.safe_load(options.config.read_text())
     for expert in config["experts"]:
         prepare_model(expert["model"], cache)  # fetched once here, not by six replicas at once
+        if options.batch_invariant:
+            expert["batch_invariant"] = True
     sampling = {"max_tokens": options.tokens, "temperature": 0.0, "ignore_eos": True}
     prompts = [f"Question {i}: what is {12 + i} + {35 + 2 * i}? Explain the steps." for i in range(options.streams)]
 
     import ray
     from ray import serve
 
-    figures = {}
+    figures = {"batch_invariant": options.batch_invariant}
     with tempfile.TemporaryDirectory() as workdir, LocalRayCluster(Path(workdir), head_cpus=1) as cluster:
         for name in ("w1", "w2"):
             cluster.add_worker(name, num_cpus=1, resources={sc.EXPERT_RESOURCE: 1})

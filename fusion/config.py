@@ -51,8 +51,8 @@ class ExpertConfig(_Strict):
     # columns for appends (fusion.kv_cache: up to 128 + 50%), which the budget does not count.
     max_cached_tokens: int = Field(default=65536, gt=0)
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
-    # The forward of a steady decode step (one new id per session; prefill and prompt chunks always
-    # run transformers' forward): "transformers" (the model's own eager forward), "fast"
+    # The forward of a steady decode step (one new id per session; prefill and prompt chunks run
+    # transformers' forward but with batch_invariant): "transformers" (the model's own eager forward), "fast"
     # (fusion.fast_decode: one function over fused projections, eager; Llama, Mistral and Qwen2
     # models, others fall back to "transformers"), "compiled" (that function through torch.compile:
     # inductor on CPU, CUDA graphs on GPU; the first step pays the compilation, cached on disk),

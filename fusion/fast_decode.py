@@ -225,7 +225,6 @@ class FastDecoder(nn.Module):
             return self.lm_head.codes_product(x).float()
         return project(x, self.lm_head, linear=linear).float()
 
-
     def prefill(self, ids: torch.Tensor, start: int, keys: list[torch.Tensor], values: list[torch.Tensor],
                 adapter_rows: torch.Tensor | None = None, num_logits: int = 1) -> torch.Tensor:
         """The k ids `ids` (k,) of one history after its `start` cached ones, one row each through the C step,

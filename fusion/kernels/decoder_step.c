@@ -236,6 +236,53 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
     }
 }
 
+#define MAX_GROUP 8  /* query heads a kv head serves, up to which weigh_values keeps their sums in registers */
+
+/* o (group, dim) += the attended columns' values weighted by each head's scores (score[h * stride + j] for the
+ * j-th attended column): add_scaled's multiply-adds, column after column. With AVX2, each 8 outputs of every
+ * head are summed in registers across all the columns, and each value is read (and widened) once for the
+ * group: over a long history this was most of attention's time, spent loading and storing the outputs. The
+ * same operations in the same order, so the same bits. `row`: dim floats of scratch. */
+static void weigh_values(const decoder_layer *layer, const step_shape *s, const uint8_t *mask, int64_t value_base,
+                         const float *score, int64_t stride, int64_t group, float *row, float *o) {
+    const int64_t dim = s->head_dim, width = s->width, step = layer->value_strides[2];
+    const int is_bf16 = s->cache_is_bf16;
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (group <= MAX_GROUP) {
+        for (; i + 8 <= dim; i += 8) {
+            __m256 acc[MAX_GROUP];
+            for (int64_t h = 0; h < group; h++) acc[h] = _mm256_loadu_ps(o + h * dim + i);
+            for (int64_t c = 0, j = 0; c < width; c++) {
+                if (!mask[c]) continue;
+                const int64_t at = value_base + c * step + i;
+                const __m256 v = is_bf16 ? widen8_bf16((const uint16_t *)layer->values + at)
+                                         : _mm256_loadu_ps((const float *)layer->values + at);
+                for (int64_t h = 0; h < group; h++)
+                    acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(score[h * stride + j]), v, acc[h]);
+                j++;
+            }
+            for (int64_t h = 0; h < group; h++) _mm256_storeu_ps(o + h * dim + i, acc[h]);
+        }
+        if (i == dim) return;
+        for (int64_t c = 0, j = 0; c < width; c++) {  /* the last dim % 8 outputs, as add_scaled's tail */
+            if (!mask[c]) continue;
+            const float *value = cached_row(layer->values, value_base + c * step, dim, is_bf16, row);
+            for (int64_t h = 0; h < group; h++)
+                for (int64_t k = i; k < dim; k++) o[h * dim + k] += score[h * stride + j] * value[k];
+            j++;
+        }
+        return;
+    }
+#endif
+    for (int64_t c = 0, j = 0; c < width; c++) {
+        if (!mask[c]) continue;
+        const float *value = cached_row(layer->values, value_base + c * step, dim, is_bf16, row);
+        for (int64_t h = 0; h < group; h++) add_scaled(o + h * dim, score[h * stride + j], value, dim);
+        j++;
+    }
+}
+
 /* Each row's heads attend the cached columns its mask allows, in column order, and its own new key last:
  * out (B, heads * dim). The attended columns' scores are packed before the softmax, so that a row's result
  * depends on those columns' keys and values alone, not on where they sit among masked ones (a batch row's
@@ -281,14 +328,7 @@ static void attend(const decoder_layer *layer, const step_shape *s, const float 
                 float *o = out + m * heads * dim + (g * group + h) * dim;
                 for (int64_t i = 0; i < dim; i++) o[i] = p[attended] * v_new[i];
             }
-            for (int64_t c = 0, j = 0; c < width; c++) {
-                if (!mask[c]) continue;
-                const float *value = cached_row(layer->values, value_base + c * layer->value_strides[2], dim, is_bf16,
-                                                row);
-                for (int64_t h = 0; h < group; h++)
-                    add_scaled(out + m * heads * dim + (g * group + h) * dim, score[h * stride + j], value, dim);
-                j++;
-            }
+            weigh_values(layer, s, mask, value_base, score, stride, group, row, out + m * heads * dim + g * group * dim);
         }
     }
 }

@@ -294,9 +294,11 @@ static __m256i broadcast4(const int8_t *x) {  /* four activation bytes into ever
 #endif
 
 /* Outputs [8b, 8b + 8) of rows [m0, m0 + count) of the int4 product: per group,
- * d_x * s * (q . (128 high + low)) + b * sum_x. */
-static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
-                       const uint16_t *params, int64_t b, int64_t n_total, void *out, int is_bf16) {
+ * d_x * s * (q . (128 high + low)) + b * sum_x. Inlined where `count` is a constant (int4_block): the row
+ * loops then unroll and every row's accumulators stay in registers. */
+static inline __attribute__((always_inline)) void int4_block_rows(
+        const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes, const uint16_t *params,
+        int64_t b, int64_t n_total, void *out, int is_bf16) {
     const int64_t groups = k / GROUP;
     const uint8_t *block = codes + b * groups * 128;
     const uint16_t *block_params = params + b * groups * 2 * OUT_BLOCK;
@@ -362,6 +364,19 @@ static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k
         for (int o = 0; o < OUT_BLOCK; o++) store(out, (m0 + r) * n_total + b * OUT_BLOCK + o, total[r][o], is_bf16);
 }
 
+/* int4_block_rows for 1 to INT4_ROW_BLOCK rows, each count its own copy. With the count a variable, the
+ * compiler kept the rows' accumulators in memory and branched on the count in the inner loop. */
+_Static_assert(INT4_ROW_BLOCK == 3, "int4_block's cases are 1, 2 and INT4_ROW_BLOCK rows");
+static void int4_block(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
+                       const uint16_t *params, int64_t b, int64_t n_total, void *out, int is_bf16) {
+    switch (count) {
+    case 1: int4_block_rows(x, m0, 1, k, codes, params, b, n_total, out, is_bf16); return;
+    case 2: int4_block_rows(x, m0, 2, k, codes, params, b, n_total, out, is_bf16); return;
+    case INT4_ROW_BLOCK: int4_block_rows(x, m0, INT4_ROW_BLOCK, k, codes, params, b, n_total, out, is_bf16); return;
+    }
+    int4_block_rows(x, m0, count, k, codes, params, b, n_total, out, is_bf16);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define VNNI_ROW_BLOCK 4   /* rows int4_block_pair carries (AVX-512 has 32 vector registers) */
 #ifndef PREFETCH_GROUPS
@@ -381,8 +396,9 @@ static __m512i broadcast4_512(const int8_t *x) {  /* four activation bytes into 
  * with AVX-512's byte dot product (VNNI), which adds four products into an int32 lane in one instruction
  * (no int16 sums to widen), sixteen outputs a vector, each row's activation bytes broadcast once for both
  * blocks. Every lane's integer and float operations are int4_block's, in its order: both give the same bits. */
-static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
-                            const uint16_t *params, int64_t b, int64_t n_total, void *out, int is_bf16) {
+static inline __attribute__((always_inline)) void int4_block_pair_rows(
+        const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes, const uint16_t *params,
+        int64_t b, int64_t n_total, void *out, int is_bf16) {
     const int64_t groups = k / GROUP;
     const uint8_t *block = codes + b * groups * 128, *next_block = block + groups * 128;
     const uint16_t *block_params = params + b * groups * 2 * OUT_BLOCK;
@@ -434,6 +450,16 @@ static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int6
         _mm512_storeu_ps(total, acc[r]);
         for (int o = 0; o < 2 * OUT_BLOCK; o++) store(out, (m0 + r) * n_total + b * OUT_BLOCK + o, total[o], is_bf16);
     }
+}
+
+/* int4_block_pair_rows, a copy for a whole row block and one for fewer rows (as int4_block). */
+static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int64_t k, const uint8_t *codes,
+                            const uint16_t *params, int64_t b, int64_t n_total, void *out, int is_bf16) {
+    if (count == VNNI_ROW_BLOCK) {
+        int4_block_pair_rows(x, m0, VNNI_ROW_BLOCK, k, codes, params, b, n_total, out, is_bf16);
+        return;
+    }
+    int4_block_pair_rows(x, m0, count, k, codes, params, b, n_total, out, is_bf16);
 }
 #endif
 

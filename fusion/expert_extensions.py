@@ -109,7 +109,7 @@ class ExtendMixin:
                 call = ExtensionCall(token_ids, base_logits, [], [], None, base_logits[None])
             earlier = self._extensions.get(session_id, [])  # calls on this same history (see `_advance`)
             # (rows of transformers' forward are not adopted where every forward must be the C step's)
-            if not (self._row_by_row and call.batch_kv is not None):
+            if not (self._row_by_row and call.kv is not None):
                 self._extensions[session_id] = (earlier + [call])[-MAX_KEPT_CALLS:]
             self.cache.evict(keep=[session_id])
             for gone in [s for s in self._extensions if s not in self.cache]:  # evicted sessions

@@ -100,3 +100,15 @@ def test_greedy_streams_side_by_side_are_each_the_stream_alone(tiny_dir):
     finally:
         service.close()
     assert together == alone
+
+
+def test_lookahead_rows_of_several_ids_are_not_adopted_but_computed_row_by_row(tiny_dir):
+    """`extend` computes extensions of several ids with transformers' forward and, as configured, keeps
+    their rows for a history that takes one of them. A batch-invariant expert keeps none: the history is
+    computed row by row, bit for bit what stepping it gives."""
+    reference = _expert(tiny_dir, "float32")
+    want = reference.step([StepRequest("s", PROMPT + [1, 2])])[0]
+    expert = _expert(tiny_dir, "float32")
+    expert.extend("s", PROMPT, [[1, 2], [3]])
+    assert "s" not in expert._extensions  # nothing kept to adopt
+    assert torch.equal(expert.step([StepRequest("s", PROMPT + [1, 2])])[0], want)

@@ -9,7 +9,7 @@ config's experts deployed with two replicas each on distinct workers, then
 2. rolling update: the application deployed again with another fusion rule while STREAMS streams
    run; streams lost, how long the update took, whether a new request sees the new rule;
 3. autoscaling: each expert autoscaled on the sessions it holds (1 to 2 replicas, 2 sessions per
-   replica); STREAMS streams ramp up one a second: time until every expert has two replicas, until it
+   replica); STREAMS streams of ten times TOKENS ramp up one a second: time until every expert has two replicas, until it
    is back to one once they end, and the p95 gap between tokens during the ramp against one stream;
 4. coordinator loss: two nodes carrying `fusion-coordinator` join, the coordinator moves onto one of
    them with a fixed port, and that node is killed while STREAMS streams run: how the streams end
@@ -105,7 +105,10 @@ def main() -> None:
                 address = sc.deploy(sc.autoscaling_args(args, max_replicas=2, sessions_per_replica=2))
                 sc.wait_until(lambda: all(n == 1 for n in sc.running_replicas().values()) or sc.running_replicas(),
                               "one replica per expert to start from", timeout_s=300)
-                figures["autoscaling"] = sc.autoscaling(address, prompts, longer, max_replicas=2)
+                # Streams that outlast a new replica's start (tens of seconds here): at four times --tokens
+                # (192) the trio's streams once ended before every expert had its second replica.
+                ramp = {**sampling, "max_tokens": 10 * options.tokens}
+                figures["autoscaling"] = sc.autoscaling(address, prompts, ramp, max_replicas=2)
             if "coordinator_loss" in chosen:
                 for name in ("c1", "c2"):
                     cluster.add_worker(name, num_cpus=1, resources={sc.COORDINATOR_RESOURCE: 1})

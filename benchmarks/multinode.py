@@ -9,8 +9,9 @@ config's experts deployed with two replicas each on distinct workers, then
 2. rolling update: the application deployed again with another fusion rule while STREAMS streams
    run; streams lost, how long the update took, whether a new request sees the new rule;
 3. autoscaling: each expert autoscaled on the sessions it holds (1 to 2 replicas, 2 sessions per
-   replica); STREAMS streams of ten times TOKENS ramp up one a second: time until every expert has two replicas, until it
-   is back to one once they end, and the p95 gap between tokens during the ramp against one stream;
+   replica); STREAMS streams of ten times TOKENS ramp up one a second: time until every expert has two
+   replicas, until it is back to one once they end, and the p95 gap between tokens during the ramp
+   against one stream;
 4. coordinator loss: two nodes carrying `fusion-coordinator` join, the coordinator moves onto one of
    them with a fixed port, and that node is killed while STREAMS streams run: how the streams end
    (UNAVAILABLE, none hanging), how long until the same address answers again from the other node,

@@ -26,7 +26,7 @@ def main() -> None:
     from fusion.expert import StepRequest
     from fusion.models import default_cache_dir
     from fusion.tools.loading import DEFAULT_CONFIG, load_service
-    from fusion.tools.step_timing import emit_figures
+    from fusion.tools.step_timing import emit_figures, members_step_ms
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="16,64,256,1024", help="prompt lengths in ids")
@@ -55,26 +55,6 @@ def main() -> None:
             member.release([tag])
         return elapsed
 
-    def decode_ms(members, count: int, tag: str) -> float:
-        group = members[0].shared_base
-        history = {(m, s): [100 + (7 * k + s) % 900 for k in range(60)] for m in range(3) for s in range(count)}
-
-        def step() -> None:
-            parts = [(members[m], [StepRequest(f"{tag}{s}", history[m, s]) for s in range(count)]) for m in range(3)]
-            for m, logits in enumerate(group.step_members(parts)):
-                for s in range(count):
-                    history[m, s].append(int(logits[s].argmax()))
-
-        for _ in range(3):
-            step()
-        started = time.perf_counter()
-        for _ in range(options.steps):
-            step()
-        elapsed = (time.perf_counter() - started) / options.steps * 1e3
-        for m in range(3):
-            members[m].release([f"{tag}{s}" for s in range(count)])
-        return elapsed
-
     prompts = {name: {n: [] for n in lengths} for name in variants}
     steps = {name: {s: [] for s in sessions} for name in variants}
     for r in range(options.rounds):
@@ -84,7 +64,8 @@ def main() -> None:
                 prompts[name][n].append(run_on_compute_thread(prompt_s, variants[name], n, f"p{r}-{n}"))
         for s in sessions:
             for name in order:
-                steps[name][s].append(run_on_compute_thread(decode_ms, variants[name], s, f"d{r}-{s}-"))
+                steps[name][s].append(members_step_ms(variants[name], [0, 1, 2], f"d{r}-{s}-", options.steps,
+                                                      sessions=s))
     median_prompt = {name: {n: statistics.median(v) for n, v in by.items()} for name, by in prompts.items()}
     median_step = {name: {s: statistics.median(v) for s, v in by.items()} for name, by in steps.items()}
     figures = {

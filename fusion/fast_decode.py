@@ -452,7 +452,8 @@ def prefill_on_layers(step: DecodeStep, layers: list, new_ids: list[int], adapte
     through `FastDecoder.prefill`: each id's keys, values and logits as a decode step of it would make them.
     (num_logits, V) float32: the logits after each of the last `num_logits` ids."""
     decoder = step.decoder
-    start, width = layers[0].get_seq_length(), layers[0].get_seq_length() + len(new_ids)
+    start = layers[0].get_seq_length()
+    width = start + len(new_ids)
     like = torch.empty(1, decoder.num_kv_heads, 0, decoder.head_dim, dtype=decoder.embed.dtype,
                        device=decoder.embed.device)
     for layer in layers:

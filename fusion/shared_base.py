@@ -9,8 +9,8 @@ entry, with the Expert contract, stepping through the group. The engine steps a 
 in one call (`step_members`) so that their rows share a forward; alone, a member still works.
 
 `load_local_experts` builds the experts of a config: members that name the same base (same model,
-GGUF file, dtype, device, decode, weights and batch_invariant) and opt in (`share_base`, the default) share one, the others
-load their own copy, with an adapter merged into it.
+GGUF file, dtype, device, decode, weights and batch_invariant) and opt in (`share_base`, the default)
+share one, the others load their own copy, with an adapter merged into it.
 """
 
 from __future__ import annotations

@@ -53,6 +53,13 @@ def tiny_config_dict(tiny_dir, names=("a", "b", "c"), **extra):
     return data
 
 
+def batch_invariant_config_dict(tiny_dir, **extra):
+    """The tiny trio with batch-invariant experts (4-bit weights: the C step runs every forward)."""
+    data = tiny_config_dict(tiny_dir, **extra)
+    data["experts"] = [{**e, "weights": "int4", "batch_invariant": True} for e in data["experts"]]
+    return data
+
+
 @pytest.fixture(scope="session")
 def tiny_config(tiny_dir):
     return parse_config(tiny_config_dict(tiny_dir))

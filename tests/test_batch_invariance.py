@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from fusion.config import ExpertConfig, parse_config
 from fusion.expert import LocalExpert, StepRequest
 from fusion.service import FusionService
-from tests.conftest import tiny_config_dict
+from tests.conftest import batch_invariant_config_dict
 
 PROMPT = [5, 17, 40, 33, 8, 91, 12, 64, 3, 27, 50]
 OTHERS = {"left": [7, 7, 21, 90, 4], "right": [60, 2, 11, 35, 19, 44, 80, 23, 9, 14, 71, 30, 6, 55, 47, 38, 29]}
@@ -79,10 +79,7 @@ def test_batch_invariant_needs_the_c_step():
 def test_greedy_streams_side_by_side_are_each_the_stream_alone(tiny_dir):
     """The tiny trio, batch-invariant, through the service: six greedy streams at once (their prompts,
     steps and fusion sharing batches) give each the tokens it gives alone."""
-    experts = {"weights": "int4", "batch_invariant": True}
-    data = tiny_config_dict(tiny_dir)
-    data["experts"] = [{**e, **experts} for e in data["experts"]]
-    service = FusionService.from_config(parse_config(data))
+    service = FusionService.from_config(parse_config(batch_invariant_config_dict(tiny_dir)))
     prompts = ["what is 12 + 35 ?", "def add", "hello world , fusion", "the quick brown fox", "a b c", "fusion"]
     sampling = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
     try:

@@ -4,7 +4,9 @@ application placed by resources, every replica's metrics found through the regis
 discovery, a worker node killed under four greedy streams, the node's replicas back when a node joins
 again, a rolling update of the fusion config under streams, replicas scaling up under a ramp of
 clients and back down, and the coordinator's node killed under streams (two nodes carrying
-`fusion-coordinator` join for that)."""
+`fusion-coordinator` join for that). The experts are batch-invariant: a history computed again on another
+replica gives the bits the lost one would have (tests/test_batch_invariance.py), so streams that fail over
+or are asked again give exactly the undisturbed tokens."""
 
 from __future__ import annotations
 
@@ -15,18 +17,10 @@ import pytest
 
 from fusion.tools import cluster_scenarios as sc
 from fusion.tools.ray_cluster import LocalRayCluster, free_port
-from tests.conftest import tiny_config_dict
+from tests.conftest import batch_invariant_config_dict
 
 SAMPLING = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = ["what is 12 + 35 ?", "def add", "hello world , fusion", "the quick brown fox"]
-
-
-def _invariant_config(tiny_dir) -> dict:
-    """The tiny trio with batch-invariant experts: a history computed again on another replica gives the
-    bits the lost one would have (tests/test_batch_invariance.py), so failed-over streams keep their tokens."""
-    config = tiny_config_dict(tiny_dir)
-    config["experts"] = [{**e, "weights": "int4", "batch_invariant": True} for e in config["experts"]]
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +29,7 @@ def local_service(tiny_dir):
     from fusion.config import parse_config
     from fusion.service import FusionService
 
-    service = FusionService.from_config(parse_config(_invariant_config(tiny_dir)))
+    service = FusionService.from_config(parse_config(batch_invariant_config_dict(tiny_dir)))
     yield service
     service.close()
 
@@ -53,7 +47,7 @@ def three_nodes(tiny_dir, tmp_path_factory):
             cluster.add_worker(name, num_cpus=1, resources={sc.EXPERT_RESOURCE: 1})
         cluster.connect(logging_level="WARNING", log_to_driver=False)
         try:
-            args = sc.placement_args(_invariant_config(tiny_dir), replicas=2)
+            args = sc.placement_args(batch_invariant_config_dict(tiny_dir), replicas=2)
             yield cluster, args, sc.deploy(args)
         finally:
             serve.shutdown()

@@ -13,23 +13,27 @@ from fusion.expert import StepRequest
 
 
 def members_step_ms(members: Sequence, which: Sequence[int], session: str, steps: int, history_len: int = 60,
-                    warm_steps: int = 4) -> float:
+                    warm_steps: int = 4, sessions: int = 1) -> float:
     """Milliseconds per decode step of `members[m]` for m in `which` (adapter members of one shared base),
-    one session each named `session` + m, stepped together (greedy) from a `history_len`-id history;
-    the sessions are released afterwards. On the compute thread, as the engine steps them: elsewhere a
-    step runs on one thread (`fusion.compute.single_team`)."""
-    return run_on_compute_thread(_members_step_ms, members, which, session, steps, history_len, warm_steps)
+    `sessions` sessions each (named `session` + m, then "-s" past the first), stepped together (greedy)
+    from `history_len`-id histories; the sessions are released afterwards. On the compute thread, as the
+    engine steps them: elsewhere a step runs on one thread (`fusion.compute.single_team`)."""
+    return run_on_compute_thread(_members_step_ms, members, which, session, steps, history_len, warm_steps,
+                                 sessions)
 
 
 def _members_step_ms(members: Sequence, which: Sequence[int], session: str, steps: int, history_len: int,
-                     warm_steps: int) -> float:
+                     warm_steps: int, sessions: int) -> float:
     group = members[0].shared_base
-    history = {m: [100 + (7 * k) % 900 for k in range(history_len)] for m in which}
+    names = {(m, s): f"{session}{m}" + (f"-{s}" if s else "") for m in which for s in range(sessions)}
+    history = {key: [100 + (7 * k + key[1]) % 900 for k in range(history_len)] for key in names}
 
     def step() -> None:
-        out = group.step_members([(members[m], [StepRequest(f"{session}{m}", history[m])]) for m in which])
+        out = group.step_members([(members[m], [StepRequest(names[m, s], history[m, s]) for s in range(sessions)])
+                                  for m in which])
         for m, logits in zip(which, out):
-            history[m].append(int(logits[0].argmax()))
+            for s in range(sessions):
+                history[m, s].append(int(logits[s].argmax()))
 
     for _ in range(warm_steps):
         step()
@@ -38,7 +42,7 @@ def _members_step_ms(members: Sequence, which: Sequence[int], session: str, step
         step()
     elapsed = (time.perf_counter() - started) / steps * 1e3
     for m in which:
-        members[m].release([f"{session}{m}"])
+        members[m].release([names[m, s] for s in range(sessions)])
     return elapsed
 
 

@@ -27,6 +27,10 @@ from fusion.tools.training.arithmetic import (
     NOVEL_EXPRESSIONS,
     NOVEL_FRAMES,
     NOVEL_STYLES,
+    SPARE_EXPRESSIONS,
+    SPARE_FRAMES,
+    SPARE_STYLES,
+    WORD_PHRASINGS,
     STYLES,
     TEMPLATES,
     ArithmeticStream,
@@ -155,20 +159,26 @@ def piece_pattern(piece: str) -> re.Pattern:
     return re.compile(body, re.IGNORECASE | re.DOTALL)
 
 
-HELD_OUT_PIECES = [*HELD_OUT_FRAMES, *HELD_OUT_STYLES, *(e for es in HELD_OUT_EXPRESSIONS.values() for e in es)]
-FRESH_PIECES = [*FRESH_FRAMES, *FRESH_STYLES, *(e for es in FRESH_EXPRESSIONS.values() for e in es)]
-NOVEL_PIECES = [*NOVEL_FRAMES, *NOVEL_STYLES, *(e for es in NOVEL_EXPRESSIONS.values() for e in es)]
+HELD_OUT_PIECES = [*HELD_OUT_FRAMES, *HELD_OUT_STYLES, *(e for es in HELD_OUT_EXPRESSIONS.values() for e in es),
+                  *(w for ws in WORD_PHRASINGS["held_out"].values() for w in ws)]
+FRESH_PIECES = [*FRESH_FRAMES, *FRESH_STYLES, *(e for es in FRESH_EXPRESSIONS.values() for e in es),
+               *(w for ws in WORD_PHRASINGS["fresh"].values() for w in ws)]
+NOVEL_PIECES = [*NOVEL_FRAMES, *NOVEL_STYLES, *(e for es in NOVEL_EXPRESSIONS.values() for e in es),
+               *(w for ws in WORD_PHRASINGS["novel"].values() for w in ws)]
+SPARE_PIECES = [*SPARE_FRAMES, *SPARE_STYLES, *(e for es in SPARE_EXPRESSIONS.values() for e in es),
+               *(w for ws in WORD_PHRASINGS["spare"].values() for w in ws)]
 
 
 def test_held_out_phrasings_are_disjoint_from_training_ones():
     training = [t.format(a=12, b=34) for ts in TEMPLATES.values() for t in ts]
     training += [s.replace("{q}", "What is 1 + 2?") for s in STYLES]
-    for piece in HELD_OUT_PIECES + FRESH_PIECES + NOVEL_PIECES:
+    for piece in HELD_OUT_PIECES + FRESH_PIECES + NOVEL_PIECES + SPARE_PIECES:
         pattern = piece_pattern(piece)
         assert not any(pattern.search(t) for t in training), piece
     assert not set(FRAMES) & set(HELD_OUT_FRAMES) and not set(STYLES) & set(HELD_OUT_STYLES)
     assert not set(FRAMES) & set(FRESH_FRAMES) and not set(STYLES) & set(FRESH_STYLES)
     assert not set(FRAMES) & set(NOVEL_FRAMES) and not set(STYLES) & set(NOVEL_STYLES)
+    assert not set(FRAMES) & set(SPARE_FRAMES) and not set(STYLES) & set(SPARE_STYLES)
 
 
 def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_dir):
@@ -179,7 +189,7 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
                  for _ in range(3000)]
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
-    pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES}
+    pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES}
     patterns = {split: [piece_pattern(p) for p in ps] for split, ps in pieces.items()}
     for q in questions:
         assert not any(p.search(q) for ps in patterns.values() for p in ps), q

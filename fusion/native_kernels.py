@@ -122,6 +122,8 @@ def library() -> ctypes.CDLL | None:
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.fusion_mixture.restype = None
+    lib.fusion_step_clocks.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.fusion_step_clocks.restype = ctypes.c_int64
     lib.fusion_set_coarse_spread.argtypes = [ctypes.c_int]
     lib.fusion_set_coarse_spread(_coarse_spread)
     return lib

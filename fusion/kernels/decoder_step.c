@@ -23,6 +23,42 @@
 
 enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 
+/* Where the layers' time goes, for benchmarks/step_parts.py: built with -DFUSION_STEP_CLOCKS, each phase's wall
+ * time accumulates until `fusion_step_clocks` reads and clears it; without the flag the marks compile to
+ * nothing and the reader reports no phases. */
+enum { CLOCK_NORMS, CLOCK_PRODUCTS, CLOCK_ADAPTERS, CLOCK_ROTARY_KV, CLOCK_ATTENTION, CLOCK_ACTIVATION,
+       CLOCK_RESIDUAL, CLOCK_SETUP, CLOCK_PHASES };
+#ifdef FUSION_STEP_CLOCKS
+#include <time.h>
+static double step_clocks[CLOCK_PHASES];
+static double clock_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define CLOCK_START() double clock_mark = clock_now()
+#define CLOCK_LAP(phase) do { double now_ = clock_now(); step_clocks[phase] += now_ - clock_mark; clock_mark = now_; } while (0)
+#else
+#define CLOCK_START() ((void)0)
+#define CLOCK_LAP(phase) ((void)0)
+#endif
+
+/* Copies the phases' seconds (up to n) into out and clears them; returns how many phases there are, 0 when the
+ * library was built without the clocks. */
+int64_t fusion_step_clocks(double *out, int64_t n) {
+#ifdef FUSION_STEP_CLOCKS
+    for (int64_t i = 0; i < CLOCK_PHASES; i++) {
+        if (i < n) out[i] = step_clocks[i];
+        step_clocks[i] = 0.0;
+    }
+    return CLOCK_PHASES;
+#else
+    (void)out;
+    (void)n;
+    return 0;
+#endif
+}
+
 typedef struct {
     const void *codes;    /* 4-bit: (n/8, 4k) nibbles in blocks of 8 outputs (quantized_mm.c); 8-bit: (n, k) int8 */
     const void *params;   /* 4-bit: (n/8, k/32, 2, 8) float16 scales and biases; 8-bit: (n,) float32 scales */
@@ -340,6 +376,7 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     const int64_t rows = s->rows, hidden = s->hidden, dim = s->head_dim;
     const int64_t q_width = s->heads * dim, kv_width = s->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     const int64_t inter = s->intermediate, widest = inter > hidden ? inter : hidden;
+    CLOCK_START();
     int64_t columns = 1;
     for (int64_t l = 0; l < count; l++)
         for (int p = 0; p < PROJECTIONS; p++)
@@ -355,15 +392,19 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     int status = -1;
     if (alloc_rows(rows, widest, &q) || !h || !qkv || !attn || !gate_up || !delta || !scratch || !t)
         goto done;
+    CLOCK_LAP(CLOCK_SETUP);
 
     for (int64_t l = 0; l < count; l++) {
         const decoder_layer *layer = layers + l;
         rms_norm(x, layer->input_norm, rows, hidden, s->eps, h);
+        CLOCK_LAP(CLOCK_NORMS);
         product(h, rows, &layer->projection[QKV], &q, qkv, s->threads);
         if (layer->qkv_bias)
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[m * qkv_width + j] += layer->qkv_bias[j];
+        CLOCK_LAP(CLOCK_PRODUCTS);
         add_adapters(&layer->lora[QKV], s->adapter_rows, h, rows, hidden, qkv_width, qkv, t, s->threads);
+        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t m = 0; m < rows; m++) {
             float *row = qkv + m * qkv_width;
             for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* the queries' heads, then the keys' */
@@ -383,22 +424,34 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
             memcpy(new_keys + (l * rows + m) * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
             memcpy(new_values + (l * rows + m) * kv_width, row + q_width + kv_width, (size_t)kv_width * sizeof(float));
         }
+        CLOCK_LAP(CLOCK_ROTARY_KV);
         attend(layer, s, qkv, qkv_width, scratch, attn);
+        CLOCK_LAP(CLOCK_ATTENTION);
         product(attn, rows, &layer->projection[O], &q, delta, s->threads);
+        CLOCK_LAP(CLOCK_PRODUCTS);
         add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t, s->threads);
+        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+        CLOCK_LAP(CLOCK_RESIDUAL);
 
         rms_norm(x, layer->post_norm, rows, hidden, s->eps, h);
+        CLOCK_LAP(CLOCK_NORMS);
         product(h, rows, &layer->projection[GATE_UP], &q, gate_up, s->threads);
+        CLOCK_LAP(CLOCK_PRODUCTS);
         add_adapters(&layer->lora[GATE_UP], s->adapter_rows, h, rows, hidden, 2 * inter, gate_up, t, s->threads);
+        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < inter; j++) {
                 float gate = gate_up[m * 2 * inter + j], up = gate_up[m * 2 * inter + inter + j];
                 h[m * inter + j] = gate / (1.0f + expf(-gate)) * up;
             }
+        CLOCK_LAP(CLOCK_ACTIVATION);
         product(h, rows, &layer->projection[DOWN], &q, delta, s->threads);
+        CLOCK_LAP(CLOCK_PRODUCTS);
         add_adapters(&layer->lora[DOWN], s->adapter_rows, h, rows, inter, hidden, delta, t, s->threads);
+        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+        CLOCK_LAP(CLOCK_RESIDUAL);
     }
     status = 0;
 done:

@@ -50,8 +50,9 @@ class EvalRow:
     tokens_per_s: float | None = None
     arithmetic_out: float | None = None  # out-of-template: the same problems in unseen phrasings
     arithmetic_fresh: float | None = None  # out-of-template, second set (never informed training)
-    arithmetic_novel: float | None = None  # out-of-template, the reserve set (asked with `reserve=True`)
-    arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {"in"|"out"|"fresh": {kind: acc}}
+    arithmetic_novel: float | None = None  # out-of-template, the third set (asked with `reserve=True`)
+    arithmetic_spare: float | None = None  # out-of-template, the fourth set (asked with `reserve=True`)
+    arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
 
 
 def route_variant(spec: FusionSpec, **params) -> FusionSpec:
@@ -241,8 +242,8 @@ def evaluate(
     reserve: bool = False,
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
-    `reserve`, the third set too, kept for checking figures once the first two have informed choices)
-    and bits per byte on the held-out texts of `domains`."""
+    `reserve`, the third and fourth sets too, kept for checking figures once the first ones have
+    informed choices) and bits per byte on the held-out texts of `domains`."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -253,6 +254,7 @@ def evaluate(
                 "fresh": make_questions(questions, seed, phrasing="fresh")}
         if reserve:
             sets["novel"] = make_questions(questions, seed, phrasing="novel")
+            sets["spare"] = make_questions(questions, seed, phrasing="spare")
         for result, (name, spec) in zip(results, rows):
             for split, qs in sets.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
@@ -264,8 +266,10 @@ def evaluate(
                     result.arithmetic_out = acc
                 elif split == "fresh":
                     result.arithmetic_fresh = acc
-                else:
+                elif split == "novel":
                     result.arithmetic_novel = acc
+                else:
+                    result.arithmetic_spare = acc
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
     for domain in domains:
         texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
@@ -289,14 +293,16 @@ def _pct(value: float | None) -> str:
 
 
 def format_table(results: list[EvalRow]) -> str:
-    """Markdown: in- and out-of-template accuracy (both unseen sets, and the reserve set when asked)
-    side by side, then per kind "in / out / out 2 (/ out 3)", then bits per byte per domain and tokens/s."""
+    """Markdown: in- and out-of-template accuracy (both unseen sets, and the reserve sets when asked)
+    side by side, then per kind "in / out / out 2 (/ out 3 / out 4)", then bits per byte per domain and
+    tokens/s."""
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
-    splits = ["in", "out", "fresh"] + (["novel"] if any(r.arithmetic_novel is not None for r in results) else [])
+    reserve = any(r.arithmetic_novel is not None for r in results)
+    splits = ["in", "out", "fresh"] + (["novel", "spare"] if reserve else [])
     header = ["row", "arith in-template", "arith out-of-template", "arith out-of-template 2"]
-    header += ["arith out-of-template 3"] if "novel" in splits else []
-    header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3" if "novel" in splits else "") for k in kinds]
+    header += ["arith out-of-template 3", "arith out-of-template 4"] if reserve else []
+    header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3 / out 4" if reserve else "") for k in kinds]
     header += [f"bpb {d}" for d in domains] + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
@@ -305,7 +311,7 @@ def format_table(results: list[EvalRow]) -> str:
         bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
         tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
         accuracies = [r.arithmetic_accuracy, r.arithmetic_out, r.arithmetic_fresh]
-        accuracies += [r.arithmetic_novel] if "novel" in splits else []
+        accuracies += [r.arithmetic_novel, r.arithmetic_spare] if reserve else []
         lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, tps]) + " |")
     return "\n".join(lines)
 

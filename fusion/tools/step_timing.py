@@ -7,23 +7,25 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Callable
 
 from fusion.compute import run_on_compute_thread
 from fusion.expert import StepRequest
 
 
 def members_step_ms(members: Sequence, which: Sequence[int], session: str, steps: int, history_len: int = 60,
-                    warm_steps: int = 4, sessions: int = 1) -> float:
+                    warm_steps: int = 4, sessions: int = 1, on_start: Callable[[], None] | None = None) -> float:
     """Milliseconds per decode step of `members[m]` for m in `which` (adapter members of one shared base),
     `sessions` sessions each (named `session` + m, then "-s" past the first), stepped together (greedy)
     from `history_len`-id histories; the sessions are released afterwards. On the compute thread, as the
-    engine steps them: elsewhere a step runs on one thread (`fusion.compute.single_team`)."""
+    engine steps them: elsewhere a step runs on one thread (`fusion.compute.single_team`). `on_start` is
+    called after the warm steps, just before the timed ones (to clear a benchmark's own counters)."""
     return run_on_compute_thread(_members_step_ms, members, which, session, steps, history_len, warm_steps,
-                                 sessions)
+                                 sessions, on_start)
 
 
 def _members_step_ms(members: Sequence, which: Sequence[int], session: str, steps: int, history_len: int,
-                     warm_steps: int, sessions: int) -> float:
+                     warm_steps: int, sessions: int, on_start: Callable[[], None] | None) -> float:
     group = members[0].shared_base
     names = {(m, s): f"{session}{m}" + (f"-{s}" if s else "") for m in which for s in range(sessions)}
     history = {key: [100 + (7 * k + key[1]) % 900 for k in range(history_len)] for key in names}
@@ -37,6 +39,8 @@ def _members_step_ms(members: Sequence, which: Sequence[int], session: str, step
 
     for _ in range(warm_steps):
         step()
+    if on_start is not None:
+        on_start()
     started = time.perf_counter()
     for _ in range(steps):
         step()

@@ -117,10 +117,10 @@ NOVEL_FRAMES = ("I'd love to know {e}.", "{e} - any thoughts?", "Tell me what {e
 NOVEL_STYLES = ("Grandma wants to know: {q}", "{q} Don't rush.", "Exam prep. {q}", "{q} Thanks heaps!")
 
 
-# A fourth set, the spare, written once the third set's results had informed a change to the training
-# lists (a dash read as a minus sign, an amount added named first) and before the retrained adapter
-# answered anything. It informs nothing; with the third set now seen, it is the one that checks the
-# out-of-template figures. `fusion eval --reserve` asks it beside the third.
+# A fourth set, the spare, written once the third set's results were known and before any adapter had
+# answered it. It informs nothing: with the third set now seen (it informed a retraining that was not
+# kept, docs/quality.md), the spare is the one that checks the out-of-template figures. `fusion eval
+# --reserve` asks it beside the third.
 SPARE_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} and {b} summed", "{a} with another {b} added", "{b} in addition to {a}"),
     "-": ("{a} lessened by {b}", "{b} knocked off {a}", "{a} cut by {b}"),
@@ -146,15 +146,6 @@ WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
           "A farmer plants {a} lines with {b} trees in each line. How many trees does he plant?",
           "Each ticket costs {b} dollars. How much do {a} tickets cost?",
           "A book has {a} chapters of {b} pages each. How many pages does it have?"),
-}
-# More word problems for training only (the in-template evaluation asks the ones above).
-EXTRA_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
-    "+": ("Jo had {a} cards. Her brother gave her {b} more. How many cards does Jo have?",
-          "One box holds {a} crayons and another holds {b}. How many crayons are in both boxes?"),
-    "-": ("A class has {a} pupils and {b} are absent today. How many pupils are present?",
-          "Kim had {a} dollars and spent {b}. How many dollars are left?"),
-    "*": ("A van makes {a} trips carrying {b} boxes each time. How many boxes does it carry?",
-          "Each shelf holds {b} books. How many books fit on {a} shelves?"),
 }
 HELD_OUT_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
     "+": ("Lena saved {a} coins last month and {b} coins this month. What is her total now?",
@@ -209,22 +200,15 @@ WORD_SHARE = 0.2  # of questions whose problem suits a word problem
 # their neighbours ("multiply", "subtract", "groups of").
 EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} increased by {b}", "{a} more than {b}", "{a} and {b} combined", "{a}, plus {b}",
-          "{a} + {b} (addition)", "the result of adding {a} and {b}",
-          # The amount added named first or joined by a preposition: the words, not the order of
-          # the numbers or a word's rarity, say that it is an addition.
-          "{b} added to {a}", "{b} on top of {a}", "{b} joined to {a}", "{a} together with {b}",
-          "{a} as well as {b}", "{a} and a further {b}"),
+          "{a} + {b} (addition)", "the result of adding {a} and {b}"),
     "-": ("{a} decreased by {b}", "{a} reduced by {b}", "the result of subtracting {b} from {a}",
           "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed",
           # Wordings that name the smaller operand first, so that the order of the words and not of
           # the numbers says which is taken from which.
           "{b} taken from {a}", "{b} taken away from {a}", "{b} removed from {a}", "{a} once {b} is gone",
-          "what is left of {a} after {b}", "{b} fewer than {a}", "{a} lowered by {b}", "{a} without {b}"),
+          "what is left of {a} after {b}", "{b} fewer than {a}"),
     "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
-          "{a}, times {b}", "{a} multiply {b}",
-          # Counted things and rates: a noun between the numbers is a group, not an operation word.
-          "{a} packs of {b}", "{a} bags of {b} each", "{a} days at {b} a day", "{b} for each of {a}",
-          "{a} rounds of {b}"),
+          "{a}, times {b}", "{a} multiply {b}"),
 }
 EXTRA_IMPERATIVES: dict[str, tuple[str, ...]] = {
     "+": ("Add {b} to {a}.", "Sum {a} and {b}.", "Find the sum of {a} and {b}."),
@@ -237,15 +221,12 @@ EXTRA_FRAMES = (
     "Do you know {e}?", "What would {e} be?", "Quick question: what is {e}?", "{e}, what is it?",
     "Please tell me the value of {e}.", "So what is {e}?", "And {e}?", "Figure out {e}.",
     "What is the answer to {e}?", "Result of {e}?", "I'd like to know {e}.", "Give the value of {e}.",
-    # A dash as punctuation around the question is not a minus sign.
-    "{e} - what is it?", "{e} - can you help?", "Quick one - {e}?", "{e} -- please answer.", "{e} – what do you get?",
 )
 EXTRA_STYLES = (
     "{q} Answer with just the number.", "{q} Reply with the result only.", "{q} Keep it short.",
     "{q} Show the steps.", "{q} Be careful with the carries.", "{q} No need to explain.",
     "Here is a problem. {q}", "I'm stuck on this: {q}", "Can you help me? {q}", "Exercise: {q}",
     "Practice problem: {q}", "For my worksheet: {q}", "Check this for me: {q}", "Mental maths: {q}",
-    "{q} - thanks!", "Maths - {q}", "{q} Thanks a lot.",
 )
 OPENERS = ("Hello.", "Hey there!", "Good morning.", "Hi there,", "Sorry to bother you.", "OK,", "Next one.",
            "One more.", "I'm checking my homework.", "This is for a quiz.", "We are counting apples at the market.",
@@ -398,7 +379,7 @@ def training_question(p: Problem, rng: random.Random) -> str:
     """A question for `p` as training sees it: any training template and style (the in-template ones
     and the wider lists), sometimes with an opener or a closer around it."""
     if rng.random() < WORD_SHARE and suits_word_problem(p):
-        text = rng.choice(WORD_PROBLEMS[p.op] + EXTRA_WORD_PROBLEMS[p.op]).format(a=p.a, b=p.b)
+        text = rng.choice(WORD_PROBLEMS[p.op]).format(a=p.a, b=p.b)
         return rng.choice(EXTRA_STYLES[:6]).replace("{q}", text) if rng.random() < 0.3 else text
     question = rng.choice(TRAINING_TEMPLATES[p.op]).format(a=p.a, b=p.b)
     text = rng.choice(TRAINING_STYLES).replace("{q}", question)

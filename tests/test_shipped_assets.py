@@ -90,15 +90,15 @@ def test_the_default_trio_answers_arithmetic(default_trio):
 
 def test_the_arithmetic_adapter_answers_unseen_wordings(default_trio):
     """Held-out problems in phrasings no training saw, the adapter alone (greedy): a check that the
-    shipped weights are the trained ones. These six hold two "{b} subtracted from {a}" questions, the
-    wording the adapter reads with its operands swapped (docs/quality.md); the other four it answers."""
+    shipped weights are the trained ones. It answers all six on the hosts measured; one miss is allowed
+    for float differences between CPUs at a near tie."""
     questions = make_questions(6, seed=11, phrasing="held_out")
     alone = FusionSpec(rule="single", params={"expert": "arith"})
     right = 0
     for question, answer in questions:
         completion = default_trio.complete(question, {"max_tokens": 160}, spec=alone)
         right += extract_answer(completion.text) == answer
-    assert right >= 4, right
+    assert right >= 5, right
 
 
 def test_the_python_adapter_predicts_unseen_stdlib_code_better_than_its_base(default_trio):

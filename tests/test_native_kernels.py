@@ -283,3 +283,34 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
     finally:
         native_kernels.library.cache_clear()
+
+
+def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path, monkeypatch):
+    """benchmarks/step_parts.py's build (-DFUSION_STEP_CLOCKS) clocks the C step's phases and computes the
+    same bits; the usual build has no clocks."""
+    import ctypes
+
+    from tests.test_native_decoder import _both, _inputs, _model
+    from fusion.fast_decode import FastDecoder
+
+    model = _model("llama", torch.float32)
+    inputs = _inputs(torch.bfloat16, 3, 3)
+    plain_step, _ = _both(FastDecoder(model), *inputs)
+    assert native_kernels.library().fusion_step_clocks(None, 0) == 0
+    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DFUSION_STEP_CLOCKS"))
+    native_kernels.library.cache_clear()
+    try:
+        library = native_kernels.library()
+        phases = library.fusion_step_clocks(None, 0)  # also clears them
+        clocked_step, _ = _both(FastDecoder(model), *inputs)
+        seconds = (ctypes.c_double * phases)()
+        assert library.fusion_step_clocks(seconds, phases) == phases
+        again = (ctypes.c_double * phases)()
+        library.fusion_step_clocks(again, phases)
+    finally:
+        native_kernels.library.cache_clear()
+    assert phases == 8 and all(s >= 0 for s in seconds) and seconds[1] > 0  # the products took time
+    assert not any(again)  # reading cleared them
+    for got, want in zip(clocked_step, plain_step):
+        assert torch.equal(got, want)

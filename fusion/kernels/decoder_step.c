@@ -25,7 +25,7 @@ enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 
 /* Where the layers' time goes, for benchmarks/step_parts.py: built with -DFUSION_STEP_CLOCKS, each phase's wall
  * time accumulates until `fusion_step_clocks` reads and clears it; without the flag the marks compile to
- * nothing and the reader reports no phases. */
+ * nothing and the reader reports no phases. The sums are global: one caller at a time. */
 enum { CLOCK_NORMS, CLOCK_PRODUCTS, CLOCK_ADAPTERS, CLOCK_ROTARY_KV, CLOCK_ATTENTION, CLOCK_ACTIVATION,
        CLOCK_RESIDUAL, CLOCK_SETUP, CLOCK_PHASES };
 #ifdef FUSION_STEP_CLOCKS

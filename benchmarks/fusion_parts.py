@@ -25,7 +25,6 @@ import argparse
 import collections
 import logging
 import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -37,25 +36,9 @@ from fusion.router import Route
 from fusion.sampler import SamplingMetadata
 from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
 from fusion.tools.loading import cache_dir, load_service, read_config
+from fusion.tools.step_timing import Timings, wrap
 
 logger = logging.getLogger("fusion_parts")
-
-Timings = dict[str, list[float]]  # part → ms per step, one entry per step
-
-
-def wrap(owner: object, name: str, label: str, timings: Timings) -> Callable[[], None]:
-    """Time every call of `owner.name` into `timings[label]`; returns the undo."""
-    inner = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            timings[label].append((time.perf_counter() - start) * 1e3)
-
-    setattr(owner, name, timed)
-    return lambda: setattr(owner, name, inner)
 
 
 def instrument(timings: Timings, router_parts: bool = True) -> list[Callable[[], None]]:

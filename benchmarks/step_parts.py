@@ -18,30 +18,13 @@ The cases alternate over rounds on the compute thread; the figures are medians o
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import statistics
-import time
 from pathlib import Path
 
 PHASES = ("norms", "products", "adapters", "rotary_kv", "attention", "activation", "residual", "setup")
 CASES = {"base": ([0], 1), "base_3_rows": ([0], 3), "trio": ([0, 1, 2], 1)}
-
-
-class Clocked:
-    """Wraps a method of a class so that each call's wall time adds to `seconds`."""
-
-    def __init__(self, owner: type, name: str):
-        self.seconds = 0.0
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        setattr(owner, name, timed)
 
 
 def main() -> None:
@@ -55,7 +38,7 @@ def main() -> None:
     from fusion.models import default_cache_dir
     from fusion.native_decoder import NativeLayers
     from fusion.tools.loading import read_config, load_service
-    from fusion.tools.step_timing import emit_figures, members_step_ms
+    from fusion.tools.step_timing import Timings, emit_figures, members_step_ms, wrap
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -70,11 +53,13 @@ def main() -> None:
     clocks = (ctypes.c_double * len(PHASES))()
     service = load_service(read_config(None), default_cache_dir(), router=False)
     members = service.engine.experts
-    head, layers = Clocked(FastDecoder, "_head"), Clocked(NativeLayers, "run")
+    calls: Timings = collections.defaultdict(list)
+    wrap(FastDecoder, "_head", "head", calls)
+    wrap(NativeLayers, "run", "layers_call", calls)
 
     def clear() -> None:
         library.fusion_step_clocks(clocks, len(PHASES))
-        head.seconds = layers.seconds = 0.0
+        calls.clear()
 
     rounds: dict[str, list[dict[str, float]]] = {case: [] for case in CASES}
     for r in range(options.rounds):
@@ -86,10 +71,9 @@ def main() -> None:
             library.fusion_step_clocks(clocks, len(PHASES))
             per_step = 1e3 / options.steps
             parts = {phase: clocks[i] * per_step for i, phase in enumerate(PHASES)}
-            parts["layers_call"] = layers.seconds * per_step
-            parts["layers_call_outside_phases"] = parts["layers_call"] - sum(clocks[i] * per_step
-                                                                              for i in range(len(PHASES)))
-            parts["head"] = head.seconds * per_step
+            parts["layers_call"] = sum(calls["layers_call"]) / options.steps
+            parts["layers_call_outside_phases"] = parts["layers_call"] - sum(parts[phase] for phase in PHASES)
+            parts["head"] = sum(calls["head"]) / options.steps
             parts["around"] = step_ms - parts["layers_call"] - parts["head"]
             parts["step"] = step_ms
             rounds[case].append(parts)

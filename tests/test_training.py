@@ -159,14 +159,16 @@ def piece_pattern(piece: str) -> re.Pattern:
     return re.compile(body, re.IGNORECASE | re.DOTALL)
 
 
-HELD_OUT_PIECES = [*HELD_OUT_FRAMES, *HELD_OUT_STYLES, *(e for es in HELD_OUT_EXPRESSIONS.values() for e in es),
-                  *(w for ws in WORD_PHRASINGS["held_out"].values() for w in ws)]
-FRESH_PIECES = [*FRESH_FRAMES, *FRESH_STYLES, *(e for es in FRESH_EXPRESSIONS.values() for e in es),
-               *(w for ws in WORD_PHRASINGS["fresh"].values() for w in ws)]
-NOVEL_PIECES = [*NOVEL_FRAMES, *NOVEL_STYLES, *(e for es in NOVEL_EXPRESSIONS.values() for e in es),
-               *(w for ws in WORD_PHRASINGS["novel"].values() for w in ws)]
-SPARE_PIECES = [*SPARE_FRAMES, *SPARE_STYLES, *(e for es in SPARE_EXPRESSIONS.values() for e in es),
-               *(w for ws in WORD_PHRASINGS["spare"].values() for w in ws)]
+def split_pieces(frames, styles, expressions, split: str) -> list[str]:
+    """A held-out split's phrasing pieces: its frames, styles, expressions and word problems."""
+    return [*frames, *styles, *(e for es in expressions.values() for e in es),
+            *(w for ws in WORD_PHRASINGS[split].values() for w in ws)]
+
+
+HELD_OUT_PIECES = split_pieces(HELD_OUT_FRAMES, HELD_OUT_STYLES, HELD_OUT_EXPRESSIONS, "held_out")
+FRESH_PIECES = split_pieces(FRESH_FRAMES, FRESH_STYLES, FRESH_EXPRESSIONS, "fresh")
+NOVEL_PIECES = split_pieces(NOVEL_FRAMES, NOVEL_STYLES, NOVEL_EXPRESSIONS, "novel")
+SPARE_PIECES = split_pieces(SPARE_FRAMES, SPARE_STYLES, SPARE_EXPRESSIONS, "spare")
 
 
 def test_held_out_phrasings_are_disjoint_from_training_ones():

@@ -55,6 +55,14 @@ class EvalRow:
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
 
 
+# Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
+# `fusion.tools.training.arithmetic.PHRASINGS`); "novel" and "spare" are asked only with `reserve`.
+SPLIT_FIELDS = {"in": "arithmetic_accuracy", "out": "arithmetic_out", "fresh": "arithmetic_fresh",
+                "novel": "arithmetic_novel", "spare": "arithmetic_spare"}
+SPLIT_PHRASINGS = {"in": "train", "out": "held_out", "fresh": "fresh", "novel": "novel", "spare": "spare"}
+RESERVE_SPLITS = ("novel", "spare")
+
+
 def route_variant(spec: FusionSpec, **params) -> FusionSpec:
     """A `route` spec with some of its router's switches changed."""
     return spec.model_copy(update={"params": {**spec.params, **params}})
@@ -250,26 +258,16 @@ def evaluate(
     results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
     if questions > 0:
         kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
-        sets = {"in": make_questions(questions, seed), "out": make_questions(questions, seed, phrasing="held_out"),
-                "fresh": make_questions(questions, seed, phrasing="fresh")}
-        if reserve:
-            sets["novel"] = make_questions(questions, seed, phrasing="novel")
-            sets["spare"] = make_questions(questions, seed, phrasing="spare")
+        sets = {split: make_questions(questions, seed, phrasing=SPLIT_PHRASINGS[split]) for split in SPLIT_FIELDS
+                if reserve or split not in RESERVE_SPLITS}
         for result, (name, spec) in zip(results, rows):
             for split, qs in sets.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
                 acc, tps, records = arithmetic_accuracy(service, spec, qs)
                 result.arithmetic_by_kind[split] = by_kind(records, kinds)
+                setattr(result, SPLIT_FIELDS[split], acc)
                 if split == "in":
-                    result.arithmetic_accuracy, result.tokens_per_s = acc, tps
-                elif split == "out":
-                    result.arithmetic_out = acc
-                elif split == "fresh":
-                    result.arithmetic_fresh = acc
-                elif split == "novel":
-                    result.arithmetic_novel = acc
-                else:
-                    result.arithmetic_spare = acc
+                    result.tokens_per_s = tps
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
     for domain in domains:
         texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
@@ -299,7 +297,7 @@ def format_table(results: list[EvalRow]) -> str:
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
     reserve = any(r.arithmetic_novel is not None for r in results)
-    splits = ["in", "out", "fresh"] + (["novel", "spare"] if reserve else [])
+    splits = [split for split in SPLIT_FIELDS if reserve or split not in RESERVE_SPLITS]
     header = ["row", "arith in-template", "arith out-of-template", "arith out-of-template 2"]
     header += ["arith out-of-template 3", "arith out-of-template 4"] if reserve else []
     header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3 / out 4" if reserve else "") for k in kinds]
@@ -310,8 +308,7 @@ def format_table(results: list[EvalRow]) -> str:
         per_kind = [" / ".join(_pct(split.get(s, {}).get(k)) for s in splits) for k in kinds]
         bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
         tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
-        accuracies = [r.arithmetic_accuracy, r.arithmetic_out, r.arithmetic_fresh]
-        accuracies += [r.arithmetic_novel, r.arithmetic_spare] if reserve else []
+        accuracies = [getattr(r, SPLIT_FIELDS[split]) for split in splits]
         lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, tps]) + " |")
     return "\n".join(lines)
 

@@ -50,6 +50,24 @@ def _members_step_ms(members: Sequence, which: Sequence[int], session: str, step
     return elapsed
 
 
+Timings = dict[str, list[float]]  # part -> ms of each timed call
+
+
+def wrap(owner: object, name: str, label: str, timings: Timings) -> Callable[[], None]:
+    """Time every call of `owner.name` into `timings[label]` (ms); returns the undo."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            timings[label].append((time.perf_counter() - start) * 1e3)
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, inner)
+
+
 def emit_figures(figures: dict, json_path: Path | None) -> None:
     """Print `figures` as JSON, and write them to `json_path` if given."""
     text = json.dumps(figures, indent=2)

@@ -1,13 +1,14 @@
-"""What batch-invariant experts cost (`batch_invariant: true`, docs/configuration.md): the default trio as
-configured and the same trio batch-invariant, loaded side by side in one process, timed in alternating
-rounds on the compute thread (as the engine steps them):
+"""What a prompt costs row by row through the C step (`batch_invariant: true`, and prompts of at most
+`c_step_prompt_ids` ids, docs/configuration.md) against transformers' forward: the default trio with every
+prompt through the forward (`c_step_prompt_ids: 0`) and the same trio batch-invariant, loaded side by side in
+one process, timed in alternating rounds on the compute thread (as the engine steps them):
 
-- a new prompt of N ids for each of the three members at once (the prompt's forward: transformers' for the
-  trio as configured, its three members' prompts in one left-padded batch; row by row through the C step for
-  the batch-invariant one), for several N;
+- a new prompt of N ids for each of the three members at once (through the forward, its three members'
+  prompts in one left-padded batch; row by row through the C step for the batch-invariant one), for several
+  N: where the ratio crosses 1 is where `c_step_prompt_ids` (3 N ids in all) belongs;
 - a decode step of S sessions of each member (3 S rows), which both run through the C step.
 
-Prints the median of each and the ratio batch-invariant / as configured.
+Prints the median of each and the ratio row by row / forward.
 
     python benchmarks/batch_invariant.py --json docs/bench_batch_invariant.json
 """
@@ -29,7 +30,7 @@ def main() -> None:
     from fusion.tools.step_timing import emit_figures, members_step_ms
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="16,64,256,1024", help="prompt lengths in ids")
+    parser.add_argument("--lengths", default="16,48,85,128,256,1024", help="prompt lengths in ids")
     parser.add_argument("--sessions", default="1,8", help="sessions of each member in the decode step")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
@@ -39,8 +40,8 @@ def main() -> None:
     sessions = [int(n) for n in options.sessions.split(",")]
     config = load_config(DEFAULT_CONFIG)
     variants = {}
-    for name, invariant in (("as_configured", False), ("batch_invariant", True)):
-        experts = [e.model_copy(update={"batch_invariant": invariant}) for e in config.experts]
+    for name, fields in (("forward", {"c_step_prompt_ids": 0}), ("batch_invariant", {"batch_invariant": True})):
+        experts = [e.model_copy(update=fields) for e in config.experts]
         service = load_service(config.model_copy(update={"experts": experts}), default_cache_dir(), router=False)
         variants[name] = service.engine.experts
 
@@ -70,8 +71,8 @@ def main() -> None:
     median_step = {name: {s: statistics.median(v) for s, v in by.items()} for name, by in steps.items()}
     figures = {
         "prompt_s": median_prompt, "decode_step_ms": median_step,
-        "prompt_ratio": {n: median_prompt["batch_invariant"][n] / median_prompt["as_configured"][n] for n in lengths},
-        "decode_step_ratio": {s: median_step["batch_invariant"][s] / median_step["as_configured"][s] for s in sessions},
+        "prompt_ratio": {n: median_prompt["batch_invariant"][n] / median_prompt["forward"][n] for n in lengths},
+        "decode_step_ratio": {s: median_step["batch_invariant"][s] / median_step["forward"][s] for s in sessions},
         "rounds": {"prompt_s": prompts, "decode_step_ms": steps},
     }
     emit_figures(figures, options.json)

@@ -31,9 +31,9 @@ class ExpertConfig(_Strict):
     gguf_file: str | None = None
     # A PEFT adapter (LoRA) over `model`: a local folder, a hub id or `builtin:NAME` (shipped).
     adapter: str | None = Field(default=None, min_length=1)
-    # Experts naming the same base (model, GGUF file, dtype, device, decode, weights, batch_invariant) load
-    # it once and run their rows of a step as one batch, each row with its own adapter
-    # (fusion.shared_base). False: this expert loads its own copy with its adapter merged into the weights.
+    # Experts naming the same base (model, GGUF file, dtype, device, decode, weights, batch_invariant,
+    # c_step_prompt_ids) load it once and run their rows of a step as one batch, each row with its own
+    # adapter (fusion.shared_base). False: this expert loads its own copy with its adapter merged into the weights.
     share_base: bool = True
     dtype: DType = "bfloat16"
     device: str = "cpu"
@@ -71,6 +71,12 @@ class ExpertConfig(_Strict):
     # decode: fast, a CPU, a Llama-family model. A prompt then costs more than with transformers' forward
     # (docs/performance.md).
     batch_invariant: bool = False
+    # Where the C decode step runs this expert (as for batch_invariant), a forward whose ids number at most
+    # this many in all (a step's new prompts together, or one history, cached ids included) runs them row by
+    # row through it rather than through transformers' forward: at a few rows the forward's per-layer
+    # operator dispatch costs more than the arithmetic, at many the dense product outruns the codes'
+    # (docs/performance.md). 0: prompts always take the forward (unless batch_invariant).
+    c_step_prompt_ids: int = Field(default=256, ge=0)
 
     @model_validator(mode="after")
     def _batch_invariant_has_the_c_step(self) -> ExpertConfig:

@@ -116,6 +116,8 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         self._row_by_row = config.batch_invariant
         if self._row_by_row:
             self.check_row_by_row()
+        # Forwards of at most this many ids run row by row through the C step (config `c_step_prompt_ids`)
+        self._c_step_prompt_ids = config.c_step_prompt_ids if self._runs_row_by_row() else 0
         # The adapter of each row of the next forward, for experts whose rows run different adapters over
         # one base (fusion.shared_base); None: no adapters.
         self._rows_now: torch.Tensor | None = None
@@ -175,6 +177,17 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         if config.decode == "regional":
             return DecodeStep(model, "regional")
         return DecodeStep(model, "cudagraphs" if self.device.type == "cuda" else "inductor")
+
+    def _runs_row_by_row(self) -> bool:
+        try:
+            self.check_row_by_row()
+        except ValueError:
+            return False
+        return True
+
+    def _short_for_c_step(self, ids: int) -> bool:
+        """Whether a forward of `ids` ids in all runs row by row through the C step (`c_step_prompt_ids`)."""
+        return self._row_by_row or ids <= self._c_step_prompt_ids
 
     def check_row_by_row(self) -> None:
         """ValueError unless the C step can run every forward of this expert (config `batch_invariant`)."""
@@ -244,6 +257,10 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
                     fresh.append((i, entry, token_ids))
                 else:
                     rows[i] = self._forward_tail(r.session_id, token_ids, 1)[-1]
+            if fresh and self._short_for_c_step(sum(len(t) for _, _, t in fresh)):
+                for i, _, token_ids in fresh:  # few rows: cheaper one prompt at a time through the C step
+                    rows[i] = self._forward_tail(requests[i].session_id, token_ids, 1)[-1]
+                fresh = []
             for group, batched_forward in ((decode, self._decode_batch), (fresh, self._prefill_batch)):
                 if len(group) == 1:
                     i, _, token_ids = group[0]
@@ -342,7 +359,7 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         try:
             if fast:
                 logits = self._fast_forward(entry.kv.layers, token_ids[-1:], [reuse])  # (1, V)
-            elif self._row_by_row:
+            elif self._short_for_c_step(len(token_ids)):
                 logits = prefill_on_layers(self._fast_step, entry.kv.layers, token_ids[reuse:], self._rows_now,
                                            num_logits)  # (n, V)
             else:

@@ -17,9 +17,10 @@ attention read straight from the `GrowingLayer` buffers:
 Only steady decoding takes this path: one new id per row, plain (full-attention) cache layers whose
 rows end at a common column (a session alone, or an expert's `Cohort`). Prefill, prompt chunks and
 every other shape stay on transformers' forward, over the same caches, so prefix reuse, cohort
-batching and chunked prefill see no difference. Except for batch-invariant experts (the config's
-`batch_invariant`): there a prompt's ids run one row each through the C step below (`FastDecoder.prefill`,
-`prefill_on_layers`), so that every id is computed as a decode step of it would be.
+batching and chunked prefill see no difference. Except where the C step below runs the layers: there a
+short forward (the config's `c_step_prompt_ids`), and every forward of a batch-invariant expert
+(`batch_invariant`), runs its ids one row each through it (`FastDecoder.prefill`, `prefill_on_layers`), so
+that every id is computed as a decode step of it would be.
 
 On a CPU, when every projection is in one of the project's own quantized layouts (`weights: int4 |
 int8`, fusion.quantized), an eager step runs its layers as one call into C instead

@@ -9,8 +9,8 @@ entry, with the Expert contract, stepping through the group. The engine steps a 
 in one call (`step_members`) so that their rows share a forward; alone, a member still works.
 
 `load_local_experts` builds the experts of a config: members that name the same base (same model,
-GGUF file, dtype, device, decode, weights and batch_invariant) and opt in (`share_base`, the default)
-share one, the others load their own copy, with an adapter merged into it.
+GGUF file, dtype, device, decode, weights, batch_invariant and c_step_prompt_ids) and opt in (`share_base`,
+the default) share one, the others load their own copy, with an adapter merged into it.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class SharedBaseExpert(LocalExpert):
                 self._fast_step = None
         if self._row_by_row:  # the C step's table now holds the adapters too
             self.check_row_by_row()
+        # asked again now that the adapters are installed: the C step runs them only in its own layouts
+        self._c_step_prompt_ids = group.c_step_prompt_ids if self._runs_row_by_row() else 0
         self.members = [AdapterMember(self, c, f"{model_ref} + {a}" if a else model_ref) for c, a in zip(configs, adapters)]
 
     def _select_rows(self, session_ids: list[str]) -> None:
@@ -128,7 +130,7 @@ class AdapterMember:
 def base_key(config: ExpertConfig, model_path: str) -> tuple:
     """Experts with equal keys can share one loaded base."""
     return (model_path, config.gguf_file, config.dtype, config.device, config.decode, config.weights,
-            config.batch_invariant)
+            config.batch_invariant, config.c_step_prompt_ids)
 
 
 def load_local_experts(configs: Sequence[ExpertConfig], resolve_model: Callable[[str], str],

@@ -109,3 +109,33 @@ def test_lookahead_rows_of_several_ids_are_not_adopted_but_computed_row_by_row(t
     expert.extend("s", PROMPT, [[1, 2], [3]])
     assert "s" not in expert._extensions  # nothing kept to adopt
     assert torch.equal(expert.step([StepRequest("s", PROMPT + [1, 2])])[0], want)
+
+
+def _int4_expert(tiny_dir, **fields) -> LocalExpert:
+    return LocalExpert.load(ExpertConfig(name="a", model=str(tiny_dir / "a"), dtype="float32", weights="int4",
+                                         **fields))
+
+
+def test_short_prompts_run_row_by_row_and_long_ones_the_forward(tiny_dir):
+    """`c_step_prompt_ids`: a step's new prompts of at most that many ids in all run row by row through the C
+    step (each prompt's logits are the batch-invariant expert's, bit for bit); more take transformers' forward,
+    one left-padded batch (the logits of an expert whose prompts always do, `c_step_prompt_ids: 0`)."""
+    invariant = _int4_expert(tiny_dir, batch_invariant=True)
+    forward = _int4_expert(tiny_dir, c_step_prompt_ids=0)
+    other = OTHERS["left"]
+    both = [StepRequest("s", PROMPT), StepRequest("o", other)]
+    by_rows = torch.stack([invariant.step([StepRequest("s", PROMPT)])[0], invariant.step([StepRequest("o", other)])[0]])
+    by_forward = forward.step(both)
+    assert not torch.equal(by_rows, by_forward)  # the two ways differ in their bits: the checks below can tell
+
+    fits = _int4_expert(tiny_dir, c_step_prompt_ids=len(PROMPT) + len(other))
+    assert torch.equal(fits.step(both), by_rows)
+    one_short = _int4_expert(tiny_dir, c_step_prompt_ids=len(PROMPT) + len(other) - 1)
+    assert torch.equal(one_short.step(both), by_forward)
+
+
+def test_short_prompts_need_the_c_step(tiny_dir):
+    """Where the C step cannot run the expert (dense weights), every prompt takes the forward."""
+    dense = LocalExpert.load(ExpertConfig(name="a", model=str(tiny_dir / "a"), dtype="float32"))
+    assert dense._c_step_prompt_ids == 0 and not dense._short_for_c_step(1)
+    assert _int4_expert(tiny_dir)._short_for_c_step(ExpertConfig.model_fields["c_step_prompt_ids"].default)

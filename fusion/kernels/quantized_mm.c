@@ -463,9 +463,11 @@ static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int6
 }
 #endif
 
-/* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). */
-static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes,
-                        const void *scale_params, int64_t n, int64_t n_total, void *out, int is_bf16) {
+/* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). Inlined where `count` is a
+ * constant (int8_output), as int4_block_rows is. */
+static inline __attribute__((always_inline)) void int8_output_rows(
+        const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes, const void *scale_params,
+        int64_t n, int64_t n_total, void *out, int is_bf16) {
     const float *scales = scale_params;
     const int64_t groups = k / GROUP;
     const int8_t *row = codes + n * k;
@@ -489,6 +491,20 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
         }
 #endif
     for (int r = 0; r < count; r++) store(out, (m0 + r) * n_total + n, total[r] * x->d[m0 + r] * scales[n], is_bf16);
+}
+
+/* int8_output_rows for 1 to ROW_BLOCK rows, each count its own copy: with the count a variable, the rows'
+ * accumulators stayed in memory and the inner loop branched on it. */
+_Static_assert(ROW_BLOCK == 4, "int8_output's cases are 1 to ROW_BLOCK rows");
+static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes,
+                        const void *scale_params, int64_t n, int64_t n_total, void *out, int is_bf16) {
+    switch (count) {
+    case 1: int8_output_rows(x, m0, 1, k, codes, scale_params, n, n_total, out, is_bf16); return;
+    case 2: int8_output_rows(x, m0, 2, k, codes, scale_params, n, n_total, out, is_bf16); return;
+    case 3: int8_output_rows(x, m0, 3, k, codes, scale_params, n, n_total, out, is_bf16); return;
+    case ROW_BLOCK: int8_output_rows(x, m0, ROW_BLOCK, k, codes, scale_params, n, n_total, out, is_bf16); return;
+    }
+    int8_output_rows(x, m0, count, k, codes, scale_params, n, n_total, out, is_bf16);
 }
 
 /* out (rows, n) = the quantized rows `q` (k activations each, quantized for `q->bits`) times the 4-bit weight

@@ -179,15 +179,19 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         return DecodeStep(model, "cudagraphs" if self.device.type == "cuda" else "inductor")
 
     def _runs_row_by_row(self) -> bool:
+        """Whether the C step can run this expert's prompts row by row (`c_step_prompt_ids`): its layers, and
+        caches in a dtype it reads in place."""
         try:
             self.check_row_by_row()
         except ValueError:
             return False
-        return True
+        return self._fast_step.decoder.embed.dtype in (torch.bfloat16, torch.float32)
 
     def _short_for_c_step(self, ids: int) -> bool:
-        """Whether a forward of `ids` ids in all runs row by row through the C step (`c_step_prompt_ids`)."""
-        return self._row_by_row or ids <= self._c_step_prompt_ids
+        """Whether a forward of `ids` ids in all runs row by row through the C step (`c_step_prompt_ids`;
+        every one where `batch_invariant`). Not while the decoder's C layers are switched off (a benchmark
+        timing torch's operators)."""
+        return self._row_by_row or (ids <= self._c_step_prompt_ids and self._fast_step.decoder.native_layers)
 
     def check_row_by_row(self) -> None:
         """ValueError unless the C step can run every forward of this expert (config `batch_invariant`)."""

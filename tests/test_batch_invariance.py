@@ -139,3 +139,12 @@ def test_short_prompts_need_the_c_step(tiny_dir):
     dense = LocalExpert.load(ExpertConfig(name="a", model=str(tiny_dir / "a"), dtype="float32"))
     assert dense._c_step_prompt_ids == 0 and not dense._short_for_c_step(1)
     assert _int4_expert(tiny_dir)._short_for_c_step(ExpertConfig.model_fields["c_step_prompt_ids"].default)
+
+
+def test_short_prompts_take_the_forward_while_the_c_layers_are_off(tiny_dir):
+    """A decoder whose C layers are switched off (a benchmark timing torch's operators) sends short prompts
+    through the forward rather than failing them."""
+    forward = _int4_expert(tiny_dir, c_step_prompt_ids=0)
+    expert = _int4_expert(tiny_dir)
+    expert._fast_step.decoder.native_layers = False
+    assert torch.equal(expert.step([StepRequest("s", PROMPT)]), forward.step([StepRequest("s", PROMPT)]))

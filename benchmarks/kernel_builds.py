@@ -1,13 +1,13 @@
 """The project's quantized products, this tree's kernels against another revision's, side by side in one
 process on the default trio's real weights: every 4-bit projection of SmolLM2's layers (120, one pass reads
-their 66 MB of codes from memory, as a decode step does) and the 8-bit output head, at 1 and 3 rows (one
-session of the base alone; the trio's three members), in alternating rounds on the compute thread.
+their 66 MB of codes from memory, as a decode step does) and the 8-bit output head, at 1 and 3 rows by default
+(one session of the base alone; the trio's three members), in alternating rounds on the compute thread.
 
 Checks first that both builds give the same bits on each kind of weight (a kernel change that keeps each
 output's arithmetic and its order must), then prints the median milliseconds of each and the ratio
 this tree / the other revision.
 
-    python benchmarks/kernel_builds.py --before HEAD~1 [--rounds 9] [--json docs/bench_kernel_builds.json]
+    python benchmarks/kernel_builds.py --before HEAD~1 [--rows 1,3] [--rounds 9] [--json docs/bench_kernel_builds.json]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="HEAD", help="the git revision to compare this tree's kernels with")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rows", default="1,3", help="row counts (49: a prompt of 49 ids)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
 
@@ -73,7 +74,7 @@ def main() -> None:
     head = decoder.lm_head
     weights = {"int4": [(p.in_features, p.out_features, p.nibbles, p.scale_bias) for p in projections],
                "int8": [(head.in_features, head.out_features, head.codes, head.scales)]}
-    cases = [(kind, rows) for kind in weights for rows in (1, 3)]
+    cases = [(kind, rows) for kind in weights for rows in map(int, options.rows.split(","))]
     generator = torch.Generator().manual_seed(0)
 
     def calls(library: ctypes.CDLL, kind: str, rows: int, outputs: list[torch.Tensor]) -> list[tuple]:

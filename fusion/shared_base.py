@@ -61,6 +61,11 @@ class SharedBaseExpert(LocalExpert):
         self._c_step_prompt_ids = group.c_step_prompt_ids if self._runs_row_by_row() else 0
         self.members = [AdapterMember(self, c, f"{model_ref} + {a}" if a else model_ref) for c, a in zip(configs, adapters)]
 
+    def select_base_rows(self) -> None:
+        """The next forward of the model runs the bare base (every row without an adapter), whatever rows the
+        members' last step left: for a forward of `self.model` outside `step` (a benchmark's plain forward)."""
+        self._select_rows([""])
+
     def _select_rows(self, session_ids: list[str]) -> None:
         rows = [self.adapter_index.get(s.partition(SEPARATOR)[0], BASE) for s in session_ids]
         self.multi.rows.set(rows)

@@ -94,6 +94,9 @@ def _plain_forward_times(expert: LocalExpert, prompt: list[int]) -> Iterator[flo
     from transformers import DynamicCache
 
     model = expert.model
+    group = getattr(expert, "shared_base", None)
+    if group is not None:  # the bare base, not the rows the members' last step left (a batch of another size)
+        group.select_base_rows()
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         out = model(input_ids=torch.tensor([prompt], device=expert.device), cache=cache, use_cache=True,

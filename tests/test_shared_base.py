@@ -210,3 +210,18 @@ def test_an_adapter_it_cannot_run_per_row_is_refused_with_the_way_out(tiny_dir, 
     configs = trio_configs(tiny_dir, (dora, dora))
     with pytest.raises(AssetError, match="DoRA.*share_base: false"):
         load_local_experts(configs, str)
+
+
+def test_a_forward_of_the_model_after_a_step_runs_the_bare_base(shared, merged):
+    """What a benchmark's plain forward relies on: after the members' step (three rows, two with adapters),
+    `select_base_rows` makes the next forward of the shared model the bare base's, at another batch size."""
+    group = shared[0].shared_base
+    group.step_members([(member, [StepRequest(f"r{i}", [1, 2, 3, 4])]) for i, member in enumerate(shared)])
+    group.select_base_rows()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        got = shared[0].model(input_ids=ids).logits
+        want = merged[0].model(input_ids=ids).logits
+    for i, member in enumerate(shared):
+        member.release([f"r{i}"])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

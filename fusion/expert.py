@@ -241,8 +241,9 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         """Next-token logits for each session: (B, V) float32 on the expert's device.
 
         Sessions whose cache lacks only the last id (steady decoding) run as one batched forward;
-        sessions with nothing cached (new prompts) run as another, left-padded; the others (a later
-        prompt chunk, diverged or evicted histories) run one by one."""
+        sessions with nothing cached (new prompts) run as another, left-padded, or one by one row by row
+        through the C step where they are few (`c_step_prompt_ids`); the others (a later prompt chunk,
+        diverged or evicted histories) run one by one."""
         if not requests:
             return torch.empty(0, self.info.vocab_size)
         ids = [r.session_id for r in requests]

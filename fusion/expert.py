@@ -116,8 +116,10 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         self._row_by_row = config.batch_invariant
         if self._row_by_row:
             self.check_row_by_row()
-        # Forwards of at most this many ids run row by row through the C step (config `c_step_prompt_ids`)
-        self._c_step_prompt_ids = config.c_step_prompt_ids if self._runs_row_by_row() else 0
+        # Whether the C step runs this expert's short forwards (config `c_step_prompt_ids`): asked on first use,
+        # once a shared base's adapters are installed (they change its table), and not at load, where the
+        # table would be built for nothing
+        self._c_step_prompts: bool | None = None
         # The adapter of each row of the next forward, for experts whose rows run different adapters over
         # one base (fusion.shared_base); None: no adapters.
         self._rows_now: torch.Tensor | None = None
@@ -191,7 +193,13 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         """Whether a forward of `ids` ids in all runs row by row through the C step (`c_step_prompt_ids`;
         every one where `batch_invariant`). Not while the decoder's C layers are switched off (a benchmark
         timing torch's operators)."""
-        return self._row_by_row or (ids <= self._c_step_prompt_ids and self._fast_step.decoder.native_layers)
+        if self._row_by_row:
+            return True
+        if ids > self.config.c_step_prompt_ids:
+            return False
+        if self._c_step_prompts is None:
+            self._c_step_prompts = self._runs_row_by_row()
+        return self._c_step_prompts and self._fast_step.decoder.native_layers
 
     def check_row_by_row(self) -> None:
         """ValueError unless the C step can run every forward of this expert (config `batch_invariant`)."""

@@ -12,7 +12,7 @@ from fusion.kv_cache import Cohort, cache_holding, is_plain, new_cache
 
 class BatchedForwardsMixin:
     """The batched forwards of `step`, for `LocalExpert`. The host provides `model`, `device`,
-    `cache`, `max_decode_batch`, `_plain_cache`, `_fast_step`, `_row_by_row`, `_select_rows` and `_fast_forward`, and
+    `cache`, `max_decode_batch`, `_plain_cache`, `_fast_step`, `_select_rows` and `_fast_forward`, and
     owns the batching state its constructor sets: `_cohort` (the sessions of the last batched decode
     step), `decode_batches` (batched decode steps, by how the batch was had) and
     `_ready_made_decode_mask`."""
@@ -45,9 +45,9 @@ class BatchedForwardsMixin:
         return mask.bool()[:, None, None, :] if self._ready_made_decode_mask else mask
 
     def _fresh_batchable(self, entry, token_ids: list[int]) -> bool:
-        """A new prompt (nothing reusable cached) on a model whose cache layers are all plain (not with
-        `_row_by_row`: a prompt then runs alone, row by row through the C step)."""
-        if self.max_decode_batch <= 1 or self._row_by_row or self.cache.reusable_length(entry, token_ids) > 0:
+        """A new prompt (nothing reusable cached) on a model whose cache layers are all plain. (`step` then
+        runs the new prompts one by one, row by row through the C step, where they are few or `_row_by_row`.)"""
+        if self.max_decode_batch <= 1 or self.cache.reusable_length(entry, token_ids) > 0:
             return False
         return self._plain_cache
 

@@ -57,8 +57,6 @@ class SharedBaseExpert(LocalExpert):
                 self._fast_step = None
         if self._row_by_row:  # the C step's table now holds the adapters too
             self.check_row_by_row()
-        # asked again now that the adapters are installed: the C step runs them only in its own layouts
-        self._c_step_prompt_ids = group.c_step_prompt_ids if self._runs_row_by_row() else 0
         self.members = [AdapterMember(self, c, f"{model_ref} + {a}" if a else model_ref) for c, a in zip(configs, adapters)]
 
     def select_base_rows(self) -> None:

@@ -137,7 +137,7 @@ def test_short_prompts_run_row_by_row_and_long_ones_the_forward(tiny_dir):
 def test_short_prompts_need_the_c_step(tiny_dir):
     """Where the C step cannot run the expert (dense weights), every prompt takes the forward."""
     dense = LocalExpert.load(ExpertConfig(name="a", model=str(tiny_dir / "a"), dtype="float32"))
-    assert dense._c_step_prompt_ids == 0 and not dense._short_for_c_step(1)
+    assert not dense._short_for_c_step(1) and dense._c_step_prompts is False
     assert _int4_expert(tiny_dir)._short_for_c_step(ExpertConfig.model_fields["c_step_prompt_ids"].default)
 
 

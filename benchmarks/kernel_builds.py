@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 
 
 def build(kernels: Path, target: Path) -> ctypes.CDLL:
@@ -32,9 +30,7 @@ def build(kernels: Path, target: Path) -> ctypes.CDLL:
 
     subprocess.run(["gcc", *native_kernels.FLAGS, str(kernels / "library.c"), "-o", str(target), "-lm"], check=True)
     library = ctypes.CDLL(str(target))
-    for function in (library.fusion_int4_mm, library.fusion_int8_mm):
-        function.argtypes = ARGTYPES
-        function.restype = ctypes.c_int
+    native_kernels.declare_products(library)
     return library
 
 

@@ -82,6 +82,15 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(partial, target)  # concurrent builders each write a whole file
 
 
+def declare_products(lib: ctypes.CDLL) -> None:
+    """The signatures of a built library's products (`fusion_int4_mm`, `fusion_int8_mm`): x, rows, k, codes,
+    params, n, out, is_bf16, threads -> 0, or -1 when out of memory."""
+    for function in (lib.fusion_int4_mm, lib.fusion_int8_mm):
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        function.restype = ctypes.c_int
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be had (module docstring)."""
@@ -108,10 +117,7 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         logger.warning("quantized products use torch's kernels: the project's own could not be built (%s)", err)
         return None
-    for function in (lib.fusion_int4_mm, lib.fusion_int8_mm):
-        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        function.restype = ctypes.c_int
+    declare_products(lib)
     lib.fusion_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p, ctypes.c_void_p]
     lib.fusion_decode_layers.restype = ctypes.c_int

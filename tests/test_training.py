@@ -30,6 +30,10 @@ from fusion.tools.training.arithmetic import (
     SPARE_EXPRESSIONS,
     SPARE_FRAMES,
     SPARE_STYLES,
+    FIFTH_EXPRESSIONS,
+    FIFTH_FRAMES,
+    FIFTH_STYLES,
+    ORDER_EXPRESSIONS,
     WORD_PHRASINGS,
     STYLES,
     TEMPLATES,
@@ -169,18 +173,33 @@ HELD_OUT_PIECES = split_pieces(HELD_OUT_FRAMES, HELD_OUT_STYLES, HELD_OUT_EXPRES
 FRESH_PIECES = split_pieces(FRESH_FRAMES, FRESH_STYLES, FRESH_EXPRESSIONS, "fresh")
 NOVEL_PIECES = split_pieces(NOVEL_FRAMES, NOVEL_STYLES, NOVEL_EXPRESSIONS, "novel")
 SPARE_PIECES = split_pieces(SPARE_FRAMES, SPARE_STYLES, SPARE_EXPRESSIONS, "spare")
+FIFTH_PIECES = split_pieces(FIFTH_FRAMES, FIFTH_STYLES, FIFTH_EXPRESSIONS, "fifth")
+ALL_HELD_OUT_EXPRESSIONS = (HELD_OUT_EXPRESSIONS, FRESH_EXPRESSIONS, NOVEL_EXPRESSIONS, SPARE_EXPRESSIONS,
+                            FIFTH_EXPRESSIONS)
 
 
 def test_held_out_phrasings_are_disjoint_from_training_ones():
     training = [t.format(a=12, b=34) for ts in TEMPLATES.values() for t in ts]
     training += [s.replace("{q}", "What is 1 + 2?") for s in STYLES]
-    for piece in HELD_OUT_PIECES + FRESH_PIECES + NOVEL_PIECES + SPARE_PIECES:
+    for piece in HELD_OUT_PIECES + FRESH_PIECES + NOVEL_PIECES + SPARE_PIECES + FIFTH_PIECES:
         pattern = piece_pattern(piece)
         assert not any(pattern.search(t) for t in training), piece
     assert not set(FRAMES) & set(HELD_OUT_FRAMES) and not set(STYLES) & set(HELD_OUT_STYLES)
     assert not set(FRAMES) & set(FRESH_FRAMES) and not set(STYLES) & set(FRESH_STYLES)
     assert not set(FRAMES) & set(NOVEL_FRAMES) and not set(STYLES) & set(NOVEL_STYLES)
     assert not set(FRAMES) & set(SPARE_FRAMES) and not set(STYLES) & set(SPARE_STYLES)
+    assert not set(FRAMES) & set(FIFTH_FRAMES) and not set(STYLES) & set(FIFTH_STYLES)
+
+
+def test_operand_order_wordings_use_no_held_out_operation_word():
+    """The wordings that teach operand order by preposition share no verb (or verb and preposition)
+    with any held-out set's expressions: a held-out "{b} knocked off {a}" stays unseen as a whole."""
+    held_words = {word for sets in ALL_HELD_OUT_EXPRESSIONS for es in sets.values() for e in es
+                  for word in re.findall(r"[a-z]+", e) if len(word) > 4}
+    for op, expressions in ORDER_EXPRESSIONS.items():
+        assert len(expressions) >= 20, op
+        for e in expressions:
+            assert not set(re.findall(r"[a-z]+", e)) & held_words, e
 
 
 def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_dir):
@@ -191,7 +210,8 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
                  for _ in range(3000)]
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
-    pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES}
+    pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES,
+              "fifth": FIFTH_PIECES}
     patterns = {split: [piece_pattern(p) for p in ps] for split, ps in pieces.items()}
     for q in questions:
         assert not any(p.search(q) for ps in patterns.values() for p in ps), q

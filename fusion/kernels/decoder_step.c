@@ -237,7 +237,7 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
 static void product(const float *x, int64_t rows, const quantized_weight *w, quantized_rows *q, float *out,
                     int threads) {
     quantize_rows(x, rows, w->k, w->bits, q);
-    multiply(q, rows, w->k, w->codes, w->params, w->n, out, 0, threads);
+    multiply(q, rows, w->k, w->codes, w->params, w->n, out, 0, threads, NULL);
 }
 
 /* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of rows * columns floats. A column's
@@ -276,6 +276,85 @@ static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const
             }
         }
     }
+}
+
+/* A projection's bias and adapter deltas as work of its 4-bit product's region (quantized_mm.c's product_extra):
+ * the same arithmetic as adding the bias and then add_adapters after the product, each output's terms in the
+ * same order (every `up` term a fused multiply-add, as add_scaled's vector lanes do), so the outputs are
+ * the same bits either way. */
+typedef struct {
+    const lora_stack *lora;      /* NULL or without `down`: no adapters */
+    const int64_t *adapter_rows;
+    const float *bias;           /* (n,) or NULL */
+    const float *x;              /* (rows, k): the product's input, which the adapters' `down` reads */
+    float *t;                    /* (rows, columns): x down, for each row's adapter's columns */
+    int64_t rows, k, n;
+} projection_extra;
+
+static void adapters_down(const void *context) {
+    const projection_extra *e = context;
+    const lora_stack *s = e->lora;
+    if (s == NULL || s->down == NULL || e->adapter_rows == NULL) return;
+    const int64_t columns = s->columns;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t m = 0; m < e->rows; m++)
+        for (int64_t c = 0; c < columns; c++) {
+            const int64_t a = e->adapter_rows[m];
+            if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
+            e->t[m * columns + c] = s->is_bf16 ? dot_bf16(e->x + m * e->k, (const uint16_t *)s->down + c * e->k, e->k)
+                                               : dot(e->x + m * e->k, (const float *)s->down + c * e->k, e->k);
+        }
+}
+
+static void bias_and_adapters_up(const void *context, int64_t block, float *out) {
+    const projection_extra *e = context;
+    const int64_t j0 = block * OUT_BLOCK, j1 = j0 + OUT_BLOCK, n = e->n;
+    if (e->bias != NULL)
+        for (int64_t m = 0; m < e->rows; m++)
+            for (int64_t j = j0; j < j1; j++) out[m * n + j] += e->bias[j];
+    const lora_stack *s = e->lora;
+    if (s == NULL || s->down == NULL || e->adapter_rows == NULL) return;
+    for (int64_t m = 0; m < e->rows; m++) {
+        const int64_t a = e->adapter_rows[m];
+        if (a < 0 || a >= s->adapters) continue;
+        float *row = out + m * n;
+        for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
+            const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
+            const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
+            if (lo >= hi) continue;
+            const float p = e->t[m * s->columns + c];
+#ifdef __AVX2__
+            if (lo == j0 && hi == j1) {
+                const __m256 up = s->is_bf16 ? widen8_bf16((const uint16_t *)s->up + c * n + j0)
+                                             : _mm256_loadu_ps((const float *)s->up + c * n + j0);
+                _mm256_storeu_ps(row + j0, _mm256_fmadd_ps(_mm256_set1_ps(p), up, _mm256_loadu_ps(row + j0)));
+                continue;
+            }
+#endif
+            for (int64_t j = lo; j < hi; j++)
+                row[j] = fmaf(p, s->is_bf16 ? bf16_to_float(((const uint16_t *)s->up)[c * n + j])
+                                            : ((const float *)s->up)[c * n + j], row[j]);
+        }
+    }
+}
+
+/* out (rows, w->n) = x w (+ bias) (+ each row's adapter delta): for 4-bit weights in the product's own region
+ * (projection_extra), else product, bias and add_adapters one after another. */
+static void project(const float *x, int64_t rows, const quantized_weight *w, const float *bias, const lora_stack *lora,
+                    const int64_t *adapter_rows, quantized_rows *q, float *t, float *out, int threads) {
+    if (w->bits == 4) {
+        const projection_extra e = {lora, adapter_rows, bias, x, t, rows, w->k, w->n};
+        const product_extra extra = {adapters_down, bias_and_adapters_up, &e};
+        const int any = bias != NULL || (lora->down != NULL && adapter_rows != NULL);
+        quantize_rows(x, rows, w->k, w->bits, q);
+        multiply(q, rows, w->k, w->codes, w->params, w->n, out, 0, threads, any ? &extra : NULL);
+        return;
+    }
+    product(x, rows, w, q, out, threads);
+    if (bias != NULL)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < w->n; j++) out[m * w->n + j] += bias[j];
+    add_adapters(lora, adapter_rows, x, rows, w->k, w->n, out, t, threads);
 }
 
 /* transformers' rotate_half rotary embedding of one head (dim values) in place. */
@@ -414,13 +493,9 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
         const decoder_layer *layer = layers + l;
         rms_norm(x, layer->input_norm, rows, hidden, s->eps, h);
         CLOCK_LAP(CLOCK_NORMS);
-        product(h, rows, &layer->projection[QKV], &q, qkv, s->threads);
-        if (layer->qkv_bias)
-            for (int64_t m = 0; m < rows; m++)
-                for (int64_t j = 0; j < qkv_width; j++) qkv[m * qkv_width + j] += layer->qkv_bias[j];
+        project(h, rows, &layer->projection[QKV], layer->qkv_bias, &layer->lora[QKV], s->adapter_rows, &q, t, qkv,
+                s->threads);
         CLOCK_LAP(CLOCK_PRODUCTS);
-        add_adapters(&layer->lora[QKV], s->adapter_rows, h, rows, hidden, qkv_width, qkv, t, s->threads);
-        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t m = 0; m < rows; m++) {
             float *row = qkv + m * qkv_width;
             for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* the queries' heads, then the keys' */
@@ -443,26 +518,21 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
         CLOCK_LAP(CLOCK_ROTARY_KV);
         attend(layer, s, qkv, qkv_width, scratch, attn);
         CLOCK_LAP(CLOCK_ATTENTION);
-        product(attn, rows, &layer->projection[O], &q, delta, s->threads);
+        project(attn, rows, &layer->projection[O], NULL, &layer->lora[O], s->adapter_rows, &q, t, delta, s->threads);
         CLOCK_LAP(CLOCK_PRODUCTS);
-        add_adapters(&layer->lora[O], s->adapter_rows, attn, rows, q_width, hidden, delta, t, s->threads);
-        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
         CLOCK_LAP(CLOCK_RESIDUAL);
 
         rms_norm(x, layer->post_norm, rows, hidden, s->eps, h);
         CLOCK_LAP(CLOCK_NORMS);
-        product(h, rows, &layer->projection[GATE_UP], &q, gate_up, s->threads);
+        project(h, rows, &layer->projection[GATE_UP], NULL, &layer->lora[GATE_UP], s->adapter_rows, &q, t, gate_up,
+                s->threads);
         CLOCK_LAP(CLOCK_PRODUCTS);
-        add_adapters(&layer->lora[GATE_UP], s->adapter_rows, h, rows, hidden, 2 * inter, gate_up, t, s->threads);
-        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t m = 0; m < rows; m++) silu_times(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, inter,
                                                       h + m * inter);
         CLOCK_LAP(CLOCK_ACTIVATION);
-        product(h, rows, &layer->projection[DOWN], &q, delta, s->threads);
+        project(h, rows, &layer->projection[DOWN], NULL, &layer->lora[DOWN], s->adapter_rows, &q, t, delta, s->threads);
         CLOCK_LAP(CLOCK_PRODUCTS);
-        add_adapters(&layer->lora[DOWN], s->adapter_rows, h, rows, inter, hidden, delta, t, s->threads);
-        CLOCK_LAP(CLOCK_ADAPTERS);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
         CLOCK_LAP(CLOCK_RESIDUAL);
     }

@@ -507,30 +507,54 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
     int8_output_rows(x, m0, count, k, codes, scale_params, n, n_total, out, is_bf16);
 }
 
+/* Work a caller has the 4-bit product's parallel region do beside the product, on float32 outputs
+ * (decoder_step.c's bias and adapters): `before` runs on every thread of the region before any block (it may
+ * hold orphaned `omp for` loops, whose barrier then precedes the blocks), `after_block` once a block's 8
+ * outputs of every row are stored, on the thread that stored them, while they are still in its cache. The
+ * region is the product's own, so the extra work costs no second team wake-up, and it is dealt to the threads
+ * as the product's blocks are: evenly. */
+typedef struct {
+    void (*before)(const void *context);
+    void (*after_block)(const void *context, int64_t block, float *out);
+    const void *context;
+} product_extra;
+
 /* out (rows, n) = the quantized rows `q` (k activations each, quantized for `q->bits`) times the 4-bit weight
  * (blocked nibbles and float16 scales and biases, n a multiple of 8) or the 8-bit one (int8 codes, float32
- * scales), over `threads` threads splitting the outputs. */
+ * scales), over `threads` threads splitting the outputs. `extra` (4-bit weights, float32 outputs; NULL: none):
+ * product_extra. */
 static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const void *codes, const void *params,
-                     int64_t n, void *out, int is_bf16, int threads) {
+                     int64_t n, void *out, int is_bf16, int threads, const product_extra *extra) {
     if (q->bits == 4) {
-        /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
-        int64_t single = 0;  /* the first block that goes alone (the ones before it went in pairs) */
+#pragma omp parallel num_threads(threads)
+        {
+            if (extra != NULL) extra->before(extra->context);
+            /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
+            int64_t single = 0;  /* the first block that goes alone (the ones before it went in pairs) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        if (rows >= PAIR_MIN_ROWS) {
-            const int64_t pairs = n / OUT_BLOCK / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t p = 0; p < pairs; p++)
-                for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROW_BLOCK)
-                    int4_block_pair(q, m0, rows - m0 < VNNI_ROW_BLOCK ? (int)(rows - m0) : VNNI_ROW_BLOCK, k, codes,
-                                    params, 2 * p, n, out, is_bf16);
-            single = 2 * pairs;  /* an odd last block, if any */
-        }
+            if (rows >= PAIR_MIN_ROWS) {
+                const int64_t pairs = n / OUT_BLOCK / 2;
+#pragma omp for schedule(static) nowait
+                for (int64_t p = 0; p < pairs; p++) {
+                    for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROW_BLOCK)
+                        int4_block_pair(q, m0, rows - m0 < VNNI_ROW_BLOCK ? (int)(rows - m0) : VNNI_ROW_BLOCK, k,
+                                        codes, params, 2 * p, n, out, is_bf16);
+                    if (extra != NULL) {
+                        extra->after_block(extra->context, 2 * p, out);
+                        extra->after_block(extra->context, 2 * p + 1, out);
+                    }
+                }
+                single = 2 * pairs;  /* an odd last block, if any */
+            }
 #endif
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t b = single; b < n / OUT_BLOCK; b++)
-            for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)
-                int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params, b,
-                           n, out, is_bf16);
+#pragma omp for schedule(static)
+            for (int64_t b = single; b < n / OUT_BLOCK; b++) {
+                for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)
+                    int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params,
+                               b, n, out, is_bf16);
+                if (extra != NULL) extra->after_block(extra->context, b, out);
+            }
+        }
         return;
     }
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
@@ -549,7 +573,7 @@ static int product_of(const void *x, int64_t rows, int64_t k, int bits, const vo
     int status = -1;
     if (xf && alloc_rows(rows, k, &q) == 0) {
         quantize_rows(xf, rows, k, bits, &q);
-        multiply(&q, rows, k, codes, params, n, out, is_bf16, threads);
+        multiply(&q, rows, k, codes, params, n, out, is_bf16, threads, NULL);
         status = 0;
     }
     free(xf);

@@ -10,6 +10,9 @@ The kernels are built with -DFUSION_STEP_CLOCKS (a library file of their own, be
 clocks each phase of the layers (`fusion_step_clocks` in fusion/kernels/decoder_step.c). Around the call,
 the head (`FastDecoder._head`) and the layers' call from Python (`NativeLayers.run`) are timed too; what
 remains of the step (embedding, the rotary table, sessions and caches, Python) is the step's time less both.
+Over 4-bit weights a projection's adapter deltas run inside its product (decoder_step.c's `project`), so the
+`adapters` phase is then part of `products`; `extra_ms.adapters` (the trio less the base's three rows) still
+says what they cost.
 The cases alternate over rounds on the compute thread; the figures are medians over rounds, in ms per step.
 
     python benchmarks/step_parts.py [--rounds 5] [--steps 20] [--history 60] [--json docs/bench_step_parts.json]

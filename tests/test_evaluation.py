@@ -81,12 +81,12 @@ def test_evaluate_reports_in_and_out_of_template_side_by_side(tiny_service):
 def test_the_reserve_set_is_asked_only_when_wanted(tiny_service):
     rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"}))]
     result = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], reserve=True)[0]
-    assert None not in (result.arithmetic_novel, result.arithmetic_spare)
-    assert set(result.arithmetic_by_kind) == {"in", "out", "fresh", "novel", "spare"}
+    assert None not in (result.arithmetic_novel, result.arithmetic_spare, result.arithmetic_fifth)
+    assert set(result.arithmetic_by_kind) == {"in", "out", "fresh", "novel", "spare", "fifth"}
     header = ev.format_table([result]).splitlines()[0]
     assert "arith out-of-template 3 | arith out-of-template 4" in header and "in / out / out 2 / out 3 / out 4" in header
     unasked = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[])[0]
-    assert unasked.arithmetic_novel is None and unasked.arithmetic_spare is None
+    assert unasked.arithmetic_novel is None and unasked.arithmetic_spare is None and unasked.arithmetic_fifth is None
 
 
 def test_function_bits_per_byte_is_the_score_convention(tiny_service):

@@ -516,8 +516,8 @@ def evaluate(
     questions: int = typer.Option(100, "--questions", help="Held-out arithmetic problems, each asked in-template "
                                   "and in both out-of-template sets (0 = skip)."),
     seed: int = typer.Option(0, "--seed", help="Which held-out questions."),
-    reserve: bool = typer.Option(False, "--reserve", help="Also ask the reserve out-of-template sets (a third "
-                                 "and a fourth, for checking figures once the first ones have informed choices)."),
+    reserve: bool = typer.Option(False, "--reserve", help="Also ask the reserve out-of-template sets (a third, "
+                                 "a fourth and a fifth, for checking figures once the first ones have informed choices)."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),

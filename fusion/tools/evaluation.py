@@ -52,15 +52,17 @@ class EvalRow:
     arithmetic_fresh: float | None = None  # out-of-template, second set (never informed training)
     arithmetic_novel: float | None = None  # out-of-template, the third set (asked with `reserve=True`)
     arithmetic_spare: float | None = None  # out-of-template, the fourth set (asked with `reserve=True`)
+    arithmetic_fifth: float | None = None  # out-of-template, the fifth set (asked with `reserve=True`)
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
 
 
 # Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
-# `fusion.tools.training.arithmetic.PHRASINGS`); "novel" and "spare" are asked only with `reserve`.
+# `fusion.tools.training.arithmetic.PHRASINGS`); the reserve sets are asked only with `reserve`.
 SPLIT_FIELDS = {"in": "arithmetic_accuracy", "out": "arithmetic_out", "fresh": "arithmetic_fresh",
-                "novel": "arithmetic_novel", "spare": "arithmetic_spare"}
-SPLIT_PHRASINGS = {"in": "train", "out": "held_out", "fresh": "fresh", "novel": "novel", "spare": "spare"}
-RESERVE_SPLITS = ("novel", "spare")
+                "novel": "arithmetic_novel", "spare": "arithmetic_spare", "fifth": "arithmetic_fifth"}
+SPLIT_PHRASINGS = {"in": "train", "out": "held_out", "fresh": "fresh", "novel": "novel", "spare": "spare",
+                   "fifth": "fifth"}
+RESERVE_SPLITS = ("novel", "spare", "fifth")
 
 
 def route_variant(spec: FusionSpec, **params) -> FusionSpec:
@@ -250,7 +252,7 @@ def evaluate(
     reserve: bool = False,
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
-    `reserve`, the third and fourth sets too, kept for checking figures once the first ones have
+    `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
     informed choices) and bits per byte on the held-out texts of `domains`."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
@@ -292,15 +294,15 @@ def _pct(value: float | None) -> str:
 
 def format_table(results: list[EvalRow]) -> str:
     """Markdown: in- and out-of-template accuracy (both unseen sets, and the reserve sets when asked)
-    side by side, then per kind "in / out / out 2 (/ out 3 / out 4)", then bits per byte per domain and
+    side by side, then per kind "in / out / out 2 (/ out 3 / out 4 / out 5)", then bits per byte per domain and
     tokens/s."""
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
     reserve = any(r.arithmetic_novel is not None for r in results)
     splits = [split for split in SPLIT_FIELDS if reserve or split not in RESERVE_SPLITS]
     header = ["row", "arith in-template", "arith out-of-template", "arith out-of-template 2"]
-    header += ["arith out-of-template 3", "arith out-of-template 4"] if reserve else []
-    header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3 / out 4" if reserve else "") for k in kinds]
+    header += ["arith out-of-template 3", "arith out-of-template 4", "arith out-of-template 5"] if reserve else []
+    header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3 / out 4 / out 5" if reserve else "") for k in kinds]
     header += [f"bpb {d}" for d in domains] + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:

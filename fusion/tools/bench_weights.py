@@ -96,6 +96,9 @@ class LlamaCpp:
         start = time.perf_counter()
         produced = 0
         if self._sync is None:
+            # Emptied first: `generate` otherwise keeps the longest prefix its context shares with the
+            # prompt (the whole prompt, read by the call before) and reads only the last id again.
+            self.llm.reset()
             for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
                 produced += 1
                 if produced == tokens:

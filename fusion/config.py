@@ -50,6 +50,10 @@ class ExpertConfig(_Strict):
     # KV budget for this expert's sessions, in cached ids; each session's buffers also reserve spare
     # columns for appends (fusion.kv_cache: up to 128 + 50%), which the budget does not count.
     max_cached_tokens: int = Field(default=65536, gt=0)
+    # Keys and values of ended sessions kept for new sessions whose histories begin alike (a system prompt, a
+    # conversation's earlier turns), in cached ids (fusion.prefix_pool): a new session sharing at least 16
+    # leading ids with a kept one computes only the rest. Counted apart from max_cached_tokens. 0: none kept.
+    prefix_cache_tokens: int = Field(default=1024, ge=0)
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
     # The forward of a steady decode step (one new id per session; prefill and prompt chunks run
     # transformers' forward but with batch_invariant): "transformers" (the model's own eager forward), "fast"

@@ -32,7 +32,8 @@ from fusion.expert_extensions import ExtendMixin, ExtensionCall
 from fusion.expert_loading import codes_folder, eos_ids, load_model_and_tokenizer, tokenizer_fingerprint
 from fusion.fast_decode import (COMPILED_DECODES, GEMMA3, DecodeStep, FastDecoder, configure_compile_cache,
                                  decode_on_layers, prefill_on_layers, unsupported_reason)
-from fusion.kv_cache import Cohort, GrowingLayer, is_plain, new_cache
+from fusion.kv_cache import Cohort, GrowingLayer, cache_holding, is_plain, new_cache
+from fusion.prefix_pool import PrefixPool
 from fusion.session_cache import SessionCache
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         layers = new_cache(model.config).layers
         self._plain_cache = bool(layers) and all(is_plain(layer) for layer in layers)  # no sliding windows
         self._cohort: Cohort | None = None  # the sessions of the last batched decode step (see Cohort)
+        # Released sessions' columns, for new sessions that begin alike (config `prefix_cache_tokens`)
+        self.prefixes = PrefixPool(config.prefix_cache_tokens) if config.prefix_cache_tokens and self._plain_cache \
+            else None
         self.decode_batches = {"in_place": 0, "rebuilt": 0}  # batched decode steps, by how the batch was had
         # See `_decode_mask`: on CPU, decode steps hand SDPA a ready-made mask.
         self._ready_made_decode_mask = (
@@ -264,6 +268,7 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
                 token_ids = list(r.token_ids)
                 self._check_ids(token_ids)
                 entry = self.cache.get(r.session_id)
+                self._adopt_prefix(r.session_id, entry, token_ids)
                 if self._batchable(entry, token_ids):
                     decode.append((i, entry, token_ids))
                 elif self._fresh_batchable(entry, token_ids):
@@ -305,6 +310,7 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
     def release(self, session_ids: Sequence[str]) -> None:
         with self._lock:
             for session_id in session_ids:
+                self._keep_prefix(session_id)
                 self.cache.release(session_id)
                 self._extensions.pop(session_id, None)
             if self._cohort is not None:  # free the batch buffers once none of their sessions is left
@@ -347,6 +353,30 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
                 f"{self.info.max_positions} positions"
             )
 
+    def _namespace(self, session_id: str) -> str:
+        """Which sessions may share kept prefixes with this one (`fusion.prefix_pool`): all of this expert's."""
+        return ""
+
+    def _keep_prefix(self, session_id: str) -> None:
+        """Offer a session being released to the prefix pool: its columns, where they match its ids."""
+        entry = self.cache.peek(session_id)
+        if self.prefixes is None or entry is None or entry.kv is None:
+            return
+        layers = entry.kv.layers
+        if not all(isinstance(layer, GrowingLayer) and layer.get_seq_length() == entry.length for layer in layers):
+            return
+        self.prefixes.keep(self._namespace(session_id), entry.token_ids, [(l.keys, l.values) for l in layers])
+
+    def _adopt_prefix(self, session_id: str, entry, token_ids: list[int]) -> None:
+        """A session with nothing cached starts from the longest kept prefix of its ids, copied, if any."""
+        if self.prefixes is None or entry.kv is not None:
+            return
+        found = self.prefixes.adopt(self._namespace(session_id), token_ids)
+        if found is not None:
+            length, layers = found
+            entry.kv = cache_holding(layers)
+            entry.token_ids = token_ids[:length]
+
     def _select_rows(self, session_ids: list[str]) -> None:
         """Before a forward whose batch rows are these sessions' (in order): nothing here; an expert whose
         rows run different adapters sets `_rows_now` (fusion.shared_base)."""
@@ -357,6 +387,7 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         self._check_ids(token_ids)
         self._select_rows([session_id])
         entry = self.cache.get(session_id)
+        self._adopt_prefix(session_id, entry, token_ids)
         reuse = self.cache.reusable_length(entry, token_ids)
         # Logits are needed for the last `num_logits` positions, so those must be recomputed.
         reuse = min(reuse, len(token_ids) - num_logits)

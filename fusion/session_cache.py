@@ -72,6 +72,10 @@ class SessionCache:
         entry.used_at = self._clock()
         return entry
 
+    def peek(self, session_id: str) -> CacheEntry | None:
+        """The session's entry if it has one, not marked used."""
+        return self._entries.get(session_id)
+
     def idle(self, for_s: float) -> list[str]:
         """Sessions not used for at least `for_s` seconds, least recently used first."""
         now = self._clock()

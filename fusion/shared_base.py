@@ -43,7 +43,8 @@ class SharedBaseExpert(LocalExpert):
                  ) -> None:
         group = configs[0].model_copy(update={
             "name": "+".join(c.name for c in configs), "adapter": None,
-            "max_cached_tokens": sum(c.max_cached_tokens for c in configs)})
+            "max_cached_tokens": sum(c.max_cached_tokens for c in configs),
+            "prefix_cache_tokens": sum(c.prefix_cache_tokens for c in configs)})
         super().__init__(group, model, tokenizer, model_ref=model_ref)
         loaded = [(c.name, load_lora(a, c.name)) for c, a in zip(configs, adapters) if a is not None]
         self.adapter_index = {name: k for k, (name, _) in enumerate(loaded)}
@@ -63,6 +64,10 @@ class SharedBaseExpert(LocalExpert):
         """The next forward of the model runs the bare base (every row without an adapter), whatever rows the
         members' last step left: for a forward of `self.model` outside `step` (a benchmark's plain forward)."""
         self._select_rows([""])
+
+    def _namespace(self, session_id: str) -> str:
+        """A member's sessions share kept prefixes only among themselves: its adapter's columns are its own."""
+        return session_id.partition(SEPARATOR)[0]
 
     def _select_rows(self, session_ids: list[str]) -> None:
         rows = [self.adapter_index.get(s.partition(SEPARATOR)[0], BASE) for s in session_ids]

@@ -335,6 +335,8 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
                 "cached_tokens": self.cache.cached_tokens,
                 "reused_tokens": self.cache.hits, "computed_tokens": self.cache.misses,
                 "evictions": self.cache.evictions, **{f"decode_batches_{k}": v for k, v in self.decode_batches.items()},
+                "prefix_kept_tokens": self.prefixes.kept_tokens if self.prefixes is not None else 0,
+                "prefix_adopted_tokens": self.prefixes.adopted_tokens if self.prefixes is not None else 0,
             }
 
     # -- internals -------------------------------------------------------------------------------

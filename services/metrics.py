@@ -84,6 +84,10 @@ class ExpertCacheCollector(Collector):
         yield tokens
         yield CounterMetricFamily("fusion_expert_cache_evictions", "Sessions evicted under the KV budget",
                                   value=stats["evictions"])
+        yield GaugeMetricFamily("fusion_expert_kept_prefix_tokens", "Ids of ended sessions kept for new sessions "
+                                "that begin alike (prefix_cache_tokens)", value=stats["prefix_kept_tokens"])
+        yield CounterMetricFamily("fusion_expert_adopted_prefix_tokens", "Ids new sessions took from kept "
+                                  "prefixes instead of computing them", value=stats["prefix_adopted_tokens"])
         batches = CounterMetricFamily("fusion_expert_decode_batches", "Batched decode steps, by whether the "
                                       "batch of the previous step was reused in place or rebuilt", labels=["batch"])
         batches.add_metric(["in_place"], stats["decode_batches_in_place"])

@@ -448,6 +448,8 @@ def test_metrics_endpoints(coordinator, client, experts):
     assert metric(expert_text, 'fusion_expert_prefix_tokens_total{outcome="computed"}') > 0
     assert metric(expert_text, 'fusion_expert_prefix_tokens_total{outcome="reused"}') > 0  # decode reuses
     assert metric(expert_text, "fusion_expert_cached_tokens") is not None
+    assert metric(expert_text, "fusion_expert_kept_prefix_tokens") is not None
+    assert metric(expert_text, "fusion_expert_adopted_prefix_tokens_total") is not None
     assert metric(expert_text, 'fusion_expert_decode_batches_total{batch="in_place"}') is not None
     assert wait_until(lambda: metric(scrape(experts["a"][0].metrics_port), "fusion_active_sessions") == 0)
 

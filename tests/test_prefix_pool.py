@@ -73,6 +73,7 @@ def test_a_new_session_computes_only_what_a_released_one_did_not_share(tiny_dir)
     history = system + [8, 9]
     got = expert.step([StepRequest("second", history)])
     assert expert.cache.misses - before == 2  # the system prompt's 35 ids came from the pool
+    assert expert.cache_stats()["prefix_adopted_tokens"] == 35 and expert.cache_stats()["prefix_kept_tokens"] == 38
     torch.testing.assert_close(got, fresh.step([StepRequest("s", history)]), rtol=1e-5, atol=1e-5)
     for n in range(3):  # and the session decodes on from there as a fresh one does
         token = int(got[0, :250].argmax())

@@ -40,7 +40,9 @@ def main() -> None:
     sessions = [int(n) for n in options.sessions.split(",")]
     config = load_config(DEFAULT_CONFIG)
     variants = {}
-    for name, fields in (("forward", {"c_step_prompt_ids": 0}), ("batch_invariant", {"batch_invariant": True})):
+    # No kept prefixes: each round's prompts repeat the round before's, and are timed read in full.
+    for name, fields in (("forward", {"c_step_prompt_ids": 0, "prefix_cache_tokens": 0}),
+                         ("batch_invariant", {"batch_invariant": True, "prefix_cache_tokens": 0})):
         experts = [e.model_copy(update=fields) for e in config.experts]
         service = load_service(config.model_copy(update={"experts": experts}), default_cache_dir(), router=False)
         variants[name] = service.engine.experts

@@ -16,8 +16,8 @@ may be a row of a batch buffer (`fusion.kv_cache.Cohort`) that would otherwise s
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -52,6 +52,10 @@ class PrefixPool:
     @property
     def kept_tokens(self) -> int:
         return sum(len(k.token_ids) for k in self._kept.values())
+
+    def clear(self) -> None:
+        """Drop every kept prefix (a benchmark timing prompts read in full)."""
+        self._kept.clear()
 
     def keep(self, namespace: str, token_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
              ) -> bool:

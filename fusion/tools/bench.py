@@ -441,6 +441,16 @@ def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: in
     return figures
 
 
+def clear_kept_prefixes(service: FusionService) -> None:
+    """Forget the in-process experts' kept prefixes (`fusion.prefix_pool`): a stream timed after this reads
+    its whole prompt, as a plain engine it is compared with does, instead of starting from the columns the
+    round before left."""
+    for expert in service.engine.experts:
+        pool = getattr(getattr(expert, "shared_base", expert), "prefixes", None)
+        if pool is not None:
+            pool.clear()
+
+
 def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48, rounds: int = 3) -> None:
     """Fused single-stream tokens/s against each expert's plain transformers `generate`. Each round
     times the fused request and then every plain `generate` once; a ratio is the median over rounds of
@@ -466,6 +476,7 @@ def bench_generate(service: FusionService, report: BenchReport, max_tokens: int 
     fused_rates: list[float] = []
     plain_rates: dict[str, list[float]] = {e.info.name: [] for _, e in experts}
     for _ in range(rounds):
+        clear_kept_prefixes(service)  # plain `generate` reads the prompt every round
         start = time.perf_counter()
         n = sum(1 for _ in service.submit(request))  # the front door: admission, scheduler, text
         fused_rates.append(n / (time.perf_counter() - start))
@@ -484,7 +495,10 @@ def bench_generate(service: FusionService, report: BenchReport, max_tokens: int 
 
 
 def _concurrency_round(service: FusionService, level: int, max_tokens: int) -> tuple[float, list[float]]:
-    """`level` sessions through the service at once: (aggregate tokens/s, inter-token gaps in s)."""
+    """`level` sessions through the service at once: (aggregate tokens/s, inter-token gaps in s). Each
+    level's sessions read their whole prompts (not the columns the level before kept), so that levels and
+    runs compare."""
+    clear_kept_prefixes(service)
     gaps: list[float] = []
     lock = threading.Lock()
     counts = [0] * level

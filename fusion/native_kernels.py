@@ -117,6 +117,13 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         logger.warning("quantized products use torch's kernels: the project's own could not be built (%s)", err)
         return None
+    declare(lib)
+    return lib
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Every signature of a built library (`declare_products`' and the step's, the rule's passes', the
+    clocks'), and the int4 products' coarse spread this process runs with."""
     declare_products(lib)
     lib.fusion_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p, ctypes.c_void_p]
@@ -132,7 +139,6 @@ def library() -> ctypes.CDLL | None:
     lib.fusion_step_clocks.restype = ctypes.c_int64
     lib.fusion_set_coarse_spread.argtypes = [ctypes.c_int]
     lib.fusion_set_coarse_spread(_coarse_spread)
-    return lib
 
 
 @contextlib.contextmanager

@@ -85,8 +85,20 @@ def test_the_reserve_set_is_asked_only_when_wanted(tiny_service):
     assert set(result.arithmetic_by_kind) == {"in", "out", "fresh", "novel", "spare", "fifth"}
     header = ev.format_table([result]).splitlines()[0]
     assert "arith out-of-template 3 | arith out-of-template 4" in header and "in / out / out 2 / out 3 / out 4" in header
+    assert result.arithmetic_sixth is None  # asked only by name
     unasked = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[])[0]
     assert unasked.arithmetic_novel is None and unasked.arithmetic_spare is None and unasked.arithmetic_fifth is None
+
+
+def test_sets_name_exactly_the_arithmetic_sets_asked(tiny_service):
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"}))]
+    result = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["sixth", "in"])[0]
+    assert set(result.arithmetic_by_kind) == {"in", "sixth"}
+    assert result.arithmetic_sixth is not None and result.arithmetic_out is None
+    header = ev.format_table([result]).splitlines()[0]
+    assert "arith in-template | arith out-of-template 6" in header and "2x2 digits in / out 6" in header
+    with pytest.raises(ValueError, match="seventh"):
+        ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["seventh"])
 
 
 def test_function_bits_per_byte_is_the_score_convention(tiny_service):

@@ -518,6 +518,9 @@ def evaluate(
     seed: int = typer.Option(0, "--seed", help="Which held-out questions."),
     reserve: bool = typer.Option(False, "--reserve", help="Also ask the reserve out-of-template sets (a third, "
                                  "a fourth and a fifth, for checking figures once the first ones have informed choices)."),
+    sets: Optional[str] = typer.Option(None, "--sets", help="Instead of the default and reserve sets: the "
+                                       "arithmetic sets to ask, of in,out,fresh,novel,spare,fifth,sixth (the sixth "
+                                       "is asked only when named)."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
@@ -540,6 +543,11 @@ def evaluate(
 
         config = read_config(config_path)
         chosen = [d.strip() for d in domains.split(",") if d.strip()]
+        asked_sets = split_names(sets) if sets is not None else None
+        try:
+            ev.chosen_splits(reserve, asked_sets)
+        except ValueError as exc:
+            fail(f"--{exc}")
         if set(chosen) - set(ev.DOMAINS):
             fail(f"--domains: unknown domain(s) {sorted(set(chosen) - set(ev.DOMAINS))}; known: {list(ev.DOMAINS)}")
         if weights is not None:
@@ -565,7 +573,7 @@ def evaluate(
                 fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
-                              domains=chosen, reserve=reserve)
+                              domains=chosen, reserve=reserve, sets=asked_sets)
         service.close()
         typer.echo(ev.format_table(results))
         if json_out:

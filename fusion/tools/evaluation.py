@@ -53,16 +53,34 @@ class EvalRow:
     arithmetic_novel: float | None = None  # out-of-template, the third set (asked with `reserve=True`)
     arithmetic_spare: float | None = None  # out-of-template, the fourth set (asked with `reserve=True`)
     arithmetic_fifth: float | None = None  # out-of-template, the fifth set (asked with `reserve=True`)
+    arithmetic_sixth: float | None = None  # out-of-template, the sixth set (asked only when `sets` names it)
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
 
 
 # Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
 # `fusion.tools.training.arithmetic.PHRASINGS`); the reserve sets are asked only with `reserve`.
 SPLIT_FIELDS = {"in": "arithmetic_accuracy", "out": "arithmetic_out", "fresh": "arithmetic_fresh",
-                "novel": "arithmetic_novel", "spare": "arithmetic_spare", "fifth": "arithmetic_fifth"}
+                "novel": "arithmetic_novel", "spare": "arithmetic_spare", "fifth": "arithmetic_fifth",
+                "sixth": "arithmetic_sixth"}
 SPLIT_PHRASINGS = {"in": "train", "out": "held_out", "fresh": "fresh", "novel": "novel", "spare": "spare",
-                   "fifth": "fifth"}
+                   "fifth": "fifth", "sixth": "sixth"}
+SPLIT_LABELS = {"in": "in", "out": "out", "fresh": "out 2", "novel": "out 3", "spare": "out 4", "fifth": "out 5",
+                "sixth": "out 6"}
+DEFAULT_SPLITS = ("in", "out", "fresh")
 RESERVE_SPLITS = ("novel", "spare", "fifth")
+# The sixth set is asked only by name (`sets`): choices made while comparing runs on the other sets
+# never show its figures, so it stays the set that informed nothing.
+
+
+def chosen_splits(reserve: bool = False, sets: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The arithmetic sets to ask: `sets` as named (in `SPLIT_FIELDS` order), else the first three and,
+    with `reserve`, the reserve sets."""
+    if sets is not None:
+        unknown = sorted(set(sets) - set(SPLIT_FIELDS))
+        if unknown:
+            raise ValueError(f"sets: unknown set(s) {unknown}; known: {list(SPLIT_FIELDS)}")
+        return tuple(split for split in SPLIT_FIELDS if split in sets)
+    return DEFAULT_SPLITS + (RESERVE_SPLITS if reserve else ())
 
 
 def route_variant(spec: FusionSpec, **params) -> FusionSpec:
@@ -250,20 +268,21 @@ def evaluate(
     chunk_tokens: int = 192,
     domains: Sequence[str] = DOMAINS,
     reserve: bool = False,
+    sets: Sequence[str] | None = None,
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
     `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
-    informed choices) and bits per byte on the held-out texts of `domains`."""
+    informed choices; `sets` names the sets instead) and bits per byte on the held-out texts of `domains`."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
     results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
     if questions > 0:
         kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
-        sets = {split: make_questions(questions, seed, phrasing=SPLIT_PHRASINGS[split]) for split in SPLIT_FIELDS
-                if reserve or split not in RESERVE_SPLITS}
+        asked = {split: make_questions(questions, seed, phrasing=SPLIT_PHRASINGS[split])
+                 for split in chosen_splits(reserve, sets)}
         for result, (name, spec) in zip(results, rows):
-            for split, qs in sets.items():
+            for split, qs in asked.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
                 acc, tps, records = arithmetic_accuracy(service, spec, qs)
                 result.arithmetic_by_kind[split] = by_kind(records, kinds)
@@ -293,16 +312,15 @@ def _pct(value: float | None) -> str:
 
 
 def format_table(results: list[EvalRow]) -> str:
-    """Markdown: in- and out-of-template accuracy (both unseen sets, and the reserve sets when asked)
-    side by side, then per kind "in / out / out 2 (/ out 3 / out 4 / out 5)", then bits per byte per domain and
-    tokens/s."""
+    """Markdown: in- and out-of-template accuracy (every set asked) side by side, then per kind
+    "in / out / out 2 / ...", then bits per byte per domain and tokens/s."""
     domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
     kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
-    reserve = any(r.arithmetic_novel is not None for r in results)
-    splits = [split for split in SPLIT_FIELDS if reserve or split not in RESERVE_SPLITS]
-    header = ["row", "arith in-template", "arith out-of-template", "arith out-of-template 2"]
-    header += ["arith out-of-template 3", "arith out-of-template 4", "arith out-of-template 5"] if reserve else []
-    header += [f"{KIND_LABELS[k]} in / out / out 2" + (" / out 3 / out 4 / out 5" if reserve else "") for k in kinds]
+    splits = ([split for split in SPLIT_FIELDS if any(getattr(r, SPLIT_FIELDS[split]) is not None for r in results)]
+              or list(DEFAULT_SPLITS))
+    header = ["row"] + [{"in": "arith in-template"}.get(s, "arith " + SPLIT_LABELS[s].replace("out", "out-of-template"))
+                        for s in splits]
+    header += [f"{KIND_LABELS[k]} " + " / ".join(SPLIT_LABELS[s] for s in splits) for k in kinds]
     header += [f"bpb {d}" for d in domains] + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:

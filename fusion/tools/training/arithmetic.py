@@ -143,6 +143,20 @@ FIFTH_FRAMES = ("Any chance you know {e}?", "Quick sum: {e}.", "{e} -- what's th
 FIFTH_STYLES = ("Uncle Bob asks: {q}", "{q} Ta.", "Lunch break puzzle. {q}", "{q} (for my notes)")
 
 
+# A sixth set, written once the fifth set's results were known and before any router or fail-safe
+# setting was chosen for an adapter trained after them: choices made on sets one to five leave it the
+# one that informed nothing. `fusion eval --sets ...,sixth` asks it (not `--reserve`, so that choosing
+# among runs on the other sets never shows its figures).
+SIXTH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} raised by {b}", "{b} tossed in with {a}", "{a} boosted by {b}"),
+    "-": ("{a} trimmed by {b}", "{b} lopped off {a}", "{a} after giving away {b}"),
+    "*": ("{a} trays of {b}", "{a} cartons holding {b} each", "{b}, {a} times over"),
+}
+SIXTH_FRAMES = ("Settle this: {e}?", "{e} makes how many?", "Hit me with {e}.", "Got a moment for {e}?",
+                "Out of interest, {e}?")
+SIXTH_STYLES = ("Aunt May wonders: {q}", "{q} Much obliged.", "Train ride riddle. {q}", "{q} (double-checking)")
+
+
 # Word problems: whole questions in which the numbers are things counted, per split like the
 # templates above. A "-" word problem is asked only when the difference is not negative (nobody
 # sells 40 of 12 pens); other questions go to the templates.
@@ -188,6 +202,11 @@ FIFTH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
     "-": ("A farmer had {a} sheep and sold {b} at the market. How many sheep does he keep?",),
     "*": ("A school orders {a} packs with {b} rulers in each pack. How many rulers is that?",),
 }
+SIXTH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A pond had {a} ducks and {b} more landed on it. How many ducks are on the pond?",),
+    "-": ("A van carried {a} boxes and unloaded {b} of them. How many boxes are still in the van?",),
+    "*": ("A hotel has {a} floors with {b} rooms on each floor. How many rooms are there?",),
+}
 
 
 def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
@@ -202,11 +221,14 @@ FRESH_TEMPLATES = _templates(FRESH_FRAMES, FRESH_EXPRESSIONS, {})
 NOVEL_TEMPLATES = _templates(NOVEL_FRAMES, NOVEL_EXPRESSIONS, {})
 SPARE_TEMPLATES = _templates(SPARE_FRAMES, SPARE_EXPRESSIONS, {})
 FIFTH_TEMPLATES = _templates(FIFTH_FRAMES, FIFTH_EXPRESSIONS, {})
+SIXTH_TEMPLATES = _templates(SIXTH_FRAMES, SIXTH_EXPRESSIONS, {})
 PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES),
              "fresh": (FRESH_TEMPLATES, FRESH_STYLES), "novel": (NOVEL_TEMPLATES, NOVEL_STYLES),
-             "spare": (SPARE_TEMPLATES, SPARE_STYLES), "fifth": (FIFTH_TEMPLATES, FIFTH_STYLES)}
+             "spare": (SPARE_TEMPLATES, SPARE_STYLES), "fifth": (FIFTH_TEMPLATES, FIFTH_STYLES),
+             "sixth": (SIXTH_TEMPLATES, SIXTH_STYLES)}
 WORD_PHRASINGS = {"train": WORD_PROBLEMS, "held_out": HELD_OUT_WORD_PROBLEMS, "fresh": FRESH_WORD_PROBLEMS,
-                  "novel": NOVEL_WORD_PROBLEMS, "spare": SPARE_WORD_PROBLEMS, "fifth": FIFTH_WORD_PROBLEMS}
+                  "novel": NOVEL_WORD_PROBLEMS, "spare": SPARE_WORD_PROBLEMS, "fifth": FIFTH_WORD_PROBLEMS,
+                  "sixth": SIXTH_WORD_PROBLEMS}
 WORD_SHARE = 0.2  # of questions whose problem suits a word problem
 
 # Training draws from wider lists than the in-template evaluation asks in: more wordings of each

@@ -64,6 +64,12 @@ class LlamaCpp:
             lib.llama_sampler_free(self._sync._sampler)
             self._sync._sampler = greedy
 
+    @property
+    def keeps_prompts(self) -> bool:
+        """Whether `tokens_per_s` can keep the prompt the call before read (`prompt_kept`): llama-cpp-python's
+        `generate` matches its context's prefix; llama-cpp-py-sync's calls here start from an empty context."""
+        return self._sync is None
+
     def _start(self, prompt: list[int]) -> int:
         """A fresh context that has read `prompt`: the number of ids it holds."""
         if self._sync is None:
@@ -194,7 +200,7 @@ def _fused_against_llamacpp(service: FusionService, report: BenchReport, llama: 
         clear_kept_prefixes(service)
         fused.append(_stream_tokens_per_s(service, request))
         plain.append(llama.tokens_per_s(prompt, tokens))
-        if llama._sync is None:
+        if llama.keeps_prompts:
             fused_kept.append(_stream_tokens_per_s(service, request))  # the round before kept its prompt
             plain_kept.append(llama.tokens_per_s(prompt, tokens, prompt_kept=True))
     weights = sorted({e.config.weights for e in service.engine.experts if hasattr(e, "config")})

@@ -16,6 +16,7 @@ from fusion.router import FamiliarityGate, Route, Router, RouterShape, load_rout
 from fusion.tools.router_training import (
     RouterTrainSettings,
     file_samples,
+    lr_factor,
     prepare_router,
     router_loss,
     train_router,
@@ -45,6 +46,19 @@ def test_training_loss_decreases(trained):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first * 0.9, (first, last)
     assert result.steps == 120
+
+
+def test_cosine_schedule_spends_the_runs_budget():
+    """The rate falls from lr to lr * min_lr_ratio along whichever budget (texts or minutes) runs out first."""
+    cosine = RouterTrainSettings(minutes=10, max_texts=100, lr_schedule="cosine", min_lr_ratio=0.05)
+    assert lr_factor(cosine, 0.0, 0) == pytest.approx(1.0)
+    assert lr_factor(cosine, 0.0, 50) == pytest.approx(0.525)  # half the texts
+    assert lr_factor(cosine, 300.0, 10) == pytest.approx(0.525)  # half the minutes
+    assert lr_factor(cosine, 0.0, 100) == pytest.approx(0.05)
+    assert lr_factor(cosine, 3600.0, 0) == pytest.approx(0.05)  # past the deadline: no lower
+    assert lr_factor(RouterTrainSettings(lr_schedule="constant"), 300.0, 50) == 1.0
+    with pytest.raises(ValueError, match="lr_schedule"):
+        RouterTrainSettings(lr_schedule="linear")
 
 
 def test_training_grows_the_factored_complementary_head(trained):

@@ -469,6 +469,8 @@ def train_router_command(
     comp_rank: Optional[int] = typer.Option(None, "--comp-rank", help="Rank of the complementary head (hidden -> "
                                             "rank -> vocabulary; 0: one hidden -> vocabulary layer). Default: the "
                                             "recipe's (RouterTrainSettings.comp_rank)."),
+    lr_schedule: str = typer.Option("constant", "--lr-schedule", help="The learning rate over the run: constant, "
+                                    "or cosine (down to 5% of it as the texts or minutes run out)."),
     seed: int = typer.Option(0, "--seed"),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
                               "finds for exactly this config's experts (how the default trio's router is made)."),
@@ -487,6 +489,10 @@ def train_router_command(
             except ValueError as err:
                 fail(str(err))
             samples = itertools.chain([first], samples)
+        from fusion.tools.router_training import LR_SCHEDULES
+
+        if lr_schedule not in LR_SCHEDULES:
+            fail(f"--lr-schedule: expected one of {list(LR_SCHEDULES)}, got {lr_schedule!r}")
         rank = {} if comp_rank is None else {"comp_rank": comp_rank}
         if comp_rank is not None:  # checked before the experts load
             from fusion.router import RouterShape
@@ -498,7 +504,7 @@ def train_router_command(
         service = load_service(read_config(config_path), cache_dir(cache), router=False)
         result = train_router(service, out or service.auto_router_path(), texts=samples,
                               settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
-                                                                  comp_l2=comp_l2, **rank))
+                                                                  comp_l2=comp_l2, lr_schedule=lr_schedule, **rank))
         if ship:
             from fusion.tools.router_training import ship_router
 

@@ -56,6 +56,22 @@ def test_shipped_files_are_small_and_match_their_manifests():
     assert total <= MAX_SHIPPED_BYTES
 
 
+def test_the_arithmetic_recipe_still_draws_the_shipped_adapters_data(smollm2_dir):
+    """`fusion train-expert arithmetic --ship` reproduces the shipped adapter only while the generator draws
+    the batches it trained on: their hash is the manifest's. (The Python adapter's windows come from the
+    running interpreter's standard library, so its hash holds only on the Python version that trained it.)"""
+    from transformers import AutoTokenizer
+
+    from fusion.tools.training.lora import HashingStream
+
+    manifest = json.loads((ADAPTERS_DIR / ADAPTER_NAMES["arithmetic"] / ADAPTER_MANIFEST).read_text())
+    recipe = RECIPES["arithmetic"]
+    stream = HashingStream(recipe.stream(AutoTokenizer.from_pretrained(str(smollm2_dir)), manifest["seed"]))
+    for _ in range(manifest["recipe"]["steps"]):
+        stream(manifest["recipe"]["batch_size"])
+    assert stream.hexdigest() == manifest["data_sha256"]
+
+
 @pytest.fixture(scope="module")
 def default_trio(smollm2_dir, tmp_path_factory):
     """The default config over the real SmolLM2, from an empty cache: nothing may train."""

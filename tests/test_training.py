@@ -36,6 +36,7 @@ from fusion.tools.training.arithmetic import (
     SIXTH_EXPRESSIONS,
     SIXTH_FRAMES,
     SIXTH_STYLES,
+    ORDER_EXPRESSIONS,
     WORD_PHRASINGS,
     STYLES,
     TEMPLATES,
@@ -177,6 +178,8 @@ NOVEL_PIECES = split_pieces(NOVEL_FRAMES, NOVEL_STYLES, NOVEL_EXPRESSIONS, "nove
 SPARE_PIECES = split_pieces(SPARE_FRAMES, SPARE_STYLES, SPARE_EXPRESSIONS, "spare")
 FIFTH_PIECES = split_pieces(FIFTH_FRAMES, FIFTH_STYLES, FIFTH_EXPRESSIONS, "fifth")
 SIXTH_PIECES = split_pieces(SIXTH_FRAMES, SIXTH_STYLES, SIXTH_EXPRESSIONS, "sixth")
+ALL_HELD_OUT_EXPRESSIONS = (HELD_OUT_EXPRESSIONS, FRESH_EXPRESSIONS, NOVEL_EXPRESSIONS, SPARE_EXPRESSIONS,
+                            FIFTH_EXPRESSIONS, SIXTH_EXPRESSIONS)
 
 
 def test_held_out_phrasings_are_disjoint_from_training_ones():
@@ -191,6 +194,17 @@ def test_held_out_phrasings_are_disjoint_from_training_ones():
     assert not set(FRAMES) & set(SPARE_FRAMES) and not set(STYLES) & set(SPARE_STYLES)
     assert not set(FRAMES) & set(FIFTH_FRAMES) and not set(STYLES) & set(FIFTH_STYLES)
     assert not set(FRAMES) & set(SIXTH_FRAMES) and not set(STYLES) & set(SIXTH_STYLES)
+
+
+def test_operand_order_wordings_use_no_held_out_operation_word():
+    """The wordings that teach operand order by preposition share no verb (or verb and preposition)
+    with any held-out set's expressions: a held-out "{b} knocked off {a}" stays unseen as a whole."""
+    held_words = {word for sets in ALL_HELD_OUT_EXPRESSIONS for es in sets.values() for e in es
+                  for word in re.findall(r"[a-z]+", e) if len(word) > 4}
+    for op, expressions in ORDER_EXPRESSIONS.items():
+        assert len(expressions) >= 20, op
+        for e in expressions:
+            assert not set(re.findall(r"[a-z]+", e)) & held_words, e
 
 
 def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_dir):

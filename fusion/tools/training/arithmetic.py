@@ -130,9 +130,9 @@ SPARE_FRAMES = ("Mind telling me {e}?", "{e} -> ?", "Need a hand: {e}.", "How bi
 SPARE_STYLES = ("Dad here. {q}", "{q} Cheers, mate.", "Revision time: {q}", "{q} (asking for a friend)")
 
 
-# A fifth set, written once the spare set's results were known and before any adapter retrained after
-# them had answered anything (docs/quality.md: a retraining that was not kept). `fusion eval --reserve`
-# asks it beside the third and the fourth.
+# A fifth set, written once the spare set's results were known (its misses informed the training
+# lists' operand-order wordings below) and before any adapter trained on those lists had answered
+# anything. It informs nothing; `fusion eval --reserve` asks it beside the third and the fourth.
 FIFTH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} together with {b}", "{b} piled on top of {a}", "{a} topped up by {b}"),
     "-": ("{b} shaved off {a}", "{a} after losing {b}", "{b} docked from {a}"),
@@ -250,6 +250,37 @@ EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
           "what is left of {a} after {b}", "{b} fewer than {a}"),
     "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
           "{a}, times {b}", "{a} multiply {b}"),
+}
+# Operand order read from the preposition rather than from a fixed phrase: "{b} <verb> from/off/out of
+# {a}" asks for a - b and "{b} <verb> to/onto/into {a}" for a + b, for many verbs, so that a wording
+# naming the amount taken (or added) first with a verb training never saw still reads the right way
+# round. `training_question` draws them with `ORDER_SHARE`; none shares a word with a held-out set's
+# expressions (subtracted, deducted, knocked, shaved, docked, tacked, added, taken, ...; a test checks).
+ORDER_VERBS: dict[str, tuple[str, ...]] = {
+    "+": ("brought", "put", "stuck", "glued", "joined", "attached", "thrown", "heaped", "fixed", "moved"),
+    "-": ("scooped", "removed", "pulled", "dropped", "cut", "lifted", "wiped", "struck", "withdrawn", "borrowed"),
+}
+ORDER_PREPOSITIONS: dict[str, tuple[str, ...]] = {"+": ("to", "onto", "into"), "-": ("from", "off", "out of")}
+ORDER_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    op: tuple(f"{{b}} {verb} {prep} {{a}}" for verb in verbs for prep in ORDER_PREPOSITIONS[op])
+    for op, verbs in ORDER_VERBS.items()
+}
+ORDER_SHARE = 0.2  # of + and - template questions
+# More word problems for training only (the in-template set asks `WORD_PROBLEMS`), in other verbs and
+# orders, some naming the smaller amount first.
+EXTRA_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Ben had {a} marbles and found {b} more. How many marbles does Ben have?",
+          "A farm has {a} cows and buys another {b}. How many cows does the farm have now?",
+          "{a} people came in the morning and {b} in the afternoon. How many people came that day?",
+          "A shelf holds {a} books, then {b} more are placed on it. How many books are on the shelf?"),
+    "-": ("Kim had {a} sweets and ate {b}. How many sweets are left?",
+          "A class has {a} pupils and {b} are away today. How many pupils are in class?",
+          "{b} of the {a} cookies were eaten. How many cookies remain?",
+          "A rope is {a} metres long and {b} metres are cut from it. How long is the rope now?"),
+    "*": ("{a} bags hold {b} oranges each. How many oranges are there in all?",
+          "A car park has {a} lanes with {b} cars in each. How many cars are parked?",
+          "Each of {a} tables seats {b} guests. How many guests can sit down?",
+          "A worker earns {b} dollars an hour for {a} hours. How much does she earn?"),
 }
 EXTRA_IMPERATIVES: dict[str, tuple[str, ...]] = {
     "+": ("Add {b} to {a}.", "Sum {a} and {b}.", "Find the sum of {a} and {b}."),
@@ -420,9 +451,13 @@ def training_question(p: Problem, rng: random.Random) -> str:
     """A question for `p` as training sees it: any training template and style (the in-template ones
     and the wider lists), sometimes with an opener or a closer around it."""
     if rng.random() < WORD_SHARE and suits_word_problem(p):
-        text = rng.choice(WORD_PROBLEMS[p.op]).format(a=p.a, b=p.b)
+        text = rng.choice(WORD_PROBLEMS[p.op] + EXTRA_WORD_PROBLEMS[p.op]).format(a=p.a, b=p.b)
         return rng.choice(EXTRA_STYLES[:6]).replace("{q}", text) if rng.random() < 0.3 else text
-    question = rng.choice(TRAINING_TEMPLATES[p.op]).format(a=p.a, b=p.b)
+    if p.op in ORDER_EXPRESSIONS and rng.random() < ORDER_SHARE:
+        template = rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", rng.choice(ORDER_EXPRESSIONS[p.op]))
+    else:
+        template = rng.choice(TRAINING_TEMPLATES[p.op])
+    question = template.format(a=p.a, b=p.b)
     text = rng.choice(TRAINING_STYLES).replace("{q}", question)
     if rng.random() < 0.25:
         text = f"{rng.choice(OPENERS)} {text}"

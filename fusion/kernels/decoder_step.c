@@ -280,8 +280,7 @@ static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const
 
 /* A projection's bias and adapter deltas as work of its 4-bit product's region (quantized_mm.c's product_extra):
  * the same arithmetic as adding the bias and then add_adapters after the product, each output's terms in the
- * same order (every `up` term a fused multiply-add, as add_scaled's vector lanes do), so the outputs are
- * the same bits either way. */
+ * same order and through the same add_scaled loops, so the outputs are the same bits either way. */
 typedef struct {
     const lora_stack *lora;      /* NULL or without `down`: no adapters */
     const int64_t *adapter_rows;
@@ -306,14 +305,15 @@ static void adapters_down(const void *context) {
         }
 }
 
-static void bias_and_adapters_up(const void *context, int64_t block, float *out) {
+static void bias_and_adapters_up(const void *context, int64_t first, int64_t last, float *out) {
     const projection_extra *e = context;
-    const int64_t j0 = block * OUT_BLOCK, j1 = j0 + OUT_BLOCK, n = e->n;
+    const int64_t j0 = first * OUT_BLOCK, j1 = last * OUT_BLOCK, n = e->n;
     if (e->bias != NULL)
         for (int64_t m = 0; m < e->rows; m++)
             for (int64_t j = j0; j < j1; j++) out[m * n + j] += e->bias[j];
     const lora_stack *s = e->lora;
     if (s == NULL || s->down == NULL || e->adapter_rows == NULL) return;
+    /* each column's `up` row over its span within [j0, j1): one long loop of independent multiply-adds */
     for (int64_t m = 0; m < e->rows; m++) {
         const int64_t a = e->adapter_rows[m];
         if (a < 0 || a >= s->adapters) continue;
@@ -323,17 +323,10 @@ static void bias_and_adapters_up(const void *context, int64_t block, float *out)
             const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
             if (lo >= hi) continue;
             const float p = e->t[m * s->columns + c];
-#ifdef __AVX2__
-            if (lo == j0 && hi == j1) {
-                const __m256 up = s->is_bf16 ? widen8_bf16((const uint16_t *)s->up + c * n + j0)
-                                             : _mm256_loadu_ps((const float *)s->up + c * n + j0);
-                _mm256_storeu_ps(row + j0, _mm256_fmadd_ps(_mm256_set1_ps(p), up, _mm256_loadu_ps(row + j0)));
-                continue;
-            }
-#endif
-            for (int64_t j = lo; j < hi; j++)
-                row[j] = fmaf(p, s->is_bf16 ? bf16_to_float(((const uint16_t *)s->up)[c * n + j])
-                                            : ((const float *)s->up)[c * n + j], row[j]);
+            if (s->is_bf16)
+                add_scaled_bf16(row + lo, p, (const uint16_t *)s->up + c * n + lo, hi - lo);
+            else
+                add_scaled(row + lo, p, (const float *)s->up + c * n + lo, hi - lo);
         }
     }
 }

@@ -22,6 +22,7 @@
  * multiply-add of int16 pairs. A step of a small model reads each weight once for a few rows, so the loops
  * walk the weights once and keep every row's accumulators in registers (rows in blocks). */
 
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -509,15 +510,22 @@ static void int8_output(const quantized_rows *x, int64_t m0, int count, int64_t 
 
 /* Work a caller has the 4-bit product's parallel region do beside the product, on float32 outputs
  * (decoder_step.c's bias and adapters): `before` runs on every thread of the region before any block (it may
- * hold orphaned `omp for` loops, whose barrier then precedes the blocks), `after_block` once a block's 8
- * outputs of every row are stored, on the thread that stored them, while they are still in its cache. The
- * region is the product's own, so the extra work costs no second team wake-up, and it is dealt to the threads
- * as the product's blocks are: evenly. */
+ * hold orphaned `omp for` loops, whose barrier then precedes the blocks), `after_blocks` once a thread has
+ * stored every row's outputs of its contiguous run of blocks [first, last), on that thread, while they are
+ * still in its cache: one call a run, so that the work runs as long loops over outputs rather than eight at a
+ * time. The region is the product's own, so the extra work costs no second team wake-up, and it is dealt to
+ * the threads as the product's blocks are: evenly. */
 typedef struct {
     void (*before)(const void *context);
-    void (*after_block)(const void *context, int64_t block, float *out);
+    void (*after_blocks)(const void *context, int64_t first, int64_t last, float *out);
     const void *context;
 } product_extra;
+
+/* The contiguous share [*first, *last) of `count` items that thread `me` of `team` takes. */
+static void share_of(int64_t count, int me, int team, int64_t *first, int64_t *last) {
+    *first = count * me / team;
+    *last = count * (me + 1) / team;
+}
 
 /* out (rows, n) = the quantized rows `q` (k activations each, quantized for `q->bits`) times the 4-bit weight
  * (blocked nibbles and float16 scales and biases, n a multiple of 8) or the 8-bit one (int8 codes, float32
@@ -529,31 +537,29 @@ static void multiply(const quantized_rows *q, int64_t rows, int64_t k, const voi
 #pragma omp parallel num_threads(threads)
         {
             if (extra != NULL) extra->before(extra->context);
-            /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1 */
+            /* each thread walks its blocks' weights once for every row block: a block's codes stay in L1. The
+             * shares are contiguous and explicit (not an `omp for`), so that `after_blocks` gets each thread's run. */
+            const int team = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t blocks = n / OUT_BLOCK;
             int64_t single = 0;  /* the first block that goes alone (the ones before it went in pairs) */
+            int64_t first, last;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
             if (rows >= PAIR_MIN_ROWS) {
-                const int64_t pairs = n / OUT_BLOCK / 2;
-#pragma omp for schedule(static) nowait
-                for (int64_t p = 0; p < pairs; p++) {
+                share_of(blocks / 2, me, team, &first, &last);
+                for (int64_t p = first; p < last; p++)
                     for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROW_BLOCK)
                         int4_block_pair(q, m0, rows - m0 < VNNI_ROW_BLOCK ? (int)(rows - m0) : VNNI_ROW_BLOCK, k,
                                         codes, params, 2 * p, n, out, is_bf16);
-                    if (extra != NULL) {
-                        extra->after_block(extra->context, 2 * p, out);
-                        extra->after_block(extra->context, 2 * p + 1, out);
-                    }
-                }
-                single = 2 * pairs;  /* an odd last block, if any */
+                if (extra != NULL && last > first) extra->after_blocks(extra->context, 2 * first, 2 * last, out);
+                single = 2 * (blocks / 2);  /* an odd last block, if any */
             }
 #endif
-#pragma omp for schedule(static)
-            for (int64_t b = single; b < n / OUT_BLOCK; b++) {
+            share_of(blocks - single, me, team, &first, &last);
+            for (int64_t b = single + first; b < single + last; b++)
                 for (int64_t m0 = 0; m0 < rows; m0 += INT4_ROW_BLOCK)
                     int4_block(q, m0, rows - m0 < INT4_ROW_BLOCK ? (int)(rows - m0) : INT4_ROW_BLOCK, k, codes, params,
                                b, n, out, is_bf16);
-                if (extra != NULL) extra->after_block(extra->context, b, out);
-            }
+            if (extra != NULL && last > first) extra->after_blocks(extra->context, single + first, single + last, out);
         }
         return;
     }

@@ -61,6 +61,23 @@ def test_cosine_schedule_spends_the_runs_budget():
         RouterTrainSettings(lr_schedule="linear")
 
 
+def test_a_cosine_run_records_its_schedule_and_trains_otherwise(tiny_service, tmp_path):
+    """The schedule is applied (the same texts and seed end elsewhere than at a constant rate) and recorded in
+    the checkpoint's settings, which a shipped router's manifest command repeats."""
+    import json
+
+    states = {}
+    for schedule in ("constant", "cosine"):
+        path = tmp_path / f"{schedule}.pt"
+        train_router(tiny_service, path, texts=texts(),
+                     settings=RouterTrainSettings(minutes=5, max_texts=6, steps_per_text=2, lr=1e-2,
+                                                  lr_schedule=schedule, min_lr_ratio=0.0, gate_texts=0))
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        assert json.loads(payload["metadata"])["settings"]["lr_schedule"] == schedule
+        states[schedule] = load_router(path)[0].route.weight.detach()
+    assert not torch.equal(states["constant"], states["cosine"])
+
+
 def test_training_grows_the_factored_complementary_head(trained):
     """The recipe's complementary head is factored (hidden → rank → vocabulary) and starts at zero; a
     gradient reaches it through the randomly started down-projection, so training makes it non-zero."""

@@ -240,47 +240,59 @@ static void product(const float *x, int64_t rows, const quantized_weight *w, qua
     multiply(q, rows, w->k, w->codes, w->params, w->n, out, 0, threads, NULL);
 }
 
-/* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of rows * columns floats. A column's
- * `up` row is read only over its span of outputs: a fused projection's stack is block-diagonal (each adapted
- * part's columns write that part's outputs), so the zeros outside the spans are skipped, not multiplied. */
-#define SPAN_BLOCK 256
-static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const float *x, int64_t rows, int64_t k,
-                         int64_t n, float *out, float *t, int threads) {
-    if (s->down == NULL || adapter_rows == NULL) return;
+/* t (rows, columns) = x down, for each row's adapter's columns: an orphaned `omp for` (with its barrier), run
+ * inside the caller's parallel region. */
+static void adapters_down_rows(const lora_stack *s, const int64_t *adapter_rows, const float *x, int64_t rows,
+                               int64_t k, float *t) {
     const int64_t columns = s->columns;
-#pragma omp parallel num_threads(threads)
-    {
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t c = 0; c < columns; c++) {
-                const int64_t a = adapter_rows[m];
-                if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
-                t[m * columns + c] = s->is_bf16 ? dot_bf16(x + m * k, (const uint16_t *)s->down + c * k, k)
-                                                : dot(x + m * k, (const float *)s->down + c * k, k);
-            }
-#pragma omp for schedule(static)
-        for (int64_t j0 = 0; j0 < n; j0 += SPAN_BLOCK) {
-            const int64_t j1 = j0 + SPAN_BLOCK < n ? j0 + SPAN_BLOCK : n;
-            for (int64_t m = 0; m < rows; m++) {
-                const int64_t a = adapter_rows[m];
-                if (a < 0 || a >= s->adapters) continue;
-                for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
-                    const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
-                    const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
-                    if (lo >= hi) continue;
-                    if (s->is_bf16)
-                        add_scaled_bf16(out + m * n + lo, t[m * columns + c], (const uint16_t *)s->up + c * n + lo, hi - lo);
-                    else
-                        add_scaled(out + m * n + lo, t[m * columns + c], (const float *)s->up + c * n + lo, hi - lo);
-                }
-            }
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t c = 0; c < columns; c++) {
+            const int64_t a = adapter_rows[m];
+            if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
+            t[m * columns + c] = s->is_bf16 ? dot_bf16(x + m * k, (const uint16_t *)s->down + c * k, k)
+                                            : dot(x + m * k, (const float *)s->down + c * k, k);
+        }
+}
+
+/* out (rows, n) over outputs [j0, j1) += each row's `up` terms from t: each column's `up` row over its span
+ * within the range, one long loop of independent multiply-adds. A column's `up` row is read only over its
+ * span of outputs: a fused projection's stack is block-diagonal (each adapted part's columns write that
+ * part's outputs), so the zeros outside the spans are skipped, not multiplied. */
+static void adapters_up_range(const lora_stack *s, const int64_t *adapter_rows, const float *t, int64_t rows,
+                              int64_t n, int64_t j0, int64_t j1, float *out) {
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t a = adapter_rows[m];
+        if (a < 0 || a >= s->adapters) continue;
+        for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
+            const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
+            const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
+            if (lo >= hi) continue;
+            if (s->is_bf16)
+                add_scaled_bf16(out + m * n + lo, t[m * s->columns + c], (const uint16_t *)s->up + c * n + lo, hi - lo);
+            else
+                add_scaled(out + m * n + lo, t[m * s->columns + c], (const float *)s->up + c * n + lo, hi - lo);
         }
     }
 }
 
+/* out (rows, n) += each row's adapter delta of x (rows, k); `t` is scratch of rows * columns floats. */
+#define SPAN_BLOCK 256
+static void add_adapters(const lora_stack *s, const int64_t *adapter_rows, const float *x, int64_t rows, int64_t k,
+                         int64_t n, float *out, float *t, int threads) {
+    if (s->down == NULL || adapter_rows == NULL) return;
+#pragma omp parallel num_threads(threads)
+    {
+        adapters_down_rows(s, adapter_rows, x, rows, k, t);
+#pragma omp for schedule(static)
+        for (int64_t j0 = 0; j0 < n; j0 += SPAN_BLOCK)
+            adapters_up_range(s, adapter_rows, t, rows, n, j0, j0 + SPAN_BLOCK < n ? j0 + SPAN_BLOCK : n, out);
+    }
+}
+
 /* A projection's bias and adapter deltas as work of its 4-bit product's region (quantized_mm.c's product_extra):
- * the same arithmetic as adding the bias and then add_adapters after the product, each output's terms in the
- * same order and through the same add_scaled loops, so the outputs are the same bits either way. */
+ * the same arithmetic as adding the bias and then add_adapters after the product, through the same two loops
+ * (adapters_down_rows, adapters_up_range), each output's terms in the same order: the same bits either way. */
 typedef struct {
     const lora_stack *lora;      /* NULL or without `down`: no adapters */
     const int64_t *adapter_rows;
@@ -292,17 +304,8 @@ typedef struct {
 
 static void adapters_down(const void *context) {
     const projection_extra *e = context;
-    const lora_stack *s = e->lora;
-    if (s == NULL || s->down == NULL || e->adapter_rows == NULL) return;
-    const int64_t columns = s->columns;
-#pragma omp for collapse(2) schedule(static)
-    for (int64_t m = 0; m < e->rows; m++)
-        for (int64_t c = 0; c < columns; c++) {
-            const int64_t a = e->adapter_rows[m];
-            if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
-            e->t[m * columns + c] = s->is_bf16 ? dot_bf16(e->x + m * e->k, (const uint16_t *)s->down + c * e->k, e->k)
-                                               : dot(e->x + m * e->k, (const float *)s->down + c * e->k, e->k);
-        }
+    if (e->lora == NULL || e->lora->down == NULL || e->adapter_rows == NULL) return;
+    adapters_down_rows(e->lora, e->adapter_rows, e->x, e->rows, e->k, e->t);
 }
 
 static void bias_and_adapters_up(const void *context, int64_t first, int64_t last, float *out) {
@@ -311,24 +314,8 @@ static void bias_and_adapters_up(const void *context, int64_t first, int64_t las
     if (e->bias != NULL)
         for (int64_t m = 0; m < e->rows; m++)
             for (int64_t j = j0; j < j1; j++) out[m * n + j] += e->bias[j];
-    const lora_stack *s = e->lora;
-    if (s == NULL || s->down == NULL || e->adapter_rows == NULL) return;
-    /* each column's `up` row over its span within [j0, j1): one long loop of independent multiply-adds */
-    for (int64_t m = 0; m < e->rows; m++) {
-        const int64_t a = e->adapter_rows[m];
-        if (a < 0 || a >= s->adapters) continue;
-        float *row = out + m * n;
-        for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
-            const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
-            const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
-            if (lo >= hi) continue;
-            const float p = e->t[m * s->columns + c];
-            if (s->is_bf16)
-                add_scaled_bf16(row + lo, p, (const uint16_t *)s->up + c * n + lo, hi - lo);
-            else
-                add_scaled(row + lo, p, (const float *)s->up + c * n + lo, hi - lo);
-        }
-    }
+    if (e->lora == NULL || e->lora->down == NULL || e->adapter_rows == NULL) return;
+    adapters_up_range(e->lora, e->adapter_rows, e->t, e->rows, n, j0, j1, out);
 }
 
 /* out (rows, w->n) = x w (+ bias) (+ each row's adapter delta): for 4-bit weights in the product's own region

@@ -489,10 +489,6 @@ def train_router_command(
             except ValueError as err:
                 fail(str(err))
             samples = itertools.chain([first], samples)
-        from fusion.tools.router_training import LR_SCHEDULES
-
-        if lr_schedule not in LR_SCHEDULES:
-            fail(f"--lr-schedule: expected one of {list(LR_SCHEDULES)}, got {lr_schedule!r}")
         rank = {} if comp_rank is None else {"comp_rank": comp_rank}
         if comp_rank is not None:  # checked before the experts load
             from fusion.router import RouterShape
@@ -501,10 +497,13 @@ def train_router_command(
                 RouterShape(num_experts=1, vocab_size=1, comp_rank=comp_rank)
             except ValueError as err:
                 fail(f"--comp-rank: {err}")
+        try:  # checked before the experts load
+            settings = RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed, comp_l2=comp_l2,
+                                           lr_schedule=lr_schedule, **rank)
+        except ValueError as err:
+            fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)
-        result = train_router(service, out or service.auto_router_path(), texts=samples,
-                              settings=RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed,
-                                                                  comp_l2=comp_l2, lr_schedule=lr_schedule, **rank))
+        result = train_router(service, out or service.auto_router_path(), texts=samples, settings=settings)
         if ship:
             from fusion.tools.router_training import ship_router
 

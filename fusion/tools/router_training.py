@@ -68,7 +68,7 @@ class RouterTrainSettings:
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule: expected one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+            raise ValueError(f"lr_schedule (--lr-schedule) must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
 
 
 @dataclass
@@ -95,16 +95,19 @@ def borrowed_table(engine, vocab_size: int) -> torch.Tensor | None:
     return None
 
 
+def run_progress(settings: RouterTrainSettings, elapsed_s: float, texts_done: int) -> float:
+    """How far the run is through its budget: its minutes or its texts, whichever is further along."""
+    done = elapsed_s / (settings.minutes * 60)
+    return max(done, texts_done / settings.max_texts) if settings.max_texts else done
+
+
 def lr_factor(settings: RouterTrainSettings, elapsed_s: float, texts_done: int) -> float:
     """The learning rate's share of `settings.lr` at this point of the run: 1 throughout for "constant";
     for "cosine", from 1 down to `min_lr_ratio` as the run's budget (its texts or its minutes, whichever is
     further along) is spent."""
     if settings.lr_schedule == "constant":
         return 1.0
-    done = elapsed_s / (settings.minutes * 60)
-    if settings.max_texts:
-        done = max(done, texts_done / settings.max_texts)
-    done = min(1.0, done)
+    done = min(1.0, run_progress(settings, elapsed_s, texts_done))
     return settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
 
 
@@ -248,13 +251,13 @@ def ship_router(trained: Path, service: FusionService, figures: dict | None = No
     dest.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, dest)
     metadata = json.loads(payload["metadata"])
+    settings = metadata.get("settings") or {}
     manifest = {
         "experts": [[e.name, e.model, e.adapter] for e in config_experts],
         "recipe": metadata.get("settings"),
         "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
-                    f"--minutes {(metadata.get('settings') or {}).get('minutes')} --comp-l2 "
-                    f"{(metadata.get('settings') or {}).get('comp_l2')} --lr-schedule "
-                    f"{(metadata.get('settings') or {}).get('lr_schedule', 'constant')}"),
+                    f"--minutes {settings.get('minutes')} --comp-l2 {settings.get('comp_l2')} "
+                    f"--lr-schedule {settings.get('lr_schedule', 'constant')}"),
         "seed": metadata.get("seed"),
         "data_sha256": metadata.get("data_sha256"),
         "texts": metadata.get("texts"), "steps": metadata.get("steps"),
@@ -320,8 +323,8 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
         n_texts += 1
         if n_texts % 10 == 0:
             elapsed = time.perf_counter() - start
-            done = max(elapsed / (settings.minutes * 60), n_texts / settings.max_texts if settings.max_texts else 0.0)
-            logger.info("router: %s  %d texts, %d steps, loss %.3f (ema %.3f)", progress_line(done, elapsed),
+            logger.info("router: %s  %d texts, %d steps, loss %.3f (ema %.3f)",
+                        progress_line(run_progress(settings, elapsed, n_texts), elapsed),
                         n_texts, steps, last_loss, ema)
     router.eval()
     if table is not None:

@@ -112,3 +112,30 @@ def test_weights_suite_reports_each_format_and_cold_starts(tiny_service, tmp_pat
     assert list((tmp_path / "compiled" / "weights").glob("*-int4-*.safetensors"))  # the processes' codes, kept
     assert not any(e.cache for e in tiny_service.engine.experts)
     json.dumps(figures)
+
+
+def test_llamacpp_runs_in_a_worker_process_that_reports_why_it_cannot_load(tmp_path):
+    """The weights suite's llama.cpp runs in a process of its own (its OpenMP threads never spin against the
+    project's); a worker that cannot load answers with the reason, which the handle raises (ImportError where no
+    binding is installed, as in CI), and leaves no process behind."""
+    from pathlib import Path
+
+    from fusion.tools.llamacpp_engine import LlamaCppProcess
+
+    def workers() -> set[str]:
+        found = set()
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if b"fusion.tools.llamacpp_engine" in cmdline.read_bytes():
+                    found.add(cmdline.parent.name)
+            except OSError:  # a process that ended meanwhile
+                pass
+        return found
+
+    missing = tmp_path / "missing.gguf"
+    started = workers()
+    with pytest.raises((ImportError, RuntimeError)) as raised:
+        LlamaCppProcess(missing, threads=1)
+    if raised.type is RuntimeError:  # a binding is installed: it names the file it could not load
+        assert str(missing) in str(raised.value)
+    assert workers() == started

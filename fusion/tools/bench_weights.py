@@ -1,8 +1,9 @@
 """The `weights` benchmark suite: the first expert's base model decoding from dense, int8 and int4
 weights (fusion.quantized), eager and compiled, beside llama.cpp running the same model from its GGUF
-file when `llama-cpp-python` is installed (an optional extra, for benchmarks only), and the config's
-fused single stream against llama.cpp's. Every ratio compares timings taken in alternating rounds of
-one run; a cold start is timed as a whole `fusion generate` process per format."""
+file when `llama-cpp-python` is installed (an optional extra, for benchmarks only; in a process of its own,
+fusion.tools.llamacpp_engine), and the config's fused single stream against llama.cpp's. Every ratio
+compares timings taken in alternating rounds of one run; a cold start is timed as a whole `fusion generate`
+process per format."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ import yaml
 from fusion.expert import LocalExpert
 from fusion.quantized import WEIGHT_FORMATS
 from fusion.service import FusionRequest, FusionService
-from fusion.tools.bench import BENCH_PROMPT, BenchReport, _prompt_ids, clear_kept_prefixes, plain_experts, runtime_step_ms
+from fusion.tools.bench import (
+    BENCH_PROMPT,
+    BenchReport,
+    _prompt_ids,
+    clear_kept_prefixes,
+    plain_experts,
+    runtime_step_ms,
+)
+from fusion.tools.llamacpp_engine import LlamaCppProcess
 
 logger = logging.getLogger(__name__)
 
@@ -31,94 +40,6 @@ def gguf_beside(model_path: str) -> Path | None:
     folder = Path(model_path).expanduser()
     found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
     return found[0] if len(found) == 1 else None
-
-
-class LlamaCpp:
-    """llama.cpp on one GGUF file, with as many threads as torch uses, through llama-cpp-python (built from
-    source with the machine's flags, ~40 minutes on 2 cores) or, where that is not installed,
-    llama-cpp-py-sync (prebuilt CPU wheels of a recent llama.cpp, installed in seconds). ImportError if
-    neither is."""
-
-    def __init__(self, gguf: Path) -> None:
-        self.threads = torch.get_num_threads()
-        self.path = gguf
-        try:
-            from llama_cpp import Llama, __version__, llama_print_system_info
-
-            self.binding = f"llama-cpp-python {__version__}"
-            self.system_info = llama_print_system_info().decode()
-            self.llm = Llama(str(gguf), n_ctx=2048, n_threads=self.threads, n_threads_batch=self.threads,
-                             verbose=False)
-            self._sync = None
-        except ImportError:
-            import llama_cpp_py_sync
-
-            self.binding = (f"llama-cpp-py-sync {llama_cpp_py_sync.__version__} "
-                            f"(llama.cpp {llama_cpp_py_sync.__llama_cpp_commit__[:10]})")
-            self.system_info = llama_cpp_py_sync.Llama.print_system_info()
-            self._sync = llama_cpp_py_sync.Llama(str(gguf), n_ctx=2048, n_threads=self.threads,
-                                                 n_threads_batch=self.threads, verbose=False)
-            lib = self._sync._lib  # its default sampler draws; a greedy chain, as the fused stream's
-            greedy = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-            lib.llama_sampler_chain_add(greedy, lib.llama_sampler_init_greedy())
-            lib.llama_sampler_free(self._sync._sampler)
-            self._sync._sampler = greedy
-
-    @property
-    def keeps_prompts(self) -> bool:
-        """Whether `tokens_per_s` can keep the prompt the call before read (`prompt_kept`): llama-cpp-python's
-        `generate` matches its context's prefix; llama-cpp-py-sync's calls here start from an empty context."""
-        return self._sync is None
-
-    def _start(self, prompt: list[int]) -> int:
-        """A fresh context that has read `prompt`: the number of ids it holds."""
-        if self._sync is None:
-            self.llm.reset()
-            self.llm.eval(prompt)
-            return len(prompt)
-        self._sync._clear_context_state()
-        return self._sync._eval_tokens(prompt, 0)
-
-    def _next(self, token: int, held: int) -> int:
-        if self._sync is None:
-            self.llm.eval([token])
-            return held + 1
-        return self._sync._eval_tokens([token], held)
-
-    def step_times(self, prompt: list[int], steps: int) -> list[float]:
-        """Seconds of each single-token decode after the prompt (the same token fed each step: a decode
-        forward costs the same whatever the token)."""
-        held = self._start(prompt)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            held = self._next(prompt[-1], held)
-            times.append(time.perf_counter() - start)
-        return times
-
-    def tokens_per_s(self, prompt: list[int], tokens: int, prompt_kept: bool = False) -> float:
-        """Greedy generation of `tokens` tokens after the prompt, prompt included in the time, as the
-        fused stream's rate includes its prefill. `prompt_kept` (llama-cpp-python only): the context keeps
-        what it shares with the prompt from the call before (`generate`'s prefix match), as the fused
-        stream's experts keep prefixes (`fusion.prefix_pool`)."""
-        start = time.perf_counter()
-        produced = 0
-        if self._sync is None:
-            if not prompt_kept:  # else `generate` keeps the longest prefix its context shares with the prompt
-                self.llm.reset()
-            for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-                produced += 1
-                if produced == tokens:
-                    break
-        else:
-            held = self._start(prompt)
-            while True:
-                token = self._sync._sample_token()
-                produced += 1
-                if produced == tokens:
-                    break
-                held = self._next(token, held)
-        return produced / (time.perf_counter() - start)
 
 
 def _load_base(expert: LocalExpert, weights: str, decode: str) -> LocalExpert:
@@ -145,39 +66,43 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
     gguf = gguf_beside(reference.info.model)
     llama = None
     try:
-        llama = LlamaCpp(gguf) if gguf is not None else None
+        llama = LlamaCppProcess(gguf, torch.get_num_threads()) if gguf is not None else None
     except ImportError:
         logger.warning("weights suite: no llama.cpp binding is installed; no llama.cpp figures (pip install "
                        "'logit-fusion[llamacpp-wheel]', or 'logit-fusion[llamacpp]' to build it from source)")
     if gguf is None:
         logger.warning("weights suite: no GGUF file beside %s; no llama.cpp figures", reference.info.model)
-    timings: dict[str, list[float]] = {path: [] for path in paths}
-    if llama is not None:
-        timings["llama.cpp"] = []
-    for _ in range(rounds):
-        for path, expert in paths.items():
-            timings[path].append(runtime_step_ms(expert, prompt, steps))
+    try:
+        timings: dict[str, list[float]] = {path: [] for path in paths}
         if llama is not None:
-            timings["llama.cpp"].append(statistics.mean(llama.step_times(prompt, steps + 2)[2:]) * 1e3)
-    ms = {path: statistics.median(values) for path, values in timings.items()}
-    for path, value in ms.items():
-        report.add(f"weights.decode_ms.{path}", value, f"decode step, {name}'s base, {path}: {value:.2f} ms"
-                   + (f" ({llama.binding}, {llama.threads} threads, {llama.path.name})" if path == "llama.cpp" else ""))
-    for path in paths:
-        if path != "dense fast":
-            report.add(f"weights.{path}_over_dense", ms[path] / ms["dense fast"],
-                       f"decode step {path} / dense fast: {ms[path] / ms['dense fast']:.3f}")
-    if llama is not None:
-        report.add("weights.llamacpp_build", {"binding": llama.binding, "system_info": llama.system_info.strip()},
-                   f"llama.cpp: {llama.binding}; {llama.system_info.strip()}")
+            timings["llama.cpp"] = []
+        for _ in range(rounds):
+            for path, expert in paths.items():
+                timings[path].append(runtime_step_ms(expert, prompt, steps))
+            if llama is not None:
+                timings["llama.cpp"].append(statistics.mean(llama.step_times(prompt, steps + 2)[2:]) * 1e3)
+        ms = {path: statistics.median(values) for path, values in timings.items()}
+        for path, value in ms.items():
+            report.add(f"weights.decode_ms.{path}", value, f"decode step, {name}'s base, {path}: {value:.2f} ms"
+                       + (f" ({llama.binding}, {llama.threads} threads, {llama.path.name})" if path == "llama.cpp" else ""))
         for path in paths:
-            if path.startswith("int4"):
-                ratio = ms[path] / ms["llama.cpp"]
-                report.add(f"weights.{path}_over_llamacpp", ratio,
-                           f"decode step {path} / llama.cpp on the same GGUF: {ratio:.3f}  (goal <= 1.0)")
-        _fused_against_llamacpp(service, report, llama, prompt, tokens, rounds)
-    for expert in paths.values():
-        expert.close()
+            if path != "dense fast":
+                report.add(f"weights.{path}_over_dense", ms[path] / ms["dense fast"],
+                           f"decode step {path} / dense fast: {ms[path] / ms['dense fast']:.3f}")
+        if llama is not None:
+            report.add("weights.llamacpp_build", {"binding": llama.binding, "system_info": llama.system_info.strip()},
+                       f"llama.cpp: {llama.binding}; {llama.system_info.strip()}")
+            for path in paths:
+                if path.startswith("int4"):
+                    ratio = ms[path] / ms["llama.cpp"]
+                    report.add(f"weights.{path}_over_llamacpp", ratio,
+                               f"decode step {path} / llama.cpp on the same GGUF: {ratio:.3f}  (goal <= 1.0)")
+            _fused_against_llamacpp(service, report, llama, prompt, tokens, rounds)
+    finally:
+        if llama is not None:
+            llama.close()
+        for expert in paths.values():
+            expert.close()
     if cold_start:
         _cold_starts(service, report, tokens, cache_dir)
 
@@ -188,7 +113,7 @@ def _stream_tokens_per_s(service: FusionService, request: FusionRequest) -> floa
     return n / (time.perf_counter() - start)
 
 
-def _fused_against_llamacpp(service: FusionService, report: BenchReport, llama: LlamaCpp, prompt: list[int],
+def _fused_against_llamacpp(service: FusionService, report: BenchReport, llama: LlamaCppProcess, prompt: list[int],
                             tokens: int, rounds: int) -> None:
     """The config's fused single stream (through the front door) against llama.cpp generating as many
     tokens alone, round by round: each reading the whole prompt, and (llama-cpp-python) each keeping the

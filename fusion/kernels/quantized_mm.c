@@ -19,7 +19,7 @@
  * same sums in fewer instructions), and from PAIR_MIN_ROWS rows two blocks go in one vector (int4_block_pair),
  * each row's activations broadcast once for both; below that, where a product is bound by reading its weights,
  * one block at a time reads them as one stream, which measured faster than two interleaved. For int8 weights each row becomes int16 codes and one scale, multiplied by the
- * multiply-add of int16 pairs. A step of a small model reads each weight once for a few rows, so the loops
+ * multiply-add of int16 pairs (AVX-512's int16 dot product where the compiler targets it), summed in int32. A step of a small model reads each weight once for a few rows, so the loops
  * walk the weights once and keep every row's accumulators in registers (rows in blocks). */
 
 #include <omp.h>
@@ -270,13 +270,6 @@ static float dot(const float *a, const float *b, int64_t n) {
 }
 
 #ifdef __AVX2__
-/* (w . x) of one group as 8 int32 partial sums: w0, w1 the group's 32 weights as int16 (16 each), x the
- * row's 32 activation codes. */
-static __m256i group_dot(__m256i w0, __m256i w1, const int16_t *x) {
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(x + 16))));
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 /* AVX-512's byte dot product: four products into each int32 lane in one instruction */
 #define DOT4(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
@@ -464,33 +457,70 @@ static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int6
 }
 #endif
 
-/* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). Inlined where `count` is a
- * constant (int8_output), as int4_block_rows is. */
+/* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). Each row's products sum in
+ * int32 lanes over up to INT8_CHUNK inputs (exact), then once into float32: a float conversion a chunk, not one
+ * a group of 32, and with AVX-512's int16 dot product (VNNI) each pair of products adds into its lane in one
+ * instruction. At the head's three rows (49,152 outputs) the per-group conversions and sums were what bound
+ * the product, not reading its codes. Inlined where `count` is a constant (int8_output), as int4_block_rows is. */
+#define INT8_CHUNK 4096  /* inputs a lane's int32 sum takes: k/8 products of at most 127 * 32767 stay below 2^31 */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT8_WIDE 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_PAIRS(acc, w, x) _mm256_dpwssd_epi32(acc, w, x)
+#elif defined(__AVX2__)
+#define DOT_PAIRS(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
+#endif
 static inline __attribute__((always_inline)) void int8_output_rows(
         const quantized_rows *x, int64_t m0, int count, int64_t k, const int8_t *codes, const void *scale_params,
         int64_t n, int64_t n_total, void *out, int is_bf16) {
     const float *scales = scale_params;
-    const int64_t groups = k / GROUP;
     const int8_t *row = codes + n * k;
     float total[ROW_BLOCK] = {0};
-#ifdef __AVX2__
-    __m256 acc[ROW_BLOCK];
-    for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {  /* int32 sums of a group, then float32 (no overflow, any k) */
-        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
-        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
-        for (int r = 0; r < count; r++)
-            acc[r] = _mm256_add_ps(_mm256_cvtepi32_ps(group_dot(w0, w1, x->q16 + (m0 + r) * k + g * GROUP)), acc[r]);
-    }
-    for (int r = 0; r < count; r++) total[r] = horizontal_sum(acc[r]);
+    for (int64_t c0 = 0; c0 < k; c0 += INT8_CHUNK) {
+        const int64_t c1 = c0 + INT8_CHUNK < k ? c0 + INT8_CHUNK : k;
+#if defined(INT8_WIDE)
+        int64_t j = c0;
+        __m512i acc[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_si512();
+        for (; j + 2 * GROUP <= c1; j += 2 * GROUP) {  /* two groups: 64 weights as int16, 32 a vector */
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + j)));
+            const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + j + GROUP)));
+            for (int r = 0; r < count; r++) {
+                const int16_t *q = x->q16 + (m0 + r) * k + j;
+                acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_loadu_si512(q));
+                acc[r] = _mm512_dpwssd_epi32(acc[r], w1, _mm512_loadu_si512(q + GROUP));
+            }
+        }
+        if (j < c1) {  /* an odd last group */
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + j)));
+            for (int r = 0; r < count; r++)
+                acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_loadu_si512(x->q16 + (m0 + r) * k + j));
+        }
+        for (int r = 0; r < count; r++) total[r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r]));
+#elif defined(__AVX2__)
+        __m256i acc[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm256_setzero_si256();
+        for (int64_t j = c0; j < c1; j += GROUP) {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j + 16)));
+            for (int r = 0; r < count; r++) {
+                const int16_t *q = x->q16 + (m0 + r) * k + j;
+                acc[r] = DOT_PAIRS(acc[r], w0, _mm256_load_si256((const __m256i *)q));
+                acc[r] = DOT_PAIRS(acc[r], w1, _mm256_load_si256((const __m256i *)(q + 16)));
+            }
+        }
+        for (int r = 0; r < count; r++) total[r] += horizontal_sum(_mm256_cvtepi32_ps(acc[r]));
 #else
-    for (int64_t g = 0; g < groups; g++)
         for (int r = 0; r < count; r++) {
-            int32_t sum = 0;
-            for (int j = 0; j < GROUP; j++) sum += row[g * GROUP + j] * x->q16[(m0 + r) * k + g * GROUP + j];
-            total[r] += (float)sum;
+            float lanes[8] = {0};  /* as the AVX2 loop's eight lanes: pairs of products in int32, then float */
+            int32_t sums[8] = {0};
+            for (int64_t i = c0; i < c1; i++) sums[(i % 16) / 2] += row[i] * x->q16[(m0 + r) * k + i];
+            for (int l = 0; l < 8; l++) lanes[l] = (float)sums[l];
+            for (int l = 0; l < 8; l++) total[r] += lanes[l];
         }
 #endif
+    }
     for (int r = 0; r < count; r++) store(out, (m0 + r) * n_total + n, total[r] * x->d[m0 + r] * scales[n], is_bf16);
 }
 

@@ -70,6 +70,8 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
     except ImportError:
         logger.warning("weights suite: no llama.cpp binding is installed; no llama.cpp figures (pip install "
                        "'logit-fusion[llamacpp-wheel]', or 'logit-fusion[llamacpp]' to build it from source)")
+    except RuntimeError as err:  # the worker could not load the file or decode (a crash in its build)
+        logger.warning("weights suite: llama.cpp could not run; no llama.cpp figures: %s", err)
     if gguf is None:
         logger.warning("weights suite: no GGUF file beside %s; no llama.cpp figures", reference.info.model)
     try:

@@ -15,6 +15,7 @@ with the same methods.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -127,9 +128,9 @@ class LlamaCppProcess:
     def _answer(self) -> dict:
         line = self._worker.stdout.readline()
         if not line:
-            self._worker.wait(timeout=30)
-            raise RuntimeError(f"the llama.cpp worker exited ({self._worker.returncode}): "
-                               f"{self._worker.stderr.read().strip()[-2000:]}")
+            code = self._worker.wait(timeout=30)
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            raise RuntimeError(f"the llama.cpp worker ended ({how}): {self._worker.stderr.read().strip()[-2000:]}")
         answer = json.loads(line)
         if "error" in answer:
             raise (ImportError if answer.get("kind") == "ImportError" else RuntimeError)(answer["error"])
@@ -158,6 +159,14 @@ class LlamaCppProcess:
             stream.close()
 
 
+def engine_probe_id(engine: LlamaCpp) -> int:
+    """An id every vocabulary has (the model's beginning-of-sequence, else 0), to decode once at the start."""
+    if engine._sync is None:
+        bos = engine.llm.token_bos()
+        return bos if bos is not None and bos >= 0 else 0
+    return 0
+
+
 def _serve(gguf: str, threads: int) -> None:
     """The worker's loop: one JSON request a line on standard input, one JSON answer a line on standard output;
     the first answer describes the engine (or the error that kept it from loading)."""
@@ -170,6 +179,9 @@ def _serve(gguf: str, threads: int) -> None:
 
     try:
         engine = LlamaCpp(Path(gguf), threads)
+        # A build that cannot evaluate fails here, before any timing: a few ids at once (a prompt's batched
+        # products, where a native build's AMX kernels crashed on one host) and one decode step.
+        engine.step_times([engine_probe_id(engine)] * 8, 1)
     except (ImportError, OSError, RuntimeError, ValueError) as err:  # reaches the benchmark as an answer
         send({"error": f"{type(err).__name__}: {err}", "kind": "ImportError" if isinstance(err, ImportError) else "other"})
         return

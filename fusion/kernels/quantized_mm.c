@@ -460,8 +460,8 @@ static void int4_block_pair(const quantized_rows *x, int64_t m0, int count, int6
 /* Output n of rows [m0, m0 + count) of the int8 product: scale * d_x * (q . q_x). Each row's products sum in
  * int32 lanes over up to INT8_CHUNK inputs (exact), then once into float32: a float conversion a chunk, not one
  * a group of 32, and with AVX-512's int16 dot product (VNNI) each pair of products adds into its lane in one
- * instruction. At the head's three rows (49,152 outputs) the per-group conversions and sums were what bound
- * the product, not reading its codes. Inlined where `count` is a constant (int8_output), as int4_block_rows is. */
+ * instruction. At a few rows of a wide product (the output head) the per-group conversions and sums were what
+ * bound it, not reading its codes. Inlined where `count` is a constant (int8_output), as int4_block_rows is. */
 #define INT8_CHUNK 4096  /* inputs a lane's int32 sum takes: k/8 products of at most 127 * 32767 stay below 2^31 */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define INT8_WIDE 1
@@ -513,11 +513,9 @@ static inline __attribute__((always_inline)) void int8_output_rows(
         for (int r = 0; r < count; r++) total[r] += horizontal_sum(_mm256_cvtepi32_ps(acc[r]));
 #else
         for (int r = 0; r < count; r++) {
-            float lanes[8] = {0};  /* as the AVX2 loop's eight lanes: pairs of products in int32, then float */
-            int32_t sums[8] = {0};
-            for (int64_t i = c0; i < c1; i++) sums[(i % 16) / 2] += row[i] * x->q16[(m0 + r) * k + i];
-            for (int l = 0; l < 8; l++) lanes[l] = (float)sums[l];
-            for (int l = 0; l < 8; l++) total[r] += lanes[l];
+            int32_t lanes[8] = {0};  /* as the AVX2 loop's eight lanes: pairs of products in int32, then float */
+            for (int64_t i = c0; i < c1; i++) lanes[(i % 16) / 2] += row[i] * x->q16[(m0 + r) * k + i];
+            for (int l = 0; l < 8; l++) total[r] += (float)lanes[l];
         }
 #endif
     }

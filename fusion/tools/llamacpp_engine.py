@@ -18,6 +18,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +51,14 @@ class LlamaCpp:
             lib.llama_sampler_chain_add(greedy, lib.llama_sampler_init_greedy())
             lib.llama_sampler_free(self._sync._sampler)
             self._sync._sampler = greedy
+
+    def probe_id(self) -> int:
+        """An id every vocabulary has (the model's beginning-of-sequence, else 0): what the worker evaluates
+        before it answers (`_serve`)."""
+        if self._sync is None:
+            bos = self.llm.token_bos()
+            return bos if bos is not None and bos >= 0 else 0
+        return 0
 
     @property
     def keeps_prompts(self) -> bool:
@@ -112,11 +121,13 @@ class LlamaCppProcess:
     """A `LlamaCpp` in a worker process of its own (module docstring), with its methods. ImportError if the
     worker finds no binding; RuntimeError if it fails otherwise."""
 
-    def __init__(self, gguf: Path, threads: int, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, gguf: Path, threads: int) -> None:
         self.path, self.threads = Path(gguf), threads
+        # The worker's messages go to a file, not a pipe: a pipe nobody reads until the end would stall a worker
+        # that writes more than its buffer holds.
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the handle; close() ends it)
         self._worker = subprocess.Popen([sys.executable, "-m", __name__, str(gguf), str(threads)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         try:
             hello = self._answer()
         except BaseException:
@@ -130,7 +141,8 @@ class LlamaCppProcess:
         if not line:
             code = self._worker.wait(timeout=30)
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            raise RuntimeError(f"the llama.cpp worker ended ({how}): {self._worker.stderr.read().strip()[-2000:]}")
+            self._log.seek(0)
+            raise RuntimeError(f"the llama.cpp worker ended ({how}): {self._log.read().strip()[-2000:]}")
         answer = json.loads(line)
         if "error" in answer:
             raise (ImportError if answer.get("kind") == "ImportError" else RuntimeError)(answer["error"])
@@ -155,16 +167,8 @@ class LlamaCppProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self._worker.kill()
                 self._worker.wait()
-        for stream in (self._worker.stdout, self._worker.stderr):
-            stream.close()
-
-
-def engine_probe_id(engine: LlamaCpp) -> int:
-    """An id every vocabulary has (the model's beginning-of-sequence, else 0), to decode once at the start."""
-    if engine._sync is None:
-        bos = engine.llm.token_bos()
-        return bos if bos is not None and bos >= 0 else 0
-    return 0
+        self._worker.stdout.close()
+        self._log.close()
 
 
 def _serve(gguf: str, threads: int) -> None:
@@ -181,7 +185,7 @@ def _serve(gguf: str, threads: int) -> None:
         engine = LlamaCpp(Path(gguf), threads)
         # A build that cannot evaluate fails here, before any timing: a few ids at once (a prompt's batched
         # products, where a native build's AMX kernels crashed on one host) and one decode step.
-        engine.step_times([engine_probe_id(engine)] * 8, 1)
+        engine.step_times([engine.probe_id()] * 8, 1)
     except (ImportError, OSError, RuntimeError, ValueError) as err:  # reaches the benchmark as an answer
         send({"error": f"{type(err).__name__}: {err}", "kind": "ImportError" if isinstance(err, ImportError) else "other"})
         return

@@ -136,17 +136,6 @@ static float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
     return total;
 }
 
-/* out += p * v over n values, v bfloat16. */
-static void add_scaled_bf16(float *out, float p, const uint16_t *v, int64_t n) {
-    int64_t i = 0;
-#ifdef __AVX2__
-    __m256 scale = _mm256_set1_ps(p);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, widen8_bf16(v + i), _mm256_loadu_ps(out + i)));
-#endif
-    for (; i < n; i++) out[i] += p * bf16_to_float(v[i]);
-}
-
 #ifdef __AVX2__
 /* e^x of 8 floats (Cephes' expf: a degree-6 polynomial of the remainder after ln 2 multiples, about an ulp);
  * below -88.38, 0 (-inf: exactly 0). */
@@ -255,23 +244,50 @@ static void adapters_down_rows(const lora_stack *s, const int64_t *adapter_rows,
         }
 }
 
+/* out[i] += p[j] * v[j * stride + i] for each column j < columns in turn, i < count (v bfloat16 or float32):
+ * add_scaled's (or add_scaled_bf16's) multiply-adds of each column, fused into one pass over out, each output
+ * kept in a register across the columns rather than loaded and stored once a column. Each output takes the
+ * same operations in the same order (the vector ones on the same whole eights, the tail's after them), so
+ * the same bits. */
+static void add_scaled_columns(float *out, const float *p, const void *v, int is_bf16, int64_t stride,
+                               int64_t columns, int64_t count) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= count; i += 8) {
+        __m256 acc = _mm256_loadu_ps(out + i);
+        for (int64_t j = 0; j < columns; j++) {
+            const __m256 w = is_bf16 ? widen8_bf16((const uint16_t *)v + j * stride + i)
+                                     : _mm256_loadu_ps((const float *)v + j * stride + i);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), w, acc);
+        }
+        _mm256_storeu_ps(out + i, acc);
+    }
+#endif
+    for (; i < count; i++)
+        for (int64_t j = 0; j < columns; j++)
+            out[i] += p[j] * (is_bf16 ? bf16_to_float(((const uint16_t *)v)[j * stride + i])
+                                      : ((const float *)v)[j * stride + i]);
+}
+
 /* out (rows, n) over outputs [j0, j1) += each row's `up` terms from t: each column's `up` row over its span
- * within the range, one long loop of independent multiply-adds. A column's `up` row is read only over its
- * span of outputs: a fused projection's stack is block-diagonal (each adapted part's columns write that
- * part's outputs), so the zeros outside the spans are skipped, not multiplied. */
+ * within the range, the columns that share a span (an adapted part's rank) in one pass (add_scaled_columns).
+ * A column's `up` row is read only over its span of outputs: a fused projection's stack is block-diagonal
+ * (each adapted part's columns write that part's outputs), so the zeros outside the spans are skipped, not
+ * multiplied. */
 static void adapters_up_range(const lora_stack *s, const int64_t *adapter_rows, const float *t, int64_t rows,
                               int64_t n, int64_t j0, int64_t j1, float *out) {
+    const size_t width = s->is_bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int64_t m = 0; m < rows; m++) {
         const int64_t a = adapter_rows[m];
         if (a < 0 || a >= s->adapters) continue;
-        for (int64_t c = s->ranges[2 * a]; c < s->ranges[2 * a + 1]; c++) {
+        for (int64_t c = s->ranges[2 * a], next; c < s->ranges[2 * a + 1]; c = next) {
+            for (next = c + 1; next < s->ranges[2 * a + 1] && s->spans[2 * next] == s->spans[2 * c]
+                               && s->spans[2 * next + 1] == s->spans[2 * c + 1]; next++) {}
             const int64_t lo = s->spans[2 * c] > j0 ? s->spans[2 * c] : j0;
             const int64_t hi = s->spans[2 * c + 1] < j1 ? s->spans[2 * c + 1] : j1;
             if (lo >= hi) continue;
-            if (s->is_bf16)
-                add_scaled_bf16(out + m * n + lo, t[m * s->columns + c], (const uint16_t *)s->up + c * n + lo, hi - lo);
-            else
-                add_scaled(out + m * n + lo, t[m * s->columns + c], (const float *)s->up + c * n + lo, hi - lo);
+            add_scaled_columns(out + m * n + lo, t + m * s->columns + c,
+                               (const char *)s->up + (size_t)(c * n + lo) * width, s->is_bf16, n, next - c, hi - lo);
         }
     }
 }

@@ -274,10 +274,12 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* AVX-512's byte dot product: four products into each int32 lane in one instruction */
 #define DOT4(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #define WIDEN(high, low, shift, ones) _mm256_add_epi32(_mm256_slli_epi32(high, 7), low)
+#define WIDEN_HIGH(high, ones) (high)  /* the high bytes' sums alone, without the factor 128 */
 #else
 /* AVX2: two products into each int16 lane, widened to int32 once a group */
 #define DOT4(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
 #define WIDEN(high, low, shift, ones) _mm256_add_epi32(_mm256_madd_epi16(high, shift), _mm256_madd_epi16(low, ones))
+#define WIDEN_HIGH(high, ones) _mm256_madd_epi16(high, ones)
 #endif
 
 static __m256i broadcast4(const int8_t *x) {  /* four activation bytes into every 32-bit lane */
@@ -325,8 +327,11 @@ static inline __attribute__((always_inline)) void int4_block_rows(
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK)));
         const __m256 bias = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK + OUT_BLOCK)));
         for (int r = 0; r < count; r++) {
-            __m256i dot = WIDEN(high[r], low[r], shift, ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * groups + g])), acc[r]);
+            /* a group without low bytes sums 128 high: its 128 goes into the scale instead (times a power of
+             * two, exact both ways), which spares the widening's shift and add */
+            const __m256i dot = fine[r] ? WIDEN(high[r], low[r], shift, ones) : WIDEN_HIGH(high[r], ones);
+            const float d_g = fine[r] ? d[r * groups + g] : 128.0f * d[r * groups + g];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d_g)), acc[r]);
             acc[r] = _mm256_fmadd_ps(bias, _mm256_set1_ps(sums[r * groups + g]), acc[r]);
         }
     }
@@ -433,9 +438,10 @@ static inline __attribute__((always_inline)) void int4_block_pair_rows(
         const __m512 bias = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block_params + g * 2 * OUT_BLOCK + OUT_BLOCK))),
             _mm_loadu_si128((const __m128i *)(next_params + g * 2 * OUT_BLOCK + OUT_BLOCK)), 1));
-        for (int r = 0; r < count; r++) {
-            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(high[r], 7), low[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
+        for (int r = 0; r < count; r++) {  /* int4_block_rows' widening, its 128 in the scale where no low bytes */
+            const __m512i dot = fine[r] ? _mm512_add_epi32(_mm512_slli_epi32(high[r], 7), low[r]) : high[r];
+            const float d_g = fine[r] ? d[r * groups + g] : 128.0f * d[r * groups + g];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d_g)), acc[r]);
             acc[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
         }
     }

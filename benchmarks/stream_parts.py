@@ -30,14 +30,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
 
-    import fusion.decode_batch as decode_batch
-    import fusion.engine as engine
-    import fusion.expert as expert
-    import fusion.expert_batching as expert_batching
-    import fusion.fast_decode as fast_decode
-    import fusion.native_decoder as native_decoder
-    import fusion.router as router
-    from fusion import native_kernels
+    from fusion import (
+        decode_batch,
+        engine,
+        expert,
+        expert_batching,
+        fast_decode,
+        native_decoder,
+        native_kernels,
+        router,
+    )
     from fusion.models import default_cache_dir
     from fusion.service import FusionRequest
     from fusion.tools.bench import BENCH_PROMPT, clear_kept_prefixes

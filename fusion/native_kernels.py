@@ -135,6 +135,9 @@ def declare(lib: ctypes.CDLL) -> None:
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.fusion_mixture.restype = None
+    lib.fusion_router_head.argtypes = [ctypes.c_void_p, *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int,
+                                       *[ctypes.c_void_p] * 3]
+    lib.fusion_router_head.restype = ctypes.c_int
     lib.fusion_step_clocks.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.fusion_step_clocks.restype = ctypes.c_int64
     lib.fusion_set_coarse_spread.argtypes = [ctypes.c_int]
@@ -225,6 +228,46 @@ def logit_statistics(rows: torch.Tensor, floor: float) -> tuple[torch.Tensor, ..
                                       best_ids.data_ptr(), best.data_ptr(), runner_up.data_ptr(), log_total.data_ptr(),
                                       entropy.data_ptr())
     return best_ids, best, runner_up, log_total, entropy
+
+
+class RouterParams(ctypes.Structure):
+    """logit_rows.c's router_params: a router's shape and pointers to its float32 tensors."""
+
+    _fields_ = [("experts", ctypes.c_int64), ("features", ctypes.c_int64), ("embed_dim", ctypes.c_int64),
+                ("hidden", ctypes.c_int64), ("comp_width", ctypes.c_int64), ("context", ctypes.c_int64),
+                ("windows", ctypes.c_int64 * 4), ("window_count", ctypes.c_int64), ("vocabulary", ctypes.c_int64),
+                ("embed", ctypes.c_void_p),
+                ("norm_weight", ctypes.c_void_p), ("norm_bias", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
+                ("w1", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("b2", ctypes.c_void_p),
+                ("route_weight", ctypes.c_void_p), ("route_bias", ctypes.c_void_p), ("comp_down", ctypes.c_void_p),
+                ("gate_mean", ctypes.c_void_p), ("gate_whiten", ctypes.c_void_p), ("gate_limit", ctypes.c_float),
+                ("generalist", ctypes.c_int64)]
+
+
+ROUTER_MAX_WIDTH = 1024  # the widest router input or hidden layer `router_head` takes (logit_rows.c)
+ROUTER_MAX_WINDOWS = 4
+
+
+def router_head(params: RouterParams, features: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor,
+                fail_safe: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A router's head for B rows in one call (logit_rows.c's `fusion_router_head`): features (B, F) float32,
+    context (B, K) recent ids (-1: none), allowed (E, B) bool -> its weights (E, B), the complementary
+    logit's share keep (B,) and the complementary layer's input times keep (B, comp_width). `params` must
+    point at tensors alive for the call (`fusion.router.Router`'s native head keeps them)."""
+    features = features.float().contiguous()
+    context = context.to(torch.int64).contiguous()
+    allowed = allowed.to(torch.uint8).contiguous()
+    rows = features.shape[0]
+    weights, keep = torch.empty(params.experts, rows), torch.empty(rows)
+    comp = torch.empty(rows, params.comp_width)
+    status = library().fusion_router_head(ctypes.byref(params), features.data_ptr(), context.data_ptr(),
+                                          allowed.data_ptr(), rows, int(fail_safe), weights.data_ptr(),
+                                          keep.data_ptr(), comp.data_ptr())
+    if status == -2:
+        raise IndexError(f"router_head: a context id lies outside the router's {params.vocabulary} embeddings")
+    if status != 0:
+        raise ValueError("router_head: the router is wider than the C head takes")
+    return weights, keep, comp
 
 
 def mixture(logits: torch.Tensor, log_weights: torch.Tensor, normalizers: torch.Tensor,

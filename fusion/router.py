@@ -21,6 +21,8 @@ fingerprints of the experts it was trained with; loading it against other expert
 
 from __future__ import annotations
 
+import ctypes
+
 import functools
 import hashlib
 import json
@@ -252,6 +254,11 @@ class Router(nn.Module):
             nn.init.zeros_(self.comp.weight)  # (comp_down keeps its random start: a gradient reaches both)
             nn.init.zeros_(self.comp.bias)
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_native_cache", None)  # pointers into this process's tensors: made again where it is used
+        return state
+
     def context_features(self, context: torch.Tensor) -> torch.Tensor:
         """context (B, K) recent ids, -1 = none → previous-token embedding and one mean-embedding
         bag per window: (B, embed_dim · (1 + len(windows)))."""
@@ -320,12 +327,23 @@ class Router(nn.Module):
                    context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
                    fail_safe: bool) -> FusedLogits:
         """`fuse` past the logit features: features (B, 3E + E²), normalizer (E, B)."""
-        inputs = torch.cat([features, self.context_features(context)], dim=-1)  # (B, F): the head's and the gate's
-        h = self.body(inputs)  # (B, hidden)
-        _, weights = self.route_weights(h, allowed)  # (E, B)
-        keep = None  # (B,) the share of the complementary logit the gate leaves; None: all of it
-        if fail_safe and self.gate is not None:
-            weights, keep = self._pull_to_generalist(inputs, weights, allowed)
+        head = self._native_head(logits, features, context, allowed, fail_safe)
+        if head is not None:  # the router's head in one C call: its weights (E, B), keep (B,), keep · comp input
+            weights, keep, comp_input = head
+            h = None
+        else:
+            inputs = torch.cat([features, self.context_features(context)], dim=-1)  # (B, F): the head's, the gate's
+            h = self.body(inputs)  # (B, hidden)
+            _, weights = self.route_weights(h, allowed)  # (E, B)
+            keep = None  # (B,) the share of the complementary logit the gate leaves; None: all of it
+            if fail_safe and self.gate is not None:
+                weights, keep = self._pull_to_generalist(inputs, weights, allowed)
+
+        def comp_parts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            if head is not None:
+                return comp_input, self.comp.weight.T, self.comp.bias, keep
+            return self._complementary_parts(h, keep)
+
         add_comp = self.comp is not None and complementary
         if hard:  # pick one expert per row: the mixture is that expert's log-probabilities
             picked = weights.argmax(0)  # (B,)
@@ -334,14 +352,81 @@ class Router(nn.Module):
         elif _native_passes(logits, weights) and logits.shape[0] <= native_kernels.MIXTURE_MAX:
             # one pass in C over the logits, the complementary logit added in it
             fused = native_kernels.mixture(logits, torch.log(weights), normalizer,
-                                           self._complementary_parts(h, keep) if add_comp else None)  # (B, V)
+                                           comp_parts() if add_comp else None)  # (B, V)
             return FusedLogits(fused, weights, normalizer)
         else:
             log_probs = logits - normalizer[..., None]  # (E, B, V)
             fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
         if add_comp:
-            fused = self._add_complementary(fused, h, keep)
+            if head is None:
+                fused = self._add_complementary(fused, h, keep)
+            else:  # keep · (comp input) Wᵀ + keep · b, as `_add_complementary` with its gate
+                inputs_kept, weight_t, bias, scale = comp_parts()
+                fused = torch.addmm(torch.addcmul(fused, scale[:, None], bias), inputs_kept, weight_t)
         return FusedLogits(fused, weights, normalizer)
+
+    def _native_head(self, logits: torch.Tensor, features: torch.Tensor, context: torch.Tensor,
+                     allowed: torch.Tensor | None, fail_safe: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The router's head (context features, body, route weights, the gate's pull, the complementary layer's
+        input) as one call into the project's C (`native_kernels.router_head`) where the route rule's passes run
+        there (`_native_passes`: float32 CPU logits, eagerly, no gradient), the router is a CPU float32 one of
+        this layout and no gradient is taken through it; None elsewhere (torch's operators then). At a step's
+        few rows torch's thirty-odd small operators cost more than their arithmetic; the C head computes the
+        same float32 arithmetic in its own order (within float32 rounding of torch's)."""
+        if not _native_passes(logits) or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return None
+        params = self._native_params(context.shape[-1])
+        if params is None:
+            return None
+        if allowed is None:
+            allowed = torch.ones(self.shape.num_experts, features.shape[0], dtype=torch.bool)
+        weights, keep, comp_input = native_kernels.router_head(params, features, context, allowed, fail_safe)
+        return weights, keep, comp_input
+
+    def _native_params(self, context_tokens: int):
+        """`native_kernels.RouterParams` pointing at this router's current tensors (remade when any of them is
+        another tensor than when they were made), or None where the C head does not take this router."""
+        norm, first, _, second, _ = (list(self.body) + [None] * 5)[:5]
+        gate = self.gate
+        tensors = [self.embed.weight, norm.weight, norm.bias, first.weight, first.bias, second.weight, second.bias,
+                   self.route.weight, self.route.bias]
+        tensors += [self.comp_down.weight] if self.comp_down is not None else []
+        tensors += [gate.mean, gate.whiten] if gate is not None else []
+        key = (context_tokens, id(gate), gate and (gate.limit, gate.generalist), *(t.data_ptr() for t in tensors))
+        cached = getattr(self, "_native_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if gate is not None:  # (a gate is fitted once, never updated in place: a copy in row-major order serves)
+            tensors[-2:] = [t.contiguous() for t in tensors[-2:]]
+        params = self._make_native_params(context_tokens, tensors)
+        self._native_cache = (key, params, tensors)  # the tensors kept alive with the pointers
+        return params
+
+    def _make_native_params(self, context_tokens: int, tensors: list[torch.Tensor]):
+        shape = self.shape
+        body = list(self.body)
+        layout = (len(body) == 5 and isinstance(body[0], nn.LayerNorm) and isinstance(body[1], nn.Linear)
+                  and isinstance(body[2], nn.GELU) and body[2].approximate == "none" and isinstance(body[3], nn.Linear)
+                  and isinstance(body[4], nn.GELU) and body[4].approximate == "none")
+        fits = (layout and shape.num_inputs <= native_kernels.ROUTER_MAX_WIDTH
+                and shape.hidden <= native_kernels.ROUTER_MAX_WIDTH and shape.num_experts <= 64
+                and len(shape.windows) <= native_kernels.ROUTER_MAX_WINDOWS and max(shape.windows) <= context_tokens
+                and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+        if not fits:
+            return None
+        norm, first, _, second, _ = body
+        gate = self.gate
+        windows = (ctypes.c_int64 * 4)(*shape.windows)
+        return native_kernels.RouterParams(
+            shape.num_experts, shape.num_features, shape.embed_dim, shape.hidden,
+            shape.comp_width if self.comp is not None else 0, context_tokens, windows, len(shape.windows),
+            self.embed.weight.shape[0], self.embed.weight.data_ptr(), norm.weight.data_ptr(), norm.bias.data_ptr(), norm.eps,
+            first.weight.data_ptr(), first.bias.data_ptr(), second.weight.data_ptr(), second.bias.data_ptr(),
+            self.route.weight.data_ptr(), self.route.bias.data_ptr(),
+            self.comp_down.weight.data_ptr() if self.comp_down is not None else None,
+            tensors[-2].data_ptr() if gate is not None else None, tensors[-1].data_ptr() if gate is not None else None,
+            gate.limit if gate is not None else 1.0, gate.generalist if gate is not None else 0)
 
     def _complementary_parts(self, h: torch.Tensor, keep: torch.Tensor | None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -122,6 +122,84 @@ def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_ra
     assert torch.equal(result.logits.argmax(-1), expected.logits.argmax(-1))
 
 
+def _gated(router: Router, logits: torch.Tensor, context: torch.Tensor) -> Router:
+    """`router` with a gate that finds row 0 familiar, pulls row 1 part of the way and the rest further (one
+    row: pulls it half way)."""
+    with torch.no_grad():
+        inputs = router.inputs(torch.log_softmax(logits, -1), context)
+        centre = inputs[0] if inputs.shape[0] > 1 else inputs[0] * 0.9
+        router.gate = FamiliarityGate(centre, torch.eye(inputs.shape[1]), limit=1.0, generalist=0)
+        router.gate.limit = float(router.gate.distance(inputs[min(1, inputs.shape[0] - 1)][None])[0]) / 1.5
+    return router
+
+
+def _torch_fuse(router: Router, *args, **kwargs) -> FusedLogits:
+    """`router.fuse` through torch's operators alone (no C head)."""
+    router._native_head = lambda *_, **__: None
+    try:
+        return router.fuse(*args, **kwargs)
+    finally:
+        del router._native_head
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("fail_safe", [True, False])
+@pytest.mark.parametrize("comp_rank", [0, 16])
+def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank):
+    """Where the route rule's passes run in C, the router's head (context features, body, weights, the gate's
+    pull, the complementary layer's input) is one C call: the same weights and fused logits as torch's
+    operators, within float32 rounding, with experts left out of some rows."""
+    from fusion import native_kernels
+
+    assert native_kernels.library() is not None  # (CI builds the kernels: the C head is what is tested)
+    vocab = 1024
+    router = _router(vocab, comp_rank=comp_rank)
+    logits = _logits(rows=max(rows, 2), vocab=vocab)[:, :rows].contiguous()  # (its second row has a tie)
+    context = torch.randint(-1, vocab, (rows, CONTEXT_TOKENS), generator=torch.Generator().manual_seed(2))
+    context[0, :40] = -1  # a short history: windows with fewer ids than their width
+    allowed = torch.ones(3, rows, dtype=torch.bool)
+    allowed[1, -1] = False
+    router = _gated(router, logits, context)
+    assert router._native_params(CONTEXT_TOKENS) is not None
+    with torch.no_grad():
+        got = router.fuse(logits, context, allowed, fail_safe=fail_safe)
+        want = _torch_fuse(router, logits, context, allowed, fail_safe=fail_safe)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+
+
+def test_the_c_head_reads_a_replaced_tensor_and_copies_the_router():
+    """The C head points at the router's tensors: one replaced (a new parameter, a new gate) is read from its
+    new place, a context id past the embedding is an IndexError, a tensor it cannot read (float64) leaves the
+    head to torch, and a router that has run it still copies (the pointers are not part of its state)."""
+    import copy
+
+    from fusion import native_kernels
+
+    assert native_kernels.library() is not None
+    vocab = 1024
+    router = _router(vocab, comp_rank=16)
+    logits, context = _logits(rows=2, vocab=vocab), torch.randint(-1, vocab, (2, CONTEXT_TOKENS))
+    allowed = torch.ones(3, 2, dtype=torch.bool)
+    with torch.no_grad():
+        router.fuse(logits, context, allowed)
+        router.route.weight = torch.nn.Parameter(torch.randn(3, router.shape.hidden), requires_grad=False)
+        router = _gated(router, logits, context)
+        got = router.fuse(logits, context, allowed, fail_safe=True)
+        want = _torch_fuse(router, logits, context, allowed, fail_safe=True)
+        torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        twin = copy.deepcopy(router)
+        torch.testing.assert_close(twin.fuse(logits, context, allowed).logits, router.fuse(logits, context, allowed).logits)
+        outside = context.clone()
+        outside[1, -1] = vocab  # past the embedding: an error, as torch's embedding raises, never a read past it
+        with pytest.raises(IndexError):
+            router.fuse(logits, outside, allowed)
+        router.route.bias = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64), requires_grad=False)
+        assert router._native_params(CONTEXT_TOKENS) is None
+
+
 @pytest.mark.parametrize("comp_rank", [0, 8])
 def test_decoding_layout_keeps_the_checkpoint(tmp_path, comp_rank):
     router = _router(512, comp_rank=comp_rank)

@@ -154,3 +154,111 @@ void fusion_mixture(const float *logits, const float *log_weights, const float *
         }
     }
 }
+
+/* The route rule's router from its inputs to its outputs for a few rows (fusion/router.py's `Router`: the
+ * context features, the body, the route's weights, the fail-safe gate and the complementary layer's input), in
+ * float32, as torch computes them in eager decoding; at a step's one to a few rows torch dispatches some thirty
+ * small operators for this, which cost more than their arithmetic. Every matrix row-major float32, as the
+ * module holds it (weight (out, in)). */
+typedef struct {
+    int64_t experts, features, embed_dim, hidden, comp_width;  /* comp_width 0: no complementary layer */
+    int64_t context, windows[4], window_count;
+    int64_t vocabulary;
+    const float *embed;                      /* (vocabulary, embed_dim) */
+    const float *norm_weight, *norm_bias;    /* (inputs,): the body's LayerNorm */
+    float norm_eps;
+    const float *w1, *b1, *w2, *b2;          /* (hidden, inputs), (hidden,), (hidden, hidden), (hidden,) */
+    const float *route_weight, *route_bias;  /* (experts, hidden), (experts,) */
+    const float *comp_down;                  /* (comp_width, hidden), or NULL: the layer's input is h */
+    const float *gate_mean, *gate_whiten;    /* (inputs,), (inputs, inputs), or NULL: no gate */
+    float gate_limit;
+    int64_t generalist;
+} router_params;
+
+/* y (n_out,) = W x + b, W (n_out, n_in) row-major: each output's sum in `dot`'s order. */
+static void linear_row(const float *w, const float *b, const float *x, int64_t n_in, int64_t n_out, float *y) {
+    for (int64_t o = 0; o < n_out; o++) y[o] = dot(w + o * n_in, x, n_in) + (b != NULL ? b[o] : 0.0f);
+}
+
+static float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+
+/* For each of `rows` rows: features (rows, features) (the logit statistics), context (rows, context) recent
+ * ids (-1: none), allowed (experts, rows) (0: the request left the expert out) -> weights (experts, rows), the
+ * complementary logit's share keep (rows,) (1 - the gate's pull; 1 without a gate or `fail_safe`), and the
+ * complementary layer's input times keep, comp (rows, comp_width). Returns 0; -1 when the router is wider
+ * than this function's scratch, -2 when a context id lies outside the embedding (nothing read past it). */
+#define ROUTER_MAX_WIDTH 1024
+int fusion_router_head(const router_params *p, const float *features, const int64_t *context, const uint8_t *allowed,
+                       int64_t rows, int fail_safe, float *weights, float *keep, float *comp) {
+    const int64_t inputs = p->features + p->embed_dim * (1 + p->window_count);
+    if (inputs > ROUTER_MAX_WIDTH || p->hidden > ROUTER_MAX_WIDTH || p->experts > 64 || p->window_count > 4)
+        return -1;
+    float x[ROUTER_MAX_WIDTH], normed[ROUTER_MAX_WIDTH], h1[ROUTER_MAX_WIDTH], h[ROUTER_MAX_WIDTH];
+    float whitened[ROUTER_MAX_WIDTH], route[64];
+    for (int64_t i = 0; i < rows * p->context; i++)
+        if (context[i] >= p->vocabulary) return -2;
+    for (int64_t b = 0; b < rows; b++) {
+        const int64_t *ids = context + b * p->context;
+        memcpy(x, features + b * p->features, (size_t)p->features * sizeof(float));
+        /* the last id's embedding, then each window's mean embedding over its valid ids (at least 1) */
+        float *part = x + p->features;
+        const int64_t last = ids[p->context - 1];
+        for (int64_t j = 0; j < p->embed_dim; j++) part[j] = last >= 0 ? p->embed[last * p->embed_dim + j] : 0.0f;
+        for (int64_t w = 0; w < p->window_count; w++) {
+            float *mean = part + (1 + w) * p->embed_dim;
+            int64_t valid = 0;
+            for (int64_t j = 0; j < p->embed_dim; j++) mean[j] = 0.0f;
+            for (int64_t c = p->context - p->windows[w]; c < p->context; c++) {
+                if (ids[c] < 0) continue;
+                valid++;
+                for (int64_t j = 0; j < p->embed_dim; j++) mean[j] += p->embed[ids[c] * p->embed_dim + j];
+            }
+            const float count = valid > 0 ? (float)valid : 1.0f;
+            for (int64_t j = 0; j < p->embed_dim; j++) mean[j] /= count;
+        }
+        /* the body: LayerNorm, linear, GELU, linear, GELU */
+        float mean = 0.0f, variance = 0.0f;
+        for (int64_t i = 0; i < inputs; i++) mean += x[i];
+        mean /= (float)inputs;
+        for (int64_t i = 0; i < inputs; i++) variance += (x[i] - mean) * (x[i] - mean);
+        variance /= (float)inputs;
+        const float inverse = 1.0f / sqrtf(variance + p->norm_eps);
+        for (int64_t i = 0; i < inputs; i++) normed[i] = (x[i] - mean) * inverse * p->norm_weight[i] + p->norm_bias[i];
+        linear_row(p->w1, p->b1, normed, inputs, p->hidden, h1);
+        for (int64_t o = 0; o < p->hidden; o++) h1[o] = gelu(h1[o]);
+        linear_row(p->w2, p->b2, h1, p->hidden, p->hidden, h);
+        for (int64_t o = 0; o < p->hidden; o++) h[o] = gelu(h[o]);
+        /* the route's softmax over the allowed experts */
+        linear_row(p->route_weight, p->route_bias, h, p->hidden, p->experts, route);
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t e = 0; e < p->experts; e++) {
+            if (!allowed[e * rows + b]) route[e] = -INFINITY;
+            if (route[e] > top) top = route[e];
+        }
+        for (int64_t e = 0; e < p->experts; e++) total += (route[e] = expf(route[e] - top));
+        for (int64_t e = 0; e < p->experts; e++) weights[e * rows + b] = route[e] / total;
+        /* the gate: pull towards the generalist as the inputs lie further from training's */
+        float pull = 0.0f;
+        if (fail_safe && p->gate_whiten != NULL) {
+            for (int64_t i = 0; i < inputs; i++) normed[i] = x[i] - p->gate_mean[i];
+            for (int64_t j = 0; j < inputs; j++) whitened[j] = 0.0f;
+            for (int64_t i = 0; i < inputs; i++)  /* (x - mean) @ whiten, row i of whiten scaled by input i */
+                for (int64_t j = 0; j < inputs; j++) whitened[j] += normed[i] * p->gate_whiten[i * inputs + j];
+            float distance = 0.0f;
+            for (int64_t j = 0; j < inputs; j++) distance += whitened[j] * whitened[j];
+            distance /= (float)inputs;
+            pull = distance / p->gate_limit - 1.0f;
+            pull = pull < 0.0f ? 0.0f : pull > 1.0f ? 1.0f : pull;
+            if (!allowed[p->generalist * rows + b]) pull = 0.0f;  /* never towards a generalist left out */
+            for (int64_t e = 0; e < p->experts; e++)
+                weights[e * rows + b] = (1.0f - pull) * weights[e * rows + b] + (e == p->generalist ? pull : 0.0f);
+        }
+        keep[b] = 1.0f - pull;
+        if (p->comp_width > 0) {
+            if (p->comp_down != NULL) linear_row(p->comp_down, NULL, h, p->hidden, p->comp_width, comp + b * p->comp_width);
+            else memcpy(comp + b * p->comp_width, h, (size_t)p->hidden * sizeof(float));
+            for (int64_t j = 0; j < p->comp_width; j++) comp[b * p->comp_width + j] *= keep[b];
+        }
+    }
+    return 0;
+}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 TOKENS = 48
-C_CALLS = ("fusion_decode_layers", "fusion_int8_mm", "fusion_logit_statistics", "fusion_mixture")
+C_CALLS = ("fusion_decode_layers", "fusion_int8_mm", "fusion_logit_statistics", "fusion_router_head", "fusion_mixture")
 
 
 def main() -> None:

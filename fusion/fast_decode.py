@@ -51,6 +51,7 @@ from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row,
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
+from fusion import native_kernels
 from fusion.native_decoder import NativeLayers
 from fusion.quantized import QuantizedLinear
 
@@ -215,8 +216,18 @@ class FastDecoder(nn.Module):
                 new_keys.append(k)
                 new_values.append(v)
             new_keys, new_values = torch.stack(new_keys), torch.stack(new_values)
-        logits = self._head(rms_norm(x, self.norm, self.eps), native is not None, linear)
+        logits = self._head(self._final_norm(x) if native is not None else rms_norm(x, self.norm, self.eps),
+                            native is not None, linear)
         return logits, new_keys, new_values
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the C layers' float32 rows x (B, hidden), in C (`native_kernels.rms_norm`: one call
+        where torch dispatches seven operators)."""
+        weight = self.__dict__.get("_norm_float32")
+        if weight is None or weight.data_ptr() != self.__dict__.get("_norm_source"):
+            weight = self.norm.float().contiguous()  # (hidden,): the model's dtype widened, exactly
+            self.__dict__["_norm_float32"], self.__dict__["_norm_source"] = weight, self.norm.data_ptr()
+        return native_kernels.rms_norm(x, weight, self.eps)
 
     def _head(self, x: torch.Tensor, native: bool, linear=F.linear) -> torch.Tensor:
         """The logits (B, V) float32 of normed rows x (B, hidden). After the C step's layers, a quantized head
@@ -245,7 +256,7 @@ class FastDecoder(nn.Module):
         mask = torch.arange(width, device=ids.device)[None, :] < positions[:, None]  # (k, width)
         x, _, _ = native.run(F.embedding(ids, self.embed), cos, sin, keys, values, mask.view(rows, 1, 1, width),
                              adapter_rows, append=True, columns=positions)
-        return self._head(rms_norm(x[-num_logits:], self.norm, self.eps), True)
+        return self._head(self._final_norm(x[-num_logits:]), True)
 
 
 # The fused projections an adapter may add to, as `MultiAdapter.fused` names them.

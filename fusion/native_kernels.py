@@ -138,6 +138,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.fusion_router_head.argtypes = [ctypes.c_void_p, *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int,
                                        *[ctypes.c_void_p] * 3]
     lib.fusion_router_head.restype = ctypes.c_int
+    lib.fusion_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                    ctypes.c_void_p]
+    lib.fusion_rms_norm.restype = None
     lib.fusion_step_clocks.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.fusion_step_clocks.restype = ctypes.c_int64
     lib.fusion_set_coarse_spread.argtypes = [ctypes.c_int]
@@ -228,6 +231,15 @@ def logit_statistics(rows: torch.Tensor, floor: float) -> tuple[torch.Tensor, ..
                                       best_ids.data_ptr(), best.data_ptr(), runner_up.data_ptr(), log_total.data_ptr(),
                                       entropy.data_ptr())
     return best_ids, best, runner_up, log_total, entropy
+
+
+def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMS norm of float32 rows (B, n) with a float32 weight (n,), in C: (B, n) float32
+    (within float32 rounding of `fusion.fast_decode.rms_norm`, which sums the squares in its own order)."""
+    rows = rows.float().contiguous()
+    out = torch.empty_like(rows)
+    library().fusion_rms_norm(rows.data_ptr(), weight.data_ptr(), rows.shape[0], rows.shape[1], eps, out.data_ptr())
+    return out
 
 
 class RouterParams(ctypes.Structure):

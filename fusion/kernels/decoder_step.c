@@ -222,6 +222,12 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
     }
 }
 
+/* out (rows, n) = rms_norm of x (rows, n): the final norm after the C layers (fusion/fast_decode.py), one call
+ * where torch dispatches seven operators for it. */
+void fusion_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *out) {
+    rms_norm(x, weight, rows, n, eps, out);
+}
+
 /* out (rows, w->n) = x (rows, w->k) times the quantized weight; `q` is scratch for the rows' codes. */
 static void product(const float *x, int64_t rows, const quantized_weight *w, quantized_rows *q, float *out,
                     int threads) {

@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion import native_kernels
 from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row, one_row_times, project,
                                projection_lists, rotary, rotate, rows_times, weight_of)
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.kv_cache import GrowingLayer
-from fusion import native_kernels
 from fusion.native_decoder import NativeLayers
 from fusion.quantized import QuantizedLinear
 

@@ -35,6 +35,12 @@
 #define OUT_BLOCK 8        /* the int4 layout's outputs a block */
 #define ROW_BLOCK 4        /* rows an int8 weight's loop carries */
 #define INT4_ROW_BLOCK 3   /* rows an int4 block's loop carries: two int16 sums and a float32 one each, in registers */
+#ifndef INT8_PREFETCH_ROWS
+#define INT8_PREFETCH_ROWS 4  /* how many outputs ahead int8_output asks for a row's codes (0: it does not) */
+#endif
+#ifndef SINGLE_PREFETCH_GROUPS
+#define SINGLE_PREFETCH_GROUPS 16  /* how far ahead int4_block asks for its codes (0: it does not) */
+#endif
 #define CODE_MAX 32767.0f  /* int8 weights' activation codes: int16, a scale a row */
 #define SPLIT_MAX 16256.0f /* int4 weights' activation codes: 128 * 127, a scale a group, two bytes each */
 #define COARSE_SPREAD 4    /* a group whose max|x| is at most this many times its mean |x| drops its low bytes */
@@ -307,6 +313,13 @@ static inline __attribute__((always_inline)) void int4_block_rows(
     for (int64_t g = 0; g < groups; g++) {
         __m256i high[INT4_ROW_BLOCK], low[INT4_ROW_BLOCK];  /* int16: two products a lane, over the group's quads */
         int fine[INT4_ROW_BLOCK];  /* the rows whose group has low bytes: the others' are zeros, skipped */
+#if SINGLE_PREFETCH_GROUPS > 0
+        /* a few groups ahead (past the block's end: the thread's next block, which follows it in memory) */
+        _mm_prefetch((const char *)(block + (g + SINGLE_PREFETCH_GROUPS) * 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(block + (g + SINGLE_PREFETCH_GROUPS) * 128 + 64), _MM_HINT_T0);
+        if (g % 4 == 0)
+            _mm_prefetch((const char *)(block_params + (g + SINGLE_PREFETCH_GROUPS) * 2 * OUT_BLOCK), _MM_HINT_T0);
+#endif
         for (int r = 0; r < INT4_ROW_BLOCK; r++) {
             high[r] = low[r] = _mm256_setzero_si256();
             fine[r] = r < count && x->fine[(m0 + r) * groups + g];
@@ -483,6 +496,11 @@ static inline __attribute__((always_inline)) void int8_output_rows(
     const float *scales = scale_params;
     const int8_t *row = codes + n * k;
     float total[ROW_BLOCK] = {0};
+#if INT8_PREFETCH_ROWS > 0
+    if (n + INT8_PREFETCH_ROWS < n_total)  /* a later output's codes, a few rows ahead (the thread walks its outputs) */
+        for (int64_t line = 0; line < k; line += 64)
+            _mm_prefetch((const char *)(row + INT8_PREFETCH_ROWS * k + line), _MM_HINT_T0);
+#endif
     for (int64_t c0 = 0; c0 < k; c0 += INT8_CHUNK) {
         const int64_t c1 = c0 + INT8_CHUNK < k ? c0 + INT8_CHUNK : k;
 #if defined(INT8_WIDE)

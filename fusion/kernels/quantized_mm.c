@@ -499,7 +499,7 @@ static inline __attribute__((always_inline)) void int8_output_rows(
 #if INT8_PREFETCH_ROWS > 0
     if (n + INT8_PREFETCH_ROWS < n_total)  /* a later output's codes, a few rows ahead (the thread walks its outputs) */
         for (int64_t line = 0; line < k; line += 64)
-            _mm_prefetch((const char *)(row + INT8_PREFETCH_ROWS * k + line), _MM_HINT_T0);
+            __builtin_prefetch(row + INT8_PREFETCH_ROWS * k + line);
 #endif
     for (int64_t c0 = 0; c0 < k; c0 += INT8_CHUNK) {
         const int64_t c1 = c0 + INT8_CHUNK < k ? c0 + INT8_CHUNK : k;

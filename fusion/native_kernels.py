@@ -258,6 +258,7 @@ class RouterParams(ctypes.Structure):
 
 ROUTER_MAX_WIDTH = 1024  # the widest router input or hidden layer `router_head` takes (logit_rows.c)
 ROUTER_MAX_WINDOWS = 4
+ROUTER_MAX_EXPERTS = 64
 
 
 def router_head(params: RouterParams, features: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor,

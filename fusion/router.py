@@ -22,7 +22,6 @@ fingerprints of the experts it was trained with; loading it against other expert
 from __future__ import annotations
 
 import ctypes
-
 import functools
 import hashlib
 import json
@@ -327,10 +326,11 @@ class Router(nn.Module):
                    context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
                    fail_safe: bool) -> FusedLogits:
         """`fuse` past the logit features: features (B, 3E + E²), normalizer (E, B)."""
+        add_comp = self.comp is not None and complementary
         head = self._native_head(logits, features, context, allowed, fail_safe)
         if head is not None:  # the router's head in one C call: its weights (E, B), keep (B,), keep · comp input
             weights, keep, comp_input = head
-            h = None
+            comp = (comp_input, self.comp.weight.T, self.comp.bias, keep) if add_comp else None
         else:
             inputs = torch.cat([features, self.context_features(context)], dim=-1)  # (B, F): the head's, the gate's
             h = self.body(inputs)  # (B, hidden)
@@ -338,31 +338,20 @@ class Router(nn.Module):
             keep = None  # (B,) the share of the complementary logit the gate leaves; None: all of it
             if fail_safe and self.gate is not None:
                 weights, keep = self._pull_to_generalist(inputs, weights, allowed)
-
-        def comp_parts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            if head is not None:
-                return comp_input, self.comp.weight.T, self.comp.bias, keep
-            return self._complementary_parts(h, keep)
-
-        add_comp = self.comp is not None and complementary
+            comp = self._complementary_parts(h, keep) if add_comp else None
         if hard:  # pick one expert per row: the mixture is that expert's log-probabilities
             picked = weights.argmax(0)  # (B,)
             weights = torch.nn.functional.one_hot(picked, weights.shape[0]).T.to(weights.dtype)
             fused = _picked_log_probs(logits, normalizer, picked)  # (B, V)
         elif _native_passes(logits, weights) and logits.shape[0] <= native_kernels.MIXTURE_MAX:
             # one pass in C over the logits, the complementary logit added in it
-            fused = native_kernels.mixture(logits, torch.log(weights), normalizer,
-                                           comp_parts() if add_comp else None)  # (B, V)
+            fused = native_kernels.mixture(logits, torch.log(weights), normalizer, comp)  # (B, V)
             return FusedLogits(fused, weights, normalizer)
         else:
             log_probs = logits - normalizer[..., None]  # (E, B, V)
             fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (B, V)
-        if add_comp:
-            if head is None:
-                fused = self._add_complementary(fused, h, keep)
-            else:  # keep · (comp input) Wᵀ + keep · b, as `_add_complementary` with its gate
-                inputs_kept, weight_t, bias, scale = comp_parts()
-                fused = torch.addmm(torch.addcmul(fused, scale[:, None], bias), inputs_kept, weight_t)
+        if comp is not None:
+            fused = self._add_complementary(fused, *comp)
         return FusedLogits(fused, weights, normalizer)
 
     def _native_head(self, logits: torch.Tensor, features: torch.Tensor, context: torch.Tensor,
@@ -381,52 +370,52 @@ class Router(nn.Module):
             return None
         if allowed is None:
             allowed = torch.ones(self.shape.num_experts, features.shape[0], dtype=torch.bool)
-        weights, keep, comp_input = native_kernels.router_head(params, features, context, allowed, fail_safe)
-        return weights, keep, comp_input
+        return native_kernels.router_head(params, features, context, allowed, fail_safe)
 
-    def _native_params(self, context_tokens: int):
+    def _native_fits(self, context_tokens: int) -> bool:
+        """Whether the C head takes this router's layout and sizes (its tensors checked apart)."""
+        shape, body = self.shape, list(self.body)
+        return (len(body) == 5 and isinstance(body[0], nn.LayerNorm) and isinstance(body[1], nn.Linear)
+                and isinstance(body[2], nn.GELU) and body[2].approximate == "none" and isinstance(body[3], nn.Linear)
+                and isinstance(body[4], nn.GELU) and body[4].approximate == "none"
+                and max(shape.num_inputs, shape.hidden) <= native_kernels.ROUTER_MAX_WIDTH
+                and shape.num_experts <= native_kernels.ROUTER_MAX_EXPERTS
+                and len(shape.windows) <= native_kernels.ROUTER_MAX_WINDOWS and max(shape.windows) <= context_tokens)
+
+    def _native_params(self, context_tokens: int) -> native_kernels.RouterParams | None:
         """`native_kernels.RouterParams` pointing at this router's current tensors (remade when any of them is
         another tensor than when they were made), or None where the C head does not take this router."""
-        norm, first, _, second, _ = (list(self.body) + [None] * 5)[:5]
+        if not self._native_fits(context_tokens):
+            return None
+        norm, first, _, second, _ = self.body
         gate = self.gate
-        tensors = [self.embed.weight, norm.weight, norm.bias, first.weight, first.bias, second.weight, second.bias,
-                   self.route.weight, self.route.bias]
-        tensors += [self.comp_down.weight] if self.comp_down is not None else []
-        tensors += [gate.mean, gate.whiten] if gate is not None else []
-        key = (context_tokens, id(gate), gate and (gate.limit, gate.generalist), *(t.data_ptr() for t in tensors))
+        tensors = {"embed": self.embed.weight, "norm_weight": norm.weight, "norm_bias": norm.bias,
+                   "w1": first.weight, "b1": first.bias, "w2": second.weight, "b2": second.bias,
+                   "route_weight": self.route.weight, "route_bias": self.route.bias,
+                   "comp_down": self.comp_down.weight if self.comp_down is not None else None,
+                   "gate_mean": gate.mean if gate is not None else None,
+                   "gate_whiten": gate.whiten if gate is not None else None}
+        key = (context_tokens, id(gate), gate and (gate.limit, gate.generalist),
+               *(t.data_ptr() for t in tensors.values() if t is not None))
         cached = getattr(self, "_native_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
         if gate is not None:  # (a gate is fitted once, never updated in place: a copy in row-major order serves)
-            tensors[-2:] = [t.contiguous() for t in tensors[-2:]]
-        params = self._make_native_params(context_tokens, tensors)
-        self._native_cache = (key, params, tensors)  # the tensors kept alive with the pointers
+            tensors["gate_mean"], tensors["gate_whiten"] = gate.mean.contiguous(), gate.whiten.contiguous()
+        present = [t for t in tensors.values() if t is not None]
+        params = None
+        if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in present):
+            shape = self.shape
+            params = native_kernels.RouterParams(
+                experts=shape.num_experts, features=shape.num_features, embed_dim=shape.embed_dim,
+                hidden=shape.hidden, comp_width=shape.comp_width if self.comp is not None else 0,
+                context=context_tokens, windows=(ctypes.c_int64 * 4)(*shape.windows),
+                window_count=len(shape.windows), vocabulary=self.embed.weight.shape[0], norm_eps=norm.eps,
+                gate_limit=gate.limit if gate is not None else 1.0,
+                generalist=gate.generalist if gate is not None else 0,
+                **{name: None if t is None else t.data_ptr() for name, t in tensors.items()})
+        self._native_cache = (key, params, present)  # the tensors kept alive with the pointers
         return params
-
-    def _make_native_params(self, context_tokens: int, tensors: list[torch.Tensor]):
-        shape = self.shape
-        body = list(self.body)
-        layout = (len(body) == 5 and isinstance(body[0], nn.LayerNorm) and isinstance(body[1], nn.Linear)
-                  and isinstance(body[2], nn.GELU) and body[2].approximate == "none" and isinstance(body[3], nn.Linear)
-                  and isinstance(body[4], nn.GELU) and body[4].approximate == "none")
-        fits = (layout and shape.num_inputs <= native_kernels.ROUTER_MAX_WIDTH
-                and shape.hidden <= native_kernels.ROUTER_MAX_WIDTH and shape.num_experts <= 64
-                and len(shape.windows) <= native_kernels.ROUTER_MAX_WINDOWS and max(shape.windows) <= context_tokens
-                and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors))
-        if not fits:
-            return None
-        norm, first, _, second, _ = body
-        gate = self.gate
-        windows = (ctypes.c_int64 * 4)(*shape.windows)
-        return native_kernels.RouterParams(
-            shape.num_experts, shape.num_features, shape.embed_dim, shape.hidden,
-            shape.comp_width if self.comp is not None else 0, context_tokens, windows, len(shape.windows),
-            self.embed.weight.shape[0], self.embed.weight.data_ptr(), norm.weight.data_ptr(), norm.bias.data_ptr(), norm.eps,
-            first.weight.data_ptr(), first.bias.data_ptr(), second.weight.data_ptr(), second.bias.data_ptr(),
-            self.route.weight.data_ptr(), self.route.bias.data_ptr(),
-            self.comp_down.weight.data_ptr() if self.comp_down is not None else None,
-            tensors[-2].data_ptr() if gate is not None else None, tensors[-1].data_ptr() if gate is not None else None,
-            gate.limit if gate is not None else 1.0, gate.generalist if gate is not None else 0)
 
     def _complementary_parts(self, h: torch.Tensor, keep: torch.Tensor | None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -447,14 +436,11 @@ class Router(nn.Module):
         toward[self.gate.generalist] = 1.0
         return (1 - pull) * weights + pull * toward, 1 - pull
 
-    def _add_complementary(self, fused: torch.Tensor, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """fused + keep · (h Wᵀ + b) as one matrix product accumulated onto fused + keep · b: the layer's
-        (B, V) output is never a tensor of its own. fused (B, V), h (B, hidden), keep (B,) or None."""
-        h = self._comp_input(h)  # (B, comp_width)
-        weight_t, bias = self.comp.weight.T, self.comp.bias  # (comp_width, V), (V,)
-        if keep is None:
-            return torch.addmm(fused + bias, h, weight_t)
-        return torch.addmm(torch.addcmul(fused, keep[:, None], bias), h * keep[:, None], weight_t)
+    def _add_complementary(self, fused: torch.Tensor, inputs_kept: torch.Tensor, weight_t: torch.Tensor,
+                           bias: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """fused + keep · (x Wᵀ + b) as one matrix product accumulated onto fused + keep · b, from
+        `_complementary_parts`' terms: the layer's (B, V) output is never a tensor of its own. fused (B, V)."""
+        return torch.addmm(torch.addcmul(fused, keep[:, None], bias), inputs_kept, weight_t)
 
     def lay_out_for_decoding(self) -> Router:
         """Keep the complementary layer's weight (V, comp_width) as the transpose of a contiguous

@@ -251,7 +251,7 @@ static void adapters_down_rows(const lora_stack *s, const int64_t *adapter_rows,
 }
 
 /* out[i] += p[j] * v[j * stride + i] for each column j < columns in turn, i < count (v bfloat16 or float32):
- * add_scaled's (or add_scaled_bf16's) multiply-adds of each column, fused into one pass over out, each output
+ * add_scaled's multiply-adds of each column (bfloat16 rows widened, exactly), fused into one pass over out, each output
  * kept in a register across the columns rather than loaded and stored once a column. Each output takes the
  * same operations in the same order (the vector ones on the same whole eights, the tail's after them), so
  * the same bits. */

@@ -162,7 +162,7 @@ void fusion_mixture(const float *logits, const float *log_weights, const float *
  * module holds it (weight (out, in)). */
 typedef struct {
     int64_t experts, features, embed_dim, hidden, comp_width;  /* comp_width 0: no complementary layer */
-    int64_t context, windows[4], window_count;
+    int64_t context, windows[4], window_count;  /* windows: up to ROUTER_MAX_WINDOWS */
     int64_t vocabulary;
     const float *embed;                      /* (vocabulary, embed_dim) */
     const float *norm_weight, *norm_bias;    /* (inputs,): the body's LayerNorm */
@@ -187,14 +187,17 @@ static float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654
  * complementary logit's share keep (rows,) (1 - the gate's pull; 1 without a gate or `fail_safe`), and the
  * complementary layer's input times keep, comp (rows, comp_width). Returns 0; -1 when the router is wider
  * than this function's scratch, -2 when a context id lies outside the embedding (nothing read past it). */
-#define ROUTER_MAX_WIDTH 1024
+#define ROUTER_MAX_WIDTH 1024   /* fusion/native_kernels.py's ROUTER_MAX_* name the same bounds */
+#define ROUTER_MAX_EXPERTS 64
+#define ROUTER_MAX_WINDOWS 4
 int fusion_router_head(const router_params *p, const float *features, const int64_t *context, const uint8_t *allowed,
                        int64_t rows, int fail_safe, float *weights, float *keep, float *comp) {
     const int64_t inputs = p->features + p->embed_dim * (1 + p->window_count);
-    if (inputs > ROUTER_MAX_WIDTH || p->hidden > ROUTER_MAX_WIDTH || p->experts > 64 || p->window_count > 4)
+    if (inputs > ROUTER_MAX_WIDTH || p->hidden > ROUTER_MAX_WIDTH || p->experts > ROUTER_MAX_EXPERTS
+        || p->window_count > ROUTER_MAX_WINDOWS)
         return -1;
     float x[ROUTER_MAX_WIDTH], normed[ROUTER_MAX_WIDTH], h1[ROUTER_MAX_WIDTH], h[ROUTER_MAX_WIDTH];
-    float whitened[ROUTER_MAX_WIDTH], route[64];
+    float whitened[ROUTER_MAX_WIDTH], route[ROUTER_MAX_EXPERTS];
     for (int64_t i = 0; i < rows * p->context; i++)
         if (context[i] >= p->vocabulary) return -2;
     for (int64_t b = 0; b < rows; b++) {
@@ -228,15 +231,12 @@ int fusion_router_head(const router_params *p, const float *features, const int6
         for (int64_t o = 0; o < p->hidden; o++) h1[o] = gelu(h1[o]);
         linear_row(p->w2, p->b2, h1, p->hidden, p->hidden, h);
         for (int64_t o = 0; o < p->hidden; o++) h[o] = gelu(h[o]);
-        /* the route's softmax over the allowed experts */
+        /* the route's softmax over the allowed experts (decoder_step.c's softmax: -inf weighs 0) */
         linear_row(p->route_weight, p->route_bias, h, p->hidden, p->experts, route);
-        float top = -INFINITY, total = 0.0f;
-        for (int64_t e = 0; e < p->experts; e++) {
+        for (int64_t e = 0; e < p->experts; e++)
             if (!allowed[e * rows + b]) route[e] = -INFINITY;
-            if (route[e] > top) top = route[e];
-        }
-        for (int64_t e = 0; e < p->experts; e++) total += (route[e] = expf(route[e] - top));
-        for (int64_t e = 0; e < p->experts; e++) weights[e * rows + b] = route[e] / total;
+        softmax(route, p->experts);
+        for (int64_t e = 0; e < p->experts; e++) weights[e * rows + b] = route[e];
         /* the gate: pull towards the generalist as the inputs lie further from training's */
         float pull = 0.0f;
         if (fail_safe && p->gate_whiten != NULL) {
@@ -255,8 +255,10 @@ int fusion_router_head(const router_params *p, const float *features, const int6
         }
         keep[b] = 1.0f - pull;
         if (p->comp_width > 0) {
-            if (p->comp_down != NULL) linear_row(p->comp_down, NULL, h, p->hidden, p->comp_width, comp + b * p->comp_width);
-            else memcpy(comp + b * p->comp_width, h, (size_t)p->hidden * sizeof(float));
+            if (p->comp_down != NULL)
+                linear_row(p->comp_down, NULL, h, p->hidden, p->comp_width, comp + b * p->comp_width);
+            else
+                memcpy(comp + b * p->comp_width, h, (size_t)p->hidden * sizeof(float));
             for (int64_t j = 0; j < p->comp_width; j++) comp[b * p->comp_width + j] *= keep[b];
         }
     }

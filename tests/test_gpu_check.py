@@ -50,5 +50,8 @@ def test_python_part_writes_figures_on_a_cpu(tmp_path):
     for key in ("fused_step_over_slowest_forward", "fused_step_over_sum_of_forwards", "decode_step_over_floor",
                 "fused_tokens_per_s", "concurrency.2"):
         assert key in trio, key
+    shared = figures["tiny-sized adapter trio (one base)"]
+    for key in ("fused_step_over_base_step", "runtime_step_ms.base", "concurrency.2"):
+        assert key in shared, key
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "fused step / slowest expert's plain forward" in text and "no --cache" in text

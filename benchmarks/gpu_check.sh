@@ -61,10 +61,17 @@ say "device: $cuda_line"
 # 2. packages: install what is missing from the carried wheels into a private folder
 site="${TMPDIR:-/tmp}/fusion-gpu-check-site"
 missing="$("$python" - <<'EOF'
+import importlib.metadata
 import importlib.util
 need = ["pydantic", "pydantic_core", "annotated_types", "typing_inspection", "yaml", "transformers",
-        "tokenizers", "safetensors", "pytest"]
-print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+        "tokenizers", "safetensors", "peft", "pytest"]
+missing = [n for n in need if importlib.util.find_spec(n) is None]
+# The runtime passes the cache to a model's forward as `cache=`, which transformers takes from 5.24.
+if "transformers" not in missing:
+    major, minor = (int(part) for part in importlib.metadata.version("transformers").split(".")[:2])
+    if (major, minor) < (5, 24):
+        missing.append("transformers>=5.24")
+print(" ".join(missing))
 EOF
 )"
 if [ "$dry_run" = 1 ]; then

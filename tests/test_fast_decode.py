@@ -48,7 +48,7 @@ def _expert(path, decode: str = "fast") -> LocalExpert:
 
 def _plain_last_logits(model, histories) -> torch.Tensor:
     with torch.no_grad():
-        return torch.stack([model(torch.tensor([h])).logits[0, -1] for h in histories])  # (B, V)
+        return torch.stack([model(torch.tensor([h], device=model.device)).logits[0, -1] for h in histories])  # (B, V)
 
 
 @pytest.mark.parametrize("model_name", ["llama", "qwen2"])

@@ -235,18 +235,61 @@ static void product(const float *x, int64_t rows, const quantized_weight *w, qua
     multiply(q, rows, w->k, w->codes, w->params, w->n, out, 0, threads, NULL);
 }
 
-/* t (rows, columns) = x down, for each row's adapter's columns: an orphaned `omp for` (with its barrier), run
- * inside the caller's parallel region. */
+#define DOWN_COLUMNS 4  /* adapter columns one pass over a row's activations sums at once */
+
+/* t[j] = the dot product of x (k) with `down`'s row j (bfloat16 or float32), j < count: for DOWN_COLUMNS rows,
+ * their sums interleaved in one pass over x (one multiply-add's latency hides behind the others', where a
+ * lone sum waits for its previous step), each with dot / dot_bf16's operations in their order (one vector
+ * sum over the whole eights, then the tail's), so the same bits. */
+static void dot_columns(const float *x, const void *down, int is_bf16, int64_t k, int64_t count, float *t) {
+#ifdef __AVX2__
+    if (count == DOWN_COLUMNS) {
+        __m256 acc[DOWN_COLUMNS];
+        for (int j = 0; j < DOWN_COLUMNS; j++) acc[j] = _mm256_setzero_ps();
+        int64_t i = 0;
+        if (is_bf16)
+            for (; i + 8 <= k; i += 8) {
+                const __m256 xv = _mm256_loadu_ps(x + i);
+                for (int j = 0; j < DOWN_COLUMNS; j++)
+                    acc[j] = _mm256_fmadd_ps(xv, widen8_bf16((const uint16_t *)down + j * k + i), acc[j]);
+            }
+        else
+            for (; i + 8 <= k; i += 8) {
+                const __m256 xv = _mm256_loadu_ps(x + i);
+                for (int j = 0; j < DOWN_COLUMNS; j++)
+                    acc[j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps((const float *)down + j * k + i), acc[j]);
+            }
+        for (int j = 0; j < DOWN_COLUMNS; j++) {
+            float total = horizontal_sum(acc[j]);
+            for (int64_t tail = i; tail < k; tail++)
+                total += x[tail] * (is_bf16 ? bf16_to_float(((const uint16_t *)down)[j * k + tail])
+                                            : ((const float *)down)[j * k + tail]);
+            t[j] = total;
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < count; j++)
+        t[j] = is_bf16 ? dot_bf16(x, (const uint16_t *)down + j * k, k) : dot(x, (const float *)down + j * k, k);
+}
+
+/* t (rows, columns) = x down, for each row's adapter's columns, DOWN_COLUMNS at a time: an orphaned `omp for`
+ * (with its barrier), run inside the caller's parallel region. The (row, columns) items go to the threads in
+ * turn (chunks of one), so that rows without an adapter (the base's) leave no thread idle. */
 static void adapters_down_rows(const lora_stack *s, const int64_t *adapter_rows, const float *x, int64_t rows,
                                int64_t k, float *t) {
-    const int64_t columns = s->columns;
-#pragma omp for collapse(2) schedule(static)
+    const int64_t columns = s->columns, groups = (columns + DOWN_COLUMNS - 1) / DOWN_COLUMNS;
+    const size_t width = s->is_bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp for collapse(2) schedule(static, 1)
     for (int64_t m = 0; m < rows; m++)
-        for (int64_t c = 0; c < columns; c++) {
+        for (int64_t g = 0; g < groups; g++) {
             const int64_t a = adapter_rows[m];
-            if (a < 0 || a >= s->adapters || c < s->ranges[2 * a] || c >= s->ranges[2 * a + 1]) continue;
-            t[m * columns + c] = s->is_bf16 ? dot_bf16(x + m * k, (const uint16_t *)s->down + c * k, k)
-                                            : dot(x + m * k, (const float *)s->down + c * k, k);
+            if (a < 0 || a >= s->adapters) continue;
+            const int64_t lo = g * DOWN_COLUMNS > s->ranges[2 * a] ? g * DOWN_COLUMNS : s->ranges[2 * a];
+            const int64_t hi = (g + 1) * DOWN_COLUMNS < s->ranges[2 * a + 1] ? (g + 1) * DOWN_COLUMNS : s->ranges[2 * a + 1];
+            if (lo >= hi) continue;
+            dot_columns(x + m * k, (const char *)s->down + (size_t)(lo * k) * width, s->is_bf16, k, hi - lo,
+                        t + m * columns + lo);
         }
 }
 

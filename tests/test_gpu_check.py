@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,12 +37,41 @@ def test_script_refuses_a_machine_without_cuda(tmp_path):
     assert expected in done.stderr
 
 
-def test_python_part_writes_figures_on_a_cpu(tmp_path):
+def _gpu_check():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_check
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu_check
+
+
+def test_a_compiled_build_that_fails_is_reported_and_measured_eagerly(tmp_path, monkeypatch):
+    gpu_check = _gpu_check()
+    measured = []
+
+    def measure(label, data, resolve, cache_dir, args, figures, lines):
+        decodes = {e["decode"] for e in data["experts"]}
+        measured.append((label, decodes))
+        if decodes == {"compiled"}:
+            raise AssertionError("a replay on another thread")
+        figures[label] = {"fused_tokens_per_s": 1.0}
+
+    monkeypatch.setattr(gpu_check, "measure", measure)
+    data = {"experts": [{"name": n, "model": "m", "decode": "compiled"} for n in ("a", "b")]}
+    figures, lines = {}, []
+    gpu_check.measure_or_eager("trio", data, None, None, None, figures, lines)
+    assert measured == [("trio", {"compiled"}), ("trio (decode fast)", {"fast"})]
+    assert "AssertionError: a replay on another thread" in figures["trio (compiled failed)"]["error"]
+    assert any("decode compiled failed" in line for line in lines) and "trio (decode fast)" in figures
+    eager = {"experts": [{"name": "a", "model": "m", "decode": "fast"}]}
+    monkeypatch.setattr(gpu_check, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("eager fails")))
+    with pytest.raises(RuntimeError, match="eager fails"):  # an eager build's failure is the run's
+        gpu_check.measure_or_eager("trio", eager, None, None, None, {}, [])
+
+
+def test_python_part_writes_figures_on_a_cpu(tmp_path):
+    gpu_check = _gpu_check()
     rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--size", "tiny", "--decode", "fast",
                          "--no-compile", "--steps", "2", "--max-tokens", "3", "--levels", "1", "2"])
     assert rc == 0

@@ -9,7 +9,7 @@ case (the base member alone: one row; the trio: three rows, two with adapters) a
 other revision. Where `benchmarks/kernel_builds.py` times the products alone, this times everything the
 C step does (the adapters, attention, the activations) and what the step does around it.
 
-    python benchmarks/step_builds.py --before HEAD~1 [--rounds 7] [--steps 20] [--json docs/bench_step_builds.json]
+    python benchmarks/step_builds.py --before HEAD~1 [--rounds 7] [--steps 20] [--history 60] [--json docs/bench_step_builds.json]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--before", default="HEAD", help="the git revision to compare this tree's kernels with")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--history", type=int, default=60, help="ids each session holds before the timed steps")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
 
@@ -87,14 +88,15 @@ def main() -> None:
         for case, which in CASES.items():
             for name in order:
                 use(name)
-                times[name][case].append(members_step_ms(members, which, f"{name}-{case}-{r}-", options.steps))
+                times[name][case].append(members_step_ms(members, which, f"{name}-{case}-{r}-", options.steps,
+                                                               history_len=options.history))
     medians = {name: {case: statistics.median(v) for case, v in by.items()} for name, by in times.items()}
     figures = {
         "before": options.before, "same_bits": same, "largest_difference": largest,
         "ms_per_step": medians,
         "after_over_before": {case: medians["after"][case] / medians["before"][case] for case in CASES},
         "trio_over_base": {name: medians[name]["trio"] / medians[name]["base"] for name in libraries},
-        "rounds": times, "steps": options.steps,
+        "rounds": times, "steps": options.steps, "history": options.history,
     }
     service.close()
     emit_figures(figures, options.json)

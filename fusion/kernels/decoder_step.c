@@ -236,6 +236,7 @@ static void product(const float *x, int64_t rows, const quantized_weight *w, qua
 }
 
 #define DOWN_COLUMNS 4  /* adapter columns one pass over a row's activations sums at once */
+#define GROUP_SCORES_MAX 8  /* query heads a kv head's scores sum at once (group_scores; more: one at a time) */
 
 /* t[j] = the dot product of x (k) with `down`'s row j (bfloat16 or float32), j < count: for DOWN_COLUMNS rows,
  * their sums interleaved in one pass over x (one multiply-add's latency hides behind the others', where a
@@ -413,12 +414,60 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
 }
 
 #define MAX_GROUP 8  /* query heads a kv head serves, up to which weigh_values keeps their sums in registers */
+#define MAX_EIGHTS 4  /* eights of a head's outputs weigh_values sums in one pass over the values */
+#define EIGHTS_FOR(group) ((group) <= 3 ? 4 : (group) <= 6 ? 2 : 1)  /* at most 12 sums in registers */
+
+#ifdef __AVX2__
+/* o (group, dim), outputs [i0, i0 + 8 * eights) of each head, += the attended columns' values weighted by each
+ * head's scores, column after column: every sum in a register across all the columns, each value's eights
+ * read (and widened) once for the group, and the group * eights sums independent, so that the multiply-adds'
+ * latency overlaps. Inlined where `group` and `eights` are constants (weigh_eights). */
+static inline __attribute__((always_inline)) void weigh_eights_of(
+        const void *values, int is_bf16, int64_t value_base, int64_t step, const uint8_t *mask, int64_t width,
+        const float *score, int64_t stride, int group, int eights, int64_t i0, int64_t dim, float *o) {
+    __m256 acc[MAX_GROUP * MAX_EIGHTS];
+    for (int h = 0; h < group; h++)
+        for (int e = 0; e < eights; e++) acc[h * eights + e] = _mm256_loadu_ps(o + h * dim + i0 + 8 * e);
+    for (int64_t c = 0, j = 0; c < width; c++) {
+        if (!mask[c]) continue;
+        const int64_t at = value_base + c * step + i0;
+        __m256 v[MAX_EIGHTS];
+        for (int e = 0; e < eights; e++)
+            v[e] = is_bf16 ? widen8_bf16((const uint16_t *)values + at + 8 * e)
+                           : _mm256_loadu_ps((const float *)values + at + 8 * e);
+        for (int h = 0; h < group; h++) {
+            const __m256 weight = _mm256_set1_ps(score[h * stride + j]);
+            for (int e = 0; e < eights; e++) acc[h * eights + e] = _mm256_fmadd_ps(weight, v[e], acc[h * eights + e]);
+        }
+        j++;
+    }
+    for (int h = 0; h < group; h++)
+        for (int e = 0; e < eights; e++) _mm256_storeu_ps(o + h * dim + i0 + 8 * e, acc[h * eights + e]);
+}
+
+/* weigh_eights_of for a group of 1 to MAX_GROUP heads, with EIGHTS_FOR(group) eights a pass (`wide`) or one;
+ * each case its own copy, with its sums in registers. */
+static void weigh_eights(const void *values, int is_bf16, int64_t value_base, int64_t step, const uint8_t *mask,
+                         int64_t width, const float *score, int64_t stride, int64_t group, int wide, int64_t i0,
+                         int64_t dim, float *o) {
+#define WEIGH_CASE(g) case g: \
+        if (wide) weigh_eights_of(values, is_bf16, value_base, step, mask, width, score, stride, g, EIGHTS_FOR(g), \
+                                  i0, dim, o); \
+        else weigh_eights_of(values, is_bf16, value_base, step, mask, width, score, stride, g, 1, i0, dim, o); \
+        return;
+    switch (group) {
+    WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6) WEIGH_CASE(7) WEIGH_CASE(8)
+    }
+#undef WEIGH_CASE
+}
+#endif
 
 /* o (group, dim) += the attended columns' values weighted by each head's scores (score[h * stride + j] for the
  * j-th attended column): add_scaled's multiply-adds, column after column. With AVX2, each 8 outputs of every
- * head are summed in registers across all the columns, and each value is read (and widened) once for the
- * group: over a long history this was most of attention's time, spent loading and storing the outputs. The
- * same operations in the same order, so the same bits. `row`: dim floats of scratch. */
+ * head are summed in registers across all the columns (weigh_eights), several eights a pass, and each value
+ * is read (and widened) once for the group: over a long history this was most of attention's time, spent
+ * loading and storing the outputs, then waiting on each sum's previous multiply-add. The same operations in
+ * the same order for every output, so the same bits. `row`: dim floats of scratch. */
 static void weigh_values(const decoder_layer *layer, const step_shape *s, const uint8_t *mask, int64_t value_base,
                          const float *score, int64_t stride, int64_t group, float *row, float *o) {
     const int64_t dim = s->head_dim, width = s->width, step = layer->value_strides[2];
@@ -426,20 +475,11 @@ static void weigh_values(const decoder_layer *layer, const step_shape *s, const 
     int64_t i = 0;
 #ifdef __AVX2__
     if (group <= MAX_GROUP) {
-        for (; i + 8 <= dim; i += 8) {
-            __m256 acc[MAX_GROUP];
-            for (int64_t h = 0; h < group; h++) acc[h] = _mm256_loadu_ps(o + h * dim + i);
-            for (int64_t c = 0, j = 0; c < width; c++) {
-                if (!mask[c]) continue;
-                const int64_t at = value_base + c * step + i;
-                const __m256 v = is_bf16 ? widen8_bf16((const uint16_t *)layer->values + at)
-                                         : _mm256_loadu_ps((const float *)layer->values + at);
-                for (int64_t h = 0; h < group; h++)
-                    acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(score[h * stride + j]), v, acc[h]);
-                j++;
-            }
-            for (int64_t h = 0; h < group; h++) _mm256_storeu_ps(o + h * dim + i, acc[h]);
-        }
+        const int64_t wide = 8 * EIGHTS_FOR(group);
+        for (; i + wide <= dim; i += wide)
+            weigh_eights(layer->values, is_bf16, value_base, step, mask, width, score, stride, group, 1, i, dim, o);
+        for (; i + 8 <= dim; i += 8)
+            weigh_eights(layer->values, is_bf16, value_base, step, mask, width, score, stride, group, 0, i, dim, o);
         if (i == dim) return;
         for (int64_t c = 0, j = 0; c < width; c++) {  /* the last dim % 8 outputs, as add_scaled's tail */
             if (!mask[c]) continue;
@@ -457,6 +497,52 @@ static void weigh_values(const decoder_layer *layer, const step_shape *s, const 
         for (int64_t h = 0; h < group; h++) add_scaled(o + h * dim, score[h * stride + j], value, dim);
         j++;
     }
+}
+
+/* score[h * stride] = dot(q + h * dim, key, dim) * scale for the `group` query heads that share a cached key
+ * (at `offset` in the cache, bfloat16 or float32): their sums interleaved in one pass over the key (one
+ * multiply-add's latency hides behind the others', where a lone sum waits for its previous step), the key
+ * widened as it is read, each sum with dot's operations in its order (one vector sum over the whole eights,
+ * then the tail's), so the same bits. Inlined where `group` is a constant (group_scores). `row`: dim floats of
+ * scratch. */
+static inline __attribute__((always_inline)) void group_scores_of(const float *q, const void *cache, int64_t offset,
+                                                                  int is_bf16, int64_t dim, int group, float scale,
+                                                                  float *score, int64_t stride, float *row) {
+#ifdef __AVX2__
+    __m256 acc[GROUP_SCORES_MAX];
+    for (int h = 0; h < group; h++) acc[h] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 k = is_bf16 ? widen8_bf16((const uint16_t *)cache + offset + i)
+                                 : _mm256_loadu_ps((const float *)cache + offset + i);
+        for (int h = 0; h < group; h++) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + i), k, acc[h]);
+    }
+    for (int h = 0; h < group; h++) {
+        float total = horizontal_sum(acc[h]);
+        for (int64_t tail = i; tail < dim; tail++)
+            total += q[h * dim + tail] * (is_bf16 ? bf16_to_float(((const uint16_t *)cache)[offset + tail])
+                                                  : ((const float *)cache)[offset + tail]);
+        score[h * stride] = total * scale;
+    }
+    (void)row;
+#else
+    const float *key = cached_row(cache, offset, dim, is_bf16, row);
+    for (int h = 0; h < group; h++) score[h * stride] = dot(q + h * dim, key, dim) * scale;
+#endif
+}
+
+/* group_scores_of, a copy for each group size up to GROUP_SCORES_MAX (the accumulators then stay in
+ * registers), one head at a time beyond. */
+static void group_scores(const float *q, const void *cache, int64_t offset, int is_bf16, int64_t dim, int64_t group,
+                         float scale, float *score, int64_t stride, float *row) {
+#define SCORES_CASE(g) case g: group_scores_of(q, cache, offset, is_bf16, dim, g, scale, score, stride, row); return;
+    switch (group) {
+    SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5) SCORES_CASE(6) SCORES_CASE(7)
+    SCORES_CASE(8)
+    }
+#undef SCORES_CASE
+    const float *key = cached_row(cache, offset, dim, is_bf16, row);
+    for (int64_t h = 0; h < group; h++) score[h * stride] = dot(q + h * dim, key, dim) * scale;
 }
 
 /* Each row's heads attend the cached columns its mask allows, in column order, and its own new key last:
@@ -493,8 +579,8 @@ static void attend(const decoder_layer *layer, const step_shape *s, const float 
             int64_t attended = 0;
             for (int64_t c = 0; c < width; c++) {
                 if (!mask[c]) continue;
-                const float *key = cached_row(layer->keys, key_base + c * layer->key_strides[2], dim, is_bf16, row);
-                for (int64_t h = 0; h < group; h++) score[h * stride + attended] = dot(q + h * dim, key, dim) * scale;
+                group_scores(q, layer->keys, key_base + c * layer->key_strides[2], is_bf16, dim, group, scale,
+                             score + attended, stride, row);
                 attended++;
             }
             for (int64_t h = 0; h < group; h++) {  /* the new key after the attended columns */

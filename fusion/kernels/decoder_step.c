@@ -414,6 +414,17 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
 }
 
 #define MAX_GROUP 8  /* query heads a kv head serves, up to which weigh_values keeps their sums in registers */
+#ifndef ATTEND_PREFETCH_COLUMNS
+#define ATTEND_PREFETCH_COLUMNS 16  /* how many columns ahead attention asks for a cached key's or value's bytes */
+#endif
+
+/* Ask for the cache lines of n cells (of `cell` bytes) at `offset` in the cache: a hint, it never faults, so
+ * it may run past the columns in use. Over a long history the keys and values come from memory, and a
+ * column's read otherwise waits for them. */
+static inline void prefetch_cached(const void *cache, int64_t offset, int64_t n, size_t cell) {
+    const char *first = (const char *)cache + (size_t)offset * cell;
+    for (size_t at = 0; at < (size_t)n * cell; at += 64) __builtin_prefetch(first + at);
+}
 #define MAX_EIGHTS 4  /* eights of a head's outputs weigh_values sums in one pass over the values */
 #define EIGHTS_FOR(group) ((group) <= 3 ? 4 : (group) <= 6 ? 2 : 1)  /* at most 12 sums in registers */
 
@@ -429,6 +440,10 @@ static inline __attribute__((always_inline)) void weigh_eights_of(
     for (int h = 0; h < group; h++)
         for (int e = 0; e < eights; e++) acc[h * eights + e] = _mm256_loadu_ps(o + h * dim + i0 + 8 * e);
     for (int64_t c = 0, j = 0; c < width; c++) {
+#if ATTEND_PREFETCH_COLUMNS > 0
+        prefetch_cached(values, value_base + (c + ATTEND_PREFETCH_COLUMNS) * step + i0, 8 * eights,
+                        is_bf16 ? sizeof(uint16_t) : sizeof(float));
+#endif
         if (!mask[c]) continue;
         const int64_t at = value_base + c * step + i0;
         __m256 v[MAX_EIGHTS];
@@ -577,7 +592,11 @@ static void attend(const decoder_layer *layer, const step_shape *s, const float 
             const int64_t key_base = cache_row * layer->key_strides[0] + g * layer->key_strides[1];
             const int64_t value_base = cache_row * layer->value_strides[0] + g * layer->value_strides[1];
             int64_t attended = 0;
+            const size_t cell = is_bf16 ? sizeof(uint16_t) : sizeof(float);
             for (int64_t c = 0; c < width; c++) {
+#if ATTEND_PREFETCH_COLUMNS > 0
+                prefetch_cached(layer->keys, key_base + (c + ATTEND_PREFETCH_COLUMNS) * layer->key_strides[2], dim, cell);
+#endif
                 if (!mask[c]) continue;
                 group_scores(q, layer->keys, key_base + c * layer->key_strides[2], is_bf16, dim, group, scale,
                              score + attended, stride, row);

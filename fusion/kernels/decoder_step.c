@@ -571,8 +571,119 @@ static int64_t attend_scratch(const step_shape *s) {
     return s->heads / s->kv_heads * (s->width + 1) + s->head_dim;
 }
 
+#ifndef ATTEND_SPLIT_WIDTH
+#define ATTEND_SPLIT_WIDTH 256  /* cached columns from which attention splits its work finer (attend_split) */
+#endif
+#define SCORE_CHUNK 64  /* attended columns one task of attend_split's scores takes */
+
+/* Whether attend_split serves this step: a long history, a group whose sums stay in registers, whole eights. */
+static int attend_splits(const step_shape *s) {
+#ifdef __AVX2__
+    return s->width >= ATTEND_SPLIT_WIDTH && s->heads / s->kv_heads <= MAX_GROUP && s->head_dim % 8 == 0;
+#else
+    (void)s;
+    return 0;  /* the plain build keeps one task per row and kv head */
+#endif
+}
+
+/* attend_split's scratch shared by the threads, in floats: every row's heads' scores (rows, heads, width + 1),
+ * then each row's attended columns (rows, width) and their count (rows,), as int32. */
+static int64_t attend_shared_scratch(const step_shape *s) {
+    return attend_splits(s) ? s->rows * s->heads * (s->width + 1) + s->rows * (s->width + 1) : 0;
+}
+
+/* attend, its work split finer over a long history: one task per row and kv head left a thread idle for a
+ * third of attention at one row of three kv heads on two threads, and attention is most of a step over a
+ * long history. Three phases, a barrier apart: the scores, by row, kv head and chunk of attended columns;
+ * each head's new key and softmax, by row and head; the weighted values, by row, kv head and pass of
+ * eights of outputs. Every score, softmax and output takes attend's operations in attend's order, so the
+ * same bits. */
+#ifdef __AVX2__
+static void attend_split(const decoder_layer *layer, const step_shape *s, const float *qkv, int64_t qkv_width,
+                         float *scratch, float *out) {
+    const int64_t rows = s->rows, heads = s->heads, kv_heads = s->kv_heads, dim = s->head_dim, width = s->width;
+    const int64_t group = heads / kv_heads, stride = width + 1;
+    const float scale = 1.0f / sqrtf((float)dim);
+    const int is_bf16 = s->cache_is_bf16;
+    const size_t cell = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    float *scores = scratch + s->threads * attend_scratch(s);  /* (rows, heads, width + 1) */
+    int32_t *columns = (int32_t *)(scores + rows * heads * stride);  /* (rows, width): each row's attended columns */
+    int32_t *attended = columns + rows * width;  /* (rows,) */
+    const int64_t chunks = (width + SCORE_CHUNK - 1) / SCORE_CHUNK;
+    const int64_t wide = EIGHTS_FOR(group), passes = (dim / 8 + wide - 1) / wide;
+#pragma omp parallel num_threads(s->threads)
+    {
+        float *row = scratch + (int64_t)omp_get_thread_num() * attend_scratch(s);  /* dim floats of scratch */
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            const uint8_t *mask = s->mask + (s->mask_rows == 1 ? 0 : m) * width;
+            int32_t n = 0;
+            for (int64_t c = 0; c < width; c++)
+                if (mask[c]) columns[m * width + n++] = (int32_t)c;
+            attended[m] = n;
+        }
+#pragma omp for collapse(3) schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t g = 0; g < kv_heads; g++)
+                for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                    const int64_t n = attended[m], first = chunk * SCORE_CHUNK;
+                    const int64_t last = first + SCORE_CHUNK < n ? first + SCORE_CHUNK : n;
+                    const float *q = qkv + m * qkv_width + g * group * dim;
+                    const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
+                    const int64_t key_base = cache_row * layer->key_strides[0] + g * layer->key_strides[1];
+                    const int32_t *own = columns + m * width;
+                    float *score = scores + (m * heads + g * group) * stride;
+                    for (int64_t j = first; j < last; j++) {
+#if ATTEND_PREFETCH_COLUMNS > 0
+                        if (j + ATTEND_PREFETCH_COLUMNS < n)
+                            prefetch_cached(layer->keys, key_base + own[j + ATTEND_PREFETCH_COLUMNS] * layer->key_strides[2],
+                                            dim, cell);
+#endif
+                        group_scores(q, layer->keys, key_base + own[j] * layer->key_strides[2], is_bf16, dim, group,
+                                     scale, score + j, stride, row);
+                    }
+                }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * heads; task++) {  /* the new key after the attended columns */
+            const int64_t m = task / heads, h = task % heads, g = h / group, n = attended[m];
+            const float *k_new = qkv + m * qkv_width + heads * dim + g * dim;
+            const float *v_new = k_new + kv_heads * dim;
+            float *p = scores + (m * heads + h) * stride;
+            p[n] = dot(qkv + m * qkv_width + h * dim, k_new, dim) * scale;
+            softmax(p, n + 1);
+            float *o = out + m * heads * dim + h * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = p[n] * v_new[i];
+        }
+#pragma omp for collapse(3) schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t g = 0; g < kv_heads; g++)
+                for (int64_t pass = 0; pass < passes; pass++) {
+                    const int64_t cache_row = s->cache_rows == 1 ? 0 : m;
+                    const uint8_t *mask = s->mask + (s->mask_rows == 1 ? 0 : m) * width;
+                    const int64_t value_base = cache_row * layer->value_strides[0] + g * layer->value_strides[1];
+                    const float *score = scores + (m * heads + g * group) * stride;
+                    float *o = out + m * heads * dim + g * group * dim;
+                    const int64_t first = pass * wide, count = dim / 8 - first < wide ? dim / 8 - first : wide;
+                    if (count == wide)
+                        weigh_eights(layer->values, is_bf16, value_base, layer->value_strides[2], mask, width, score,
+                                     stride, group, 1, 8 * first, dim, o);
+                    else
+                        for (int64_t e = first; e < first + count; e++)
+                            weigh_eights(layer->values, is_bf16, value_base, layer->value_strides[2], mask, width,
+                                         score, stride, group, 0, 8 * e, dim, o);
+                }
+    }
+}
+#endif
+
 static void attend(const decoder_layer *layer, const step_shape *s, const float *qkv, int64_t qkv_width,
                    float *scratch, float *out) {
+#ifdef __AVX2__
+    if (attend_splits(s)) {
+        attend_split(layer, s, qkv, qkv_width, scratch, out);
+        return;
+    }
+#endif
     const int64_t heads = s->heads, kv_heads = s->kv_heads, dim = s->head_dim, width = s->width;
     const int64_t group = heads / kv_heads, stride = width + 1;
     const float scale = 1.0f / sqrtf((float)dim);
@@ -631,7 +742,7 @@ int fusion_decode_layers(const decoder_layer *layers, int64_t count, const step_
     float *attn = malloc((size_t)(rows * q_width) * sizeof(float));
     float *gate_up = malloc((size_t)(rows * 2 * inter) * sizeof(float));
     float *delta = malloc((size_t)(rows * hidden) * sizeof(float));
-    float *scratch = malloc((size_t)(s->threads * attend_scratch(s)) * sizeof(float));
+    float *scratch = malloc((size_t)(s->threads * attend_scratch(s) + attend_shared_scratch(s)) * sizeof(float));
     float *t = malloc((size_t)(rows * columns) * sizeof(float));
     quantized_rows q = {0};
     int status = -1;

@@ -15,7 +15,7 @@ Over 4-bit weights a projection's adapter deltas run inside its product (decoder
 says what they cost.
 The cases alternate over rounds on the compute thread; the figures are medians over rounds, in ms per step.
 
-    python benchmarks/step_parts.py [--rounds 5] [--steps 20] [--history 60] [--json docs/bench_step_parts.json]
+    python benchmarks/step_parts.py [--rounds 5] [--steps 20] [--history 60] [--sessions 1] [--json docs/bench_step_parts.json]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--history", type=int, default=60, help="ids each session holds before the timed steps")
+    parser.add_argument("--sessions", type=int, default=1,
+                        help="above 1, a fourth case: the trio with this many sessions a member")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
 
@@ -64,11 +66,14 @@ def main() -> None:
         library.fusion_step_clocks(clocks, len(PHASES))
         calls.clear()
 
-    rounds: dict[str, list[dict[str, float]]] = {case: [] for case in CASES}
+    cases = dict(CASES)
+    if options.sessions > 1:
+        cases[f"trio_{options.sessions}_sessions"] = ([0, 1, 2], options.sessions)
+    rounds: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
     for r in range(options.rounds):
-        order = list(CASES) if r % 2 == 0 else list(reversed(CASES))
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for case in order:
-            which, sessions = CASES[case]
+            which, sessions = cases[case]
             step_ms = members_step_ms(members, which, f"parts{r}-{case}-", options.steps, options.history,
                                       sessions=sessions, on_start=clear)
             library.fusion_step_clocks(clocks, len(PHASES))
@@ -89,7 +94,7 @@ def main() -> None:
             "two_more_rows": {p: medians["base_3_rows"][p] - medians["base"][p] for p in medians["base"]},
             "adapters": {p: medians["trio"][p] - medians["base_3_rows"][p] for p in medians["base"]},
         },
-        "history": options.history, "steps": options.steps, "rounds": rounds,
+        "history": options.history, "steps": options.steps, "sessions": options.sessions, "rounds": rounds,
     }
     service.close()
     emit_figures(figures, options.json)

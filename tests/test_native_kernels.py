@@ -317,27 +317,35 @@ def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("cache_rows", [3, 1])
-def test_attention_split_over_a_long_history_gives_the_same_bits(tmp_path, monkeypatch, cache_dtype, cache_rows):
-    """From ATTEND_SPLIT_WIDTH cached columns attention splits its work finer (decoder_step.c's attend_split:
-    the scores by chunks of columns, the softmax by head, the values by eights of outputs). Over 300 columns,
-    rows of different lengths (or one shared history), the step is the torch step's, and a build that never
-    splits gives the same bits."""
+@pytest.mark.parametrize("rows, cache_rows", [(1, 1), (3, 3), (3, 1)])
+def test_attention_split_over_a_long_history_gives_the_same_bits(tmp_path, monkeypatch, cache_dtype, rows,
+                                                                 cache_rows):
+    """From ATTEND_SPLIT_WIDTH cached columns, where the (row, kv head) tasks are fewer than two a thread,
+    attention splits its work finer (decoder_step.c's attend_split: the scores by chunks of columns, the
+    softmax by head, the values by eights of outputs). Over 300 columns, one row, or rows of different lengths
+    (or one shared history) on four threads, the step is the torch step's, and a build that never splits
+    gives the same bits."""
     from tests.test_native_decoder import _both, _inputs, _model
     from fusion.fast_decode import FastDecoder
 
     model = _model("llama", torch.float32)
-    inputs = _inputs(cache_dtype, 3, cache_rows, width=300)
-    split, reference = _both(FastDecoder(model), *inputs)
-    for got, want in zip(split, reference):
-        tol = 1e-3 if got.dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max()))
-    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DATTEND_SPLIT_WIDTH=1000000"))
-    native_kernels.library.cache_clear()
+    inputs = _inputs(cache_dtype, rows, cache_rows, width=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the C step's team: 3 rows of 2 kv heads are then fewer than two tasks a thread
     try:
-        unsplit, _ = _both(FastDecoder(model), *inputs)
-    finally:
+        split, reference = _both(FastDecoder(model), *inputs)
+        for got, want in zip(split, reference):
+            tol = 1e-3 if got.dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol,
+                                       atol=tol * float(want.float().abs().max()))
+        monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+        monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DATTEND_SPLIT_WIDTH=1000000"))
         native_kernels.library.cache_clear()
+        try:
+            unsplit, _ = _both(FastDecoder(model), *inputs)
+        finally:
+            native_kernels.library.cache_clear()
+    finally:
+        torch.set_num_threads(threads)
     for got, want in zip(unsplit, split):
         assert torch.equal(got, want)

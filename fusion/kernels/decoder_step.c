@@ -576,10 +576,14 @@ static int64_t attend_scratch(const step_shape *s) {
 #endif
 #define SCORE_CHUNK 64  /* attended columns one task of attend_split's scores takes */
 
-/* Whether attend_split serves this step: a long history, a group whose sums stay in registers, whole eights. */
+/* Whether attend_split serves this step: a long history, too few (row, kv head) tasks to keep every thread
+ * busy (fewer than two a thread; with more, one task each balances, and the split's shared scores, which
+ * grow with rows times columns, would grow with a long prompt's rows too), a group whose sums stay in
+ * registers, whole eights. */
 static int attend_splits(const step_shape *s) {
 #ifdef __AVX2__
-    return s->width >= ATTEND_SPLIT_WIDTH && s->heads / s->kv_heads <= MAX_GROUP && s->head_dim % 8 == 0;
+    return s->width >= ATTEND_SPLIT_WIDTH && s->rows * s->kv_heads < 2 * (int64_t)s->threads
+           && s->heads / s->kv_heads <= MAX_GROUP && s->head_dim % 8 == 0;
 #else
     (void)s;
     return 0;  /* the plain build keeps one task per row and kv head */

@@ -14,9 +14,10 @@
 #   --python PY   the interpreter that has torch with CUDA (default: python3)
 #   --dry-run     check the machine and print the plan; run nothing
 #
-# Steps: 1. detect CUDA (exit 3 with a message if none); 2. install missing packages from the wheels;
-# 3. the CUDA tests (pytest -m cuda); 4. the local build with three experts on one GPU (a CUDA stream
-# each) through `fusion bench`'s suites: SmolLM2-sized experts, then the default trio if cached.
+# Steps: 1. detect CUDA (exit 3 with a message if none); 2. install missing packages from the wheels, then
+# probe CUDA-graph replays from another thread (benchmarks/cuda_graph_threads.py); 3. the CUDA tests
+# (pytest -m cuda); 4. the local builds on one GPU (a CUDA stream each expert) through `fusion bench`'s
+# suites: SmolLM2-sized experts, the same as one base with two adapters, then the default trio if cached.
 # Every step has a time limit; the figures land in OUT/gpu_check.json and OUT/gpu_check.txt.
 set -uo pipefail
 
@@ -95,6 +96,11 @@ fi
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$out/inductor-cache}"
 status=0
+
+# 2b. whether CUDA-graph trees replay from a thread other than the compiling one (the engine's pool threads)
+say "CUDA graphs from another thread"
+(cd "$repo" && timeout 120 "$python" benchmarks/cuda_graph_threads.py --out "$out/cuda_graph_threads.json") \
+  2>&1 | tee "$out/cuda_graph_threads.log"
 
 # 3. the CUDA tests (about a minute)
 say "CUDA tests"

@@ -85,3 +85,16 @@ def test_python_part_writes_figures_on_a_cpu(tmp_path):
         assert key in shared, key
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "fused step / slowest expert's plain forward" in text and "no --cache" in text
+
+
+def test_the_cuda_graph_thread_probe_runs_or_refuses_clearly(tmp_path):
+    """benchmarks/cuda_graph_threads.py: without CUDA a clear refusal (exit 3); with it, what each thread found."""
+    out = tmp_path / "probe.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_graph_threads.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if torch.cuda.is_available():
+        assert done.returncode == 0, done.stderr
+        found = json.loads(out.read_text())
+        assert set(found) == {"torch", "compiling_thread", "other_thread"}
+    else:
+        assert done.returncode == 3 and "no CUDA device" in done.stderr and not out.exists()

@@ -504,16 +504,19 @@ static inline __attribute__((always_inline)) void int8_output_rows(
     for (int64_t c0 = 0; c0 < k; c0 += INT8_CHUNK) {
         const int64_t c1 = c0 + INT8_CHUNK < k ? c0 + INT8_CHUNK : k;
 #if defined(INT8_WIDE)
+        /* Each row's lanes sum in two int32 accumulators, the even and the odd groups, added once at the end:
+         * two dependency chains of half the length. Integer sums that never overflow (INT8_CHUNK) are the
+         * same in any order, so each lane's sum, and then the float, is what one accumulator gave. */
         int64_t j = c0;
-        __m512i acc[ROW_BLOCK];
-        for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_si512();
+        __m512i acc[ROW_BLOCK], odd[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; r++) acc[r] = odd[r] = _mm512_setzero_si512();
         for (; j + 2 * GROUP <= c1; j += 2 * GROUP) {  /* two groups: 64 weights as int16, 32 a vector */
             const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + j)));
             const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + j + GROUP)));
             for (int r = 0; r < count; r++) {
                 const int16_t *q = x->q16 + (m0 + r) * k + j;
                 acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_loadu_si512(q));
-                acc[r] = _mm512_dpwssd_epi32(acc[r], w1, _mm512_loadu_si512(q + GROUP));
+                odd[r] = _mm512_dpwssd_epi32(odd[r], w1, _mm512_loadu_si512(q + GROUP));
             }
         }
         if (j < c1) {  /* an odd last group */
@@ -521,20 +524,22 @@ static inline __attribute__((always_inline)) void int8_output_rows(
             for (int r = 0; r < count; r++)
                 acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_loadu_si512(x->q16 + (m0 + r) * k + j));
         }
-        for (int r = 0; r < count; r++) total[r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r]));
+        for (int r = 0; r < count; r++)
+            total[r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[r], odd[r])));
 #elif defined(__AVX2__)
-        __m256i acc[ROW_BLOCK];
-        for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm256_setzero_si256();
+        /* two int32 accumulators a row, as above: the same lane sums, in two chains */
+        __m256i acc[ROW_BLOCK], odd[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; r++) acc[r] = odd[r] = _mm256_setzero_si256();
         for (int64_t j = c0; j < c1; j += GROUP) {
             const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j)));
             const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + j + 16)));
             for (int r = 0; r < count; r++) {
                 const int16_t *q = x->q16 + (m0 + r) * k + j;
                 acc[r] = DOT_PAIRS(acc[r], w0, _mm256_load_si256((const __m256i *)q));
-                acc[r] = DOT_PAIRS(acc[r], w1, _mm256_load_si256((const __m256i *)(q + 16)));
+                odd[r] = DOT_PAIRS(odd[r], w1, _mm256_load_si256((const __m256i *)(q + 16)));
             }
         }
-        for (int r = 0; r < count; r++) total[r] += horizontal_sum(_mm256_cvtepi32_ps(acc[r]));
+        for (int r = 0; r < count; r++) total[r] += horizontal_sum(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], odd[r])));
 #else
         for (int r = 0; r < count; r++) {
             int32_t lanes[8] = {0};  /* as the AVX2 loop's eight lanes: pairs of products in int32, then float */

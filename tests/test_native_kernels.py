@@ -349,3 +349,52 @@ def test_attention_split_over_a_long_history_gives_the_same_bits(tmp_path, monke
         torch.set_num_threads(threads)
     for got, want in zip(unsplit, split):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(3, 1, 64), (8, 2, 40), (8, 1, 16)])
+@pytest.mark.parametrize("width", [40, 300])
+def test_attention_over_head_shapes_is_the_torch_steps_split_or_not(tmp_path, monkeypatch, heads, kv_heads, head_dim,
+                                                                     width):
+    """Attention's vector paths by head shape: SmolLM2's (3 query heads a kv head, 64 dims: four eights of
+    outputs a pass over the values, two passes), 4 a kv head of 40 dims (two eights a pass, then one alone)
+    and 8 of 16 (one eight a pass), over a short history and a long one (split, on four threads): the C
+    step is the torch step's, and a build that never splits gives the same bits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fusion.fast_decode import FastDecoder
+    from fusion.quantized import quantize_model
+    from tests.test_native_decoder import _both
+
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    quantize_model(model, "int4", kernel="native")
+    generator = torch.Generator().manual_seed(12)
+    lengths = torch.tensor([width, width - 7, 5])
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).view(3, 1, 1, width)
+    keys = [torch.randn(3, kv_heads, width + 3, head_dim, generator=generator).to(torch.bfloat16)[:, :, :width]
+            for _ in range(2)]
+    values = [torch.randn(3, kv_heads, width + 3, head_dim, generator=generator).to(torch.bfloat16)[:, :, :width]
+              for _ in range(2)]
+    inputs = (torch.tensor([5, 17, 40]), lengths, keys, values, mask)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # 3 rows of 1 or 2 kv heads: fewer than two tasks a thread, so a long history splits
+    try:
+        step, reference = _both(FastDecoder(model), *inputs)
+        for got, want in zip(step, reference):
+            tol = 1e-3 if got.dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol,
+                                       atol=tol * float(want.float().abs().max()))
+        monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+        monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DATTEND_SPLIT_WIDTH=1000000"))
+        native_kernels.library.cache_clear()
+        try:
+            unsplit, _ = _both(FastDecoder(model), *inputs)
+        finally:
+            native_kernels.library.cache_clear()
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(unsplit, step):
+        assert torch.equal(got, want)

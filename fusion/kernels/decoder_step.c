@@ -461,7 +461,8 @@ static inline __attribute__((always_inline)) void weigh_eights_of(
 }
 
 /* weigh_eights_of for a group of 1 to MAX_GROUP heads, with EIGHTS_FOR(group) eights a pass (`wide`) or one;
- * each case its own copy, with its sums in registers. */
+ * each case its own copy, with its sums in registers. Larger groups are the callers' to route elsewhere
+ * (weigh_values and attend_splits check group <= MAX_GROUP): here they would do nothing. */
 static void weigh_eights(const void *values, int is_bf16, int64_t value_base, int64_t step, const uint8_t *mask,
                          int64_t width, const float *score, int64_t stride, int64_t group, int wide, int64_t i0,
                          int64_t dim, float *o) {

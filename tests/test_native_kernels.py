@@ -4,6 +4,7 @@ turns them off, and the custom operators a compiled step calls."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
@@ -14,6 +15,21 @@ import fusion.quantized as quantized
 from fusion import native_kernels
 from fusion.quantized import QuantizedLinear, quantize_int4, quantize_int8
 
+
+
+@contextlib.contextmanager
+def _other_build(tmp_path, flags):
+    """Within the block, the kernels are the library built with `flags` (in a cache of its own); after it, the
+    usual build again."""
+    flags = tuple(flags)  # read before FLAGS is replaced (`flags` may be made from it)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
+        patch.setattr(native_kernels, "FLAGS", flags)
+        native_kernels.library.cache_clear()
+        try:
+            yield
+        finally:
+            native_kernels.library.cache_clear()
 
 def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (N, K) in [0, 15] and their scales and biases (N, 2, K/32) float16 of a random weight."""
@@ -204,7 +220,7 @@ def test_the_products_are_operators_a_compiled_step_can_call():
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 flags")
-def test_the_build_without_avx512_gives_the_same_bits(tmp_path, monkeypatch):
+def test_the_build_without_avx512_gives_the_same_bits(tmp_path):
     """Where the machine has AVX-512's byte dot products (VNNI), the 4-bit products use them, sixteen outputs
     a vector; built without AVX-512 they use AVX2's multiply-adds. The integer sums are exact and each
     output's float operations the same, in the same order, so both builds give the same bits: products of
@@ -229,19 +245,14 @@ def test_the_build_without_avx512_gives_the_same_bits(tmp_path, monkeypatch):
         return products, step
 
     native = outputs()
-    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-mno-avx512f"))
-    native_kernels.library.cache_clear()
-    try:
+    with _other_build(tmp_path, (*native_kernels.FLAGS, "-mno-avx512f")):
         without = outputs()
-    finally:
-        native_kernels.library.cache_clear()
     for got, want in zip(without[0] + list(without[1]), native[0] + list(native[1])):
         assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="baseline x86-64 flags")
-def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch):
+def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path):
     """Built for the baseline x86-64 (no AVX2, no F16C: the plain C loops and the portable float16
     conversion), the products are their references, and the decode step's layers in C give what the
     vectorised build gives."""
@@ -252,11 +263,7 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch
     model = _model("qwen2", torch.float32)
     inputs = _inputs(torch.bfloat16, 3, 3)
     vector["step"], _ = _both(FastDecoder(model), *inputs)
-    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(native_kernels, "FLAGS", tuple("-march=x86-64" if f == "-march=native" else f
-                                                       for f in native_kernels.FLAGS))
-    native_kernels.library.cache_clear()
-    try:
+    with _other_build(tmp_path, ("-march=x86-64" if f == "-march=native" else f for f in native_kernels.FLAGS)):
         codes, scale_bias = _int4(80, 160, seed=2)
         x = torch.randn(5, 160)
         want = native_kernels.int4_mm_reference(x, codes, scale_bias)
@@ -281,11 +288,9 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path, monkeypatch
         for got, want in zip(plain, vector["step"]):  # logits float32; new keys and values the cache's bf16
             tol = 1e-4 if got.dtype == torch.float32 else 1e-2
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
-    finally:
-        native_kernels.library.cache_clear()
 
 
-def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path, monkeypatch):
+def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path):
     """benchmarks/step_parts.py's build (-DFUSION_STEP_CLOCKS) clocks the C step's phases and computes the
     same bits; the usual build has no clocks."""
     import ctypes
@@ -297,10 +302,7 @@ def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path
     inputs = _inputs(torch.bfloat16, 3, 3)
     plain_step, _ = _both(FastDecoder(model), *inputs)
     assert native_kernels.library().fusion_step_clocks(None, 0) == 0
-    monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DFUSION_STEP_CLOCKS"))
-    native_kernels.library.cache_clear()
-    try:
+    with _other_build(tmp_path, (*native_kernels.FLAGS, "-DFUSION_STEP_CLOCKS")):
         library = native_kernels.library()
         phases = library.fusion_step_clocks(None, 0)  # also clears them
         clocked_step, _ = _both(FastDecoder(model), *inputs)
@@ -308,8 +310,6 @@ def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path
         assert library.fusion_step_clocks(seconds, phases) == phases
         again = (ctypes.c_double * phases)()
         library.fusion_step_clocks(again, phases)
-    finally:
-        native_kernels.library.cache_clear()
     assert phases == 8 and all(s >= 0 for s in seconds) and seconds[1] > 0  # the products took time
     assert not any(again)  # reading cleared them
     for got, want in zip(clocked_step, plain_step):
@@ -318,52 +318,29 @@ def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, cache_rows", [(1, 1), (3, 3), (3, 1)])
-def test_attention_split_over_a_long_history_gives_the_same_bits(tmp_path, monkeypatch, cache_dtype, rows,
-                                                                 cache_rows):
+def test_attention_split_over_a_long_history_gives_the_same_bits(tmp_path, cache_dtype, rows, cache_rows):
     """From ATTEND_SPLIT_WIDTH cached columns, where the (row, kv head) tasks are fewer than two a thread,
     attention splits its work finer (decoder_step.c's attend_split: the scores by chunks of columns, the
     softmax by head, the values by eights of outputs). Over 300 columns, one row, or rows of different lengths
     (or one shared history) on four threads, the step is the torch step's, and a build that never splits
     gives the same bits."""
-    from tests.test_native_decoder import _both, _inputs, _model
-    from fusion.fast_decode import FastDecoder
+    from tests.test_native_decoder import _inputs, _model
 
     model = _model("llama", torch.float32)
     inputs = _inputs(cache_dtype, rows, cache_rows, width=300)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # the C step's team: 3 rows of 2 kv heads are then fewer than two tasks a thread
-    try:
-        split, reference = _both(FastDecoder(model), *inputs)
-        for got, want in zip(split, reference):
-            tol = 1e-3 if got.dtype == torch.float32 else 1e-2
-            torch.testing.assert_close(got.float(), want.float(), rtol=tol,
-                                       atol=tol * float(want.float().abs().max()))
-        monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
-        monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DATTEND_SPLIT_WIDTH=1000000"))
-        native_kernels.library.cache_clear()
-        try:
-            unsplit, _ = _both(FastDecoder(model), *inputs)
-        finally:
-            native_kernels.library.cache_clear()
-    finally:
-        torch.set_num_threads(threads)
-    for got, want in zip(unsplit, split):
-        assert torch.equal(got, want)
+    _check_attention_split_or_not(model, inputs, tmp_path)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(3, 1, 64), (8, 2, 40), (8, 1, 16)])
 @pytest.mark.parametrize("width", [40, 300])
-def test_attention_over_head_shapes_is_the_torch_steps_split_or_not(tmp_path, monkeypatch, heads, kv_heads, head_dim,
-                                                                     width):
+def test_attention_over_head_shapes_is_the_torch_steps_split_or_not(tmp_path, heads, kv_heads, head_dim, width):
     """Attention's vector paths by head shape: SmolLM2's (3 query heads a kv head, 64 dims: four eights of
     outputs a pass over the values, two passes), 4 a kv head of 40 dims (two eights a pass, then one alone)
     and 8 of 16 (one eight a pass), over a short history and a long one (split, on four threads): the C
     step is the torch step's, and a build that never splits gives the same bits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fusion.fast_decode import FastDecoder
     from fusion.quantized import quantize_model
-    from tests.test_native_decoder import _both
 
     torch.manual_seed(11)
     config = LlamaConfig(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=2,
@@ -379,21 +356,26 @@ def test_attention_over_head_shapes_is_the_torch_steps_split_or_not(tmp_path, mo
     values = [torch.randn(3, kv_heads, width + 3, head_dim, generator=generator).to(torch.bfloat16)[:, :, :width]
               for _ in range(2)]
     inputs = (torch.tensor([5, 17, 40]), lengths, keys, values, mask)
+    _check_attention_split_or_not(model, inputs, tmp_path)
+
+
+def _check_attention_split_or_not(model, inputs, tmp_path) -> None:
+    """The C step on `inputs` (3 rows or fewer, of 1 or 2 kv heads) on a team of four threads, where such rows
+    are fewer than two tasks a thread, so that a long history splits: the torch step's, and the bits of a build
+    that never splits."""
+    from fusion.fast_decode import FastDecoder
+    from tests.test_native_decoder import _both
+
     threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # 3 rows of 1 or 2 kv heads: fewer than two tasks a thread, so a long history splits
+    torch.set_num_threads(4)
     try:
         step, reference = _both(FastDecoder(model), *inputs)
         for got, want in zip(step, reference):
             tol = 1e-3 if got.dtype == torch.float32 else 1e-2
             torch.testing.assert_close(got.float(), want.float(), rtol=tol,
                                        atol=tol * float(want.float().abs().max()))
-        monkeypatch.setattr(native_kernels, "_cache_dir", lambda: tmp_path)
-        monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DATTEND_SPLIT_WIDTH=1000000"))
-        native_kernels.library.cache_clear()
-        try:
+        with _other_build(tmp_path, (*native_kernels.FLAGS, "-DATTEND_SPLIT_WIDTH=1000000")):
             unsplit, _ = _both(FastDecoder(model), *inputs)
-        finally:
-            native_kernels.library.cache_clear()
     finally:
         torch.set_num_threads(threads)
     for got, want in zip(unsplit, step):

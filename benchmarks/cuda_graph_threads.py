@@ -1,12 +1,15 @@
 """Whether torch's CUDA-graph trees (`torch.compile(mode="reduce-overhead")`, what `decode: compiled` runs on a
-GPU) replay from a thread other than the one that compiled them, as the engine's pool threads do (one per GPU
-expert, a CUDA stream each). torch 2.11 kept the trees' state in the importing thread only and asserted
-elsewhere (docs/performance.md, the GPU check); this probe says what the machine's torch does, in seconds.
+GPU) work on a thread other than the one that imported them. torch 2.11 kept the trees' state in the
+importing thread only and asserted elsewhere (docs/performance.md, the GPU check), which failed the engine's
+pool threads; a compiled CUDA step now runs on one thread of its own, given that state first
+(fusion.graph_thread). This probe says what the machine's torch does, in seconds.
 
     python benchmarks/cuda_graph_threads.py [--out FILE]
 
-Prints one JSON object (and writes it to FILE): torch's version, and for the compiling thread and for a new
-thread "ok" or the error. Exit 0 when it ran (whatever it found), 3 without a CUDA device.
+Prints one JSON object (and writes it to FILE): torch's version, and "ok" or the error for the compiling
+thread, for a new thread replaying its graph, and for a new thread given the trees' state first
+(`fusion.graph_thread.prepare_graph_trees`, what a compiled CUDA decode step's own thread does) that
+compiles and replays a graph of its own. Exit 0 when it ran (whatever it found), 3 without a CUDA device.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from fusion.graph_thread import prepare_graph_trees
 
 
 def replay(step, x: torch.Tensor, want: torch.Tensor) -> str:
@@ -52,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     def other() -> None:
         found["other_thread"] = replay(step, x, want)
 
-    thread = threading.Thread(target=other, name="probe")
-    thread.start()
-    thread.join()
+    def prepared() -> None:  # what a compiled CUDA decode step's own thread does first (fusion.graph_thread)
+        prepare_graph_trees()
+        found["prepared_thread"] = replay(fresh_step, x, want)
+
+    fresh_step = torch.compile(lambda x: body(x) * 2.0 - body(x), mode="reduce-overhead")  # a graph of its own
+    for target, name in ((other, "probe"), (prepared, "probe-prepared")):
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
     text = json.dumps(found)
     print(text)
     if args.out is not None:

@@ -18,42 +18,30 @@ an expert server in the same process (tests) has its own worker.
 from __future__ import annotations
 
 import contextlib
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, TypeVar
 
 import torch
 
+from fusion.own_thread import OwnThread
+
 T = TypeVar("T")
 
-_lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
-_thread_ident: int | None = None
-
-
-def _start() -> None:
-    global _thread_ident
-    _thread_ident = threading.get_ident()
+_compute = OwnThread("fusion-compute")
 
 
 def compute_executor() -> ThreadPoolExecutor:
     """The executor of the compute thread (for `loop.run_in_executor`)."""
-    global _executor
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-compute", initializer=_start)
-    return _executor
+    return _compute.executor
 
 
 def on_compute_thread() -> bool:
-    return threading.get_ident() == _thread_ident
+    return _compute.is_current()
 
 
 def run_on_compute_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     """`fn(*args, **kwargs)` on the compute thread (directly when already on it); exceptions propagate."""
-    if on_compute_thread():
-        return fn(*args, **kwargs)
-    return compute_executor().submit(fn, *args, **kwargs).result()
+    return _compute.run(fn, *args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ CUDA. The expert config's `decode` field picks one (fusion.expert).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -51,6 +52,7 @@ from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row,
                                projection_lists, rotary, rotate, rows_times, weight_of)
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
+from fusion.graph_thread import graph_thread
 from fusion.kv_cache import GrowingLayer
 from fusion.native_decoder import NativeLayers
 from fusion.quantized import QuantizedLinear
@@ -382,6 +384,9 @@ class DecodeStep:
                 # longer the first time; from the on-disk cache it loads faster.
                 options = {"cpp_wrapper": True}
             self._run = torch.compile(forward, dynamic=True, mode=compile_mode, options=options)
+            if mode == "cudagraphs":
+                # Compiled, recorded and replayed on one thread of its own, whoever calls (fusion.graph_thread).
+                self._graph_thread = graph_thread()
             # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo
             # caps at `recompile_limit` (8): a third expert of another shape would run its step eagerly.
             torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
@@ -403,10 +408,9 @@ class DecodeStep:
         """The decoder's forward: its arguments and results (`options` only for an eager step: `append`)."""
         start = time.perf_counter() if self.first_call_s is None else None
         if self.mode == "cudagraphs":
-            # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
-            # outputs are copied out before the next (one expert may run two decode groups in a step).
-            torch.compiler.cudagraph_mark_step_begin()
-            out = tuple(t.clone() for t in self._run(*inputs))
+            device = self.decoder.embed.device
+            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            out = self._graph_thread.run(self._replay, stream, inputs)
         else:
             out = self._run(*inputs, **options)
         if start is not None:
@@ -414,6 +418,15 @@ class DecodeStep:
             if self.mode != "off":
                 logger.info("compiled the decode step (%s) in %.1f s", self.mode, self.first_call_s)
         return out
+
+    def _replay(self, stream: torch.cuda.Stream | None, inputs: tuple) -> tuple[torch.Tensor, ...]:
+        """The compiled step on its graph thread, on the caller's CUDA stream (a thread's current stream
+        is its own)."""
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
+            # outputs are copied out before the next (one expert may run two decode groups in a step).
+            torch.compiler.cudagraph_mark_step_begin()
+            return tuple(t.clone() for t in self._run(*inputs))
 
 
 def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths: list[int],

@@ -4,6 +4,8 @@ each whole history, and the engine's tokens through transformers' own decode for
 from __future__ import annotations
 
 import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -154,6 +156,73 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir, mode):
     assert compiled.first_call_s is not None
 
 
+def test_a_cuda_graph_step_compiles_and_replays_on_one_thread_of_its_own(tiny_dir):
+    """A `cudagraphs` step (here on the CPU, where inductor compiles it without graphs) runs its compiled
+    forward on its own thread whichever thread calls it, and gives the eager step's results."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
+    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "cudagraphs")
+    ran_on = []
+    forward = compiled._run
+
+    def recording(*inputs):
+        ran_on.append(threading.get_ident())
+        return forward(*inputs)
+
+    compiled._run = recording
+    generator = torch.Generator().manual_seed(0)
+    config = model.config
+    kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    batch, capacity = 2, 9
+    keys = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
+    values = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
+    ids = torch.randint(0, config.vocab_size, (batch,), generator=generator)
+    positions = torch.tensor([3, 7])
+    mask = (torch.arange(capacity)[None] < positions[:, None]).view(batch, 1, 1, capacity)
+    inputs = (ids, positions, keys, values, mask)
+    with torch.no_grad():
+        expected = eager(*inputs)
+        results = [compiled(*inputs)]
+        with ThreadPoolExecutor(max_workers=2) as callers:  # two other callers, at once
+            results += list(callers.map(lambda _: compiled(*inputs), range(4)))
+    for got in results:
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert len(ran_on) == 5 and len(set(ran_on)) == 1
+    assert compiled._graph_thread.is_current() is False and threading.get_ident() not in ran_on
+
+
+def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on():
+    """`prepare_graph_trees` gives a fresh thread the per-thread state that torch before 2.13 looked up
+    with a bare assert (its `get_obj`, written out below), its own, not the importing thread's."""
+    from torch._inductor import cudagraph_trees
+
+    from fusion.graph_thread import TREE_STATE, prepare_graph_trees
+
+    def older_get_obj(local, name):  # torch 2.11's cudagraph_trees.get_obj
+        if hasattr(local, name):
+            return getattr(local, name)
+        assert torch._C._is_key_in_tls(name)
+        return torch._C._get_obj_in_tls(name)
+
+    mine = {name: cudagraph_trees.get_obj(cudagraph_trees.local, name) for name in TREE_STATE}
+
+    def in_a_new_thread(prepare: bool):
+        if prepare:
+            prepare_graph_trees()
+        return {name: older_get_obj(cudagraph_trees.local, name) for name in TREE_STATE}
+
+    with ThreadPoolExecutor(max_workers=1) as fresh, pytest.raises(AssertionError):
+        fresh.submit(in_a_new_thread, False).result()
+    with ThreadPoolExecutor(max_workers=1) as fresh:
+        theirs = fresh.submit(in_a_new_thread, True).result()
+    assert all(theirs[name] is not mine[name] for name in TREE_STATE)
+    assert theirs["tree_manager_containers"] == {}
+    prepare_graph_trees()  # where the state exists already, nothing changes
+    assert all(cudagraph_trees.get_obj(cudagraph_trees.local, name) is mine[name] for name in TREE_STATE)
+
+
 @pytest.mark.parametrize("decode, mode", [("compiled", "inductor"), ("regional", "regional")])
 def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode, mode):
     """`decode: compiled` and `decode: regional` end to end: batched and single steps through buffer
@@ -247,8 +316,9 @@ def test_cuda_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("decode", ["fast", "compiled"])
 def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir, decode):
-    """Three experts on one GPU (a CUDA stream and a pool thread each, overlapped; compiled: CUDA graphs
-    replayed from those threads) fuse to the CPU trio's logits."""
+    """Three experts on one GPU (a CUDA stream and a pool thread each, overlapped; compiled: each step's
+    CUDA graphs recorded and replayed on its own thread, on the caller's stream) fuse to the CPU trio's
+    logits."""
     from fusion.service import FusionService
 
     fused = {}

@@ -95,6 +95,6 @@ def test_the_cuda_graph_thread_probe_runs_or_refuses_clearly(tmp_path):
     if torch.cuda.is_available():
         assert done.returncode == 0, done.stderr
         found = json.loads(out.read_text())
-        assert set(found) == {"torch", "compiling_thread", "other_thread"}
+        assert set(found) == {"torch", "compiling_thread", "other_thread", "prepared_thread"}
     else:
         assert done.returncode == 3 and "no CUDA device" in done.stderr and not out.exists()

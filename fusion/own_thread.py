@@ -1,0 +1,52 @@
+"""A worker thread of its own, for work that must always run on the same thread.
+
+Two kinds of state live with one thread rather than with the process: the OpenMP team that runs a
+thread's CPU tensor work (the compute thread, fusion.compute) and the CUDA-graph trees that
+`torch.compile(mode="reduce-overhead")` records and replays (a compiled CUDA decode step,
+fusion.fast_decode). `OwnThread.run` calls a function there, directly when already on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class OwnThread:
+    """One named worker thread, started on first use. Work here must never wait for other work queued
+    here (it would wait forever)."""
+
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+        """`initializer` runs first on the thread, once."""
+        self.name = name
+        self._initializer = initializer
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._ident: int | None = None
+
+    def _start(self) -> None:
+        self._ident = threading.get_ident()
+        if self._initializer is not None:
+            self._initializer()
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """Its executor (for `loop.run_in_executor`)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name,
+                                                    initializer=self._start)
+        return self._executor
+
+    def is_current(self) -> bool:
+        return self._ident is not None and threading.get_ident() == self._ident
+
+    def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` on this thread; exceptions propagate."""
+        if self.is_current():
+            return fn(*args, **kwargs)
+        return self.executor.submit(fn, *args, **kwargs).result()

@@ -52,7 +52,7 @@ from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row,
                                projection_lists, rotary, rotate, rows_times, weight_of)
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
-from fusion.graph_thread import graph_thread
+from fusion.graph_thread import forward_of_its_own, graph_thread, turns
 from fusion.kv_cache import GrowingLayer
 from fusion.native_decoder import NativeLayers
 from fusion.quantized import QuantizedLinear
@@ -372,7 +372,8 @@ class DecodeStep:
             # Not inductor's `freezing` (weights prepacked as constants): side by side in one process it
             # measured slower than without, kept a second copy of the weights, and its graphs came back
             # from the on-disk cache much more slowly (figures: docs/performance.md).
-            forward, options = self.decoder, None
+            # A CUDA step compiles a forward of its own: its graphs are bound to its own thread (graph_thread).
+            forward, options = (forward_of_its_own(self.decoder) if mode == "cudagraphs" else self.decoder), None
             if mode == "inductor" and decoder.embed.device.type == "cpu":
                 # One session's step (one row) reads each weight through inductor's own vectorised sum, and
                 # attends in inductor's loops: the step becomes a few kernels, and measured far faster than
@@ -422,7 +423,7 @@ class DecodeStep:
     def _replay(self, stream: torch.cuda.Stream | None, inputs: tuple) -> tuple[torch.Tensor, ...]:
         """The compiled step on its graph thread, on the caller's CUDA stream (a thread's current stream
         is its own)."""
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with turns(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
             # outputs are copied out before the next (one expert may run two decode groups in a step).
             torch.compiler.cudagraph_mark_step_begin()

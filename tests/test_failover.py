@@ -57,9 +57,15 @@ class Busy:
     held: list[threading.Event] = []  # let go after each test, whatever it asserted
 
     def __init__(self, server, hold_s: float = 60.0) -> None:
-        self.event = threading.Event()
+        self.event, started = threading.Event(), threading.Event()
         Busy.held.append(self.event)
-        self.job = server.servicer._executor.submit(server.servicer._timed, self.event.wait, hold_s)
+
+        def hold() -> None:
+            started.set()
+            self.event.wait(hold_s)
+
+        self.job = server.servicer._executor.submit(server.servicer._timed, hold)
+        assert started.wait(10), "the worker did not take the busy job"  # from here on, what is submitted queues
 
     def go(self) -> None:
         self.event.set()
@@ -70,6 +76,13 @@ def handed_to_worker(server, calls: int) -> bool:
     """`calls` Step calls arrived and none waits in the queue: the drainer took them to the worker. An
     empty queue alone is also true before a call arrives, when two calls could then share one batch."""
     return server.servicer._in_flight == calls and server.servicer._queue == []
+
+
+def batches_behind_busy(server) -> int:
+    """Batches the drainer handed to the worker that wait behind a `Busy` job: true from the hand-over
+    until the worker is let go, whatever becomes of the calls (a call in flight is not: its deadline
+    ends it)."""
+    return server.servicer._executor._work_queue.qsize()
 
 
 def forwards(server) -> float:
@@ -323,7 +336,7 @@ def test_a_queued_step_whose_deadline_passed_is_not_computed(start):
         before = forwards(server)
         busy = Busy(server)
         handed = step("handed", 0.5)  # handed to the worker, behind the busy job
-        assert wait_until(lambda: handed_to_worker(server, 1), timeout_s=WAIT_S)
+        assert wait_until(lambda: batches_behind_busy(server) == 1 and server.servicer._queue == [], timeout_s=WAIT_S)
         patient = step("patient", 60)
         impatient = step("impatient", 0.5)  # queued behind `patient`
         for call in (handed, impatient):

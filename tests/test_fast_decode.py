@@ -3,6 +3,7 @@ each whole history, and the engine's tokens through transformers' own decode for
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -156,23 +157,29 @@ def test_compiled_decode_step_equals_the_eager_one(tiny_dir, mode):
     assert compiled.first_call_s is not None
 
 
-def test_a_cuda_graph_step_compiles_and_replays_on_one_thread_of_its_own(tiny_dir):
-    """A `cudagraphs` step (here on the CPU, where inductor compiles it without graphs) runs its compiled
-    forward on its own thread whichever thread calls it, and gives the eager step's results."""
+def test_cuda_graph_steps_compile_their_own_graphs_and_run_each_on_one_thread_of_its_own(tiny_dir):
+    """`cudagraphs` steps (here on the CPU, where inductor compiles them without graphs) of two models of
+    one shape: each compiles a graph of its own (dynamo would share one, and with it the CUDA graphs bound
+    to one thread's tree manager) and runs it on its own thread whichever threads call, with the eager
+    step's results."""
+    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
-    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "cudagraphs")
-    ran_on = []
-    forward = compiled._run
+    models = [AutoModelForCausalLM.from_pretrained(tiny_dir / name, dtype=torch.float32).eval() for name in "ab"]
+    assert models[0].config.to_dict() | {"_name_or_path": ""} == models[1].config.to_dict() | {"_name_or_path": ""}
+    eager = [DecodeStep(model, "off") for model in models]
+    compiled = [DecodeStep(model, "cudagraphs") for model in models]
+    ran_on: list[list[int]] = [[], []]
+    for step, threads in zip(compiled, ran_on):
+        forward = step._run
 
-    def recording(*inputs):
-        ran_on.append(threading.get_ident())
-        return forward(*inputs)
+        def recording(*inputs, forward=forward, threads=threads):
+            threads.append(threading.get_ident())
+            return forward(*inputs)
 
-    compiled._run = recording
+        step._run = recording
     generator = torch.Generator().manual_seed(0)
-    config = model.config
+    config = models[0].config
     kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     batch, capacity = 2, 9
     keys = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
@@ -181,22 +188,40 @@ def test_a_cuda_graph_step_compiles_and_replays_on_one_thread_of_its_own(tiny_di
     positions = torch.tensor([3, 7])
     mask = (torch.arange(capacity)[None] < positions[:, None]).view(batch, 1, 1, capacity)
     inputs = (ids, positions, keys, values, mask)
+    graphs_before = counters["stats"]["unique_graphs"]
     with torch.no_grad():
-        expected = eager(*inputs)
-        results = [compiled(*inputs)]
+        expected = [step(*inputs) for step in eager]
+        results = [(k, compiled[k](*inputs)) for k in (0, 1)]
         with ThreadPoolExecutor(max_workers=2) as callers:  # two other callers, at once
-            results += list(callers.map(lambda _: compiled(*inputs), range(4)))
-    for got in results:
-        for g, e in zip(got, expected):
+            results += list(callers.map(lambda k: (k, compiled[k](*inputs)), [0, 1, 0, 1, 1, 0]))
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    for k, got in results:
+        for g, e in zip(got, expected[k]):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-    assert len(ran_on) == 5 and len(set(ran_on)) == 1
-    assert compiled._graph_thread.is_current() is False and threading.get_ident() not in ran_on
+    assert [len(threads) for threads in ran_on] == [4, 4]
+    assert all(len(set(threads)) == 1 for threads in ran_on) and set(ran_on[0]) != set(ran_on[1])
+    assert threading.get_ident() not in ran_on[0] + ran_on[1]
 
 
-def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on():
-    """`prepare_graph_trees` gives a fresh thread the per-thread state that torch before 2.13 looked up
-    with a bare assert (its `get_obj`, written out below), its own, not the importing thread's."""
+def test_cuda_graph_steps_take_turns_only_where_torch_does_not_serialise_recordings(monkeypatch):
     from torch._inductor import cudagraph_trees
+
+    from fusion import graph_thread
+
+    assert isinstance(graph_thread.turns(), contextlib.nullcontext)  # torch 2.13: its own graph_capture_lock
+    monkeypatch.delattr(cudagraph_trees, "graph_capture_lock")
+    assert graph_thread.turns() is graph_thread._TAKE_TURNS
+
+
+@pytest.mark.parametrize("torch_initialises", [True, False], ids=["with torch's initializer", "written out"])
+def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on(monkeypatch, torch_initialises):
+    """`prepare_graph_trees` gives a fresh thread the per-thread state that torch before 2.13 looked up
+    with a bare assert (its `get_obj`, written out below), its own, not the importing thread's: through
+    torch's `_initialize_tls` where it has one, else written out as torch writes it."""
+    from torch._inductor import cudagraph_trees
+
+    if not torch_initialises:
+        monkeypatch.delattr(cudagraph_trees, "_initialize_tls")
 
     from fusion.graph_thread import TREE_STATE, prepare_graph_trees
 

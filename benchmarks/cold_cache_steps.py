@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,9 +25,8 @@ CASES = {"base": [0], "trio": [0, 1, 2]}
 
 def main() -> None:
     from fusion.compute import run_on_compute_thread
-    from fusion.expert import StepRequest
     from fusion.tools.loading import cache_dir, load_service, read_config
-    from fusion.tools.step_timing import emit_figures
+    from fusion.tools.step_timing import emit_figures, members_step_ms
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -39,31 +37,19 @@ def main() -> None:
 
     service = load_service(read_config(None), cache_dir(None), router=False)
     members = service.engine.experts
-    group = members[0].shared_base
     # int32 so that the sum walks every byte; made on the compute thread, whose OpenMP team reads it
     buffer = run_on_compute_thread(torch.ones, options.evict_mb * 2**20 // 4, dtype=torch.int32)
 
-    def steps_ms(which: list[int], cold: bool, session: str) -> float:
-        history = [100 + (7 * k) % 900 for k in range(60)]
-        times = []
-        for step in range(options.steps + 2):  # two warm-up steps: the prompt, then a first decode step
-            if cold:
-                int(buffer.sum())
-            started = time.perf_counter()
-            out = group.step_members([(members[m], [StepRequest(f"{session}{m}", history)]) for m in which])
-            if step >= 2:
-                times.append((time.perf_counter() - started) * 1e3)
-            history = history + [int(out[0][0].argmax())]
-        for m in which:
-            members[m].release([f"{session}{m}"])
-        return statistics.mean(times)
+    def evict() -> None:
+        int(buffer.sum())
 
     rounds: dict[str, list[float]] = {f"{case}_{mode}": [] for case in CASES for mode in ("warm", "cold")}
     for r in range(options.rounds):
         for mode in ("warm", "cold") if r % 2 == 0 else ("cold", "warm"):
             for case, which in CASES.items():
-                rounds[f"{case}_{mode}"].append(
-                    run_on_compute_thread(steps_ms, which, mode == "cold", f"{case}-{mode}-{r}-"))
+                rounds[f"{case}_{mode}"].append(members_step_ms(
+                    members, which, f"{case}-{mode}-{r}-", options.steps, warm_steps=2,
+                    before_each=evict if mode == "cold" else None))
     ms = {key: statistics.median(values) for key, values in rounds.items()}
     figures = {"ms_per_step": ms,
                "trio_over_base": {mode: ms[f"trio_{mode}"] / ms[f"base_{mode}"] for mode in ("warm", "cold")},

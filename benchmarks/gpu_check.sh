@@ -97,7 +97,8 @@ export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$out/inductor-cache}"
 status=0
 
-# 2b. whether CUDA-graph trees replay from a thread other than the compiling one (the engine's pool threads)
+# 2b. whether CUDA-graph trees work from a thread other than the importing one, as is and prepared as a
+# compiled CUDA step's own thread is (fusion/graph_thread.py)
 say "CUDA graphs from another thread"
 (cd "$repo" && timeout 120 "$python" benchmarks/cuda_graph_threads.py --out "$out/cuda_graph_threads.json") \
   2>&1 | tee "$out/cuda_graph_threads.log"

@@ -372,8 +372,11 @@ class DecodeStep:
             # Not inductor's `freezing` (weights prepacked as constants): side by side in one process it
             # measured slower than without, kept a second copy of the weights, and its graphs came back
             # from the on-disk cache much more slowly (figures: docs/performance.md).
-            # A CUDA step compiles a forward of its own: its graphs are bound to its own thread (graph_thread).
-            forward, options = (forward_of_its_own(self.decoder) if mode == "cudagraphs" else self.decoder), None
+            forward, options = self.decoder, None
+            if mode == "cudagraphs":
+                # Compiled (a forward of its own), recorded and replayed on one thread of its own, whoever
+                # calls: its CUDA graphs are bound to that thread (fusion.graph_thread).
+                forward, self._graph_thread, self._turns = forward_of_its_own(self.decoder), graph_thread(), turns()
             if mode == "inductor" and decoder.embed.device.type == "cpu":
                 # One session's step (one row) reads each weight through inductor's own vectorised sum, and
                 # attends in inductor's loops: the step becomes a few kernels, and measured far faster than
@@ -385,9 +388,6 @@ class DecodeStep:
                 # longer the first time; from the on-disk cache it loads faster.
                 options = {"cpp_wrapper": True}
             self._run = torch.compile(forward, dynamic=True, mode=compile_mode, options=options)
-            if mode == "cudagraphs":
-                # Compiled, recorded and replayed on one thread of its own, whoever calls (fusion.graph_thread).
-                self._graph_thread = graph_thread()
             # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo
             # caps at `recompile_limit` (8): a third expert of another shape would run its step eagerly.
             torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
@@ -423,7 +423,7 @@ class DecodeStep:
     def _replay(self, stream: torch.cuda.Stream | None, inputs: tuple) -> tuple[torch.Tensor, ...]:
         """The compiled step on its graph thread, on the caller's CUDA stream (a thread's current stream
         is its own)."""
-        with turns(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with self._turns, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
             # outputs are copied out before the next (one expert may run two decode groups in a step).
             torch.compiler.cudagraph_mark_step_begin()

@@ -66,8 +66,9 @@ def graph_thread() -> OwnThread:
 
 
 def turns() -> contextlib.AbstractContextManager:
-    """Held around a compiled CUDA step's call on its graph thread: the steps' threads take turns where
-    torch does not serialise the trees' recordings itself (before 2.13)."""
+    """What a compiled CUDA step holds around each call on its graph thread (asked once, when the step is
+    made): the steps' threads take turns where torch does not serialise the trees' recordings itself
+    (before 2.13)."""
     from torch._inductor import cudagraph_trees
 
     return contextlib.nullcontext() if hasattr(cudagraph_trees, "graph_capture_lock") else _TAKE_TURNS

@@ -72,10 +72,11 @@ class Busy:
         self.job.result(10)
 
 
-def handed_to_worker(server, calls: int) -> bool:
-    """`calls` Step calls arrived and none waits in the queue: the drainer took them to the worker. An
-    empty queue alone is also true before a call arrives, when two calls could then share one batch."""
-    return server.servicer._in_flight == calls and server.servicer._queue == []
+def step_calls(server, in_flight: int, queued: int) -> bool:
+    """`in_flight` Step calls arrived, `queued` of them wait in the queue (the others the drainer took to the
+    worker). The queue alone says too little: empty, or of one call, also before a call arrives, when two
+    calls could then share one batch."""
+    return server.servicer._in_flight == in_flight and len(server.servicer._queue) == queued
 
 
 def batches_behind_busy(server) -> int:
@@ -294,9 +295,9 @@ def test_a_released_session_is_refused_and_never_recreated(start, tiny_config):
         # A step queued when its session is released is refused, not computed after the release.
         busy = Busy(server)
         first = step("first")  # taken by the worker's queue at once
-        assert wait_until(lambda: handed_to_worker(server, 1), timeout_s=WAIT_S)
+        assert wait_until(lambda: step_calls(server, 1, queued=0), timeout_s=WAIT_S)
         late = step("late")  # waits for the next forward
-        assert wait_until(lambda: server.servicer._in_flight == 2 and len(server.servicer._queue) == 1, timeout_s=WAIT_S)
+        assert wait_until(lambda: step_calls(server, 2, queued=1), timeout_s=WAIT_S)
         release = stub.Release.future(expert_pb2.ReleaseRequest(session_ids=["late"]), timeout=30)
         assert wait_until(lambda: "late" in server.servicer.released, timeout_s=WAIT_S)
         busy.go()
@@ -369,9 +370,9 @@ def test_limits_refuse_with_resource_exhausted_naming_the_limit(start):
         refused(step("a", "b", "c", "d"), "max_sessions_per_step")
         busy = Busy(server)
         first = step("x")  # handed to the worker
-        assert wait_until(lambda: handed_to_worker(server, 1), timeout_s=WAIT_S)
+        assert wait_until(lambda: step_calls(server, 1, queued=0), timeout_s=WAIT_S)
         second = step("y", "z")  # two sessions queued
-        assert wait_until(lambda: server.servicer._in_flight == 2 and len(server.servicer._queue) == 1, timeout_s=WAIT_S)
+        assert wait_until(lambda: step_calls(server, 2, queued=1), timeout_s=WAIT_S)
         refused(step("w"), "max_queued_steps")
         score = stub.Score.future(expert_pb2.ExpertScoreRequest(session_id="s", token_ids=HISTORY, num_positions=2),
                                   timeout=60)

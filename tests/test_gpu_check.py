@@ -65,7 +65,10 @@ def test_a_compiled_build_that_fails_is_reported_and_measured_eagerly(tmp_path, 
     assert "AssertionError: a replay on another thread" in figures["trio (compiled failed)"]["error"]
     assert any("decode compiled failed" in line for line in lines) and "trio (decode fast)" in figures
     eager = {"experts": [{"name": "a", "model": "m", "decode": "fast"}]}
-    monkeypatch.setattr(gpu_check, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("eager fails")))
+    def failing(*args):
+        raise RuntimeError("eager fails")
+
+    monkeypatch.setattr(gpu_check, "measure", failing)
     with pytest.raises(RuntimeError, match="eager fails"):  # an eager build's failure is the run's
         gpu_check.measure_or_eager("trio", eager, None, None, None, {}, [])
 

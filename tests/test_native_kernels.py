@@ -16,7 +16,6 @@ from fusion import native_kernels
 from fusion.quantized import QuantizedLinear, quantize_int4, quantize_int8
 
 
-
 @contextlib.contextmanager
 def _other_build(tmp_path, flags):
     """Within the block, the kernels are the library built with `flags` (in a cache of its own); after it, the
@@ -30,6 +29,7 @@ def _other_build(tmp_path, flags):
             yield
         finally:
             native_kernels.library.cache_clear()
+
 
 def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (N, K) in [0, 15] and their scales and biases (N, 2, K/32) float16 of a random weight."""

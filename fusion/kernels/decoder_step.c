@@ -561,6 +561,16 @@ static void group_scores(const float *q, const void *cache, int64_t offset, int 
     for (int64_t h = 0; h < group; h++) score[h * stride] = dot(q + h * dim, key, dim) * scale;
 }
 
+/* One head's query q (dim) against its row's new key, after the `attended` scores already in p: the new key's
+ * score last, the softmax over all of them, and o (dim) started as the new value weighted by its probability
+ * (the cached values' weighted sum is added after). attend and attend_split both end a head's scores so. */
+static void attend_new_key(const float *q, const float *k_new, const float *v_new, int64_t dim, float scale, float *p,
+                           int64_t attended, float *o) {
+    p[attended] = dot(q, k_new, dim) * scale;
+    softmax(p, attended + 1);
+    for (int64_t i = 0; i < dim; i++) o[i] = p[attended] * v_new[i];
+}
+
 /* Each row's heads attend the cached columns its mask allows, in column order, and its own new key last:
  * out (B, heads * dim). The attended columns' scores are packed before the softmax, so that a row's result
  * depends on those columns' keys and values alone, not on where they sit among masked ones (a batch row's
@@ -650,14 +660,10 @@ static void attend_split(const decoder_layer *layer, const step_shape *s, const 
                 }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * heads; task++) {  /* the new key after the attended columns */
-            const int64_t m = task / heads, h = task % heads, g = h / group, n = attended[m];
+            const int64_t m = task / heads, h = task % heads, g = h / group;
             const float *k_new = qkv + m * qkv_width + heads * dim + g * dim;
-            const float *v_new = k_new + kv_heads * dim;
-            float *p = scores + (m * heads + h) * stride;
-            p[n] = dot(qkv + m * qkv_width + h * dim, k_new, dim) * scale;
-            softmax(p, n + 1);
-            float *o = out + m * heads * dim + h * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = p[n] * v_new[i];
+            attend_new_key(qkv + m * qkv_width + h * dim, k_new, k_new + kv_heads * dim, dim, scale,
+                           scores + (m * heads + h) * stride, attended[m], out + m * heads * dim + h * dim);
         }
 #pragma omp for collapse(3) schedule(static)
         for (int64_t m = 0; m < rows; m++)
@@ -718,13 +724,9 @@ static void attend(const decoder_layer *layer, const step_shape *s, const float 
                              score + attended, stride, row);
                 attended++;
             }
-            for (int64_t h = 0; h < group; h++) {  /* the new key after the attended columns */
-                float *p = score + h * stride;
-                p[attended] = dot(q + h * dim, k_new, dim) * scale;
-                softmax(p, attended + 1);
-                float *o = out + m * heads * dim + (g * group + h) * dim;
-                for (int64_t i = 0; i < dim; i++) o[i] = p[attended] * v_new[i];
-            }
+            for (int64_t h = 0; h < group; h++)
+                attend_new_key(q + h * dim, k_new, v_new, dim, scale, score + h * stride, attended,
+                               out + m * heads * dim + (g * group + h) * dim);
             weigh_values(layer, s, mask, value_base, score, stride, group, row, out + m * heads * dim + g * group * dim);
         }
     }

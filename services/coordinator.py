@@ -182,6 +182,7 @@ async def create_coordinator_server(
         raise
     running.on_stop(lambda: _close_service(service))
     if gate is not None:
+        running.gate = gate
         running.on_stop(gate.close)
     if http_address is not None:
         try:

@@ -71,6 +71,7 @@ class RunningServer:
     metrics_port: int | None = None
     http_port: int | None = None  # the coordinator's HTTP API, when it serves one
     http: Any = None  # the coordinator's HttpServer (its connection book), when it serves one
+    gate: Any = None  # the coordinator's KeyGate (both servers' API keys and limits), when keys are set
     _closers: list[Callable[[], Any]] = field(default_factory=list)
     _stoppers: list[Callable[[float | None], Awaitable[None]]] = field(default_factory=list)
     _stopped: bool = False

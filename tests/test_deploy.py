@@ -24,7 +24,7 @@ from deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args
 from fusion.config import parse_config
 from fusion.errors import ConfigError
 from tests.conftest import tiny_config_dict
-from tests.helpers import wait_until
+from tests.helpers import HANG_S, wait_until
 from tests.reference import assert_greedy_equivalent, assert_stream_matches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def descendants(root: int) -> dict[int, str]:
     return found
 
 
-def wait_until_gone(started: dict[int, str], timeout_s: float = 30.0) -> None:
+def wait_until_gone(started: dict[int, str], timeout_s: float = HANG_S) -> None:
     """Assert that every process in `started` has exited (other clusters on the machine are not ours)."""
     left: dict[int, str] = {}
 
@@ -202,15 +202,37 @@ def test_deploy_args_refuse_scaling_to_zero(tiny_dir, field):
     parse_args(args)
 
 
-def test_load_policy_asks_for_load_over_target():
-    def ctx(reports, target=4.0, current=2):
-        return SimpleNamespace(aggregated_metrics={LOAD_METRIC: reports} if reports is not None else None,
-                               config=SimpleNamespace(target_ongoing_requests=target),
-                               target_num_replicas=current)
+def _policy_context(reports, target=4.0, current=2):
+    """What Serve hands a custom policy: each replica's reported `fusion_load`, the deployment's
+    config, the replicas it targets now."""
+    return SimpleNamespace(aggregated_metrics={LOAD_METRIC: reports} if reports is not None else None,
+                           config=SimpleNamespace(target_ongoing_requests=target), target_num_replicas=current)
 
-    assert fusion_load_policy(ctx({"r1": 7.0, "r2": 6.0}))[0] == 4  # 13 sessions / 4 per replica
-    assert fusion_load_policy(ctx({"r1": 0.0, "r2": 0.0}))[0] == 0  # Serve clamps to min_replicas
-    assert fusion_load_policy(ctx(None, current=3))[0] == 3  # no reports yet: no change
+
+def test_load_policy_asks_for_load_over_target():
+    assert fusion_load_policy(_policy_context({"r1": 7.0, "r2": 6.0}))[0] == 4  # 13 sessions / 4 per replica
+    assert fusion_load_policy(_policy_context({"r1": 0.0, "r2": 0.0}))[0] == 0  # Serve clamps to min_replicas
+    assert fusion_load_policy(_policy_context(None, current=3))[0] == 3  # no reports yet: no change
+    assert fusion_load_policy(_policy_context({}, current=3))[0] == 3
+    assert fusion_load_policy(_policy_context({"r1": 5.0}, target=None))[0] == 3  # the default: 2 a replica
+
+
+# A ramp of clients, as benchmarks/multinode.py runs it live (two sessions wanted a replica): the
+# sessions each replica reports, the replicas it runs, and the replicas the policy asks for.
+RAMP = [
+    ({"r1": 1.0}, 1, 1),  # one client
+    ({"r1": 2.0}, 1, 1),  # two: still one replica's worth
+    ({"r1": 3.0}, 1, 2),  # three: up
+    ({"r1": 3.0, "r2": 1.0}, 2, 2),  # the new replica takes new sessions; four held in all
+    ({"r1": 2.0, "r2": 0.0}, 2, 1),  # clients leaving: down
+    ({"r1": 0.0, "r2": 0.0}, 2, 0),  # idle: Serve clamps to min_replicas
+    ({"r1": 9.0}, 1, 5),  # past max_replicas: Serve clamps
+]
+
+
+@pytest.mark.parametrize(("reports", "running", "wanted"), RAMP)
+def test_load_policy_scales_up_and_down_with_the_sessions_held(reports, running, wanted):
+    assert fusion_load_policy(_policy_context(reports, target=2.0, current=running)) == (wanted, {})
 
 
 @pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
@@ -283,7 +305,7 @@ def _handle(name):
     return serve.get_deployment_handle(name, APP)
 
 
-def _wait_for(condition, what: str, timeout_s: float = 90.0):
+def _wait_for(condition, what: str, timeout_s: float = HANG_S):
     """Wait until `condition()` is True (anything else it returns is the state it saw, for the failure)."""
     seen: list = [None]
 
@@ -321,7 +343,7 @@ def test_deployments_follow_the_config(cluster):
         counts = {name: len(addresses) for name, addresses in spread.items()}
         return True if counts == {"a": 2, "b": 1, "c": 1} else counts
 
-    _wait_for(coordinator_spread, "the coordinator uses every registered replica", timeout_s=30.0)
+    _wait_for(coordinator_spread, "the coordinator uses every registered replica")
 
 
 def test_greedy_output_equals_the_local_engine(cluster, tiny_service):
@@ -346,7 +368,7 @@ def test_step_through_a_serve_handle(cluster, tiny_service):
     def request(session_id):
         return expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session_id, token_ids=[5, 6, 7])])
 
-    got = decode_tensor(_handle("expert-b").Step.remote(request("handle-1")).result(timeout_s=30).logits, "b")
+    got = decode_tensor(_handle("expert-b").Step.remote(request("handle-1")).result(timeout_s=HANG_S).logits, "b")
     local = tiny_service.engine.experts[1]
     try:
         expected = local.step([StepRequest("handle-1", [5, 6, 7])])
@@ -359,7 +381,7 @@ def test_step_through_a_serve_handle(cluster, tiny_service):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     with pytest.raises(InvalidArgumentError, match="session_id"):
-        _handle("expert-b").Step.remote(request("")).result(timeout_s=30)
+        _handle("expert-b").Step.remote(request("")).result(timeout_s=HANG_S)
 
 
 def _replica_holding_sessions(addresses_by_replica: dict[str, str]) -> str:
@@ -435,10 +457,10 @@ def test_health_checks_step_the_model(cluster):
     from ray import serve
 
     for name in ("expert-a", "expert-b", "expert-c", "coordinator"):
-        assert _handle(name).check_health.remote().result(timeout_s=30) is None
+        assert _handle(name).check_health.remote().result(timeout_s=HANG_S) is None
 
     def all_healthy():  # an autoscaling test before this one may still be settling
         deployments = serve.status().applications[APP].deployments
         return all(d.status == "HEALTHY" for d in deployments.values()) or deployments
 
-    _wait_for(all_healthy, "every deployment HEALTHY", timeout_s=30.0)
+    _wait_for(all_healthy, "every deployment HEALTHY")

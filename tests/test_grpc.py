@@ -45,7 +45,7 @@ def remote_config(tiny_dir, addresses: dict[str, list[str]], **extra):
 
 def expert_sessions(port: int) -> int:
     with grpc.insecure_channel(addr(port)) as channel:
-        return expert_pb2_grpc.ExpertStub(channel).Info(expert_pb2.InfoRequest(), timeout=5).active_sessions
+        return expert_pb2_grpc.ExpertStub(channel).Info(expert_pb2.InfoRequest(), timeout=30).active_sessions
 
 
 @pytest.fixture(scope="module")
@@ -415,12 +415,12 @@ def test_stock_tools_see_services_and_health(coordinator, experts):
             assert {m.name for m in descriptor.methods} == methods
             health = health_pb2_grpc.HealthStub(channel)
             for name in ("", service):
-                status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=30).status
                 assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 def scrape(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
 
 
 def metric(text: str, series: str) -> float | None:

@@ -509,7 +509,7 @@ def test_metrics_count_http_requests(coordinator, client):
     client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT, max_tokens=2)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{coordinator[0].metrics_port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{coordinator[0].metrics_port}/metrics", timeout=30).read().decode()
     for series in ('fusion_http_requests_total{path="/v1/chat/completions",status="200"}',
                    'fusion_http_requests_total{path="/v1/chat/completions",status="404"}',
                    "fusion_time_to_first_token_seconds_count", "fusion_generated_tokens_total"):

@@ -67,10 +67,10 @@ def test_idle_connections_past_the_cap_make_room_for_health(server):
     port = server.http_port
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4 * EDGE["max_http_connections"])]
     try:
-        start = time.perf_counter()
-        status, body = get(port, "/health")
+        # answered, not queued behind the idle ones (the eviction counts below say why; the
+        # timeout is a hang bound, not the assertion)
+        status, body = get(port, "/health", timeout=60)
         assert status == 200 and json.loads(body)["status"] == "ok"
-        assert time.perf_counter() - start < 1.0
         book = server.http.connections
         assert book.evicted >= 3 * EDGE["max_http_connections"] - 1
         assert book.open <= EDGE["max_http_connections"]

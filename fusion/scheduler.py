@@ -129,8 +129,12 @@ class Scheduler:
     """
 
     def __init__(self, engine: FusionEngine, max_concurrent: int | None = None, max_batch_size: int | None = None,
-                 max_queue_wait_s: float | None = None):
+                 max_queue_wait_s: float | None = None,
+                 admission_observers: list[Callable[[str, float], None]] | None = None):
         self.engine = engine
+        # Called with (tenant id, seconds waited) as each request first joins the batch, under the
+        # scheduler's lock (keep them cheap: metrics are one).
+        self.admission_observers = admission_observers if admission_observers is not None else []
         self.max_concurrent = max_concurrent or engine.limits.max_concurrent_sessions
         self.max_batch_size = max_batch_size or engine.limits.max_batch_size
         self.max_queue_wait_s = max_queue_wait_s if max_queue_wait_s is not None else engine.limits.max_queue_wait_s
@@ -256,6 +260,7 @@ class Scheduler:
         return handle
 
     def _join(self, handle: RequestHandle) -> None:
+        first = handle.row is None  # not a preempted request coming back
         try:
             if handle.row is not None:
                 self._batch.attach(handle.row)
@@ -266,6 +271,10 @@ class Scheduler:
             handle._put(ErrorEvent(handle.request_id, err))
             return
         tenant = handle.request.tenant.id
+        if first:
+            waited = time.monotonic() - handle.enqueued
+            for observer in self.admission_observers:
+                observer(tenant, waited)
         self._running[handle.request_id] = handle
         self._running_per_tenant[tenant] += 1
         self._admissions += 1

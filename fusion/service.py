@@ -91,6 +91,7 @@ class FusionService:
         self.grammars = GrammarCompiler(self.tokenizers[0], engine.vocab_size, tuple(sorted(engine.eos_token_ids)),
                                         config.limits.max_grammar_bytes)
         self._scheduler: Scheduler | None = None
+        self._admission_observers: list[Callable[[str, float], None]] = []
         self._lock = threading.Lock()
         self._closed = False
         # Async callers' admissions and scores wait on pools of their own, so a flood of one never
@@ -155,6 +156,11 @@ class FusionService:
     def add_step_observer(self, observer: Callable[[StepTimings], None]) -> None:
         """Call `observer` with every decode step's timings (on the stepping thread; keep it cheap)."""
         self.engine.step_observers.append(observer)
+
+    def add_admission_observer(self, observer: Callable[[str, float], None]) -> None:
+        """Call `observer(tenant id, seconds waited)` as each request takes its first batch slot (on the
+        stepping thread, under the scheduler's lock; keep it cheap)."""
+        self._admission_observers.append(observer)
 
     def close(self) -> None:
         with self._lock:
@@ -370,7 +376,7 @@ class FusionService:
             if self._closed:
                 raise RuntimeError("the service is closed")
             if self._scheduler is None:
-                self._scheduler = Scheduler(self.engine).start()
+                self._scheduler = Scheduler(self.engine, admission_observers=self._admission_observers).start()
             return self._scheduler
 
     def _open(self, request: FusionRequest, generation: GenerationRequest) -> RequestStream | CrossRequestStream:

@@ -164,6 +164,7 @@ async def create_coordinator_server(
     metrics = CoordinatorMetrics()
     service = await asyncio.to_thread(build_service, config, resolve_model, cache_dir)
     service.add_step_observer(metrics.observe_step)
+    service.add_admission_observer(metrics.observe_admission)
     servicer = FusionServicer(service, metrics)
     try:  # one gate for both servers: a key's streams, tokens and refusals count across them
         gate = KeyGate.from_config(config.security, metrics.registry, limits=config.limits)

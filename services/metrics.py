@@ -114,6 +114,10 @@ class CoordinatorMetrics(ServerMetrics):
             "fusion_fuse_sample_seconds", "Alignment, fusion, sampling and attribution of one decode step",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.queue_wait = Histogram(
+            "fusion_queue_wait_seconds", "From admission to the request's first batch slot, by API key id "
+            "('-': no key)", ["key_id"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
         self.tokens = Counter(
             "fusion_generated_tokens", "Tokens generated for clients", registry=self.registry,
         )
@@ -129,6 +133,10 @@ class CoordinatorMetrics(ServerMetrics):
     def stream(self, received: float) -> StreamTimer:
         """The timer of one token stream of a request received at `received` (time.perf_counter)."""
         return StreamTimer(self, received)
+
+    def observe_admission(self, tenant: str, waited_s: float) -> None:
+        """The service's admission observer: how long a request waited for its batch slot."""
+        self.queue_wait.labels(key_id=tenant or "-").observe(waited_s)
 
     def observe_step(self, timings: StepTimings) -> None:
         """The service's step observer: one decode step's timings."""

@@ -438,7 +438,8 @@ def test_metrics_endpoints(coordinator, client, experts):
                    "fusion_fuse_sample_seconds_count", "fusion_decode_step_seconds_count",
                    "fusion_generated_tokens_total", 'fusion_expert_step_seconds_count{expert="a"}',
                    'fusion_requests_total{code="OK",method="Generate"}',
-                   'fusion_requests_total{code="NOT_FOUND",method="Generate"}'):
+                   'fusion_requests_total{code="NOT_FOUND",method="Generate"}',
+                   'fusion_queue_wait_seconds_count{key_id="-"}'):
         assert metric(text, series) >= 1, series
     assert metric(text, "fusion_active_sessions") is not None
     expert_text = scrape(experts["a"][0].metrics_port)

@@ -99,20 +99,28 @@ def test_a_tenant_filling_the_batch_gives_a_newcomer_a_slot_at_once(tiny_service
     b_request = _tenant_requests(tiny_service, team_b, 1, 5, first_prompt=10)[0]
     solo = {r.request_id: [e.token_id for e in tiny_service.engine.generate(copy.copy(r))]
             for r in a_requests + [b_request]}
-    scheduler = Scheduler(tiny_service.engine, max_concurrent=8, max_batch_size=2).start()
+    admitted: list[tuple[str, float]] = []
+    scheduler = Scheduler(tiny_service.engine, max_concurrent=8, max_batch_size=2,
+                          admission_observers=[lambda tenant, waited: admitted.append((tenant, waited))]).start()
     try:
         a_handles = [scheduler.submit(r) for r in a_requests]
         first = next(iter(a_handles[0]._queue.get, None))  # A is decoding
         assert first is not None and scheduler.running_by_tenant() == {"a": 2}
-        steps_before = scheduler.steps
-        b_tokens = [e.token_id for e in scheduler.submit(b_request)]
+        with scheduler._cond:  # no step starts between the count and B's arrival, however loaded the host
+            steps_before = scheduler.steps
+            b_handle = scheduler.submit(b_request)
+        b_tokens = [e.token_id for e in b_handle]
         assert b_tokens == solo[b_request.request_id]
-        # B ran its 5 tokens in about 5 steps, while A's requests of 40 tokens were still far from done
+        # B ran its 5 tokens in about 5 steps (one more may have been under way), while A's requests
+        # of 40 tokens were still far from done
         assert scheduler.steps - steps_before <= 8
         assert scheduler.preemptions >= 1
         a_tokens = [[first.token_id] + [e.token_id for e in a_handles[0]]] + [
             [e.token_id for e in h] for h in a_handles[1:]]
         assert a_tokens == [solo[r.request_id] for r in a_requests]
+        # each request's wait is observed once, when it first takes a slot (not again after preemption)
+        assert sorted(tenant for tenant, _ in admitted) == ["a"] * len(a_requests) + ["b"]
+        assert all(waited >= 0 for _, waited in admitted)
     finally:
         scheduler.stop()
     assert all(len(e.cache) == 0 for e in tiny_service.engine.experts)

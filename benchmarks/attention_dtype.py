@@ -4,7 +4,7 @@ decode step's shapes (SmolLM2: 9 query heads over 3 kv heads of 64) for 1 and 3 
 widths; then the default trio's decode step (its three members, one session each) and the base member's
 step alone, each with the products in either dtype.
 
-    python benchmarks/attention_dtype.py --json docs/bench_attention_dtype.json
+    python benchmarks/attention_dtype.py --json benchmarks/results/bench_attention_dtype.json
 """
 
 from __future__ import annotations

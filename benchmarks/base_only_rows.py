@@ -3,7 +3,7 @@ profile, a single-expert request) through the shared base: the adapters' product
 runtime does) against computed with zero deltas (forced), and the three members' step, in
 alternating rounds of 20 steps each, one session each.
 
-    python benchmarks/base_only_rows.py --json docs/bench_base_only_rows.json
+    python benchmarks/base_only_rows.py --json benchmarks/results/bench_base_only_rows.json
 """
 
 from __future__ import annotations

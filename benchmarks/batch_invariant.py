@@ -10,7 +10,7 @@ one process, timed in alternating rounds on the compute thread (as the engine st
 
 Prints the median of each and the ratio row by row / forward.
 
-    python benchmarks/batch_invariant.py --json docs/bench_batch_invariant.json
+    python benchmarks/batch_invariant.py --json benchmarks/results/bench_batch_invariant.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ arithmetic shows. Each case runs both ways in alternating rounds on the compute 
 to back, "cold" steps each after a read of a buffer larger than the cache (`--evict-mb`, not timed), which
 leaves the step to read its weights from memory. Figures: median ms per step over rounds, and trio / base.
 
-    python benchmarks/cold_cache_steps.py [--rounds 5] [--steps 12] [--evict-mb 1024] [--json docs/bench_cold_cache_steps.json]
+    python benchmarks/cold_cache_steps.py [--rounds 5] [--steps 12] [--evict-mb 1024] [--json benchmarks/results/bench_cold_cache_steps.json]
 """
 
 from __future__ import annotations

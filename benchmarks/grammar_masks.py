@@ -11,7 +11,7 @@ mask kernels), hundreds of MB that a CPU install of this project would carry for
 left out here (see docs/apis.md).
 
     pip install outlines-core      # benchmark only
-    python benchmarks/grammar_masks.py [--model DIR] [--json docs/grammar_masks.json]
+    python benchmarks/grammar_masks.py [--model DIR] [--json benchmarks/results/grammar_masks.json]
 """
 
 from __future__ import annotations

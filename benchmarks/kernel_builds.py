@@ -7,7 +7,7 @@ Checks first that both builds give the same bits on each kind of weight (a kerne
 output's arithmetic and its order must; with --bits-may-differ, reports how far apart they are), then prints the median milliseconds of each and the ratio
 this tree / the other revision.
 
-    python benchmarks/kernel_builds.py --before HEAD~1 [--rows 1,3] [--rounds 9] [--json docs/bench_kernel_builds.json]
+    python benchmarks/kernel_builds.py --before HEAD~1 [--rows 1,3] [--rounds 9] [--json benchmarks/results/bench_kernel_builds.json]
 """
 
 from __future__ import annotations

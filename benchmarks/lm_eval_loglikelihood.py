@@ -4,7 +4,7 @@ completions API, and every per-choice log-likelihood it records is compared with
 server's Score RPC (what `fusion score --server` calls) gives for the same context and continuation.
 
     pip install lm-eval        # benchmark only
-    python benchmarks/lm_eval_loglikelihood.py [--config F] [--json docs/lm_eval_loglikelihood.json]
+    python benchmarks/lm_eval_loglikelihood.py [--config F] [--json benchmarks/results/lm_eval_loglikelihood.json]
 """
 
 from __future__ import annotations

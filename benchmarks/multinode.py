@@ -21,7 +21,7 @@ Every expert is made batch-invariant (`batch_invariant: true`: a history compute
 gives the lost one's bits, so failed-over greedy streams keep their tokens; docs/configuration.md) unless
 --no-batch-invariant, which keeps the config as it is.
 
-    python benchmarks/multinode.py --json docs/multinode.json     # the default trio (fetched first)
+    python benchmarks/multinode.py --json benchmarks/results/multinode.json     # the default trio (fetched first)
     python benchmarks/multinode.py --config my.yaml --streams 8 --tokens 48
     python benchmarks/multinode.py --scenarios coordinator_loss --no-batch-invariant
 """

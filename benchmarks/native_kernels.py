@@ -5,7 +5,7 @@ and, with `--regional`, one compiled layer (`decode: regional`). The eager step 
 runs twice: its layers in the C step (`fast_native`, fusion/native_decoder.py, the default) and as torch
 operators calling the kernels one product at a time (`fast_native_ops`).
 
-    python benchmarks/native_kernels.py --json docs/bench_native_kernels.json
+    python benchmarks/native_kernels.py --json benchmarks/results/bench_native_kernels.json
 """
 
 from __future__ import annotations

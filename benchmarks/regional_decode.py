@@ -4,7 +4,7 @@ members' step (one session each) and the base member's step alone, at a short an
 regional expert's load reports its compile (or its load from inductor's on-disk cache: `--cold` starts
 from an empty one).
 
-    python benchmarks/regional_decode.py --cold --json docs/bench_regional_decode.json
+    python benchmarks/regional_decode.py --cold --json benchmarks/results/bench_regional_decode.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ case (the base member alone: one row; the trio: three rows, two with adapters) a
 other revision. Where `benchmarks/kernel_builds.py` times the products alone, this times everything the
 C step does (the adapters, attention, the activations) and what the step does around it.
 
-    python benchmarks/step_builds.py --before HEAD~1 [--rounds 7] [--steps 20] [--history 60] [--json docs/bench_step_builds.json]
+    python benchmarks/step_builds.py --before HEAD~1 [--rounds 7] [--steps 20] [--history 60] [--json benchmarks/results/bench_step_builds.json]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Over 4-bit weights a projection's adapter deltas run inside its product (decoder
 says what they cost.
 The cases alternate over rounds on the compute thread; the figures are medians over rounds, in ms per step.
 
-    python benchmarks/step_parts.py [--rounds 5] [--steps 20] [--history 60] [--sessions 1] [--json docs/bench_step_parts.json]
+    python benchmarks/step_parts.py [--rounds 5] [--steps 20] [--history 60] [--sessions 1] [--json benchmarks/results/bench_step_parts.json]
 """
 
 from __future__ import annotations

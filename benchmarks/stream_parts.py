@@ -9,7 +9,7 @@ them (`python_around_c` = the compute thread's whole step less every C call). By
 prompt from the round before (the decode steps alone, as the suite's "keeping the prompt" figure); with
 --read-prompt each round reads it (its prefill counted in the C layers' time and `FastDecoder.prefill`).
 
-    python benchmarks/stream_parts.py [--rounds 8] [--read-prompt] [--json docs/bench_stream_parts.json]
+    python benchmarks/stream_parts.py [--rounds 8] [--read-prompt] [--json benchmarks/results/bench_stream_parts.json]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ client's `chat.completions.parse(response_format=Model)` and through LangChain's
 how many stopped at max_tokens before the object closed (cut, not malformed).
 
     pip install langchain-openai      # benchmark only
-    python benchmarks/structured_outputs.py [--config F] [--max-tokens 160] [--json docs/structured_outputs.json]
+    python benchmarks/structured_outputs.py [--config F] [--max-tokens 160] [--json benchmarks/results/structured_outputs.json]
 """
 
 from __future__ import annotations

@@ -22,11 +22,13 @@ import threading
 import torch
 
 from fusion import native_kernels
+from fusion.native_kernels import check_tensor
 from fusion.quantized import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decoder_step.c's order (and `fast_decode.ADAPTED`'s names)
+STEP = "fusion_decode_layers"
 
 
 class _Weight(ctypes.Structure):
@@ -164,12 +166,24 @@ class NativeLayers:
         heads, kv_heads, head_dim, intermediate, eps = self.shape
         rows, layers = x.shape[0], len(self.table)
         x = x.float().contiguous()
+        check_tensor(STEP, "x", x, (torch.float32,), (None, self.hidden))
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.numel() not in (head_dim, rows * head_dim):
+                raise ValueError(f"{STEP}: {name} must hold {head_dim} or {rows} x {head_dim} values, got "
+                                 f"{tuple(table.shape)}")
         cos = cos.float().reshape(-1, head_dim).expand(rows, head_dim).contiguous()  # (B, D)
         sin = sin.float().reshape(-1, head_dim).expand(rows, head_dim).contiguous()
+        self._check_cache(keys, values, rows, append and columns is None)  # (columns: within the view)
+        cache = keys[0]
         mask = mask.reshape(mask.shape[0], -1).contiguous()  # (B or 1, width) bool
+        check_tensor(STEP, "mask", mask, (torch.bool,), (None, cache.shape[2]))
+        if mask.shape[0] not in (1, rows):
+            raise ValueError(f"{STEP}: mask must have 1 or {rows} rows, got {mask.shape[0]}")
         if adapter_rows is not None:
             adapter_rows = adapter_rows.to(torch.int64).expand(rows).contiguous()
-        cache = keys[0]
+            if rows and not -1 <= int(adapter_rows.min()) <= int(adapter_rows.max()) < self.adapters:
+                raise ValueError(f"{STEP}: adapter_rows must lie in [-1, {self.adapters}), got "
+                                 f"{adapter_rows.tolist()}")
         if columns is not None:
             columns = columns.to(torch.int64).contiguous()
             if not append or cache.shape[0] != 1 or columns.shape != (rows,):
@@ -196,6 +210,32 @@ class NativeLayers:
         if status != 0:
             raise MemoryError("fusion_decode_layers: could not allocate its scratch buffers")
         return x, new_keys, new_values
+
+    def _check_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int, append: bool) -> None:
+        """The cached columns as the C step reads them: one tensor a layer, all of one shape (B or 1, H_kv,
+        width, D) and dtype, the last axis dense, and with `append` room in each one's storage for the
+        column written at `width` (the C writes past the view, into the buffer's next column)."""
+        layers, (_, kv_heads, head_dim, _, _) = len(self.table), self.shape
+        if len(keys) != layers or len(values) != layers:
+            raise ValueError(f"{STEP}: keys and values must be one tensor a layer ({layers}), got {len(keys)} "
+                             f"and {len(values)}")
+        first = keys[0]
+        check_tensor(STEP, "keys[0]", first, (torch.bfloat16, torch.float32), (None, kv_heads, None, head_dim),
+                     contiguous=False)
+        if first.shape[0] not in (1, rows) or first.stride(-1) != 1:
+            raise ValueError(f"{STEP}: keys[0] must have 1 or {rows} rows and a dense last axis, got shape "
+                             f"{tuple(first.shape)}, strides {first.stride()}")
+        shape, dtype, width, size = first.shape, first.dtype, first.shape[2], first.element_size()
+        for name, tensors in (("keys", keys), ("values", values)):
+            for layer, tensor in enumerate(tensors):
+                strides = tensor.stride()
+                if tensor.shape != shape or tensor.dtype != dtype or strides[3] != 1 or not tensor.is_cpu:
+                    raise ValueError(f"{STEP}: {name}[{layer}] must be like keys[0] ({tuple(shape)}, {dtype}, a "
+                                     f"dense last axis), got {tuple(tensor.shape)}, {tensor.dtype}, strides {strides}")
+                # the last element the C may touch (the appended column's) lies within the storage
+                if append and (tensor.storage_offset() + (shape[0] - 1) * strides[0] + (kv_heads - 1) * strides[1]
+                               + width * strides[2] + head_dim - 1) * size >= tensor.untyped_storage().nbytes():
+                    raise ValueError(f"{STEP}: {name}[{layer}] has no room for the column appended at {width}")
 
     @staticmethod
     def reads(keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:

@@ -27,6 +27,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -44,6 +45,12 @@ SOURCE = KERNELS_DIR / "library.c"
 SOURCES = (KERNELS_DIR / "quantized_mm.c", KERNELS_DIR / "decoder_step.c", KERNELS_DIR / "logit_rows.c", SOURCE)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ENV_SWITCH = "FUSION_NATIVE_KERNELS"
+# Flags added after FLAGS, for builds made to check the kernels (a sanitizer's, say; the tests run one).
+EXTRA_FLAGS_ENV = "FUSION_KERNEL_CFLAGS"
+
+
+def build_flags() -> tuple[str, ...]:
+    return (*FLAGS, *shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
 
 
 def _cache_dir() -> Path:
@@ -71,11 +78,11 @@ def _machine_signature() -> str:
     return "\n".join(wanted) or platform.processor() or platform.machine()
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -103,14 +110,15 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         digest = hashlib.sha256()
-        parts = (*(path.read_bytes() for path in SOURCES), version.encode(), " ".join(FLAGS).encode(),
+        flags = build_flags()
+        parts = (*(path.read_bytes() for path in SOURCES), version.encode(), " ".join(flags).encode(),
                  _machine_signature().encode())
         for part in parts:
             digest.update(part)
         target = _cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
         if not target.exists():
             started = time.perf_counter()
-            _build(compiler, target)
+            _build(compiler, flags, target)
             logger.info("built the quantized-product kernels in %.1f s: %s", time.perf_counter() - started, target)
         # torch is imported first, so the library's OpenMP calls use the runtime torch already loaded.
         lib = ctypes.CDLL(str(target))
@@ -172,6 +180,45 @@ def available() -> bool:
     return library() is not None
 
 
+# --- the C boundary: every tensor a kernel reads or writes is checked before the call ----------------
+# The C code trusts its arguments (a wrong shape reads or writes past a buffer), so each entry point checks
+# here what the C takes: the device, the dtype, the shape (sizes the kernel derives from others included)
+# and a dense layout. Cheap next to any kernel call (microseconds).
+
+def check_tensor(function: str, name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...],
+                 shape: tuple[int | None, ...], contiguous: bool = True) -> None:
+    """Raise a ValueError naming `function`'s argument `name` unless `tensor` is a CPU tensor of one of
+    `dtypes`, of `shape` (None: any size on that axis), and contiguous where asked."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{function}: {name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{function}: {name} must be on the CPU, got {tensor.device}")
+    if tensor.dtype not in dtypes:
+        wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{function}: {name} must be {wanted}, got {str(tensor.dtype).removeprefix('torch.')}")
+    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        sizes = ["*" if size is None else str(size) for size in shape]
+        wanted = f"({sizes[0]},)" if len(sizes) == 1 else "(" + ", ".join(sizes) + ")"
+        raise ValueError(f"{function}: {name} must have shape {wanted}, got {tuple(tensor.shape)}")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{function}: {name} must be contiguous, got strides {tensor.stride()}")
+
+
+def _check_product(function_name: str, rows: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) -> int:
+    """The product's arguments as `fusion_int4_mm` / `fusion_int8_mm` read them; its output width N."""
+    check_tensor(function_name, "rows", rows, (torch.float32, torch.bfloat16), (None, None))
+    k = rows.shape[1]
+    if function_name == "fusion_int4_mm":
+        if k % 32:
+            raise ValueError(f"{function_name}: rows' width must be a multiple of 32 (the groups), got {k}")
+        check_tensor(function_name, "nibbles", codes, (torch.uint8,), (None, 4 * k))
+        check_tensor(function_name, "scale_bias", params, (torch.float16,), (codes.shape[0], k // 32, 2, OUT_BLOCK))
+        return codes.shape[0] * OUT_BLOCK
+    check_tensor(function_name, "codes", codes, (torch.int8,), (None, k))
+    check_tensor(function_name, "scales", params, (torch.float32,), (codes.shape[0],))
+    return codes.shape[0]
+
+
 def _product(function_name: str, rows: torch.Tensor, codes: torch.Tensor, params: torch.Tensor,
              out_features: int) -> torch.Tensor:
     """rows (M, K), contiguous -> (M, N) in rows' dtype (the kernels read float32 and bfloat16; other
@@ -181,6 +228,9 @@ def _product(function_name: str, rows: torch.Tensor, codes: torch.Tensor, params
     lib = library()
     if lib is None:
         raise RuntimeError("the project's quantized kernels are not available")
+    outputs = _check_product(function_name, rows, codes, params)
+    if outputs != out_features:
+        raise ValueError(f"{function_name}: the weight has {outputs} outputs, not {out_features}")
     out = torch.empty(rows.shape[0], out_features, dtype=rows.dtype)
     status = getattr(lib, function_name)(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
                                          params.data_ptr(), out_features, out.data_ptr(),
@@ -224,6 +274,7 @@ def logit_statistics(rows: torch.Tensor, floor: float) -> tuple[torch.Tensor, ..
     """rows (R, V) float32 -> per row (R,): the first id holding the maximum (long), the maximum, the runner-up
     less it (0 where the maximum ties), ln Σ e^y and the entropy, y = max(z - max, floor) (float32 each)."""
     rows = rows.contiguous()
+    check_tensor("fusion_logit_statistics", "rows", rows, (torch.float32,), (None, None))
     count, width = rows.shape
     best_ids = torch.empty(count, dtype=torch.int64)
     best, runner_up, log_total, entropy = (torch.empty(count) for _ in range(4))
@@ -237,6 +288,8 @@ def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     """transformers' Llama RMS norm of float32 rows (B, n) with a float32 weight (n,), in C: (B, n) float32
     (within float32 rounding of `fusion.fast_decode.rms_norm`, which sums the squares in its own order)."""
     rows = rows.float().contiguous()
+    check_tensor("fusion_rms_norm", "rows", rows, (torch.float32,), (None, None))
+    check_tensor("fusion_rms_norm", "weight", weight, (torch.float32,), (rows.shape[1],))
     out = torch.empty_like(rows)
     library().fusion_rms_norm(rows.data_ptr(), weight.data_ptr(), rows.shape[0], rows.shape[1], eps, out.data_ptr())
     return out
@@ -270,7 +323,10 @@ def router_head(params: RouterParams, features: torch.Tensor, context: torch.Ten
     features = features.float().contiguous()
     context = context.to(torch.int64).contiguous()
     allowed = allowed.to(torch.uint8).contiguous()
+    check_tensor("fusion_router_head", "features", features, (torch.float32,), (None, params.features))
     rows = features.shape[0]
+    check_tensor("fusion_router_head", "context", context, (torch.int64,), (rows, params.context))
+    check_tensor("fusion_router_head", "allowed", allowed, (torch.uint8,), (params.experts, rows))
     weights, keep = torch.empty(params.experts, rows), torch.empty(rows)
     comp = torch.empty(rows, params.comp_width)
     status = library().fusion_router_head(ctypes.byref(params), features.data_ptr(), context.data_ptr(),
@@ -288,15 +344,19 @@ def mixture(logits: torch.Tensor, log_weights: torch.Tensor, normalizers: torch.
     """logsumexp over experts of log_weights (E, B) + logits (E, B, V) - normalizers (E, B): (B, V) float32.
     `complementary` = (inputs (B, C), weight (C, V), bias (V,), scale (B,)): adds scale[b] · bias + inputs[b] @
     weight to row b in the same pass (the route rule's complementary logit)."""
+    logits, log_weights, normalizers = (t.float().contiguous() for t in (logits, log_weights, normalizers))
+    check_tensor("fusion_mixture", "logits", logits, (torch.float32,), (None, None, None))
     experts, count, width = logits.shape
     if experts > MIXTURE_MAX:
         raise ValueError(f"mixture takes at most {MIXTURE_MAX} experts, got {experts}")
-    logits, log_weights, normalizers = (t.float().contiguous() for t in (logits, log_weights, normalizers))
+    check_tensor("fusion_mixture", "log_weights", log_weights, (torch.float32,), (experts, count))
+    check_tensor("fusion_mixture", "normalizers", normalizers, (torch.float32,), (experts, count))
     comp = [None, 0, None, None, None]
     if complementary is not None:
         inputs, weight, bias, scale = (t.float().contiguous() for t in complementary)
         if inputs.shape[0] != count or weight.shape != (inputs.shape[1], width) or bias.shape != (width,):
             raise ValueError("mixture: the complementary logit's inputs, weight and bias do not fit the logits")
+        check_tensor("fusion_mixture", "scale", scale, (torch.float32,), (count,))
         comp = [inputs.data_ptr(), inputs.shape[1], weight.data_ptr(), bias.data_ptr(), scale.data_ptr()]
     out = torch.empty(count, width)
     library().fusion_mixture(logits.data_ptr(), log_weights.data_ptr(), normalizers.data_ptr(), experts, count, width,

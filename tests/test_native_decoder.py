@@ -4,6 +4,8 @@ one shared history for every row, adapters per row, query/key/value biases, floa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -313,3 +315,35 @@ def test_rows_of_one_history_name_their_columns_within_those_given():
         native.run(x, cos, sin, keys, keys, mask, None, append=True, columns=torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="one column a row of one history"):
         native.run(x, cos, sin, keys, keys, mask, None, append=False, columns=torch.tensor([2, 3]))
+
+
+def test_the_c_step_refuses_caches_it_cannot_read_or_write_naming_them():
+    native = NativeLayers.of(FastDecoder(_model("llama", torch.float32)))
+    x, cos, sin = torch.zeros(2, HIDDEN), torch.ones(2, HEAD_DIM), torch.zeros(2, HEAD_DIM)
+    mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
+
+    def cache(width=4, heads=KV_HEADS, dtype=torch.float32, layers=LAYERS):
+        return [torch.zeros(2, heads, width, HEAD_DIM, dtype=dtype) for _ in range(layers)]
+
+    def refused(words, keys=None, values=None, **changes):
+        keys = cache() if keys is None else keys
+        args = {"x": x, "cos": cos, "sin": sin, "keys": keys, "values": cache() if values is None else values,
+                "mask": mask, "adapter_rows": None, **changes}
+        with pytest.raises(ValueError, match=re.escape(words)):
+            native.run(**args)
+
+    refused("one tensor a layer (3), got 2 and 3", keys=cache(layers=2))
+    refused("keys[0] must have shape (*, 2, *, 16)", keys=cache(heads=1), values=cache(heads=1))
+    refused("values[1] must be like keys[0]", values=cache()[:1] + cache(dtype=torch.bfloat16)[1:])
+    refused("values[0] must be like keys[0]", values=[torch.zeros(2, KV_HEADS, 5, HEAD_DIM)] + cache()[1:])
+    refused("mask must have shape (*, 4)", mask=torch.ones(2, 1, 1, 3, dtype=torch.bool))
+    refused("x must have shape (*, 64)", x=torch.zeros(2, HIDDEN - 1))
+    refused("cos must hold 16 or 2 x 16 values", cos=torch.ones(3, HEAD_DIM))
+    refused("adapter_rows must lie in [-1, 0)", adapter_rows=torch.tensor([0, 1]))
+    # appended keys go into the column past the view: a view over a buffer with no more columns is refused,
+    # one over a buffer with room is taken
+    refused("keys[0] has no room for the column appended at 4", append=True)
+    roomy = [torch.zeros(2, KV_HEADS, 5, HEAD_DIM)[:, :, :4] for _ in range(LAYERS)]
+    out, _, _ = native.run(x, cos, sin, roomy, [torch.zeros(2, KV_HEADS, 5, HEAD_DIM)[:, :, :4] for _ in range(LAYERS)],
+                           mask, None, append=True)
+    assert out.shape == (2, HIDDEN) and bool(roomy[0][:, :, :4].eq(0).all())

@@ -7,6 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,3 +384,77 @@ def _check_attention_split_or_not(model, inputs, tmp_path) -> None:
         torch.set_num_threads(threads)
     for got, want in zip(unsplit, step):
         assert torch.equal(got, want)
+
+
+# -- the C boundary -------------------------------------------------------------------------------------
+def _bad_calls():
+    """(what is wrong, a call into the kernels with it, the words the refusal must hold)."""
+    codes, scale_bias = _int4(16, 64, seed=0)
+    nibbles, params = _packed(codes, scale_bias)
+    int8_codes, scales = quantize_int8(torch.randn(8, 64))
+    x = torch.randn(2, 64)
+    logits = torch.randn(2, 3, 50)
+    return [
+        ("int4: rows not whole groups", lambda: native_kernels.int4_mm(torch.randn(2, 48), nibbles, params),
+         "multiple of 32"),
+        ("int4: nibbles of another width", lambda: native_kernels.int4_mm(torch.randn(2, 96), nibbles, params),
+         "nibbles must have shape"),
+        ("int4: nibbles not bytes", lambda: native_kernels.int4_mm(x, nibbles.to(torch.int16), params),
+         "nibbles must be uint8"),
+        ("int4: scale_bias of another block count", lambda: native_kernels.int4_mm(x, nibbles, params[:1].contiguous()),
+         "scale_bias must have shape"),
+        ("int4: strided nibbles", lambda: native_kernels.int4_mm(x, torch.cat([nibbles, nibbles], 1)[:, ::2], params),
+         "nibbles must be contiguous"),
+        ("int8: codes of another width", lambda: native_kernels.int8_mm(torch.randn(2, 32), int8_codes, scales),
+         "codes must have shape"),
+        ("int8: scales too short", lambda: native_kernels.int8_mm(x, int8_codes, scales[:4]), "scales must have shape"),
+        ("int8: scales of another dtype", lambda: native_kernels.int8_mm(x, int8_codes, scales.double()),
+         "scales must be float32"),
+        ("int8: rows on the meta device", lambda: native_kernels.int8_mm(x.to("meta"), int8_codes, scales),
+         "rows must be on the CPU"),
+        ("statistics: one axis", lambda: native_kernels.logit_statistics(torch.randn(50), -30.0),
+         "rows must have shape"),
+        ("rms norm: a weight of another width", lambda: native_kernels.rms_norm(x, torch.ones(32), 1e-5),
+         "weight must have shape"),
+        ("mixture: weights of other experts", lambda: native_kernels.mixture(logits, torch.zeros(3, 3), torch.zeros(2, 3)),
+         "log_weights must have shape (2, 3)"),
+        ("mixture: a scale of other rows", lambda: native_kernels.mixture(
+            logits, torch.zeros(2, 3), torch.zeros(2, 3),
+            (torch.zeros(3, 4), torch.zeros(4, 50), torch.zeros(50), torch.ones(5))), "scale must have shape (3,)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[name for name, _, _ in _bad_calls()])
+def test_every_entry_point_refuses_what_the_c_cannot_read_naming_it(case):
+    _, call, words = _bad_calls()[case]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        call()
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",), ("-march=x86-64",), ("-DFUSION_STEP_CLOCKS",)],
+                         ids=["native", "no-avx512", "baseline-x86-64", "step-clocks"])
+def test_the_kernels_build_without_a_warning(tmp_path, flags):
+    """Every build the project and its tests make, with -Wall -Wextra -Werror."""
+    base = [f for f in native_kernels.FLAGS if not (f.startswith("-march=") and any(g.startswith("-march=") for g in flags))]
+    result = subprocess.run(["gcc", *base, *flags, "-Wall", "-Wextra", "-Werror", str(native_kernels.SOURCE),
+                             "-o", str(tmp_path / "kernels.so"), "-lm"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """The kernels' and the C step's tests again, in a process whose kernels are built with ASan and UBSan
+    (any bad read, write or undefined operation aborts it), once."""
+    runtime = [subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True,
+                              check=True).stdout.strip() for name in ("libasan.so", "libubsan.so")]
+    env = {**os.environ, "CC": "gcc", "FUSION_CACHE_DIR": str(tmp_path), "LD_PRELOAD": " ".join(runtime),
+           "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1", "UBSAN_OPTIONS": "print_stacktrace=1",
+           native_kernels.EXTRA_FLAGS_ENV: "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined "
+                                           "-fno-sanitize-recover=all"}
+    tests = Path(__file__).parent
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                             str(tests / "test_native_kernels.py"), str(tests / "test_native_decoder.py"),
+                             "-k", "not sanitizers and not without_a_warning"],
+                            env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parent)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout
+    assert list(tmp_path.glob("kernels/kernels-*.so")), "no sanitized build was made"

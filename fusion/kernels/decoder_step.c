@@ -488,8 +488,8 @@ static void weigh_values(const decoder_layer *layer, const step_shape *s, const 
                          const float *score, int64_t stride, int64_t group, float *row, float *o) {
     const int64_t dim = s->head_dim, width = s->width, step = layer->value_strides[2];
     const int is_bf16 = s->cache_is_bf16;
-    int64_t i = 0;
 #ifdef __AVX2__
+    int64_t i = 0;
     if (group <= MAX_GROUP) {
         const int64_t wide = 8 * EIGHTS_FOR(group);
         for (; i + wide <= dim; i += wide)

@@ -94,6 +94,7 @@ static float *activations(const void *x, int64_t rows, int64_t k, int is_bf16) {
     return out;
 }
 
+#ifndef __AVX2__  /* (the AVX2 products widen eight halves at once) */
 /* IEEE half precision to float32 (F16C's instruction where the compiler targets it). */
 static float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -113,6 +114,7 @@ static float half_to_float(uint16_t h) {
     return f;
 #endif
 }
+#endif
 
 static void store(void *out, int64_t index, float value, int is_bf16) {
     if (is_bf16) ((uint16_t *)out)[index] = float_to_bf16(value);
@@ -308,6 +310,7 @@ static inline __attribute__((always_inline)) void int4_block_rows(
     float total[INT4_ROW_BLOCK][OUT_BLOCK];
 #ifdef __AVX2__
     const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), shift = _mm256_set1_epi16(128);
+    (void)ones, (void)shift;  /* (VNNI's WIDEN needs neither) */
     __m256 acc[INT4_ROW_BLOCK];
     for (int r = 0; r < INT4_ROW_BLOCK; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {

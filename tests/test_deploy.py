@@ -29,6 +29,9 @@ from tests.reference import assert_greedy_equivalent, assert_stream_matches
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "fusion-test"
+# The hang bound of a wait that includes a replica's start: a new worker process imports torch and
+# loads its model, which took 150 s on a 2-core host beside two busy loops (15 s idle).
+REPLICA_START_S = 480.0
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -317,6 +320,14 @@ def _wait_for(condition, what: str, timeout_s: float = HANG_S):
         pytest.fail(f"{what} within {timeout_s:.0f} s; last seen: {seen[0]}")
 
 
+def _replica_count(expert: str) -> int:
+    """The replicas Serve runs or is starting for the expert (what it made of the policy's answer)."""
+    from ray import serve
+
+    states = serve.status().applications[APP].deployments[f"expert-{expert}"].replica_states
+    return sum(states.get(state, 0) for state in ("STARTING", "RUNNING"))
+
+
 def _replicas_of(expert: str) -> tuple[int, int, set[str]]:
     """(RUNNING replicas by Serve, replicas the coordinator uses, replica ids in the registry)."""
     from ray import serve
@@ -426,7 +437,7 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_service):
         running, used, registered = _replicas_of("a")
         return (running, used, len(registered), victim in registered) == (2, 2, 2, False) or (running, used, registered)
 
-    _wait_for(recovered, "expert a back to two replicas")
+    _wait_for(recovered, "expert a back to two replicas", timeout_s=REPLICA_START_S)
     with FusionClient(cluster.address, timeout=60) as client:
         again = [e.token.token_id for e in client.generate(PROMPTS[0], {"max_tokens": 24})]
     assert_greedy_equivalent(tiny_service, PROMPTS[0], again,
@@ -447,10 +458,15 @@ def test_expert_scales_on_the_sessions_it_holds(cluster):
             stub.Step(expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session, token_ids=[5, 6])]),
                       timeout=30)
         try:
-            _wait_for(lambda: _replicas_of("c")[:2] == (2, 2) or _replicas_of("c"), "expert c scaled up to two")
+            # Serve acts on the policy's answer at once (a second replica starting); the replica then
+            # takes as long as the host needs to start, and the coordinator uses it once registered
+            _wait_for(lambda: _replica_count("c") == 2 or _replica_count("c"), "Serve adding a replica of expert c")
+            _wait_for(lambda: _replicas_of("c")[:2] == (2, 2) or _replicas_of("c"), "expert c scaled up to two",
+                      timeout_s=REPLICA_START_S)
         finally:
             stub.Release(expert_pb2.ReleaseRequest(session_ids=sessions), timeout=30)
-    _wait_for(lambda: _replicas_of("c")[:2] == (1, 1) or _replicas_of("c"), "expert c scaled back to one")
+    _wait_for(lambda: _replicas_of("c")[:2] == (1, 1) or _replicas_of("c"), "expert c scaled back to one",
+              timeout_s=REPLICA_START_S)
 
 
 def test_health_checks_step_the_model(cluster):

@@ -19,7 +19,7 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fus
 from services.client import FusionClient
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_greedy_equivalent
-from tests.test_deploy import descendants, wait_until_gone
+from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 
 
 def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
@@ -36,7 +36,7 @@ def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
                      daemon=True).start()
     try:
         while True:
-            line = lines.get(timeout=180)
+            line = lines.get(timeout=REPLICA_START_S)  # a hang bound: the replicas start before the line
             assert line is not None, f"fusion deploy exited early with {proc.wait()}"
             match = re.search(r"serving on (\S+:\d+)", line)
             if match:
@@ -47,7 +47,7 @@ def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
         assert_greedy_equivalent(tiny_service, "hello world", got, expected.token_ids)  # other processes
         started = descendants(proc.pid)  # the local cluster it started: GCS, raylet, workers
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
+        assert proc.wait(timeout=REPLICA_START_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

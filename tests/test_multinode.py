@@ -23,6 +23,9 @@ from fusion.tools.ray_cluster import LocalRayCluster, free_port
 from tests.conftest import batch_invariant_config_dict
 from tests.helpers import wait_until
 
+# Node losses and rejoins wait for replicas to start again, which on a loaded 2-core host takes minutes.
+pytestmark = pytest.mark.timeout(1800)
+
 SAMPLING = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = ["what is 12 + 35 ?", "def add", "hello world , fusion", "the quick brown fox"]
 
@@ -116,7 +119,7 @@ def test_the_coordinator_node_lost_under_streams_ends_them_unavailable_and_its_a
     assert address.endswith(f":{port}")
     # long enough that streams are usually cut by the kill (at 200 tokens all four once finished before it)
     longer = {**SAMPLING, "max_tokens": 400}
-    figures = sc.coordinator_loss(cluster, address, PROMPTS, longer, timeout_s=180)
+    figures = sc.coordinator_loss(cluster, address, PROMPTS, longer, timeout_s=480)
     assert figures["hung"] == 0 and figures["other_errors"] == [], figures
     # every stream either ended with a clear UNAVAILABLE or had finished, with the undisturbed tokens
     # (how many of each depends on how fast the host decodes before the kill lands)

@@ -175,7 +175,7 @@ def coordinator_replicas() -> dict[str, int]:
 
 
 def node_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampling: dict[str, Any], *,
-              victim: str, replicas: int, kill_after_tokens: int = 4, rejoin_timeout_s: float = 300.0) -> dict[str, Any]:
+              victim: str, replicas: int, kill_after_tokens: int = 4, rejoin_timeout_s: float = 600.0) -> dict[str, Any]:
     """The node-loss scenario (module docstring); its figures."""
     experts = sorted(coordinator_replicas())
     reference = streams_to_end(address, prompts, sampling)
@@ -206,7 +206,7 @@ def node_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampli
     }
     # The coordinator drops the lost replicas (failed calls, then the registry's TTL) ...
     wait_until(lambda: all(n <= replicas - 1 for n in coordinator_replicas().values()) or coordinator_replicas(),
-               "the coordinator dropping the lost replicas", timeout_s=60)
+               "the coordinator dropping the lost replicas", timeout_s=180)
     figures["coordinator_dropped_lost_replicas_s"] = time.monotonic() - killed_at
     # ... and a node joining again gets them back.
     rejoined_at = time.monotonic()

@@ -119,7 +119,7 @@ NOVEL_STYLES = ("Grandma wants to know: {q}", "{q} Don't rush.", "Exam prep. {q}
 
 # A fourth set, the spare, written once the third set's results were known and before any adapter had
 # answered it. It informs nothing: with the third set now seen (it informed a retraining that was not
-# kept, docs/quality.md), the spare is the one that checks the out-of-template figures. `fusion eval
+# kept), the spare is the one that checks the out-of-template figures. `fusion eval
 # --reserve` asks it beside the third.
 SPARE_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} and {b} summed", "{a} with another {b} added", "{b} in addition to {a}"),

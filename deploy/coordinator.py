@@ -37,6 +37,7 @@ from deploy.settings import CoordinatorRuntime
 from fusion.config import FusionConfig, parse_config
 from fusion.errors import ExpertUnavailableError
 from fusion.models import model_resolver
+from services import tracing
 from services.coordinator import create_coordinator_server
 from services.metrics import label_replica
 from services.protos import FUSION_SERVICE
@@ -61,6 +62,7 @@ class CoordinatorReplica:
                        experts: dict[str, Any] | None = None) -> None:
         settings = CoordinatorRuntime(**runtime)
         fusion_config = parse_config(config)
+        tracing.configure(service_name="fusion-coordinator")  # on where the replica's OTEL_* variables say
         self._registry = registry
         self.expert_handles = experts or {}  # Serve handles of the expert deployments
         self._grace = settings.grace_s

@@ -38,6 +38,7 @@ from fusion.compute import compute_executor
 from fusion.config import ExpertConfig, Limits, SecurityConfig
 from fusion.expert import LocalExpert
 from fusion.models import model_resolver
+from services import tracing
 from services.expert_server import create_expert_server
 from services.metrics import label_replica, serve_metrics
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -69,6 +70,7 @@ class ExpertReplica:
         settings = ExpertRuntime(**runtime)
         self.name = expert_config.name
         self.version = expert_version(expert_config)
+        tracing.configure(service_name=f"fusion-expert-{self.name}")  # on where OTEL_* variables say
         self._registry = registry
         self._grace = settings.grace_s
         self._closed = True  # until fully started: nothing for __del__ to stop

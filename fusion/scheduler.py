@@ -130,10 +130,10 @@ class Scheduler:
 
     def __init__(self, engine: FusionEngine, max_concurrent: int | None = None, max_batch_size: int | None = None,
                  max_queue_wait_s: float | None = None,
-                 admission_observers: list[Callable[[str, float], None]] | None = None):
+                 admission_observers: list[Callable[[str, str, float], None]] | None = None):
         self.engine = engine
-        # Called with (tenant id, seconds waited) as each request first joins the batch, under the
-        # scheduler's lock (keep them cheap: metrics are one).
+        # Called with (request id, tenant id, seconds waited) as each request first joins the batch,
+        # under the scheduler's lock (keep them cheap: metrics and traces are two).
         self.admission_observers = admission_observers if admission_observers is not None else []
         self.max_concurrent = max_concurrent or engine.limits.max_concurrent_sessions
         self.max_batch_size = max_batch_size or engine.limits.max_batch_size
@@ -274,7 +274,7 @@ class Scheduler:
         if first:
             waited = time.monotonic() - handle.enqueued
             for observer in self.admission_observers:
-                observer(tenant, waited)
+                observer(handle.request_id, tenant, waited)
         self._running[handle.request_id] = handle
         self._running_per_tenant[tenant] += 1
         self._admissions += 1

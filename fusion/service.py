@@ -91,7 +91,7 @@ class FusionService:
         self.grammars = GrammarCompiler(self.tokenizers[0], engine.vocab_size, tuple(sorted(engine.eos_token_ids)),
                                         config.limits.max_grammar_bytes)
         self._scheduler: Scheduler | None = None
-        self._admission_observers: list[Callable[[str, float], None]] = []
+        self._admission_observers: list[Callable[[str, str, float], None]] = []
         self._lock = threading.Lock()
         self._closed = False
         # Async callers' admissions and scores wait on pools of their own, so a flood of one never
@@ -157,9 +157,9 @@ class FusionService:
         """Call `observer` with every decode step's timings (on the stepping thread; keep it cheap)."""
         self.engine.step_observers.append(observer)
 
-    def add_admission_observer(self, observer: Callable[[str, float], None]) -> None:
-        """Call `observer(tenant id, seconds waited)` as each request takes its first batch slot (on the
-        stepping thread, under the scheduler's lock; keep it cheap)."""
+    def add_admission_observer(self, observer: Callable[[str, str, float], None]) -> None:
+        """Call `observer(request id, tenant id, seconds waited)` as each request takes its first batch
+        slot (on the stepping thread, under the scheduler's lock; keep it cheap)."""
         self._admission_observers.append(observer)
 
     def close(self) -> None:

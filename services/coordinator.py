@@ -40,6 +40,7 @@ from services.grpc_auth import fusion_interceptors
 from services.key_gate import KeyGate, current_tenant
 from services.tls import server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
+from services import tracing
 from services.status import stream_errors, unary_errors
 from services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto
 
@@ -117,6 +118,10 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     @stream_errors
     async def Generate(self, request: fusion_pb2.GenerateRequest, context):
         received = time.perf_counter()
+        if tracing.active():
+            async for response in self._generate_traced(request, context, received):
+                yield response
+            return
         stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()))
         self.metrics.prompt_tokens.inc(stream.prompt_tokens)
         timer = self.metrics.stream(received)
@@ -124,6 +129,31 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             async for event in events:
                 timer.token()
                 yield event_to_proto(event)
+
+    async def _generate_traced(self, request: fusion_pb2.GenerateRequest, context, received: float):
+        """Generate, with the request's trace (services.tracing)."""
+        sampling = request.sampling
+        asked = {name: getattr(sampling, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+                 if sampling.HasField(name)}
+        trace = tracing.start_request("Generate", context.invocation_metadata(), time.time_ns(), asked)
+        request_id, finish_reason, error = None, None, None
+        try:
+            stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()))
+            request_id = stream.request.request_id
+            tracing.admitted(trace, request_id, stream.prompt_tokens)
+            self.metrics.prompt_tokens.inc(stream.prompt_tokens)
+            timer = self.metrics.stream(received)
+            async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
+                async for event in events:
+                    timer.token()
+                    tracing.token(trace)
+                    finish_reason = event.finish_reason or finish_reason
+                    yield event_to_proto(event)
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            tracing.end_request(trace, request_id, finish_reason, error)
 
     @unary_errors
     async def Score(self, request: fusion_pb2.ScoreRequest, context) -> fusion_pb2.ScoreResponse:
@@ -165,6 +195,7 @@ async def create_coordinator_server(
     service = await asyncio.to_thread(build_service, config, resolve_model, cache_dir)
     service.add_step_observer(metrics.observe_step)
     service.add_admission_observer(metrics.observe_admission)
+    service.add_admission_observer(tracing.joined_batch)
     servicer = FusionServicer(service, metrics)
     try:  # one gate for both servers: a key's streams, tokens and refusals count across them
         gate = KeyGate.from_config(config.security, metrics.registry, limits=config.limits)

@@ -48,6 +48,7 @@ from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.expert_auth import check_expert_exposure, expert_interceptors
 from services.tls import server_credentials
 from services.serving import RunningServer, serve_until_signalled, start_server
+from services import tracing
 from services.status import unary_errors
 from services.wire import encode_tensor, info_to_proto, wire_dtype
 
@@ -237,16 +238,23 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         if self._queue and queued + len(steps) > limit:
             raise ResourceExhaustedError(f"limits.max_queued_steps={limit}: expert {self.expert.info.name!r} has "
                                          f"{queued} sessions waiting to step; try later")
-        with self._admitted():
-            pending = _Pending(steps, dtype, asyncio.get_running_loop().create_future(), context, _deadline(context))
-            self._queue.append(pending)
-            if self._drainer is None or self._drainer.done():
-                self._drainer = asyncio.create_task(self._drain())
-            try:
-                logits = await pending.future
-            except _Dropped as err:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
-            return expert_pb2.StepResponse(logits=logits)
+        span = (tracing.start_expert_server_span("Step", context.invocation_metadata(), self.expert.info.name,
+                                                 len(steps)) if tracing.active() else None)
+        try:
+            with self._admitted():
+                pending = _Pending(steps, dtype, asyncio.get_running_loop().create_future(), context,
+                                   _deadline(context))
+                self._queue.append(pending)
+                if self._drainer is None or self._drainer.done():
+                    self._drainer = asyncio.create_task(self._drain())
+                try:
+                    logits = await pending.future
+                except _Dropped as err:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+                return expert_pb2.StepResponse(logits=logits)
+        finally:
+            if span is not None:
+                span.end()
 
     @unary_errors
     async def Score(self, request: expert_pb2.ExpertScoreRequest, context) -> expert_pb2.ExpertScoreResponse:

@@ -134,7 +134,7 @@ class CoordinatorMetrics(ServerMetrics):
         """The timer of one token stream of a request received at `received` (time.perf_counter)."""
         return StreamTimer(self, received)
 
-    def observe_admission(self, tenant: str, waited_s: float) -> None:
+    def observe_admission(self, request_id: str, tenant: str, waited_s: float) -> None:
         """The service's admission observer: how long a request waited for its batch slot."""
         self.queue_wait.labels(key_id=tenant or "-").observe(waited_s)
 

@@ -49,6 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fusion.config import ExpertConfig, SecurityConfig
 from fusion.errors import ConfigError, ExpertOutputError, ExpertUnavailableError
 from fusion.expert import ExpertInfo, StepRequest
+from services import tracing
 from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
 from services.expert_auth import expert_channel_metadata
 from services.tls import open_channel
@@ -214,7 +215,13 @@ class RemoteExpert:
                 for i in rows
             ])
             timeout = self._step_timeout(index, [requests[i] for i in rows])
-            return self._replicas[index].stub.Step.future(message, timeout=timeout)
+            if not tracing.active():
+                return self._replicas[index].stub.Step.future(message, timeout=timeout)
+            span, metadata = tracing.start_expert_call(self.name, "Step", [requests[i].session_id for i in rows],
+                                                       self._replicas[index].address)
+            call = self._replicas[index].stub.Step.future(message, timeout=timeout, metadata=metadata)
+            call.add_done_callback(lambda done: tracing.end_expert_call(span, done))
+            return call
 
         out: list[torch.Tensor | None] = [None] * len(requests)
         for rows, response, index in self._fan_out([r.session_id for r in requests], send,

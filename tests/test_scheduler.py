@@ -101,7 +101,7 @@ def test_a_tenant_filling_the_batch_gives_a_newcomer_a_slot_at_once(tiny_service
             for r in a_requests + [b_request]}
     admitted: list[tuple[str, float]] = []
     scheduler = Scheduler(tiny_service.engine, max_concurrent=8, max_batch_size=2,
-                          admission_observers=[lambda tenant, waited: admitted.append((tenant, waited))]).start()
+                          admission_observers=[lambda _, tenant, waited: admitted.append((tenant, waited))]).start()
     try:
         a_handles = [scheduler.submit(r) for r in a_requests]
         first = next(iter(a_handles[0]._queue.get, None))  # A is decoding

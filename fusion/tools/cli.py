@@ -29,6 +29,9 @@ app.add_typer(keys_app, name="keys")
 
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML config (default: the builtin trio).")
 CacheOption = typer.Option(None, "--cache-dir", help="Model cache (default: $FUSION_CACHE_DIR or XDG cache).")
+OtlpOption = typer.Option(None, "--otlp-traces-endpoint", help="Send OpenTelemetry traces to this OTLP/gRPC "
+                          "endpoint (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                          "none: off). Needs pip install 'logit-fusion[otel]'.")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -295,14 +298,17 @@ def serve(
     allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="An origin whose browser apps may "
                                               "call the HTTP API (CORS); repeat for more. Adds to the config's "
                                               "security.allowed_origins."),
+    otlp_traces_endpoint: Optional[str] = OtlpOption,
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Serve the Fusion gRPC service (experts with addresses in the config are remote) and, with
     --http-port, the OpenAI-compatible HTTP API."""
 
     def run() -> None:
+        from services import tracing
         from services.coordinator import run_coordinator
 
+        tracing.configure(otlp_traces_endpoint, service_name="fusion-coordinator")
         config = read_config(config_path)
         if allowed_origins:
             security = config.security.model_copy(
@@ -323,13 +329,16 @@ def serve_expert(
                              "security needs an expert secret or client certificates (or --insecure)."),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
     insecure: bool = typer.Option(False, "--insecure", help="Answer any caller beyond loopback (a trusted network)."),
+    otlp_traces_endpoint: Optional[str] = OtlpOption,
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Serve one expert of the config over gRPC (one replica)."""
 
     def run() -> None:
+        from services import tracing
         from services.expert_server import run_expert_server
 
+        tracing.configure(otlp_traces_endpoint, service_name=f"fusion-expert-{expert}")
         config = read_config(config_path)
         run_expert_server(config, expert, model_resolver(cache_dir(cache), prepare=False), cache_dir=cache_dir(cache),
                           port=port, host=host,

@@ -1,0 +1,262 @@
+"""OpenTelemetry traces, opt-in: one trace per request, carried across gRPC to the experts.
+
+Off unless `configure` is given an OTLP endpoint (`--otlp-traces-endpoint`) or the standard
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT` variables name one; the SDK and
+the OTLP exporter are the optional extra `otel` (`pip install 'logit-fusion[otel]'`). Off, every hook
+below is one attribute test and nothing is imported.
+
+What a request's trace holds (GenAI semantic conventions where they fit):
+- `generate` (SERVER, the coordinator's Generate; parent: the caller's `traceparent`, if sent), with
+  the request's sampling parameters, usage and finish reason, and four children timed from what the
+  service reports: `admission` (validation and admission), `queue` (waiting for a batch slot),
+  `prefill` (from the slot to the first token) and `decode` (the first token to the last);
+- `expert.step` (CLIENT) for each Step call to a remote expert. A call that serves one request is
+  that request's child; a batched call serving several starts a trace of its own, linked to each;
+- on the expert, `Expert/Step` (SERVER), the child of the call that carried its context.
+
+The provider is this module's own, not OpenTelemetry's global one: servers in one process (tests,
+`fusion generate` beside a server) share it, and `shutdown` turns tracing off again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+SYSTEM = "logit-fusion"
+
+
+class _State:
+    tracer: Any = None  # an SDK tracer while tracing is on
+    provider: Any = None
+    lock = threading.Lock()
+    requests: dict[str, "RequestTrace"] = {}  # request id -> its trace, while it streams
+    # request id -> when it joined the batch, for requests that joined before their trace was registered
+    # (the scheduler can take a request before `submit` returns); bounded, as untraced ones never leave
+    early_joins: "OrderedDict[str, int]" = OrderedDict()
+    EARLY_JOINS_KEPT = 1024
+
+
+def active() -> bool:
+    """Whether traces are recorded (the hooks' one test when off)."""
+    return _State.tracer is not None
+
+
+def configure(endpoint: str | None = None, service_name: str = "fusion", *, insecure: bool | None = None,
+              exporter: Any = None) -> bool:
+    """Turn tracing on: spans go to the OTLP/gRPC `endpoint` (else the endpoint the standard variables
+    name; none: tracing stays off) in batches. `exporter` replaces the OTLP one (tests). Returns whether
+    tracing is on."""
+    endpoint = endpoint or next((os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
+    if endpoint is None and exporter is None:
+        return False
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as err:
+        raise RuntimeError("OpenTelemetry traces need the SDK and the OTLP exporter: "
+                           "pip install 'logit-fusion[otel]'") from err
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        if insecure is None:  # plain text to an http:// or scheme-less endpoint on loopback
+            insecure = not endpoint.startswith("https://")
+        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    with _State.lock:
+        previous, _State.provider = _State.provider, provider
+        _State.tracer = provider.get_tracer(SYSTEM)
+    if previous is not None:
+        previous.shutdown()
+    logger.info("OpenTelemetry traces to %s", endpoint or type(exporter).__name__)
+    return True
+
+
+def flush(timeout_s: float = 30.0) -> bool:
+    provider = _State.provider
+    return provider.force_flush(int(timeout_s * 1000)) if provider is not None else True
+
+
+def shutdown() -> None:
+    """Send what is buffered and turn tracing off."""
+    with _State.lock:
+        provider, _State.provider, _State.tracer = _State.provider, None, None
+        _State.requests.clear()
+        _State.early_joins.clear()
+    if provider is not None:
+        provider.shutdown()
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+def _context_from(metadata: Iterable[tuple[str, Any]] | None):
+    """The W3C trace context a gRPC call's metadata carries (None: none)."""
+    from opentelemetry.propagate import extract
+
+    carrier = {key: value for key, value in (metadata or ()) if isinstance(value, str)}
+    return extract(carrier) if "traceparent" in carrier else None
+
+
+def _inject(span) -> list[tuple[str, str]]:
+    from opentelemetry import trace
+    from opentelemetry.propagate import inject
+
+    carrier: dict[str, str] = {}
+    inject(carrier, context=trace.set_span_in_context(span))
+    return list(carrier.items())
+
+
+# -- the coordinator: one request's trace ----------------------------------------------------------
+@dataclass
+class RequestTrace:
+    """One streamed request's span and the moments its children are cut from."""
+
+    span: Any
+    received_ns: int
+    admitted_ns: int | None = None
+    joined_ns: int | None = None
+    first_token_ns: int | None = None
+    tokens: int = 0
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def start_request(name: str, metadata, received_ns: int, sampling: Mapping[str, Any] | None = None) -> RequestTrace | None:
+    """The request's SERVER span (None when tracing is off), child of the caller's trace context."""
+    tracer = _State.tracer
+    if tracer is None:
+        return None
+    from opentelemetry.trace import SpanKind
+
+    attributes = {"gen_ai.system": SYSTEM, "gen_ai.operation.name": "text_completion", "rpc.system": "grpc",
+                  "rpc.method": name}
+    for key, value in (sampling or {}).items():
+        if value is not None:
+            attributes[f"gen_ai.request.{key}"] = value
+    span = tracer.start_span(name.lower(), context=_context_from(metadata), kind=SpanKind.SERVER,
+                             start_time=received_ns, attributes=attributes)
+    return RequestTrace(span, received_ns)
+
+
+def admitted(trace: RequestTrace | None, request_id: str, prompt_tokens: int) -> None:
+    """The request passed admission: from now on the scheduler and the experts' calls find its trace."""
+    if trace is None:
+        return
+    trace.admitted_ns = _now()
+    trace.span.set_attribute("fusion.request_id", request_id)
+    trace.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+    with _State.lock:
+        _State.requests[request_id] = trace
+        trace.joined_ns = _State.early_joins.pop(request_id, None)
+
+
+def joined_batch(request_id: str, tenant: str, waited_s: float) -> None:
+    """The scheduler's admission observer: the request took its first batch slot now."""
+    if _State.tracer is None:
+        return
+    with _State.lock:
+        trace = _State.requests.get(request_id)
+        if trace is not None:
+            trace.joined_ns = _now()
+            return
+        _State.early_joins[request_id] = _now()
+        if len(_State.early_joins) > _State.EARLY_JOINS_KEPT:
+            _State.early_joins.popitem(last=False)
+
+
+def token(trace: RequestTrace | None) -> None:
+    if trace is not None:
+        trace.tokens += 1
+        if trace.first_token_ns is None:
+            trace.first_token_ns = _now()
+
+
+def end_request(trace: RequestTrace | None, request_id: str | None, finish_reason: str | None,
+                error: BaseException | None = None) -> None:
+    """The stream ended: its children (from the recorded moments) and the span itself."""
+    if trace is None:
+        return
+    from opentelemetry import trace as otel
+    from opentelemetry.trace import Status, StatusCode
+
+    with _State.lock:
+        if request_id is not None:
+            _State.requests.pop(request_id, None)
+    tracer = _State.tracer
+    end = _now()
+    if tracer is not None:
+        parent = otel.set_span_in_context(trace.span)
+        moments = [("admission", trace.received_ns, trace.admitted_ns),
+                   ("queue", trace.admitted_ns, trace.joined_ns),
+                   ("prefill", trace.joined_ns, trace.first_token_ns),
+                   ("decode", trace.first_token_ns, end if trace.first_token_ns is not None else None)]
+        for name, start, stop in moments:
+            if start is not None and stop is not None:
+                tracer.start_span(name, context=parent, start_time=start).end(end_time=max(start, stop))
+    trace.span.set_attribute("gen_ai.usage.output_tokens", trace.tokens)
+    if finish_reason:
+        trace.span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+    trace.span.add_event("stream end", {"fusion.finish_reason": finish_reason or "", "fusion.tokens": trace.tokens})
+    if error is not None:
+        trace.span.record_exception(error)
+        trace.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    trace.span.end(end_time=end)
+
+
+# -- the coordinator's calls to remote experts -----------------------------------------------------
+def start_expert_call(expert: str, method: str, session_ids: Sequence[str], address: str):
+    """A CLIENT span for one call to an expert replica and the metadata that carries it (None, [] when
+    off): the child of the one request it serves, else linked to each."""
+    tracer = _State.tracer
+    if tracer is None:
+        return None, []
+    from opentelemetry import trace as otel
+    from opentelemetry.trace import Link, SpanKind
+
+    traces = [t for t in (_State.requests.get(s) for s in dict.fromkeys(session_ids)) if t is not None]
+    parent = otel.set_span_in_context(traces[0].span) if len(traces) == 1 else None
+    links = [Link(t.span.get_span_context()) for t in traces] if len(traces) > 1 else None
+    span = tracer.start_span(f"expert.{method.lower()}", context=parent, kind=SpanKind.CLIENT, links=links,
+                             attributes={"rpc.system": "grpc", "rpc.service": "fusion.v1.Expert", "rpc.method": method,
+                                         "fusion.expert": expert, "fusion.sessions": len(session_ids),
+                                         "server.address": address})
+    return span, _inject(span)
+
+
+def end_expert_call(span, call) -> None:
+    """End the call's span as its future `call` completes (an error status if it failed)."""
+    if span is None:
+        return
+    try:
+        error = call.exception()
+    except Exception as cancelled:  # a cancelled call has no exception to give
+        error = cancelled
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    span.end()
+
+
+# -- the expert server --------------------------------------------------------------------------
+def start_expert_server_span(method: str, metadata, expert: str, sessions: int):
+    """The expert replica's SERVER span for one call, the child of the calling span (None when off)."""
+    tracer = _State.tracer
+    if tracer is None:
+        return None
+    from opentelemetry.trace import SpanKind
+
+    return tracer.start_span(f"Expert/{method}", context=_context_from(metadata), kind=SpanKind.SERVER,
+                             attributes={"rpc.system": "grpc", "rpc.service": "fusion.v1.Expert", "rpc.method": method,
+                                         "fusion.expert": expert, "fusion.sessions": sessions})

@@ -10,8 +10,7 @@ forward is timed in alternating rounds, so every part is also given as a share o
     context features      Router.context_features: previous-token and window embeddings
     familiarity gate      Router._pull_to_generalist
     complementary logit   Router._add_complementary: the (hidden, V) product onto the fused scores
-    router head and pick  the rest of Route.fuse: the body, route weights, the hard pick (with
-                          `fusion_step: compiled`, the whole compiled step: its parts are fused)
+    router head and pick  the rest of Route.fuse: the body, route weights, the hard pick
     sampling metadata     SamplingMetadata.build
     sampler               fusion.sampler.sample
     attribution, lists    the rest of the engine's sampling: attribution, results to host lists
@@ -32,7 +31,6 @@ from fusion import decode_batch as decode_batch_module
 from fusion import router as router_module
 from fusion.decode_batch import DecodeBatch
 from fusion.engine import FusionEngine
-from fusion.router import Route
 from fusion.sampler import SamplingMetadata
 from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
 from fusion.tools.loading import cache_dir, load_service, read_config
@@ -41,9 +39,8 @@ from fusion.tools.step_timing import Timings, wrap
 logger = logging.getLogger("fusion_parts")
 
 
-def instrument(timings: Timings, router_parts: bool = True) -> list[Callable[[], None]]:
-    """Wrap each part's function with a timer. Not the router's parts under a compiled step: the step is
-    one graph (a wrapper inside it would be traced into it, breaking the graph)."""
+def instrument(timings: Timings) -> list[Callable[[], None]]:
+    """Wrap each part's function with a timer."""
     targets = [
         (FusionEngine, "check_finite", "finiteness check"),
         (DecodeBatch, "_fuse", "_fuse"),
@@ -51,14 +48,11 @@ def instrument(timings: Timings, router_parts: bool = True) -> list[Callable[[],
         (SamplingMetadata, "build", "sampling metadata"),
         (decode_batch_module, "sample", "sampler"),
         (DecodeBatch, "_sample", "_sample"),
+        (router_module, "logit_statistics", "router features"),
+        (router_module.Router, "context_features", "context features"),
+        (router_module.Router, "_pull_to_generalist", "familiarity gate"),
+        (router_module.Router, "_add_complementary", "complementary logit"),
     ]
-    if router_parts:
-        targets += [
-            (router_module, "logit_statistics", "router features"),
-            (router_module.Router, "context_features", "context features"),
-            (router_module.Router, "_pull_to_generalist", "familiarity gate"),
-            (router_module.Router, "_add_complementary", "complementary logit"),
-        ]
     return [wrap(owner, name, label, timings) for owner, name, label in targets]
 
 
@@ -101,13 +95,9 @@ def main() -> None:
     first = service.engine.experts[0]
     prompt = _prompt_ids(service)[0]
     timings: Timings = collections.defaultdict(list)
-    compiled = getattr(rule, "_compiled", None) is not None
-    undo = instrument(timings, router_parts=not compiled)
+    undo = instrument(timings)
     per_round: list[dict[str, float]] = []
-    forwards, totals, eager_totals = [], [], []
-    # `fusion_step: compiled`: the same rule's eager step, timed in the same rounds (its parts are not split)
-    eager = (Route(rule.expert_names, router=rule.router, hard=rule.hard, complementary=rule.complementary,
-                   fail_safe=rule.fail_safe) if compiled else None)
+    forwards, totals = [], []
     try:
         for r in range(args.rounds):
             forwards.append(plain_forward_ms(first, prompt, args.steps))
@@ -115,20 +105,14 @@ def main() -> None:
             decode_steps(service, rule, weights, args.steps, timings, round_totals, args.rows)
             totals.append(statistics.mean(round_totals))
             per_round.append(step_parts(timings))
-            if eager is not None:
-                round_totals = []
-                decode_steps(service, eager, weights, args.steps, collections.defaultdict(list), round_totals,
-                             args.rows)
-                eager_totals.append(statistics.mean(round_totals))
-            logger.info("round %d/%d: forward %.1f ms, fusion + sampling %.2f ms%s", r + 1, args.rounds,
-                        forwards[-1], totals[-1], f" (eager step {eager_totals[-1]:.2f} ms)" if eager else "")
+            logger.info("round %d/%d: forward %.1f ms, fusion + sampling %.2f ms", r + 1, args.rounds,
+                        forwards[-1], totals[-1])
     finally:
         for restore in undo:
             restore()
         service.close()
     forward = statistics.median(forwards)
-    step = "compiled" if eager is not None else "eager"
-    print(f"rule {rule.name} ({step} step, {args.rows} row(s)), vocabulary {service.engine.vocab_size}; "
+    print(f"rule {rule.name} ({args.rows} row(s)), vocabulary {service.engine.vocab_size}; "
           f"{first.info.name}'s plain forward {forward:.1f} ms (median of {args.rounds} rounds)")
     print(f"{'part':24s} {'ms / step':>10s} {'/ forward':>10s}")
     for label in per_round[0]:
@@ -136,9 +120,6 @@ def main() -> None:
         print(f"{label:24s} {ms:10.3f} {ms / forward:10.4f}")
     total = statistics.median(totals)
     print(f"{'fusion + sampling':24s} {total:10.3f} {total / forward:10.4f}   (the engine's fuse_sample_s)")
-    if eager is not None:
-        total = statistics.median(eager_totals)
-        print(f"{'... with the eager step':24s} {total:10.3f} {total / forward:10.4f}   (same rounds)")
 
 
 if __name__ == "__main__":

@@ -98,8 +98,7 @@ def measure(label: str, config_data: dict, resolve, cache_dir: Path | None, args
     start = time.perf_counter()
     service = FusionService.from_config(parse_config(config_data), resolve_model=resolve, cache_dir=cache_dir)
     lines.append(f"== {label}: {', '.join(e['name'] for e in config_data['experts'])} on {args.device} "
-                 f"(decode: {config_data['experts'][0].get('decode', 'fast')}, fusion_step: "
-                 f"{config_data.get('fusion_step', 'eager')}), loaded in "
+                 f"(decode: {config_data['experts'][0].get('decode', 'fast')}), loaded in "
                  f"{time.perf_counter() - start:.1f} s")
     report = bench.BenchReport()
     try:
@@ -147,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SHAPES), default="smollm2", help="shape of the built experts")
     parser.add_argument("--decode", choices=["transformers", "fast", "compiled"], default="compiled",
                         help="the experts' decode path in the local builds")
-    parser.add_argument("--fusion-step", choices=["eager", "compiled"], default="compiled",
-                        help="the default trio's route step (config fusion_step)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timing round")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request in generate/concurrency")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 16], help="concurrency levels")
@@ -203,13 +200,6 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"(default trio with its router: {err}; measured with rule mixture instead)")
             data["fusion"] = {"rule": "mixture"}
             measure("default trio", data, model_resolver(args.cache), args.cache, args, figures, lines)
-        except Exception as err:  # noqa: BLE001  the compiled route step failing as it runs: say so, go on
-            # (a step that cannot be built already runs eagerly: the service falls back itself)
-            if data.get("fusion_step") != "compiled":
-                raise
-            lines.append(f"(fusion_step compiled failed: {type(err).__name__}: {err}; measured eager)")
-            data["fusion_step"] = "eager"
-            measure("default trio", data, model_resolver(args.cache), args.cache, args, figures, lines)
     else:
         lines.append("(no --cache: the default trio was not measured)")
     write(args.out, figures, lines)
@@ -226,7 +216,6 @@ def _default_trio(args) -> dict:
     data = yaml.safe_load(default_config.read_text(encoding="utf-8"))
     for expert in data["experts"]:
         expert.update(device=args.device, decode=args.decode)
-    data["fusion_step"] = args.fusion_step
     return data
 
 

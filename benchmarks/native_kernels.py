@@ -1,8 +1,7 @@
 """The default trio's decode step with torch's quantized kernels against the project's own
 (fusion/native_kernels.py), side by side in one run, alternating rounds: the three members' step (one
-session each) and the base member's step alone, at a short and a longer history, eager (`decode: fast`)
-and, with `--regional`, one compiled layer (`decode: regional`). The eager step with the project's kernels
-runs twice: its layers in the C step (`fast_native`, fusion/native_decoder.py, the default) and as torch
+session each) and the base member's step alone, at a short and a longer history, eager (`decode: fast`).
+The eager step with the project's kernels runs twice: its layers in the C step (`fast_native`, fusion/native_decoder.py, the default) and as torch
 operators calling the kernels one product at a time (`fast_native_ops`).
 
     python benchmarks/native_kernels.py --json benchmarks/results/bench_native_kernels.json
@@ -22,7 +21,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--regional", action="store_true", help="also time `decode: regional` with each kernel")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
 
@@ -46,7 +44,7 @@ def main() -> None:
 
     config = load_config(DEFAULT_CONFIG)
     groups, load_s = {}, {}
-    for decode in ("fast", "regional") if options.regional else ("fast",):
+    for decode in ("fast",):
         for name in quantized.KERNELS:
             started = time.perf_counter()
             variant = config.model_copy(update={"experts": [e.model_copy(update={"decode": decode})

@@ -57,12 +57,11 @@ class ExpertConfig(_Strict):
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
     # The forward of a steady decode step (one new id per session; prefill and prompt chunks run
     # transformers' forward but with batch_invariant): "transformers" (the model's own eager forward), "fast"
-    # (fusion.fast_decode: one function over fused projections, eager; Llama, Mistral and Qwen2
-    # models, others fall back to "transformers"), "compiled" (that function through torch.compile:
-    # inductor on CPU, CUDA graphs on GPU; the first step pays the compilation, cached on disk),
-    # "regional" (one decoder layer through torch.compile, its graph reused by every layer: a compile
-    # of seconds rather than minutes, for most of the compiled step's gain; docs/performance.md).
-    decode: Literal["transformers", "fast", "compiled", "regional"] = "fast"
+    # (fusion.fast_decode: one function over fused projections, eager; on a CPU with int4/int8 weights
+    # its layers run in the C step; Llama, Mistral and Qwen2 models, Gemma 3 its own, others fall back
+    # to "transformers"), "compiled" (on CUDA only: that function compiled with CUDA graphs; the first
+    # step pays the compilation, cached on disk).
+    decode: Literal["transformers", "fast", "compiled"] = "fast"
     # How the decoder layers' projections are held (fusion.quantized): "dense" (in `dtype`), "int8"
     # (8-bit codes, a scale per output row) or "int4" (4-bit codes, a scale and offset per 32 inputs,
     # GGUF Q4_1's recipe; the output head at 8 bits). Quantized weights run on CPU.
@@ -384,6 +383,11 @@ class SecurityConfig(_Strict):
         return self
 
 
+# Keys an older config may still hold, and why each went (a clear refusal rather than "extra input").
+RETIRED_KEYS = {"fusion_step": "retired: the route step runs eagerly (on a CPU its vocabulary passes and "
+                               "head are C calls, faster than the compiled step was); remove the key"}
+
+
 class FusionConfig(_Strict):
     experts: list[ExpertConfig] = Field(min_length=1)
     fusion: FusionSpec = Field(default_factory=FusionSpec)
@@ -399,11 +403,15 @@ class FusionConfig(_Strict):
     alignment: Literal["auto", "text"] = "auto"
     # fusion.crosstok.CrossParams fields (top_k, min_path_prob, max_paths, depth) for text-level fusion.
     cross_tokenizer: dict[str, float] = Field(default_factory=dict)
-    # The fusion step of the config's own `route` spec: "eager" (PyTorch's ops one by one) or "compiled"
-    # (torch.compile; inductor fuses the router's features, head, gate and complementary logit into a few
-    # kernels). Compiled when the service starts (two graphs, 13-26 s on 2 CPU cores; inductor's cache is
-    # kept under the model cache's `compiled/`). Requests that change the rule or its params run eagerly.
-    fusion_step: Literal["eager", "compiled"] = "eager"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_retired_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in RETIRED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"{key}: {why}")
+        return data
 
     @field_validator("cross_tokenizer")
     @classmethod
@@ -487,7 +495,10 @@ def format_validation_error(err: ValidationError) -> str:
     """One line per problem: `field.path: message (got value)`."""
     lines = []
     for problem in err.errors():
-        where = ".".join(str(p) for p in problem["loc"]) or "<root>"
+        if not problem["loc"]:  # the whole config's check: its message names the field (no value to echo)
+            lines.append(problem["msg"].removeprefix("Value error, "))
+            continue
+        where = ".".join(str(p) for p in problem["loc"])
         got = problem.get("input")
         shown = repr(got)
         if len(shown) > 80:

@@ -42,26 +42,25 @@ def rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scale: float, mask: torch.Tensor | None = None, times=rows_times) -> torch.Tensor:
+           scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One new query per row over its cached columns and its own new key/value: q (B, H, D), k and v
     (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
     columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
     kv head), as plain products: at one query per row, CPU SDPA's flash kernel measured far slower.
-    `times` computes the two products (`rows_times`; `one_row_times` in CPU-compiled steps). The query
-    and the probabilities are stored (`stored`), so products computed in inductor's own loops do not
-    recompute the rotation or the exponentials for every column. On a CPU both products run in float32
+    The query and the probabilities are stored (`stored`), so a compiled step does not recompute the
+    rotation or the exponentials for every column. On a CPU both products run in float32
     (`attention_dtype`). Returns (B, H·D) in q's dtype."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
     dtype, work = q.dtype, attention_dtype(q)
     q = stored(q.view(batch, kv_heads, heads // kv_heads, dim).to(work))
     k, v = k.to(work), v.to(work)
-    cached = times(q, keys.transpose(-1, -2).to(work)).float()  # (B, H_kv, group, width)
+    cached = rows_times(q, keys.transpose(-1, -2).to(work)).float()  # (B, H_kv, group, width)
     if mask is not None:
         cached = cached.masked_fill(~mask, float("-inf"))
     own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
     probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(work))
-    attn = times(probs[..., :-1], values.to(work)) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
+    attn = rows_times(probs[..., :-1], values.to(work)) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
     return attn.reshape(batch, heads * dim).to(dtype)
 
 
@@ -119,29 +118,13 @@ def weight_of(linear: nn.Module) -> torch.Tensor | QuantizedLinear:
     return frozen(linear if isinstance(linear, QuantizedLinear) else linear.weight)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None = None,
-            linear=F.linear) -> torch.Tensor:
-    """x (rows, K) through a dense weight (N, K) (by `linear`) or a quantized projection: (rows, N)."""
+def project(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """x (rows, K) through a dense weight (N, K) or a quantized projection: (rows, N)."""
     if isinstance(weight, QuantizedLinear):
         out = weight(x)
         return out if bias is None else out + bias
-    return linear(x, weight, bias)
-
-
-def one_row_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`rows_times`, except that one row's product, a (1, H, G, K) @ b (1, H, K, N), is a float32 sum over
-    broadcasts rounded to a's dtype (where a bf16 product rounds), which inductor computes in its own
-    loops: as a batched product it was an external call (two a layer) whose overhead far outweighed its
-    few thousand multiply-adds. The sum runs along K innermost where K is b's contiguous axis (the keys,
-    transposed): summed across the keys' rows instead, the step measured slower. Eagerly it would build
-    the (H, G, K, N) product: for compiled steps only."""
-    if a.shape[0] != 1 or b.shape[0] != 1:
-        return rows_times(a, b)
-    if b.stride(-2) == 1:  # b (1, H, K, N) is a transposed (N, K) tensor
-        out = (a[..., None, :].float() * b.transpose(-1, -2)[:, :, None].float()).sum(-1)
-    else:
-        out = (a[..., :, None].float() * b[:, :, None].float()).sum(-2)
-    return out.to(a.dtype)  # (1, H, G, N)
+    return F.linear(x, weight, bias)
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:
@@ -151,18 +134,3 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     A one-row projection measured reading its weight markedly faster stored than with the norm
     recomputed."""
     return t.as_strided(t.shape, t.stride()) if torch.compiler.is_compiling() else t
-
-
-def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, except that one row (x (1, K)) is written as the sum over K of weight ·
-    x in float32. Compiled by inductor on a CPU, that sum is one vectorised pass over the weight,
-    measured faster than oneDNN's matrix-vector product on bf16 weights. Eagerly it would build the
-    (N, K) product: for compiled steps only. Several rows keep `F.linear` (the sum would read the
-    weight once per row). Returns (rows, N) in x's dtype."""
-    if x.shape[0] != 1:
-        return F.linear(x, weight, bias)
-    row = stored(x.float())  # (1, K) float32
-    out = (weight.float() * row).sum(-1)  # (N,) float32
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)[None, :]  # (1, N)

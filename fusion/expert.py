@@ -180,9 +180,10 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
             return None
         if config.decode == "fast":
             return DecodeStep(model, "off")
-        if config.decode == "regional":
-            return DecodeStep(model, "regional")
-        return DecodeStep(model, "cudagraphs" if self.device.type == "cuda" else "inductor")
+        if self.device.type != "cuda":
+            raise ValueError(f"expert {config.name!r}: decode: compiled runs on CUDA (its graphs are captured there); "
+                             f"on {self.device.type} use decode: fast (on a CPU with weights int4 or int8, the C step)")
+        return DecodeStep(model, "cudagraphs")
 
     def _runs_row_by_row(self) -> bool:
         """Whether the C step can run this expert's prompts row by row (`c_step_prompt_ids`): its layers, and

@@ -27,16 +27,16 @@ int8`, fusion.quantized), an eager step runs its layers as one call into C inste
 (fusion.native_decoder): the same arithmetic in float32, without dispatching dozens of small torch operators a
 layer. The embedding, the rotary table, the final norm and the head stay here.
 
-`DecodeStep` modes: "off" runs the function eagerly (already fewer ops than transformers');
-"inductor" compiles it with dynamic shapes (one compilation serves every batch size and cache length;
-inductor's on-disk cache makes a second start cheap); "cudagraphs" adds `mode="reduce-overhead"` on
-CUDA. The expert config's `decode` field picks one (fusion.expert).
+`DecodeStep` modes: "off" runs the function eagerly (already fewer ops than transformers'; on a CPU
+with quantized weights, the C step); "cudagraphs" compiles it with dynamic shapes and CUDA graphs
+(`mode="reduce-overhead"`), for `decode: compiled` on CUDA. The expert config's `decode` field picks
+one (fusion.expert). A step compiled for a CPU is retired: its cold compile took minutes and the C step
+is faster (docs/performance.md, "Paths that were tried and dropped").
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion import native_kernels
-from fusion.decode_ops import (attend, frozen, fuse_projections, linear_one_row, one_row_times, project,
-                               projection_lists, rotary, rotate, rows_times, weight_of)
+from fusion.decode_ops import (attend, frozen, fuse_projections, project, projection_lists, rotary, rotate,
+                               weight_of)
 from fusion.fast_decode_gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.fast_decode_gemma3 import unsupported_reason as gemma3_unsupported_reason
 from fusion.graph_thread import forward_of_its_own, graph_thread, turns
@@ -59,8 +59,8 @@ from fusion.quantized import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("off", "inductor", "cudagraphs", "regional")
-COMPILED_DECODES = ("compiled", "regional")  # the config's `decode` values that compile (and warm up) a step
+COMPILE_MODES = ("off", "cudagraphs")
+COMPILED_DECODES = ("compiled",)  # the config's `decode` values that compile (and warm up) a step
 # Graphs one compiled step brings (`LocalExpert.warm_up`): any rows, and one row over a batch row and over
 # buffers of its own (their strides differ).
 GRAPHS_PER_STEP = 3
@@ -185,9 +185,6 @@ class FastDecoder(nn.Module):
         values: list[torch.Tensor],
         mask: torch.Tensor,  # (B or 1, 1, 1, width) bool: the cached columns each row attends
         adapter_rows: torch.Tensor | None = None,  # (B,) long: each row's adapter (see `adapters`)
-        linear=F.linear,  # how every projection is computed (`linear_one_row` in CPU-compiled steps)
-        times=rows_times,  # attention's two products (`one_row_times` in CPU-compiled steps)
-        run_layer=None,  # how each `DecoderLayer` is called (a compiled `call_layer` in regional steps)
         append: bool = False,  # keys/values are B rows of views with room for column `width`: the C step may write
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
@@ -201,8 +198,8 @@ class FastDecoder(nn.Module):
         returns None for them; the step as torch operators returns them as ever."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
         # is_compiling first: dynamo folds it, and nothing after it is traced
-        native = (self._native_step() if not torch.compiler.is_compiling() and self.native_layers and run_layer is None
-                  and linear is F.linear and times is rows_times and NativeLayers.reads(keys, values) else None)
+        native = (self._native_step() if not torch.compiler.is_compiling() and self.native_layers
+                  and NativeLayers.reads(keys, values) else None)
         if native is not None:
             cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
             append = append and keys[0].shape[0] == x.shape[0]
@@ -213,13 +210,12 @@ class FastDecoder(nn.Module):
             cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, x.dtype)  # (B, 1, D) each
             new_keys, new_values = [], []
             for layer, block in enumerate(self.blocks):
-                args = (x, cos, sin, keys[layer], values[layer], mask, adapter_rows, linear, times)
-                x, k, v = block(*args) if run_layer is None else run_layer(block, *args)
+                x, k, v = block(x, cos, sin, keys[layer], values[layer], mask, adapter_rows)
                 new_keys.append(k)
                 new_values.append(v)
             new_keys, new_values = torch.stack(new_keys), torch.stack(new_values)
         logits = self._head(self._final_norm(x) if native is not None else rms_norm(x, self.norm, self.eps),
-                            native is not None, linear)
+                            native is not None)
         return logits, new_keys, new_values
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,13 +227,13 @@ class FastDecoder(nn.Module):
             self.__dict__["_norm_float32"], self.__dict__["_norm_source"] = weight, self.norm.data_ptr()
         return native_kernels.rms_norm(x, weight, self.eps)
 
-    def _head(self, x: torch.Tensor, native: bool, linear=F.linear) -> torch.Tensor:
+    def _head(self, x: torch.Tensor, native: bool) -> torch.Tensor:
         """The logits (B, V) float32 of normed rows x (B, hidden). After the C step's layers, a quantized head
         multiplies from its codes at any number of rows, as the layers do: a row's logits then never depend on
         how many rows share the step (`FastDecoder.prefill`)."""
         if native and isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head.codes_product(x).float()
-        return project(x, self.lm_head, linear=linear).float()
+        return project(x, self.lm_head).float()
 
     def prefill(self, ids: torch.Tensor, start: int, keys: list[torch.Tensor], values: list[torch.Tensor],
                 adapter_rows: torch.Tensor | None = None, num_logits: int = 1) -> torch.Tensor:
@@ -303,32 +299,24 @@ class DecoderLayer(nn.Module):
         return y + self.stacks[name](x, rows)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor, adapter_rows: torch.Tensor | None, linear, times
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor, adapter_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, hidden) after this layer, and the new key and value (B, H_kv, D) (`FastDecoder.forward`)."""
         batch = x.shape[0]
         heads, kv_heads, dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
         h = rms_norm(x, self.input_norm, self.shape.eps)
-        qkv = self._adapted(project(h, self.qkv, self.qkv_bias, linear), h, "qkv", adapter_rows)
+        qkv = self._adapted(project(h, self.qkv, self.qkv_bias), h, "qkv", adapter_rows)
         q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
         q = rotate(q.view(batch, heads, dim), cos, sin)
         k = rotate(k.view(batch, kv_heads, dim), cos, sin)
         v = v.view(batch, kv_heads, dim)
-        attn = attend(q, k, v, keys, values, dim ** -0.5, mask, times)  # (B, H·D)
-        x = x + self._adapted(project(attn, self.o_proj, linear=linear), attn, "o", adapter_rows)
+        attn = attend(q, k, v, keys, values, dim ** -0.5, mask)  # (B, H·D)
+        x = x + self._adapted(project(attn, self.o_proj), attn, "o", adapter_rows)
         h = rms_norm(x, self.post_norm, self.shape.eps)
-        gate, up = self._adapted(project(h, self.gate_up, linear=linear), h, "gate_up", adapter_rows
+        gate, up = self._adapted(project(h, self.gate_up), h, "gate_up", adapter_rows
                                  ).split(self.shape.intermediate, dim=-1)
         act = F.silu(gate) * up
-        x = x + self._adapted(project(act, self.down, linear=linear), act, "down", adapter_rows)
+        x = x + self._adapted(project(act, self.down), act, "down", adapter_rows)
         return x, k, v
-
-
-def call_layer(block: DecoderLayer, *args):
-    """`block(*args)`: compiled, one graph serves every layer (each is a `DecoderLayer` of one structure;
-    dynamo reads a module's weights as inputs rather than constants), so compiling costs one layer's
-    graph rather than the whole step's (torch's regional compilation)."""
-    return block(*args)
 
 
 def configure_compile_cache(cache_dir: str | Path) -> None:
@@ -362,32 +350,15 @@ class DecodeStep:
         self.decoder = decoder
         if mode == "off":
             self._run = self.decoder
-        elif mode == "regional":
-            # One compiled layer called for every layer; the embedding, the rotary table and the head stay
-            # eager. dynamo's graphs for it: one row, and any rows (each with the cache width dynamic).
-            self._run = functools.partial(self.decoder, run_layer=torch.compile(call_layer, dynamic=True))
-            torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
         else:
-            compile_mode = "reduce-overhead" if mode == "cudagraphs" else None
             # Not inductor's `freezing` (weights prepacked as constants): side by side in one process it
             # measured slower than without, kept a second copy of the weights, and its graphs came back
-            # from the on-disk cache much more slowly (figures: docs/performance.md).
-            forward, options = self.decoder, None
-            if mode == "cudagraphs":
-                # Compiled (a forward of its own), recorded and replayed on one thread of its own, whoever
-                # calls: its CUDA graphs are bound to that thread (fusion.graph_thread).
-                forward, self._graph_thread, self._turns = forward_of_its_own(self.decoder), graph_thread(), turns()
-            if mode == "inductor" and decoder.embed.device.type == "cpu":
-                # One session's step (one row) reads each weight through inductor's own vectorised sum, and
-                # attends in inductor's loops: the step becomes a few kernels, and measured far faster than
-                # with F.linear and batched products compiled.
-                forward = functools.partial(self.decoder, linear=linear_one_row, times=one_row_times)
-                # The any-rows step's external calls (matrix products) made from generated C++ rather
-                # than Python: it measured faster while the one-row step still made many kernels and
-                # batched products, and no slower since that step became a few kernels. Compiling takes
-                # longer the first time; from the on-disk cache it loads faster.
-                options = {"cpp_wrapper": True}
-            self._run = torch.compile(forward, dynamic=True, mode=compile_mode, options=options)
+            # from the on-disk cache much more slowly.
+            # Compiled (a forward of its own), recorded and replayed on one thread of its own, whoever
+            # calls: its CUDA graphs are bound to that thread (fusion.graph_thread). On a CPU (the tests)
+            # inductor compiles the same graphs without recording any.
+            forward, self._graph_thread, self._turns = forward_of_its_own(self.decoder), graph_thread(), turns()
+            self._run = torch.compile(forward, dynamic=True, mode="reduce-overhead")
             # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo
             # caps at `recompile_limit` (8): a third expert of another shape would run its step eagerly.
             torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
@@ -397,7 +368,7 @@ class DecodeStep:
     def reads_capacity(self) -> bool:
         """Whether the step attends each buffer's whole capacity, masked (a whole compiled step: its shapes
         then change only when a buffer grows), rather than only the filled columns."""
-        return self.mode in ("inductor", "cudagraphs")
+        return self.mode == "cudagraphs"
 
     @property
     def reads_whole_layers(self) -> bool:

@@ -13,7 +13,6 @@ arithmetic from code from prose) — and outputs
 
 The complementary head may be factored, hidden → rank → vocabulary (`RouterShape.comp_rank`): its
 vocabulary-wide matrix is what a decode step reads, and rank 16 reads a sixth of the one-layer head's.
-`fusion_step: compiled` runs the whole step through `torch.compile` (`Route.compile_step`).
 
 The experts are never changed. A checkpoint stores the router's weights, its shape, and the
 fingerprints of the experts it was trained with; loading it against other experts is refused.
@@ -22,16 +21,14 @@ fingerprints of the experts it was trained with; loading it against other expert
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import json
 import logging
 import pickle
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -154,24 +151,6 @@ def _statistics(logits: torch.Tensor, top1_ids: torch.Tensor) -> tuple[torch.Ten
     # the runner-up: the shifted row without its best id (a tied maximum leaves a 0 behind: margin 0)
     runner_up = shifted.scatter_(-1, top1_ids[..., None], float("-inf")).amax(-1)  # (E, B) ≤ 0
     return _features(logits, log_total, normalizer, entropy, runner_up, top1_ids), normalizer, runner_up
-
-
-def _graph_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_statistics` for a compiled graph, best ids included: logits (E, B, V) → the features (B, 3E + E²),
-    the normalizers (E, B) and whether each row's maximum ties (E, B) bool. Written as float reductions
-    that inductor fuses into two reads of the logits and no store: the best id is the least id holding
-    the maximum (ids as float32, exact below 2^24), the runner-up the maximum below it, and the tie a
-    second id holding it. (`argmax` and overwriting the best id in a copy, as `_statistics` does
-    eagerly, would make it carry index pairs through the loop and store the copy.)"""
-    V = logits.shape[-1]
-    shifted, log_total, normalizer, entropy = _softmax_parts(logits)
-    at_best = shifted == 0  # (E, B, V): the ids holding the maximum
-    ids = torch.arange(V, device=logits.device, dtype=torch.float32)  # (V,)
-    top1_ids = torch.where(at_best, ids, float(V)).amin(-1).long()  # (E, B)
-    ties = at_best.float().sum(-1) > 1  # (E, B)
-    below = torch.where(at_best, float("-inf"), shifted).amax(-1)  # (E, B) the runner-up less the best
-    runner_up = torch.where(ties, 0.0, below)
-    return _features(logits, log_total, normalizer, entropy, runner_up, top1_ids), normalizer, ties
 
 
 def _agreement(logits: torch.Tensor, normalizer: torch.Tensor, top1_ids: torch.Tensor) -> torch.Tensor:
@@ -309,18 +288,6 @@ class Router(nn.Module):
         logits = logits.float()
         features, normalizer = logit_statistics(logits)  # (B, 3E + E²), (E, B)
         return self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
-
-    def untied_fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor, hard: bool,
-                    complementary: bool, fail_safe: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`fuse` without its data-dependent tie check, for `torch.compile` (one graph, no host sync):
-        fused (B, V), weights (E, B), normalizers (E, B) and whether any expert's maximum ties (a 0-dim
-        bool). Where it ties, `fuse` names the tied id `topk` names; this takes `argmax`'s, so the
-        caller redoes such a step with `fuse`. Elsewhere the two are equal."""
-        logits = logits.float()
-        features, normalizer, ties = _graph_statistics(logits)
-        fused = self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
-        return fused.logits, fused.weights, normalizer, ties.any()
 
     def _fuse_from(self, logits: torch.Tensor, features: torch.Tensor, normalizer: torch.Tensor,
                    context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
@@ -529,18 +496,6 @@ def check_experts(payload: dict, experts: Sequence[Any], path: Path | str) -> No
             )
 
 
-def row_major(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with the strides a new tensor of its shape has (itself when it has them, else a copy).
-    Unlike `contiguous`, this also sets the strides of size-1 dimensions, which dynamo guards too."""
-    strides, step = [], 1
-    for size in reversed(tensor.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    if tensor.stride() == tuple(reversed(strides)):
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
 FAIL_SAFE = True  # the default of `route`'s `fail_safe` (FamiliarityGate), chosen on out-of-template figures
 
 
@@ -567,7 +522,6 @@ class Route(FusionRule):
         self.fail_safe = bool(fail_safe)
         self.router = router
         self._payload = None
-        self._compiled: Callable[..., tuple[torch.Tensor, ...]] | None = None  # `compile_step`'s
         if router is None:
             self.router, self._payload = load_router(Path(path))
         if self.router.shape.num_experts != len(expert_names):
@@ -580,27 +534,6 @@ class Route(FusionRule):
         if self._payload is not None:
             check_experts(self._payload, experts, self.path)
 
-    def compile_step(self, device: torch.device | str = "cpu") -> float:
-        """Run this rule's fusion step through `torch.compile` from now on (inductor on a CPU: the
-        router's features, head, gate, pick and complementary logit become a few fused kernels), and
-        compile it now, on the calling thread (the engine's compute thread: inductor's CPU kernels then
-        split across the team they run on): one graph for one row, one for any number of rows.
-        → seconds taken. If compiling raises, the rule keeps its eager step."""
-        router = self.router = self.router.to(device)
-        step = functools.partial(router.untied_fuse, hard=self.hard, complementary=self.complementary,
-                                 fail_safe=self.fail_safe)
-        compiled = torch.compile(step, dynamic=True)
-        start = time.perf_counter()
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for rows in (1, 2):  # dynamic shapes still specialise a size of 1
-                logits = torch.randn(router.shape.num_experts, rows, router.shape.vocab_size, generator=generator)
-                context = torch.randint(-1, router.shape.vocab_size, (rows, CONTEXT_TOKENS), generator=generator)
-                compiled(logits.to(device), context.to(device),
-                         torch.ones(router.shape.num_experts, rows, dtype=torch.bool, device=device))
-        self._compiled = compiled
-        return time.perf_counter() - start
-
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         if context is None:
             raise ValueError("rule 'route' needs each row's recent token ids")
@@ -609,13 +542,5 @@ class Route(FusionRule):
             if router.embed.weight.device != logits.device:  # `Module.to` walks every parameter (~0.1 ms)
                 router = self.router = router.to(logits.device)
             allowed = weights > 0  # (E, B)
-            if self._compiled is not None:
-                # In the layouts the step was compiled for: any other makes dynamo compile a graph in the
-                # middle of serving (seconds, every stream waiting). The engine's weights are a transpose
-                # and its logits a slice of the batch when rows drop out.
-                fused, effective, normalizer, tied = self._compiled(
-                    row_major(logits), row_major(context), row_major(allowed))
-                if not bool(tied):  # else the tied id must be topk's, as in training: the eager step
-                    return FusedLogits(fused, effective, normalizer)
             return router.fuse(logits, context, allowed=allowed, hard=self.hard,
                                complementary=self.complementary, fail_safe=self.fail_safe)

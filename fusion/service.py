@@ -43,10 +43,9 @@ from fusion.engine import FusionEngine
 from fusion.engine_types import ExpertAttribution, GenerationRequest, StepTimings, new_request_id
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError
 from fusion.expert import Expert
-from fusion.fast_decode import configure_compile_cache
 from fusion.models import default_cache_dir, shipped_router
 from fusion.request_streams import CrossRequestStream, RequestStream, Settlement
-from fusion.router import Route, expert_fingerprint
+from fusion.router import expert_fingerprint
 from fusion.rule_registry import known_rules, make_rule
 from fusion.rules import FusionRule
 from fusion.scheduler import Scheduler
@@ -109,9 +108,6 @@ class FusionService:
         if require_router and self.uses_auto_router and not self.auto_router_checkpoint().is_file():
             raise AssetError(f"fusion.params.router: auto: no router is trained for experts {self.expert_names} "
                              f"yet ({self.auto_router_path()}); {PREPARE_HINT}")
-        if config.fusion_step == "compiled" and config.fusion.rule == "route" and (
-                not self.uses_auto_router or self.auto_router_checkpoint().is_file()):
-            self.resolve_spec(None)  # builds the config's rule, which compiles its step (`_make_rule`)
 
     @classmethod
     def from_config(
@@ -218,24 +214,7 @@ class FusionService:
             logger.error("router %r (%s) cannot be used: %s", router, params["path"], err)
             raise InvalidArgumentError(f"fusion.params.router: router {router!r} cannot be used with these experts "
                                        "(the server's log says why)") from None
-        default = self.config.fusion
-        if self.config.fusion_step == "compiled" and (name, params_json) == (
-                default.rule, json.dumps(default.params, sort_keys=True)):
-            self._compile_step(rule)
         return rule
-
-    def _compile_step(self, rule: Route) -> None:
-        """Compile the config's own route step (`fusion_step: compiled`) on the compute thread, whose
-        team the engine fuses with."""
-        if self.cache_dir is not None:
-            configure_compile_cache(self.cache_dir / "compiled")
-        logger.info("compiling the fusion step of rule route (%s)", self.config.fusion.params)
-        try:
-            seconds = run_on_compute_thread(rule.compile_step, self.engine.device)
-            logger.info("compiled the fusion step in %.1f s", seconds)
-        except Exception as err:  # noqa: BLE001  no C++ compiler or Triton here: the eager step serves
-            logger.warning("fusion_step: compiled could not be built here (%s: %s); the step runs eagerly",
-                           type(err).__name__, str(err).splitlines()[0] if str(err) else "")
 
     def _router_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """`route` params with the router's name resolved to its checkpoint: `auto` (the router trained

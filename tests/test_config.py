@@ -83,3 +83,10 @@ def test_remote_deadlines_failover_and_expert_limits():
     for field in ("max_concurrent_rpcs", "max_queued_steps", "max_sessions_per_step"):
         with pytest.raises(ConfigError, match=rf"limits\.{field}"):
             parse_config({"experts": [{"name": "a", "model": "m"}], "limits": {field: 0}})
+
+
+def test_a_retired_key_is_refused_with_why_and_a_retired_decode_with_what_remains():
+    with pytest.raises(ConfigError, match=r"^config: fusion_step: retired: .* remove the key$"):
+        parse_config({"experts": [{"name": "a", "model": "m"}], "fusion_step": "compiled"})
+    with pytest.raises(ConfigError, match=r"experts.0.decode: Input should be 'transformers', 'fast' or 'compiled'"):
+        parse_config({"experts": [{"name": "a", "model": "m", "decode": "regional"}]})

@@ -4,7 +4,6 @@ each whole history, and the engine's tokens through transformers' own decode for
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,12 +11,11 @@ import pytest
 import torch
 
 import fusion.kv_cache as kv_cache
-from fusion.compute import run_on_compute_thread
 from fusion.config import SamplingParams, parse_config
 from fusion.engine_types import GenerationRequest
 from fusion.errors import ConfigError
 from fusion.expert import LocalExpert, StepRequest
-from fusion.decode_ops import attend, linear_one_row, one_row_times, rows_times
+from fusion.decode_ops import attend
 from fusion.fast_decode import DecodeStep, FastDecoder, unsupported_reason
 from fusion.rule_registry import make_rule
 from tests.conftest import tiny_config_dict
@@ -120,14 +118,14 @@ def test_fast_decode_generates_the_tokens_of_transformers_decode(tiny_dir):
     assert _greedy_tokens(tiny_dir, "fast", prompts) == _greedy_tokens(tiny_dir, "transformers", prompts)
 
 
-@pytest.mark.parametrize("mode", ["inductor", "regional"])
-def test_compiled_decode_step_equals_the_eager_one(tiny_dir, mode):
-    """The inductor-compiled step, whole or one layer reused by every layer, gives the eager step's logits
-    and keys/values, across batch sizes and buffer capacities (dynamic-shape compilations)."""
+def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
+    """The compiled step (`cudagraphs`: on a CPU, inductor compiles its graphs without recording any)
+    gives the eager step's logits and keys/values, across batch sizes and buffer capacities
+    (dynamic-shape compilations)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
-    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, mode)
+    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "cudagraphs")
     generator = torch.Generator().manual_seed(0)
     config = model.config
     kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
@@ -248,35 +246,17 @@ def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on(mo
     assert all(cudagraph_trees.get_obj(cudagraph_trees.local, name) is mine[name] for name in TREE_STATE)
 
 
-@pytest.mark.parametrize("decode, mode", [("compiled", "inductor"), ("regional", "regional")])
-def test_expert_with_compiled_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode, mode):
-    """`decode: compiled` and `decode: regional` end to end: batched and single steps through buffer
-    growths. Loading compiled the step's graphs (any rows; one row over a batch row and over its own
-    buffers) on scratch sessions, so serving compiles nothing more, and left no session and no count
-    behind."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
-    expert = _expert(tiny_dir / "b", decode)
-    assert expert._fast_step.mode == mode and expert._fast_step.first_call_s is not None
-    assert expert.active_sessions == 0 and expert.cache_stats()["computed_tokens"] == 0
-    graphs = counters["stats"]["unique_graphs"]
-    histories = {"s1": [5, 17, 42], "s2": list(range(30, 45))}
-    histories["s3"] = [9, 8, 7, 6]
-    for names in [["s1", "s2"]] * 5 + [["s1"]] * 2 + [["s3"]] * 3:
-        # on the compute thread, as the engine steps it (dynamo guards on the thread count)
-        got = run_on_compute_thread(expert.step, [StepRequest(s, histories[s]) for s in names])
-        torch.testing.assert_close(got, _plain_last_logits(expert.model, [histories[s] for s in names]),
-                                   rtol=1e-4, atol=1e-4)
-        for s, row in zip(names, got):
-            histories[s] = histories[s] + [int(row[:250].argmax())]
-    assert expert.fast_decode_steps == 8  # the first step of each prompt is its prefill
-    assert counters["stats"]["unique_graphs"] == graphs  # every step ran a graph the warm-up compiled
+def test_compiled_decode_on_a_cpu_is_refused_naming_the_fast_step(tiny_dir):
+    """`decode: compiled` captures CUDA graphs; on a CPU the C step (`decode: fast`) is the fast path."""
+    with pytest.raises(ValueError, match="decode: compiled runs on CUDA .* on cpu use decode: fast"):
+        _expert(tiny_dir / "b", "compiled")
 
 
+@pytest.mark.cuda
 def test_compiled_experts_of_three_shapes_each_get_their_graphs(tiny_dir, tmp_path):
     """Every compiled step enters dynamo through the same frame; three experts of different widths bring
-    three graphs each, past dynamo's default cap of 8 graphs a frame, and none is left eager."""
+    three graphs each, past dynamo's default cap of 8 graphs a frame, and none is left eager (on a GPU:
+    `decode: compiled` runs on CUDA only)."""
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
@@ -287,7 +267,7 @@ def test_compiled_experts_of_three_shapes_each_get_their_graphs(tiny_dir, tmp_pa
     graphs = counters["stats"]["unique_graphs"]
     for hidden in (32, 48, 64):
         make_model(tmp_path / f"h{hidden}", tokenizer, seed=hidden, hidden=hidden)
-        _expert(tmp_path / f"h{hidden}", "compiled")
+        _cuda_expert(tmp_path / f"h{hidden}", "compiled")
     assert counters["stats"]["unique_graphs"] - graphs == 3 * 3
 
 
@@ -374,33 +354,13 @@ def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir, decode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_one_row_is_the_linear_product(dtype):
-    """The compiled steps' projection: one row summed in float32, eagerly and compiled, and several rows
-    through F.linear, against the product in float64 (within the dtype's rounding of the output)."""
-    generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(40, 24, generator=generator).to(dtype)
-    bias = torch.randn(40, generator=generator).to(dtype)
-    compiled = torch.compile(linear_one_row, dynamic=True)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
-    for rows in (1, 3):
-        x = torch.randn(rows, 24, generator=generator).to(dtype)
-        for b in (None, bias):
-            expected = x.double() @ weight.double().T + (0 if b is None else b.double())  # (rows, 40)
-            for got in (linear_one_row(x, weight, b), compiled(x, weight, b)):
-                assert got.shape == (rows, 40) and got.dtype == dtype
-                torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("times", [rows_times, one_row_times])
-def test_attention_is_attention_written_out(dtype, times):
-    """The decode steps' attention, with batched products and with the compiled one-row step's sums, over
-    masked cached columns and the row's own new column, eagerly and compiled, against
-    softmax(q·k / sqrt(D)) · v in float64 with each kv head repeated for its group (within the dtype's
-    rounding); rows beyond one take batched products either way."""
+def test_attention_is_attention_written_out(dtype):
+    """The decode steps' attention over masked cached columns and the row's own new column, eagerly and
+    compiled, against softmax(q·k / sqrt(D)) · v in float64 with each kv head repeated for its group
+    (within the dtype's rounding)."""
     generator = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, width = 6, 2, 8, 11
-    step = functools.partial(attend, times=times)
+    step = attend
     compiled = torch.compile(step, dynamic=True)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for rows in (1, 2):

@@ -97,7 +97,7 @@ def test_gemma3_has_no_compiled_step_and_refuses_what_it_does_not_compute(gemma_
         _expert(gemma_dir, "compiled")
     model = _reference(gemma_dir)
     with pytest.raises(ValueError, match="Llama-family"):
-        DecodeStep(model, "inductor")
+        DecodeStep(model, "cudagraphs")
     assert unsupported_reason(model) is None
     model.config.attn_logit_softcapping = 50.0
     assert "soft-capping" in unsupported_reason(model)

@@ -17,8 +17,6 @@ from fusion.router import (
     Route,
     Router,
     RouterShape,
-    _graph_statistics,
-    _statistics,
     load_router,
     logit_features,
     logit_statistics,
@@ -83,20 +81,6 @@ def test_logit_statistics_equal_the_features_of_the_log_softmax(vocab):
     # a tied maximum names the id topk names, as the features the router was trained on do
     torch.testing.assert_close(features, logit_features(torch.log_softmax(logits, dim=-1)), rtol=1e-4, atol=1e-4)
     assert features[1, 6] == 0  # expert 0's margin on the tied row
-
-
-def test_graph_statistics_equal_the_eager_statistics_and_flag_ties():
-    """The compiled step's float-only statistics: the eager features with `argmax`'s best ids (float64
-    reference on rows whose maximum is single), and a tie flag on exactly the tied rows."""
-    logits = _logits()
-    features, normalizer, ties = _graph_statistics(logits)
-    eager, eager_normalizer, runner_up = _statistics(logits, logits.argmax(-1))
-    torch.testing.assert_close(features, eager)
-    torch.testing.assert_close(normalizer, eager_normalizer)
-    assert torch.equal(ties, runner_up == 0) and ties.sum() == 1 and ties[0, 1]
-    single = ~ties.any(0)  # (B,) rows where no expert's maximum ties
-    expected = logit_features(torch.log_softmax(logits.double(), dim=-1))
-    torch.testing.assert_close(features[single].double(), expected[single], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("hard", [True, False])

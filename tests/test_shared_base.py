@@ -78,14 +78,6 @@ def test_a_joint_step_equals_each_merged_expert(shared, merged):
     _joint_steps_equal_merged(shared, merged)
 
 
-def test_a_regional_joint_step_equals_each_merged_expert(tiny_dir, adapters, merged):
-    """The same with `decode: regional`: one compiled layer, the adapters' stacks among its inputs, serves
-    every layer of the three members' rows."""
-    regional = load_local_experts(trio_configs(tiny_dir, adapters, decode="regional"), str)
-    assert regional[0].shared_base._fast_step.mode == "regional"
-    _joint_steps_equal_merged(regional, merged)
-
-
 def _joint_steps_equal_merged(shared, merged):
     group = shared[0].shared_base
     prompts = histories(6, seed=1)

@@ -79,7 +79,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode in ("off", "on"):
                     if mode == "on":
-                        tracing.configure(f"127.0.0.1:{receiver_port}", service_name="bench")
+                        tracing.configure(f"http://127.0.0.1:{receiver_port}", service_name="bench")
                     started = time.perf_counter()
                     tokens = len(list(stub.Generate(request, timeout=120)))
                     seconds[mode].append((time.perf_counter() - started) / tokens)

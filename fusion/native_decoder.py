@@ -96,6 +96,17 @@ def output_spans(up: torch.Tensor) -> torch.Tensor:
     return torch.stack([start.clamp(max=stop), stop], 1).to(torch.int64)
 
 
+def _non_overlapping(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a view of these sizes and strides names every element once: each axis, taken by growing
+    stride, steps past all the elements the axes before it span."""
+    span = 0  # the furthest offset the axes taken so far reach
+    for n, stride in sorted((pair for pair in zip(sizes, strides) if pair[0] > 1), key=lambda pair: pair[1]):
+        if stride <= span:
+            return False
+        span += (n - 1) * stride
+    return True
+
+
 class NativeLayers:
     """Every decoder layer of one `FastDecoder` as a table for `fusion_decode_layers` (module docstring)."""
 
@@ -226,6 +237,7 @@ class NativeLayers:
             raise ValueError(f"{STEP}: keys[0] must have 1 or {rows} rows and a dense last axis, got shape "
                              f"{tuple(first.shape)}, strides {first.stride()}")
         shape, dtype, width, size = first.shape, first.dtype, first.shape[2], first.element_size()
+        apart: dict[tuple[int, ...], bool] = {}  # strides -> whether the appended column overlaps nothing
         for name, tensors in (("keys", keys), ("values", values)):
             for layer, tensor in enumerate(tensors):
                 strides = tensor.stride()
@@ -233,9 +245,16 @@ class NativeLayers:
                     raise ValueError(f"{STEP}: {name}[{layer}] must be like keys[0] ({tuple(shape)}, {dtype}, a "
                                      f"dense last axis), got {tuple(tensor.shape)}, {tensor.dtype}, strides {strides}")
                 # the last element the C may touch (the appended column's) lies within the storage
-                if append and (tensor.storage_offset() + (shape[0] - 1) * strides[0] + (kv_heads - 1) * strides[1]
-                               + width * strides[2] + head_dim - 1) * size >= tensor.untyped_storage().nbytes():
+                if not append:
+                    continue
+                if (tensor.storage_offset() + (shape[0] - 1) * strides[0] + (kv_heads - 1) * strides[1]
+                        + width * strides[2] + head_dim - 1) * size >= tensor.untyped_storage().nbytes():
                     raise ValueError(f"{STEP}: {name}[{layer}] has no room for the column appended at {width}")
+                if strides not in apart:
+                    apart[strides] = _non_overlapping((shape[0], kv_heads, width + 1, head_dim), strides)
+                if not apart[strides]:
+                    raise ValueError(f"{STEP}: {name}[{layer}]'s column {width} would overwrite another row's or "
+                                     f"head's columns (strides {strides})")
 
     @staticmethod
     def reads(keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:

@@ -358,12 +358,16 @@ class FusionService:
                 self._scheduler = Scheduler(self.engine, admission_observers=self._admission_observers).start()
             return self._scheduler
 
-    def _open(self, request: FusionRequest, generation: GenerationRequest) -> RequestStream | CrossRequestStream:
+    def _open(self, request: FusionRequest, generation: GenerationRequest,
+              on_start: Callable[[str, int], None] | None = None) -> RequestStream | CrossRequestStream:
         """Reserve the request's tokens on its tenant's quota (prompt + max_tokens, before any work;
-        settled with what it used when it ends), then start it."""
+        settled with what it used when it ends), then start it; `on_start(request id, prompt tokens)` runs
+        just before anything can step it."""
         prompt_tokens = len(generation.prompt_ids[0])
         settlement = Settlement.reserve(request.tenant, prompt_tokens + generation.sampling.max_tokens, prompt_tokens)
         try:
+            if on_start is not None:
+                on_start(generation.request_id, prompt_tokens)
             if self.cross is not None:
                 return CrossRequestStream(self.cross, self.expert_names, generation, request.plain, settlement)
             handle = self._running_scheduler().submit(generation)
@@ -376,12 +380,14 @@ class FusionService:
         """Admit a request (or raise InvalidArgument / NotFound / ResourceExhausted) and stream it."""
         return self._open(request, self.admit(request))
 
-    async def submit_async(self, request: FusionRequest) -> RequestStream | CrossRequestStream:
+    async def submit_async(self, request: FusionRequest, on_start: Callable[[str, int], None] | None = None
+                           ) -> RequestStream | CrossRequestStream:
         """`submit` with admission on the admission pool, off the caller's event loop (and apart from
-        the default executor, where scoring waits)."""
+        the default executor, where scoring waits). `on_start(request id, prompt tokens)` runs once the
+        request is admitted, before it is queued (a trace registered there sees every step of it)."""
         loop = asyncio.get_running_loop()
         generation = await loop.run_in_executor(self._admission_pool, self.admit, request)
-        return self._open(request, generation)
+        return self._open(request, generation, on_start)
 
     def complete(self, prompt: str | Sequence[Message], sampling: Mapping[str, Any] | SamplingParams | None = None,
                  spec: SpecOverrides | FusionSpec | None = None) -> Completion:

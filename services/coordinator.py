@@ -137,10 +137,14 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
                  if sampling.HasField(name)}
         trace = tracing.start_request("Generate", context.invocation_metadata(), time.time_ns(), asked)
         request_id, finish_reason, error = None, None, None
+        def started(admitted_id: str, prompt_tokens: int) -> None:  # before the scheduler can step it
+            nonlocal request_id
+            request_id = admitted_id
+            tracing.admitted(trace, admitted_id, prompt_tokens)
+
         try:
-            stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()))
-            request_id = stream.request.request_id
-            tracing.admitted(trace, request_id, stream.prompt_tokens)
+            stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()),
+                                                     on_start=started)
             self.metrics.prompt_tokens.inc(stream.prompt_tokens)
             timer = self.metrics.stream(received)
             async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request

@@ -238,8 +238,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         if self._queue and queued + len(steps) > limit:
             raise ResourceExhaustedError(f"limits.max_queued_steps={limit}: expert {self.expert.info.name!r} has "
                                          f"{queued} sessions waiting to step; try later")
-        span = (tracing.start_expert_server_span("Step", context.invocation_metadata(), self.expert.info.name,
-                                                 len(steps)) if tracing.active() else None)
+        # (a Serve handle's call brings no gRPC metadata: deploy's DirectContext)
+        span = (tracing.start_expert_server_span("Step", getattr(context, "invocation_metadata", tuple)(),
+                                                 self.expert.info.name, len(steps)) if tracing.active() else None)
         try:
             with self._admitted():
                 pending = _Pending(steps, dtype, asyncio.get_running_loop().create_future(), context,
@@ -252,6 +253,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
                 except _Dropped as err:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
                 return expert_pb2.StepResponse(logits=logits)
+        except BaseException as err:
+            tracing.fail(span, err)
+            raise
         finally:
             if span is not None:
                 span.end()

@@ -219,7 +219,12 @@ class RemoteExpert:
                 return self._replicas[index].stub.Step.future(message, timeout=timeout)
             span, metadata = tracing.start_expert_call(self.name, "Step", [requests[i].session_id for i in rows],
                                                        self._replicas[index].address)
-            call = self._replicas[index].stub.Step.future(message, timeout=timeout, metadata=metadata)
+            try:
+                call = self._replicas[index].stub.Step.future(message, timeout=timeout, metadata=metadata)
+            except BaseException as err:
+                tracing.fail(span, err)
+                tracing.end_expert_call(span, None)
+                raise
             call.add_done_callback(lambda done: tracing.end_expert_call(span, done))
             return call
 

@@ -24,9 +24,10 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+
+from fusion.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,8 @@ class _State:
     tracer: Any = None  # an SDK tracer while tracing is on
     provider: Any = None
     lock = threading.Lock()
-    requests: dict[str, "RequestTrace"] = {}  # request id -> its trace, while it streams
-    # request id -> when it joined the batch, for requests that joined before their trace was registered
-    # (the scheduler can take a request before `submit` returns); bounded, as untraced ones never leave
-    early_joins: "OrderedDict[str, int]" = OrderedDict()
-    EARLY_JOINS_KEPT = 1024
+    # request id -> its trace, from its admission (before the scheduler can step it) to its end
+    requests: dict[str, "RequestTrace"] = {}
 
 
 def active() -> bool:
@@ -50,28 +48,42 @@ def active() -> bool:
     return _State.tracer is not None
 
 
-def configure(endpoint: str | None = None, service_name: str = "fusion", *, insecure: bool | None = None,
-              exporter: Any = None) -> bool:
-    """Turn tracing on: spans go to the OTLP/gRPC `endpoint` (else the endpoint the standard variables
-    name; none: tracing stays off) in batches. `exporter` replaces the OTLP one (tests). Returns whether
-    tracing is on."""
+def configure(endpoint: str | None = None, service_name: str = "fusion", *, exporter: Any = None) -> bool:
+    """Turn tracing on: spans go in batches to the OTLP/gRPC `endpoint` (`http://host:port` for plain
+    text, `https://` or a bare `host:port` for TLS, as OpenTelemetry reads it; its `OTEL_EXPORTER_OTLP_*`
+    variables set the rest), else to the endpoint the standard variables name; none, or
+    `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`: tracing stays off. `exporter` replaces the
+    OTLP one (tests). Returns whether tracing is on. Turned on by the variables alone where the `otel`
+    extra is missing, it logs why and stays off (a pod's injected variables must not stop it serving);
+    asked for by `endpoint`, it raises ConfigError."""
+    from_environment = endpoint is None and exporter is None
     endpoint = endpoint or next((os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
     if endpoint is None and exporter is None:
+        return False
+    if from_environment and (os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
+                             or os.environ.get("OTEL_TRACES_EXPORTER", "").lower() == "none"):
         return False
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    except ImportError as err:
-        raise RuntimeError("OpenTelemetry traces need the SDK and the OTLP exporter: "
-                           "pip install 'logit-fusion[otel]'") from err
-    if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        if insecure is None:  # plain text to an http:// or scheme-less endpoint on loopback
-            insecure = not endpoint.startswith("https://")
-        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        hint = "OpenTelemetry traces need the SDK and the OTLP exporter: pip install 'logit-fusion[otel]'"
+        if from_environment:
+            logger.warning("%s; tracing stays off (%s is set)", hint, next(v for v in ENDPOINT_VARIABLES
+                                                                          if os.environ.get(v)))
+            return False
+        raise ConfigError(f"--otlp-traces-endpoint: {hint}") from None
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if exporter is None and protocol and protocol != "grpc":
+        logger.warning("OTLP protocol %r asked for; traces go over gRPC, the one this service exports", protocol)
+    if exporter is None:
+        exporter = OTLPSpanExporter(endpoint=endpoint)
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     with _State.lock:
         previous, _State.provider = _State.provider, provider
@@ -92,7 +104,6 @@ def shutdown() -> None:
     with _State.lock:
         provider, _State.provider, _State.tracer = _State.provider, None, None
         _State.requests.clear()
-        _State.early_joins.clear()
     if provider is not None:
         provider.shutdown()
 
@@ -158,21 +169,13 @@ def admitted(trace: RequestTrace | None, request_id: str, prompt_tokens: int) ->
     trace.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
     with _State.lock:
         _State.requests[request_id] = trace
-        trace.joined_ns = _State.early_joins.pop(request_id, None)
 
 
 def joined_batch(request_id: str, tenant: str, waited_s: float) -> None:
     """The scheduler's admission observer: the request took its first batch slot now."""
-    if _State.tracer is None:
-        return
-    with _State.lock:
-        trace = _State.requests.get(request_id)
-        if trace is not None:
-            trace.joined_ns = _now()
-            return
-        _State.early_joins[request_id] = _now()
-        if len(_State.early_joins) > _State.EARLY_JOINS_KEPT:
-            _State.early_joins.popitem(last=False)
+    trace = _State.requests.get(request_id)  # (registered at admission, before it could be queued)
+    if trace is not None:
+        trace.joined_ns = _now()
 
 
 def token(trace: RequestTrace | None) -> None:
@@ -197,13 +200,17 @@ def end_request(trace: RequestTrace | None, request_id: str | None, finish_reaso
     end = _now()
     if tracer is not None:
         parent = otel.set_span_in_context(trace.span)
-        moments = [("admission", trace.received_ns, trace.admitted_ns),
-                   ("queue", trace.admitted_ns, trace.joined_ns),
-                   ("prefill", trace.joined_ns, trace.first_token_ns),
-                   ("decode", trace.first_token_ns, end if trace.first_token_ns is not None else None)]
-        for name, start, stop in moments:
+        # the moments in order (a clock read on another thread may land a little before one read earlier)
+        moments, last = [], trace.received_ns
+        for moment in (trace.admitted_ns, trace.joined_ns, trace.first_token_ns,
+                       end if trace.first_token_ns is not None else None):
+            last = None if moment is None or last is None else max(moment, last)
+            moments.append(last)
+        starts = [trace.received_ns] + moments[:-1]
+        for name, start, stop in zip(("admission", "queue", "prefill", "decode"), starts, moments):
             if start is not None and stop is not None:
-                tracer.start_span(name, context=parent, start_time=start).end(end_time=max(start, stop))
+                tracer.start_span(name, context=parent, start_time=start).end(end_time=stop)
+        end = max(end, *(m for m in moments if m is not None)) if any(m is not None for m in moments) else end
     trace.span.set_attribute("gen_ai.usage.output_tokens", trace.tokens)
     if finish_reason:
         trace.span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
@@ -225,6 +232,8 @@ def start_expert_call(expert: str, method: str, session_ids: Sequence[str], addr
     from opentelemetry.trace import Link, SpanKind
 
     traces = [t for t in (_State.requests.get(s) for s in dict.fromkeys(session_ids)) if t is not None]
+    if not traces:  # sessions of untraced requests (the HTTP API's): no trace of their own
+        return None, []
     parent = otel.set_span_in_context(traces[0].span) if len(traces) == 1 else None
     links = [Link(t.span.get_span_context()) for t in traces] if len(traces) > 1 else None
     span = tracer.start_span(f"expert.{method.lower()}", context=parent, kind=SpanKind.CLIENT, links=links,
@@ -234,18 +243,24 @@ def start_expert_call(expert: str, method: str, session_ids: Sequence[str], addr
     return span, _inject(span)
 
 
+def fail(span, error: BaseException) -> None:
+    """Mark `span` (None: tracing off) failed with `error`."""
+    if span is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+
+
 def end_expert_call(span, call) -> None:
     """End the call's span as its future `call` completes (an error status if it failed)."""
     if span is None:
         return
     try:
-        error = call.exception()
+        error = call.exception() if call is not None else None
     except Exception as cancelled:  # a cancelled call has no exception to give
         error = cancelled
     if error is not None:
-        from opentelemetry.trace import Status, StatusCode
-
-        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        fail(span, error)
     span.end()
 
 

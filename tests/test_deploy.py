@@ -32,6 +32,8 @@ APP = "fusion-test"
 # The hang bound of a wait that includes a replica's start: a new worker process imports torch and
 # loads its model, which took 150 s on a 2-core host beside two busy loops (15 s idle).
 REPLICA_START_S = 480.0
+# A test here may wait for more than one replica's start.
+pytestmark = pytest.mark.timeout(1800)
 
 
 def _processes() -> dict[int, tuple[int, str]]:

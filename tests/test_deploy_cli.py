@@ -21,6 +21,8 @@ from tests.conftest import tiny_config_dict
 from tests.reference import assert_greedy_equivalent
 from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 
+pytestmark = pytest.mark.timeout(1800)  # a cluster's start and stop, each bounded by REPLICA_START_S
+
 
 def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
     config = tmp_path / "fusion.yaml"

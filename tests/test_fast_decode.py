@@ -247,9 +247,14 @@ def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on(mo
 
 
 def test_compiled_decode_on_a_cpu_is_refused_naming_the_fast_step(tiny_dir):
-    """`decode: compiled` captures CUDA graphs; on a CPU the C step (`decode: fast`) is the fast path."""
-    with pytest.raises(ValueError, match="decode: compiled runs on CUDA .* on cpu use decode: fast"):
+    """`decode: compiled` captures CUDA graphs; on a CPU the C step (`decode: fast`) is the fast path. The
+    config says so when it is read; an expert whose device resolves to a CPU at load says it too."""
+    with pytest.raises(ConfigError, match="decode: compiled runs on CUDA .* on cpu use decode: fast"):
         _expert(tiny_dir / "b", "compiled")
+    config = parse_config({"experts": [{"name": "x", "model": str(tiny_dir / "b"), "dtype": "float32"}]})
+    expert = config.experts[0].model_copy(update={"decode": "compiled"})  # as a device resolved to a CPU
+    with pytest.raises(ValueError, match="decode: compiled runs on CUDA .* on cpu use decode: fast"):
+        LocalExpert.load(expert)
 
 
 @pytest.mark.cuda
@@ -282,8 +287,7 @@ def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
     assert _expert(path, "fast")._fast_step is None
-    with pytest.raises(ValueError, match="decode: compiled is not available"):
-        _expert(path, "compiled")
+    assert unsupported_reason(model, compiled=True) is not None  # (decode: compiled, CUDA only, refuses it)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     biased = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -343,6 +343,10 @@ def test_the_c_step_refuses_caches_it_cannot_read_or_write_naming_them():
     # appended keys go into the column past the view: a view over a buffer with no more columns is refused,
     # one over a buffer with room is taken
     refused("keys[0] has no room for the column appended at 4", append=True)
+    # one row of a buffer with no spare column: its next column is the next head's first, within the storage
+    full = [torch.zeros(2, KV_HEADS, 4, HEAD_DIM)[:1] for _ in range(LAYERS)]
+    refused("keys[0]'s column 4 would overwrite another row's or head's columns", keys=full, values=full,
+            append=True, x=torch.zeros(1, HIDDEN), cos=torch.ones(1, HEAD_DIM), sin=torch.zeros(1, HEAD_DIM))
     roomy = [torch.zeros(2, KV_HEADS, 5, HEAD_DIM)[:, :, :4] for _ in range(LAYERS)]
     out, _, _ = native.run(x, cos, sin, roomy, [torch.zeros(2, KV_HEADS, 5, HEAD_DIM)[:, :, :4] for _ in range(LAYERS)],
                            mask, None, append=True)

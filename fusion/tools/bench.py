@@ -403,8 +403,8 @@ def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: in
     ids = torch.tensor([prompt], device=device)
     token = len(prompt) % 100 + 1
     with torch.no_grad():
-        if compiled:
-            mode = "cudagraphs"  # (on a CPU inductor compiles its graphs without recording any)
+        if compiled and device.type == "cuda":  # decode: compiled is for CUDA (retired on a CPU)
+            mode = "cudagraphs"
             figures["compile_mode"] = mode
             times = []
             for _ in range(2):  # the second after a reset: from inductor's on-disk cache

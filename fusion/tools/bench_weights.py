@@ -1,5 +1,5 @@
 """The `weights` benchmark suite: the first expert's base model decoding from dense, int8 and int4
-weights (fusion.quantized), eager and compiled, beside llama.cpp running the same model from its GGUF
+weights (fusion.quantized), eagerly, beside llama.cpp running the same model from its GGUF
 file when `llama-cpp-python` is installed (an optional extra, for benchmarks only; in a process of its own,
 fusion.tools.llamacpp_engine), and the config's fused single stream against llama.cpp's. Every ratio
 compares timings taken in alternating rounds of one run; a cold start is timed as a whole `fusion generate`
@@ -56,13 +56,8 @@ def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, 
     index, reference = plain_experts(service)[0]
     prompt = _prompt_ids(service)[index]
     name = service.expert_names[index]
+    # (quantized weights run on a CPU, where decode: compiled is retired: the eager step is the C step)
     paths = {f"{w} fast": _load_base(reference, w, "fast") for w in WEIGHT_FORMATS}
-    if compiled:
-        started = time.perf_counter()
-        paths["int4 compiled"] = _load_base(reference, "int4", "compiled")
-        report.add("weights.compile_s", time.perf_counter() - started,
-                   f"loading {name}'s base with an int4 compiled step (compiling, or from inductor's on-disk "
-                   f"cache when an earlier run left it): {time.perf_counter() - started:.1f} s")
     gguf = gguf_beside(reference.info.model)
     llama = None
     try:

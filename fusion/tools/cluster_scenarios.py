@@ -184,7 +184,8 @@ def node_loss(cluster: LocalRayCluster, address: str, prompts: list[str], sampli
     victim_id = cluster.nodes[victim].node_id
     on_victim = {expert: ids.count(victim_id) for expert, ids in replica_nodes().items()}
     streams, ready, threads = run_streams(address, prompts, sampling, min_tokens=kill_after_tokens)
-    ready.wait(timeout=120)
+    if not ready.wait(timeout=600):  # a hang bound: every stream past its first tokens before the kill
+        raise TimeoutError("the streams did not reach their first tokens")
     killed_at = time.monotonic()
     resources = {k: v for k, v in cluster.nodes[victim].resources.items() if not k.startswith("node-")}
     cpus = cluster.nodes[victim].num_cpus
@@ -223,7 +224,8 @@ def rolling_update(address: str, new_args: dict[str, Any], prompts: list[str],
     what tells the old config from the new one in a fresh request's answer. Its figures, and the
     coordinator's address after the update."""
     streams, ready, threads = run_streams(address, prompts, sampling, min_tokens=update_after_tokens)
-    ready.wait(timeout=120)
+    if not ready.wait(timeout=600):  # a hang bound: every stream past its first tokens before the kill
+        raise TimeoutError("the streams did not reach their first tokens")
     before = describe(address)
     started = time.monotonic()
     new_address = deploy(new_args)  # returns once the new version is running
@@ -356,7 +358,8 @@ def coordinator_loss(cluster: LocalRayCluster, address: str, prompts: list[str],
     victim = cluster.name_of(coordinator_node())
     streams, ready, threads = run_streams(address, prompts, sampling, min_tokens=kill_after_tokens,
                                           timeout_s=timeout_s)
-    ready.wait(timeout=120)
+    if not ready.wait(timeout=600):  # a hang bound: every stream past its first tokens before the kill
+        raise TimeoutError("the streams did not reach their first tokens")
     killed_at = time.monotonic()
     cluster.kill(victim)
     for thread in threads:

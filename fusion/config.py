@@ -82,19 +82,19 @@ class ExpertConfig(_Strict):
     c_step_prompt_ids: int = Field(default=256, ge=0)
 
     @model_validator(mode="after")
-    def _compiled_decode_is_for_cuda(self) -> ExpertConfig:
-        if self.decode == "compiled" and not self.device.startswith("cuda"):
-            raise ValueError(f"expert {self.name!r}: decode: compiled runs on CUDA (its graphs are captured there); "
-                             f"on {self.device} use decode: fast (on a CPU with weights int4 or int8, the C step)")
-        return self
-
-    @model_validator(mode="after")
     def _batch_invariant_has_the_c_step(self) -> ExpertConfig:
         if self.batch_invariant and (self.weights == "dense" or self.decode != "fast"
                                      or not self.device.startswith("cpu")):
             raise ValueError(f"expert {self.name!r}: batch_invariant needs the C decode step: weights int4 or int8, "
                              f"decode: fast and a cpu device (got weights: {self.weights}, decode: {self.decode}, "
                              f"device: {self.device})")
+        return self
+
+    @model_validator(mode="after")
+    def _compiled_decode_is_for_cuda(self) -> ExpertConfig:
+        if self.decode == "compiled" and not self.device.startswith("cuda"):
+            raise ValueError(f"expert {self.name!r}: decode: compiled runs on CUDA (its graphs are captured there); "
+                             f"on {self.device} use decode: fast (on a CPU with weights int4 or int8, the C step)")
         return self
 
     @field_validator("weight")

@@ -280,7 +280,9 @@ def cluster(tiny_dir):
 
     from deploy.app import build_app, coordinator_address
 
-    config = tiny_config_dict(tiny_dir)
+    # Sessions a test holds open stay while a new replica starts (minutes on a loaded host): the idle
+    # sweep's default (120 s) would drop them, and the load the autoscaling test holds with them.
+    config = tiny_config_dict(tiny_dir, limits={"session_idle_s": 3600})
     scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
                "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5}
     args = {
@@ -363,7 +365,7 @@ def test_greedy_output_equals_the_local_engine(cluster, tiny_service):
     from services.client import FusionClient
 
     sampling = {"max_tokens": 24, "temperature": 0.0}
-    with FusionClient(cluster.address, timeout=60) as client:
+    with FusionClient(cluster.address, timeout=REPLICA_START_S) as client:
         for prompt in PROMPTS:
             remote = list(client.generate(prompt, sampling))
             # Replicas run with one thread each and batch with other sessions: see tests.reference.
@@ -423,7 +425,7 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_service):
     assert len(replicas_a) == 2
     failovers_before = _handle("coordinator").failovers.remote().result()["a"]
 
-    with FusionClient(cluster.address, timeout=120) as client:
+    with FusionClient(cluster.address, timeout=REPLICA_START_S) as client:
         events = client.generate(prompt, sampling)
         tokens = [next(events).token.token_id for _ in range(5)]
         victim = _replica_holding_sessions(replicas_a)
@@ -440,7 +442,7 @@ def test_stream_survives_killing_its_expert_replica(cluster, tiny_service):
         return (running, used, len(registered), victim in registered) == (2, 2, 2, False) or (running, used, registered)
 
     _wait_for(recovered, "expert a back to two replicas", timeout_s=REPLICA_START_S)
-    with FusionClient(cluster.address, timeout=60) as client:
+    with FusionClient(cluster.address, timeout=REPLICA_START_S) as client:
         again = [e.token.token_id for e in client.generate(PROMPTS[0], {"max_tokens": 24})]
     assert_greedy_equivalent(tiny_service, PROMPTS[0], again,
                              tiny_service.complete(PROMPTS[0], {"max_tokens": 24}).token_ids)
@@ -458,7 +460,7 @@ def test_expert_scales_on_the_sessions_it_holds(cluster):
         stub = expert_pb2_grpc.ExpertStub(channel)
         for session in sessions:
             stub.Step(expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session, token_ids=[5, 6])]),
-                      timeout=30)
+                      timeout=HANG_S)
         try:
             # Serve acts on the policy's answer at once (a second replica starting); the replica then
             # takes as long as the host needs to start, and the coordinator uses it once registered
@@ -466,7 +468,7 @@ def test_expert_scales_on_the_sessions_it_holds(cluster):
             _wait_for(lambda: _replicas_of("c")[:2] == (2, 2) or _replicas_of("c"), "expert c scaled up to two",
                       timeout_s=REPLICA_START_S)
         finally:
-            stub.Release(expert_pb2.ReleaseRequest(session_ids=sessions), timeout=30)
+            stub.Release(expert_pb2.ReleaseRequest(session_ids=sessions), timeout=HANG_S)
     _wait_for(lambda: _replicas_of("c")[:2] == (1, 1) or _replicas_of("c"), "expert c scaled back to one",
               timeout_s=REPLICA_START_S)
 

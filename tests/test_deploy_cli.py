@@ -44,7 +44,7 @@ def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
             if match:
                 break
         expected = tiny_service.complete("hello world", {"max_tokens": 12})
-        with FusionClient(match.group(1), timeout=60) as client:
+        with FusionClient(match.group(1), timeout=REPLICA_START_S) as client:  # a hang bound
             got = [e.token.token_id for e in client.generate("hello world", {"max_tokens": 12})]
         assert_greedy_equivalent(tiny_service, "hello world", got, expected.token_ids)  # other processes
         started = descendants(proc.pid)  # the local cluster it started: GCS, raylet, workers

@@ -25,7 +25,7 @@ from services.expert_auth import expert_channel_metadata
 from services.tls import open_channel
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_stream_matches
-from tests.test_deploy import descendants, wait_until_gone
+from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 from tests.test_security import make_ca, make_leaf
 
 APP = "fusion-secure-test"
@@ -93,11 +93,11 @@ def test_greedy_output_over_tls_equals_the_local_engine(secure_app, tiny_service
     sampling = {"max_tokens": 16, "temperature": 0.0}
     prompt = "what is 12 + 35 ?"
     local = tiny_service.complete(prompt, sampling)
-    with FusionClient(secure_app.address, timeout=60, api_key=secure_app.key,
+    with FusionClient(secure_app.address, timeout=REPLICA_START_S, api_key=secure_app.key,
                       security=secure_app.config.security) as client:
         remote = list(client.generate(prompt, sampling))
     assert_stream_matches(tiny_service, prompt, remote, local)  # replicas run in other processes
-    with FusionClient(secure_app.address, timeout=30, security=secure_app.config.security) as client:
+    with FusionClient(secure_app.address, timeout=REPLICA_START_S, security=secure_app.config.security) as client:
         with pytest.raises(FusionError) as caught:  # TLS alone is not an API key
             list(client.generate(prompt, sampling))
     assert isinstance(caught.value.__cause__, grpc.RpcError)

@@ -96,7 +96,7 @@ def test_ray_serve(routed):
     from ray import serve
 
     from deploy.app import build_app, coordinator_address
-    from tests.test_deploy import descendants, wait_until_gone
+    from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 
     args = {"config": routed.data, "port": 0, "grace_s": 2.0, "cache_dir": str(routed.cache),
             "expert": {"num_cpus": 0}, "coordinator": {"num_cpus": 0}}
@@ -107,7 +107,7 @@ def test_ray_serve(routed):
     try:
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name="front-door", route_prefix=None)
-        with FusionClient(coordinator_address("front-door"), timeout=60) as client:
+        with FusionClient(coordinator_address("front-door"), timeout=REPLICA_START_S) as client:
             events = list(client.generate(PROMPT, SAMPLING, OVERRIDES))
     finally:
         started = descendants(os.getpid())

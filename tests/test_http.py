@@ -634,7 +634,7 @@ def test_ray_serve_deployment_serves_http(tiny_dir, tiny_service):
 
     from deploy.app import build_app, coordinator_http_address
     from tests.reference import assert_greedy_equivalent
-    from tests.test_deploy import descendants, wait_until_gone
+    from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 
     args = {"config": tiny_config_dict(tiny_dir), "port": 0, "http_port": 0, "grace_s": 2.0,
             "expert": {"num_cpus": 0}, "coordinator": {"num_cpus": 0}}
@@ -644,11 +644,12 @@ def test_ray_serve_deployment_serves_http(tiny_dir, tiny_service):
         serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name="http", route_prefix=None)
         address = coordinator_http_address("http")
-        with openai.OpenAI(api_key="none", base_url=f"http://{address}/v1", max_retries=0, timeout=60) as client:
+        with openai.OpenAI(api_key="none", base_url=f"http://{address}/v1", max_retries=0,
+                           timeout=REPLICA_START_S) as client:  # a hang bound
             reply = client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=8,
                                                    extra_body={"fusion": {"attribution": True}})
         health = serve.get_deployment_handle("coordinator", "http").check_health.remote()
-        assert health.result(timeout_s=60) is None  # probes /health too
+        assert health.result(timeout_s=REPLICA_START_S) is None  # probes /health too
     finally:
         started = descendants(os.getpid())
         serve.shutdown()

@@ -26,7 +26,10 @@ pytestmark = pytest.mark.timeout(1800)  # a cluster's start and stop, each bound
 
 def test_fusion_deploy_serves_until_ctrl_c(tiny_dir, tmp_path, tiny_service):
     config = tmp_path / "fusion.yaml"
-    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_dir)))
+    data = tiny_config_dict(tiny_dir)
+    for expert in data["experts"]:  # failover is not this test's point: a starved replica is only slow
+        expert.update(step_timeout_s=REPLICA_START_S, prefill_timeout_s=REPLICA_START_S)
+    config.write_text(yaml.safe_dump(data))
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", FUSION_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusion.tools.cli", "deploy", "--config", str(config), "--port", "0", "--num-cpus", "2"],

@@ -118,25 +118,9 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     @stream_errors
     async def Generate(self, request: fusion_pb2.GenerateRequest, context):
         received = time.perf_counter()
-        if tracing.active():
-            async for response in self._generate_traced(request, context, received):
-                yield response
-            return
-        stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()))
-        self.metrics.prompt_tokens.inc(stream.prompt_tokens)
-        timer = self.metrics.stream(received)
-        async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
-            async for event in events:
-                timer.token()
-                yield event_to_proto(event)
-
-    async def _generate_traced(self, request: fusion_pb2.GenerateRequest, context, received: float):
-        """Generate, with the request's trace (services.tracing)."""
-        sampling = request.sampling
-        asked = {name: getattr(sampling, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
-                 if sampling.HasField(name)}
-        trace = tracing.start_request("Generate", context.invocation_metadata(), time.time_ns(), asked)
+        trace = self._start_trace(request, context) if tracing.active() else None  # (services.tracing)
         request_id, finish_reason, error = None, None, None
+
         def started(admitted_id: str, prompt_tokens: int) -> None:  # before the scheduler can step it
             nonlocal request_id
             request_id = admitted_id
@@ -144,20 +128,28 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
 
         try:
             stream = await self.service.submit_async(replace(request_from_proto(request), tenant=current_tenant()),
-                                                     on_start=started)
+                                                     on_start=started if trace is not None else None)
             self.metrics.prompt_tokens.inc(stream.prompt_tokens)
             timer = self.metrics.stream(received)
             async with contextlib.aclosing(stream.__aiter__()) as events:  # closing it cancels the request
                 async for event in events:
                     timer.token()
-                    tracing.token(trace)
-                    finish_reason = event.finish_reason or finish_reason
+                    if trace is not None:
+                        tracing.token(trace)
+                        finish_reason = event.finish_reason or finish_reason
                     yield event_to_proto(event)
         except BaseException as err:
             error = err
             raise
         finally:
             tracing.end_request(trace, request_id, finish_reason, error)
+
+    @staticmethod
+    def _start_trace(request: fusion_pb2.GenerateRequest, context) -> tracing.RequestTrace | None:
+        sampling = request.sampling
+        asked = {name: getattr(sampling, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+                 if sampling.HasField(name)}
+        return tracing.start_request("Generate", context.invocation_metadata(), time.time_ns(), asked)
 
     @unary_errors
     async def Score(self, request: fusion_pb2.ScoreRequest, context) -> fusion_pb2.ScoreResponse:

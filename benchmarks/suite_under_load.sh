@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole suite on a clean clone of HEAD, RUNS times, each beside one busy loop per core: the proof
+# The whole suite on a clean clone of HEAD (as it was when the script started), RUNS times, each beside one busy loop per core: the proof
 # that no test depends on the host's speed or load. Each run is CI's own script (.ci/run: a fresh
 # venv, the install, the README's test command) with the 20 slowest tests listed. Prints each run's
 # result and duration; the logs stay in OUT.
@@ -10,7 +10,7 @@ RUNS="${1:-3}"
 OUT="${2:-/tmp/suite-under-load}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$OUT"
-COMMIT="$(git -C "$REPO" rev-parse --short HEAD)"
+COMMIT="$(git -C "$REPO" rev-parse HEAD)"
 CORES="$(nproc)"
 echo "commit $COMMIT, $CORES busy loops beside each run, logs in $OUT"
 
@@ -26,7 +26,8 @@ failed=0
 for run in $(seq "$RUNS"); do
   clone="$OUT/clone-$run"
   rm -rf "$clone"
-  git clone -q "$REPO" "$clone"
+  # Every run tests the same commit, whatever is committed while the runs go on.
+  git clone -q "$REPO" "$clone" && git -C "$clone" checkout -q "$COMMIT"
   started=$(date +%s)
   PYTEST_ADDOPTS="--durations=20" "$clone/.ci/run" >"$OUT/run-$run.log" 2>&1
   rc=$?

@@ -174,23 +174,58 @@ MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it (vLLM's
 MAX_LOGPROBS = 20  # top alternatives a token's log-probability may come with (OpenAI's bound)
 
 
+class ToolFunction(_Strict):
+    """A function the experts may call (OpenAI's `tools[].function`): its parameters a JSON Schema."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolCalls(_Strict):
+    """Tool calls in the Hermes syntax (fusion.tool_calls): the functions the experts are shown, and
+    which they may call: "auto" (the fused distribution decides; the grammar starts at the trigger),
+    "required" (a call from the first token) or one function's name; `parallel`: several calls."""
+
+    functions: list[ToolFunction] = Field(min_length=1)
+    choice: str = "auto"
+    parallel: bool = True
+
+    @model_validator(mode="after")
+    def _known_choice(self) -> "ToolCalls":
+        names = [fn.name for fn in self.functions]
+        if len(set(names)) != len(names):
+            raise ValueError("functions: names must be distinct")
+        if self.choice not in ("auto", "required", *names):
+            raise ValueError(f"choice: {self.choice!r} is neither auto, required nor one of the functions {names}")
+        return self
+
+    def callable(self) -> list[ToolFunction]:
+        """The functions a call may name."""
+        return [fn for fn in self.functions if self.choice in ("auto", "required", fn.name)]
+
+
 class StructuredOutput(_Strict):
     """Output constrained to a grammar, as one token mask on the fused distribution (fusion.structured):
-    exactly one of a JSON Schema, any JSON object, a regular expression, a choice of strings, or a
-    grammar in Lark syntax (llguidance's dialect). vLLM's `structured_outputs` fields."""
+    exactly one of a JSON Schema, any JSON object, a regular expression, a choice of strings, a
+    grammar in Lark syntax (llguidance's dialect), or tool calls. vLLM's `structured_outputs` fields,
+    and OpenAI's `tools`."""
 
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = Field(default=None, min_length=1)
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = Field(default=None, min_length=1)
+    tool_calls: ToolCalls | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutput":
-        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json_schema", "regex", "choice", "grammar", "tool_calls")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"give exactly one of json_schema, json_object, regex, choice, grammar; got {given or 'none'}")
+            raise ValueError(f"give exactly one of json_schema, json_object, regex, choice, grammar, tool_calls; "
+                             f"got {given or 'none'}")
         if self.choice is not None and any(not c for c in self.choice):
             raise ValueError("choice: the strings must not be empty")
         return self

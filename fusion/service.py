@@ -36,7 +36,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from fusion.admission import is_token_ids
 from fusion.compute import run_on_compute_thread, single_team
-from fusion.config import FusionConfig, FusionSpec, SamplingParams, SpecOverrides, layer_spec, parse_sampling
+from fusion.config import (FusionConfig, FusionSpec, SamplingParams, SpecOverrides, ToolCalls, layer_spec,
+                           parse_sampling)
 from fusion.crosstok import CrossParams, CrossTokenizerFusion
 from fusion.crosstok_decode import score_text
 from fusion.engine import FusionEngine
@@ -275,14 +276,16 @@ class FusionService:
             params = params.model_copy(update={"max_tokens": cap})
         return params
 
-    def prompt_ids(self, prompt: str | Sequence[Message], *, plain: bool = False) -> list[list[int]]:
-        """The prompt as each expert expects it (its own chat template and system prompt); `plain`: the
-        text as is, after each tokenizer's BOS."""
+    def prompt_ids(self, prompt: str | Sequence[Message], *, plain: bool = False,
+                   tools: ToolCalls | None = None) -> list[list[int]]:
+        """The prompt as each expert expects it (its own chat template and system prompt, the `tools` it
+        may call); `plain`: the text as is, after each tokenizer's BOS."""
         if plain:
             if is_token_ids(prompt):  # ids of the experts' shared vocabulary, as sent (`Admission.prompt`)
                 return [list(prompt) for _ in self.tokenizers]
             return [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
-        return [encode_prompt(tok, cfg, prompt) for tok, cfg in zip(self.tokenizers, self.config.experts)]
+        functions = [fn.model_dump(exclude_none=True) for fn in tools.functions] if tools is not None else None
+        return [encode_prompt(tok, cfg, prompt, functions) for tok, cfg in zip(self.tokenizers, self.config.experts)]
 
     def token_text(self, token_id: int) -> str:
         """One id's text on its own, special tokens included (the first expert's tokenizer: the experts
@@ -340,7 +343,8 @@ class FusionService:
         rule, weights = self.resolve_spec(request.spec)
         sampling = self.sampling(request.sampling, request.tenant)
         admission.sampling(sampling)
-        prompt_ids = self.prompt_ids(request.prompt, plain=request.plain)
+        tools = sampling.structured.tool_calls if sampling.structured is not None else None
+        prompt_ids = self.prompt_ids(request.prompt, plain=request.plain, tools=tools)
         admission.prompt_ids(prompt_ids, rule, weights, sampling.max_tokens)
         generation = GenerationRequest(prompt_ids, sampling, rule, weights, tenant=request.tenant)
         if sampling.structured is not None:

@@ -26,14 +26,22 @@ import torch
 from fusion.admission import utf8_size
 from fusion.config import StructuredOutput
 from fusion.errors import InvalidArgumentError, ResourceExhaustedError
+from fusion.tool_calls import END, TRIGGER, tool_grammar
 
 FIELD = "structured"
 JSON_LAYOUT = {"whitespace_flexible": False}
 
 
-def grammar_text(spec: StructuredOutput) -> str:
-    """The llguidance grammar for `spec` (not yet checked against a tokenizer)."""
+def grammar_text(spec: StructuredOutput, *, token_tags: bool = False) -> str:
+    """The llguidance grammar for `spec` (not yet checked against a tokenizer); `token_tags`: the tool
+    call tags are single tokens of the tokenizer (fusion.tool_calls)."""
     import llguidance
+
+    if spec.tool_calls is not None:
+        calls = spec.tool_calls
+        return tool_grammar([fn.model_dump(exclude_none=True) for fn in calls.callable()],
+                            required=calls.choice != "auto", parallel=calls.parallel and calls.choice
+                            in ("auto", "required"), token_tags=token_tags)
 
     if spec.json_schema is not None or spec.json_object:
         schema = spec.json_schema if spec.json_schema is not None else {"type": "object"}
@@ -63,6 +71,10 @@ class GrammarCompiler:
         self.max_bytes = max_bytes
         self._tokenizer = None
         self._lock = threading.Lock()
+        # Qwen's tokenizers hold the tool call tags as tokens of their own, which llguidance names as
+        # <tags>; others spell them out as text.
+        added = hf_tokenizer.get_added_vocab() if hasattr(hf_tokenizer, "get_added_vocab") else {}
+        self.token_tags = TRIGGER in added and END in added
 
     def _lltokenizer(self):
         with self._lock:
@@ -82,7 +94,7 @@ class GrammarCompiler:
         if size > self.max_bytes:
             raise ResourceExhaustedError(f"{FIELD}: {size} bytes exceed max_grammar_bytes={self.max_bytes}")
         try:
-            grammar = grammar_text(spec)
+            grammar = grammar_text(spec, token_tags=self.token_tags)
         except (ValueError, TypeError) as err:
             raise InvalidArgumentError(f"{FIELD}: {first_line(err)}") from None
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)

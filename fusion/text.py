@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from fusion.config import ExpertConfig
+from fusion.tool_calls import plain_tool_messages, takes_tools, template_tools
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
 
-def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Message]) -> list[int]:
-    """Token ids of a prompt as this expert expects it: its own system prompt and chat template."""
+def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Message],
+                  functions: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Token ids of a prompt as this expert expects it: its own system prompt and chat template, with
+    the `functions` it may call shown as its template shows tools, or by the project's tool prompt
+    where the template takes none (fusion.tool_calls)."""
     if isinstance(prompt, str):
         messages: list[Message] = [{"role": "user", "content": prompt}]
     else:
@@ -19,9 +23,14 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
     if expert.chat_template and getattr(tokenizer, "chat_template", None):
         if expert.system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": expert.system_prompt}] + messages
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if takes_tools(tokenizer):
+            tools = {"tools": template_tools(functions)} if functions else {}
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
+        else:
+            text = tokenizer.apply_chat_template(plain_tool_messages(messages, functions), add_generation_prompt=True,
+                                                 tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "\n".join(m["content"] for m in messages)
+    text = "\n".join(m["content"] for m in plain_tool_messages(messages, functions))
     if expert.system_prompt:
         text = f"{expert.system_prompt}\n{text}"
     return list(tokenizer(text)["input_ids"])

@@ -35,7 +35,7 @@ from services.openai_responses import (
     utf8_decoder,
     vllm_prompt_logprobs,
 )
-from services.openai_tools import new_call_id, tool_call_of
+from services.openai_tools import CallDeltas, message_of
 from services.openai_wire import Plan
 
 _DONE = format_sse_event(data_str="[DONE]")
@@ -118,6 +118,7 @@ class _Choice:
     started: bool = False  # a stream sent its first chunk
     offset: int = 0  # completions' text_offset of the next token
     decoder: codecs.IncrementalDecoder = field(default_factory=utf8_decoder)  # counts those characters
+    calls: CallDeltas | None = None  # a chat answer that may call tools: its deltas
 
 
 def _prompt_chars(plan: Plan, choice: int) -> int:
@@ -207,9 +208,8 @@ class ResponseBuilder:
                 logprobs = ({"content": [chat_logprob(t, self._bytes_of) for t in choice.tokens]}
                             if plan.logprobs else None)
                 message, finish = {"role": "assistant", "content": text}, choice.finish_reason
-                call = tool_call_of(text, new_call_id()) if plan.tool_call and finish == "stop" else None
-                if call is not None:
-                    message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+                if plan.tool_call:
+                    message, finish = message_of(text, finish)
                 entry = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 state = _Choice(offset=_prompt_chars(plan, i))
@@ -249,20 +249,16 @@ class ResponseBuilder:
         return entry
 
     def _tool_call_chunk(self, plan: Plan, i: int, event: TextEvent, choice: _Choice) -> dict[str, Any] | None:
-        """A tool call streams as one delta with the whole call once it is complete (its JSON is only a call
-        when it parses); tokens before it send nothing but their logprobs, when asked."""
-        choice.text.append(event.text)
-        delta: dict[str, Any] = {} if choice.started else {"role": "assistant", "content": None}
-        finish = event.finish_reason
-        if finish is not None:
-            text = "".join(choice.text)
-            call = tool_call_of(text, new_call_id()) if finish == "stop" else None
-            if call is not None:
-                delta["tool_calls"] = [{"index": 0, **call}]
-                finish = "tool_calls"
-            else:
-                delta["content"] = text
-        elif not plan.logprobs and not plan.attribution and choice.started:
+        """A token of an answer that may call tools: its text as content until a call begins, each call as
+        OpenAI's deltas (`services.openai_tools.CallDeltas`); text that may be the start of a call is held
+        until it is not."""
+        if choice.calls is None:
+            choice.calls = CallDeltas()
+        delta = choice.calls.delta(event.text, event.finish_reason is not None)
+        if not choice.started:
+            delta = {"role": "assistant", "content": delta.pop("content", ""), **delta}
+        finish = choice.calls.finish_reason(event.finish_reason)
+        if not delta and finish is None and not plan.logprobs and not plan.attribution:
             return None
         logprobs = {"content": [chat_logprob(event.token, self._bytes_of)]} if plan.logprobs else None
         entry = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

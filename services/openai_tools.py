@@ -1,8 +1,7 @@
-"""Tool calls over OpenAI's HTTP API. The experts' chat templates know no tools, so a tool call is
-asked for as a grammar: a JSON object {"name", "arguments"} constrained to the tools' schemas
-(`tool_call_schema`), with the tools described in a system message (`tools_message`); past calls in
-the conversation go to the experts as text (`tool_calls_text`); the answer's JSON becomes OpenAI's
-`tool_calls` (`tool_call_of`) only when it parses as a whole call.
+"""Tool calls over OpenAI's HTTP API, as the core's tool calls (`fusion.tool_calls`, Hermes syntax):
+`tools` and `tool_choice` become the `tool_calls` grammar (`tool_calls_spec`), past calls in the
+conversation become the text the experts wrote (`past_calls_text`), and the answer's calls come back
+in OpenAI's shape, whole (`message_of`) or as stream deltas (`CallDeltas`).
 """
 
 from __future__ import annotations
@@ -11,15 +10,13 @@ import json
 import uuid
 from typing import Any
 
+from fusion.tool_calls import CallStream, call_text, parse_calls
 from services.openai_errors import ApiError
-from services.openai_requests import ChatRequest, NamedToolChoice, Tool, ToolCall
-
-TOOL_CHOICE_AUTO = ("tool_choice: 'auto' (the default when tools are given) is not supported: these experts do not "
-                    "decide reliably whether to call a tool; send tool_choice 'required' or name a function")
+from services.openai_requests import ChatRequest, NamedToolChoice, ToolCall
 
 
-def tool_call_schema(request: ChatRequest) -> dict[str, Any] | None:
-    """The JSON Schema of the tool call the request asks for (None: no tool call)."""
+def tool_calls_spec(request: ChatRequest) -> dict[str, Any] | None:
+    """The `tool_calls` structured field the request asks for (None: the answer is text alone)."""
     choice = request.tool_choice
     if not request.tools:
         if isinstance(choice, NamedToolChoice) or choice == "required":
@@ -27,34 +24,24 @@ def tool_call_schema(request: ChatRequest) -> dict[str, Any] | None:
         return None
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise ApiError(400, TOOL_CHOICE_AUTO, "tool_choice", "unsupported")
-    functions = {tool.function.name: tool.function for tool in request.tools}
-    if len(functions) != len(request.tools):
+    names = [tool.function.name for tool in request.tools]
+    if len(set(names)) != len(names):
         raise ApiError(400, "tools: function names must be distinct", "tools")
     if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in functions:
+        if choice.function.name not in names:
             raise ApiError(400, f"tool_choice.function.name: {choice.function.name!r} is not one of the tools "
-                           f"{sorted(functions)}", "tool_choice.function.name")
-        functions = {choice.function.name: functions[choice.function.name]}
-    calls = [{"type": "object", "properties": {"name": {"const": name},
-                                               "arguments": fn.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for name, fn in functions.items()]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+                           f"{sorted(names)}", "tool_choice.function.name")
+        choice = choice.function.name
+    functions = [tool.function.model_dump(include={"name", "description", "parameters"}, exclude_none=True)
+                 for tool in request.tools]
+    return {"functions": functions, "choice": choice or "auto",
+            "parallel": request.parallel_tool_calls is not False}
 
 
-def tools_message(tools: list[Tool]) -> str:
-    """What the experts are told about the tools (the grammar does the rest)."""
-    described = [{"name": t.function.name, **({"description": t.function.description} if t.function.description else {}),
-                  "parameters": t.function.parameters or {"type": "object"}} for t in tools]
-    return ('Call one of these functions, answering {"name": ..., "arguments": {...}}:\n'
-            + json.dumps(described, separators=(",", ":")))
-
-
-def tool_calls_text(calls: list[ToolCall], i: int) -> str:
-    """An assistant message's past tool calls (message `i`) as the text the experts see."""
-    called = [{"name": c.function.name, "arguments": _arguments(c.function.arguments, i)} for c in calls]
-    return json.dumps(called[0] if len(called) == 1 else called)
+def past_calls_text(content: str | None, calls: list[ToolCall], i: int) -> str:
+    """An assistant message's tool calls (message `i`) as the experts would have written them."""
+    written = [call_text(c.function.name, _arguments(c.function.arguments, i)) for c in calls]
+    return "\n".join(([content] if content else []) + written)
 
 
 def _arguments(arguments: str, i: int) -> Any:
@@ -69,13 +56,40 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call_of(text: str, call_id: str) -> dict[str, Any] | None:
-    """An answer's tool call in OpenAI's shape (None: the text is not a whole call, e.g. cut by max_tokens)."""
-    try:
-        call = json.loads(text)
-    except ValueError:  # not JSON (or a number past Python's digit limit): no tool call
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    return {"id": call_id, "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}
+def message_of(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer as an assistant message and its finish_reason: its calls as `tool_calls` (finish
+    "tool_calls") when it ended with every call whole; else the text as written."""
+    parsed = parse_calls(text)
+    if finish != "stop" or not parsed.calls:
+        return {"role": "assistant", "content": text}, finish
+    calls = [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+             for name, arguments in parsed.calls]
+    return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "tool_calls"
+
+
+class CallDeltas:
+    """One streamed choice's answer as OpenAI's deltas: text as `content`, each call as a first delta
+    with its id and name, then its arguments as they are written."""
+
+    def __init__(self) -> None:
+        self._stream = CallStream()
+
+    def delta(self, text: str, finished: bool) -> dict[str, Any]:
+        pieces = self._stream.feed(text) + (self._stream.finish() if finished else [])
+        delta: dict[str, Any] = {}
+        content = "".join(p.text for p in pieces if p.kind == "text")
+        if content:
+            delta["content"] = content
+        calls = []
+        for piece in pieces:
+            if piece.kind == "call":
+                calls.append({"index": piece.index, "id": new_call_id(), "type": "function",
+                              "function": {"name": piece.text, "arguments": ""}})
+            elif piece.kind == "arguments":
+                calls.append({"index": piece.index, "function": {"arguments": piece.text}})
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return "tool_calls" if finish == "stop" and self._stream.calls else finish

@@ -7,8 +7,8 @@ defaults by the service like any other request; a completion's prompt is continu
 template), a chat's messages go through each expert's template. Fields OpenAI has and the sampler has
 too keep OpenAI's meaning; vLLM's extras that the sampler has (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`) are accepted. Structured output (`response_format`, vLLM's
-`structured_outputs`) and tool calls (`tools` with `tool_choice` "required" or a named function,
-`services.openai_tools`) become one grammar over the fused distribution (`fusion.structured`). Fusion
+`structured_outputs`) and tool calls (`tools` with any `tool_choice`, `services.openai_tools`) become one
+grammar over the fused distribution (`fusion.structured`). Fusion
 controls travel in an extension object, `"fusion": {"rule", "params", "weights", "profile",
 "attribution"}`, and `model` may name a weight profile (`fusion:<profile>` or the profile's own name).
 
@@ -27,7 +27,7 @@ from fusion.service import FusionRequest
 from services.openai_errors import ApiError
 from services.openai_requests import (ChatRequest, CompletionRequest, FusionExtension, Kind, StructuredOutputs,
                                      parse_body)
-from services.openai_tools import tool_call_schema, tool_calls_text, tools_message
+from services.openai_tools import past_calls_text, tool_calls_spec
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Plan:
     logprobs: bool  # return each token's logprob (and the top alternatives the sampler gives)
     attribution: bool
     max_tokens: int | None  # as requested (None: the config's default), for per-key limits
-    tool_call: bool = False  # the answer is a tool call: {"name", "arguments"} JSON, sent as `tool_calls`
+    tool_call: bool = False  # the answer may hold tool calls (fusion.tool_calls), sent as `tool_calls`
     echo: bool = False  # completions: the prompt precedes the completion (with its logprobs)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     prompts: list = field(default_factory=list)  # completions: each prompt as sent (text or token ids)
@@ -96,9 +96,9 @@ def _structured(request: ChatRequest | CompletionRequest) -> tuple[str | None, d
                 raise ApiError(400, "response_format.json_schema: required with type json_schema",
                                "response_format.json_schema")
             asked.append(("response_format", {"json_schema": fmt.json_schema.schema_}, False))
-        tools = tool_call_schema(request)
+        tools = tool_calls_spec(request)
         if tools is not None:
-            asked.append(("tools", {"json_schema": tools}, True))
+            asked.append(("tools", {"tool_calls": tools}, True))
     if request.structured_outputs is not None:
         asked.append(("structured_outputs", _structured_outputs(request.structured_outputs), False))
     if len(asked) > 1:
@@ -145,9 +145,6 @@ def _chat_prompts(request: ChatRequest) -> list:
         if message.tool_calls and role != "assistant":
             raise ApiError(400, f"messages[{i}].tool_calls: only assistant messages make tool calls",
                            f"messages[{i}].tool_calls")
-        if message.tool_calls:  # the experts' chat templates know no tool roles: calls and results as text
-            messages.append({"role": "assistant", "content": tool_calls_text(message.tool_calls, i)})
-            continue
         content = message.content
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -155,15 +152,9 @@ def _chat_prompts(request: ChatRequest) -> list:
                     raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported (got type "
                                    f"{part.type!r})", f"messages[{i}].content[{j}]", "unsupported")
             content = "\n".join(part.text for part in content)
-        if role == "tool":
-            role, content = "user", f"Result of tool call {message.tool_call_id or ''}: {content or ''}"
+        if message.tool_calls:  # as the experts would have written them (fusion.tool_calls)
+            content = past_calls_text(content, message.tool_calls, i)
         messages.append({"role": role, "content": content or ""})
-    if request.tools and request.tool_choice != "none":
-        tools = tools_message(request.tools)
-        if messages and messages[0]["role"] == "system":
-            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{tools}"}
-        else:
-            messages.insert(0, {"role": "system", "content": tools})
     return [messages]
 
 

@@ -12,7 +12,8 @@ import pytest
 from fusion.service import PromptLogprobs
 from services.openai_errors import ApiError
 from services.openai_responses import vllm_prompt_logprobs
-from services.openai_tools import tool_call_of
+from fusion.tool_calls import call_text
+from services.openai_tools import message_of
 from services.openai_wire import plan_request
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -44,41 +45,45 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     "a": {"type": "integer"}}}}}, {"type": "function", "function": {"name": "g"}}]
 
 
-def test_tools_become_a_schema_of_one_call_and_a_system_message():
-    p = plan(tools=TOOLS, tool_choice="required")
-    schema = p.requests[0].sampling["structured"]["json_schema"]
-    assert [c["properties"]["name"]["const"] for c in schema["anyOf"]] == ["f", "g"]
-    assert schema["anyOf"][0]["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
-    assert schema["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
-    assert p.tool_call and p.requests[0].prompt[0]["role"] == "system" and '"name":"f"' in p.requests[0].prompt[0]["content"]
-    named = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})
-    assert named.requests[0].sampling["structured"]["json_schema"]["properties"]["name"] == {"const": "g"}
+def test_tools_and_tool_choice_become_the_tool_calls_field():
+    p = plan(tools=TOOLS)
+    calls = p.requests[0].sampling["structured"]["tool_calls"]
+    assert calls == {"functions": [t["function"] for t in TOOLS], "choice": "auto", "parallel": True}
+    assert p.tool_call and p.requests[0].prompt == CHAT  # the tools reach each expert's template, not the text
+    named = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}, parallel_tool_calls=False)
+    assert named.requests[0].sampling["structured"]["tool_calls"] | {"functions": None} == {
+        "functions": None, "choice": "g", "parallel": False}
+    assert plan(tools=TOOLS, tool_choice="required").requests[0].sampling["structured"]["tool_calls"]["choice"] == "required"
     none = plan(tools=TOOLS, tool_choice="none")
     assert "structured" not in none.requests[0].sampling and not none.tool_call
-    with pytest.raises(ApiError, match="tool_choice: 'auto'"):
-        plan(tools=TOOLS)
     with pytest.raises(ApiError, match="tool_choice: needs tools"):
         plan(tool_choice="required")
     with pytest.raises(ApiError, match="tools: function names must be distinct"):
-        plan(tools=[TOOLS[0], TOOLS[0]], tool_choice="required")
+        plan(tools=[TOOLS[0], TOOLS[0]])
+    with pytest.raises(ApiError, match="tool_choice.function.name: 'h' is not one of the tools"):
+        plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "h"}})
 
 
-def test_tool_history_becomes_text_the_templates_know():
+def test_tool_history_becomes_the_calls_as_written_and_tool_turns():
     history = CHAT + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "f", "arguments": '{"a": 1}'}}]}, {"role": "tool", "tool_call_id": "c1", "content": "2"}]
     messages = plan(messages=history).requests[0].prompt
-    assert messages[1] == {"role": "assistant", "content": json.dumps({"name": "f", "arguments": {"a": 1}})}
-    assert messages[2] == {"role": "user", "content": "Result of tool call c1: 2"}
+    assert messages[1] == {"role": "assistant", "content": call_text("f", {"a": 1})}
+    assert messages[2] == {"role": "tool", "content": "2"}
     with pytest.raises(ApiError, match=r"messages\[1\].tool_calls: function arguments must be JSON"):
         plan(messages=CHAT + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
             "name": "f", "arguments": "{nope"}}]}])
 
 
-def test_a_tool_call_is_read_back_only_when_whole():
-    call = tool_call_of('{"name": "f", "arguments": {"a": 1}}', "call_1")
-    assert call == {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-    assert tool_call_of('{"name": "f", "argu', "call_1") is None
-    assert tool_call_of("[1, 2]", "call_1") is None
+def test_an_answer_holds_tool_calls_only_when_it_ended_with_them_whole():
+    answer = "Let me see. " + call_text("f", {"a": 1})
+    message, finish = message_of(answer, "stop")
+    assert finish == "tool_calls" and message["content"] == "Let me see."
+    [call] = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"] == {"name": "f", "arguments": '{"a":1}'}
+    assert message_of(answer, "length") == ({"role": "assistant", "content": answer}, "length")
+    assert message_of(answer[:-3], "stop") == ({"role": "assistant", "content": answer[:-3]}, "stop")
+    assert message_of("no call", "stop") == ({"role": "assistant", "content": "no call"}, "stop")
 
 
 def test_echo_max_tokens_0_and_token_id_prompts():

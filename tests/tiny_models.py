@@ -12,6 +12,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A Qwen2.5-like template that takes `tools`: they are listed in the system turn, calls are asked for
+# in the Hermes syntax (fusion.tool_calls), and tool results come back as user turns.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\nThe functions you may call:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "To call one, answer <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif not (loop.first and m['role'] == 'system') %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "what is 12 + 35 ? the answer is 47 .",
@@ -21,8 +37,9 @@ CORPUS = [
 ] * 4
 
 
-def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None = None):
-    """A byte-level BPE tokenizer with a chat template and <|im_end|> as EOS."""
+def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None = None, *, tools: bool = False):
+    """A byte-level BPE tokenizer with a chat template and <|im_end|> as EOS; `tools`: Qwen's way, the
+    tool call tags as tokens of their own and a template that takes tools."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,11 +59,15 @@ def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None =
         pad_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
+    if tools:
+        fast.add_tokens(["<tool_call>", "</tool_call>"])  # not special: they decode as text, as Qwen's do
+        fast.chat_template = TOOLS_CHAT_TEMPLATE
     fast.save_pretrained(path)
     return fast
 
 
-def make_model(path: Path, tokenizer, *, seed: int, extra_rows: int = 0, hidden: int = 32, layers: int = 2):
+def make_model(path: Path, tokenizer, *, seed: int, extra_rows: int = 0, hidden: int = 32, layers: int = 2,
+               positions: int = 512):
     """A tiny Llama with `len(tokenizer) + extra_rows` output rows (padded embeddings), float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,7 +79,7 @@ def make_model(path: Path, tokenizer, *, seed: int, extra_rows: int = 0, hidden:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

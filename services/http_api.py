@@ -22,6 +22,7 @@ disconnects cancels every stream of its request, which frees their sessions on e
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ from starlette.middleware.cors import CORSMiddleware
 from fusion.errors import FusionError
 from fusion.service import FusionService, RequestStream
 from fusion.tenancy import LOCAL
+from services import tracing
 from services.api_keys import ApiKey
 from services.http_streams import Echo, Generation, ResponseBuilder, prompt_only_events, stream_body
 from services.key_gate import KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers
@@ -211,7 +213,7 @@ class HttpApi:
 
     # -- one generation request ---------------------------------------------------------------------
     async def _generate(self, request: Request, kind: Kind) -> Response:
-        received = time.perf_counter()
+        received, received_ns = time.perf_counter(), time.time_ns()
         plan: Plan | None = None
         generation: Generation | None = None
         try:
@@ -225,7 +227,7 @@ class HttpApi:
                 if not plan.stream:
                     return self._respond(request, JSONResponse(answer))
                 return self._respond(request, EventSourceResponse(iter(prompt_only_events(plan, answer))))
-            generation = await self._open(plan, record)
+            generation = await self._open(plan, record, request, received_ns)
             generation.watch(request)
             if not plan.stream:
                 answer = await self.answers.collect(generation, plan, received, echoes)
@@ -242,11 +244,11 @@ class HttpApi:
             return self._respond(request, response)
         except Exception as err:
             if generation is not None:
-                generation.close()
+                generation.close(err)
             return self._error_response(request, err, plan.renames if plan is not None else {})
-        except BaseException:  # cancelled (a shutdown past its grace): the streams end here too
+        except BaseException as err:  # cancelled (a shutdown past its grace): the streams end here too
             if generation is not None:
-                generation.close()
+                generation.close(err)
             raise
 
     async def _echoes(self, plan: Plan, record: ApiKey | None) -> list[Echo] | None:
@@ -265,11 +267,12 @@ class HttpApi:
             echoes.append(Echo(text, scored))
         return echoes
 
-    async def _open(self, plan: Plan, record: ApiKey | None) -> Generation:
+    async def _open(self, plan: Plan, record: ApiKey | None, request: Request, received_ns: int) -> Generation:
         """Admit one stream per choice, each in one of the key's slots and as the key's tenant (its
-        tokens reserved at admission); all or none."""
+        tokens reserved at admission), each traced when tracing is on (services.tracing); all or none."""
         tickets: list[KeyStream] = []
         streams: list[RequestStream] = []
+        traces: list[tracing.RequestTrace | None] = []
         tenant = self.gate.tenant(record) if record is not None else None
         try:
             if record is not None:
@@ -278,13 +281,23 @@ class HttpApi:
             for fusion_request in plan.requests:
                 if tenant is not None:
                     fusion_request = replace(fusion_request, tenant=tenant)
-                stream = await self.service.submit_async(fusion_request)
+                trace = self._start_trace(plan, fusion_request, request, received_ns) if tracing.active() else None
+                traces.append(trace)
+                started = functools.partial(tracing.admitted, trace) if trace is not None else None
+                stream = await self.service.submit_async(fusion_request, on_start=started)
                 streams.append(stream)
                 self.metrics.prompt_tokens.inc(stream.prompt_tokens)
-        except BaseException:
-            Generation(streams, tickets).close()
+        except BaseException as err:
+            Generation(streams, tickets, traces).close(err)
             raise
-        return Generation(streams, tickets)
+        return Generation(streams, tickets, traces)
+
+    @staticmethod
+    def _start_trace(plan: Plan, fusion_request, request: Request, received_ns: int) -> tracing.RequestTrace | None:
+        asked = {name: fusion_request.sampling.get(name) for name in ("max_tokens", "temperature", "top_p", "top_k",
+                                                                     "seed")}
+        return tracing.start_request(plan.kind, request.headers.items(), received_ns, asked,
+                                     http_route=request.url.path)
 
     # -- the edges: keys, bodies, errors --------------------------------------------------------------
     async def _authenticate(self, request: Request, method: str) -> ApiKey | None:

@@ -24,6 +24,7 @@ from fastapi.sse import format_sse_event
 
 from fusion.engine_types import new_request_id
 from fusion.service import FusionService, PromptLogprobs, RequestStream, TextEvent, Usage
+from services import tracing
 from services.key_gate import KeyStream
 from services.metrics import CoordinatorMetrics
 from services.openai_responses import (
@@ -51,11 +52,21 @@ class Generation:
     """The service streams of one HTTP request (one per choice), its key's tickets and the watch for
     the client going away. `close` (idempotent) cancels the streams and frees the tickets."""
 
-    def __init__(self, streams: list[RequestStream], tickets: list[KeyStream]) -> None:
+    def __init__(self, streams: list[RequestStream], tickets: list[KeyStream],
+                 traces: list[tracing.RequestTrace | None] | None = None) -> None:
         self.streams, self.tickets = streams, tickets
+        self.traces = traces or [None] * len(streams)  # each stream's trace (services.tracing), None: untraced
+        self.finish_reasons: list[str | None] = [None] * len(self.traces)
         self._watch: asyncio.Task | None = None
         self._pumps: list[asyncio.Task] = []  # end with their streams (cancelled streams end too)
         self.closed = False
+
+    def token(self, choice: int, event: TextEvent) -> None:
+        """One token of a choice, into its trace."""
+        trace = self.traces[choice]
+        if trace is not None:
+            tracing.token(trace)
+            self.finish_reasons[choice] = event.finish_reason or self.finish_reasons[choice]
 
     def watch(self, request: Request) -> None:
         """Close when the client disconnects (the body has been read: what arrives now is the end)."""
@@ -66,12 +77,15 @@ class Generation:
 
         self._watch = asyncio.create_task(until_disconnected())
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         if self.closed:
             return
         self.closed = True
         for stream in self.streams:
             stream.cancel()
+        for i, trace in enumerate(self.traces):
+            request_id = self.streams[i].request_id if i < len(self.streams) else None
+            tracing.end_request(trace, request_id, self.finish_reasons[i], error)
         for ticket in self.tickets:
             ticket.close()
         if self._watch is not None and self._watch is not asyncio.current_task():
@@ -171,11 +185,12 @@ class ResponseBuilder:
                 "choices": choices, "usage": usage(prompt_tokens, 0)}
 
     async def _metered(self, generation: Generation, received: float) -> AsyncIterator[tuple[int, TextEvent]]:
-        """The events, timed into the metrics."""
+        """The events, timed into the metrics and each choice's trace."""
         timers = [self.metrics.stream(received) for _ in generation.streams]
         async with contextlib.aclosing(generation.events()) as events:
             async for choice, event in events:
                 timers[choice].token()
+                generation.token(choice, event)
                 yield choice, event
 
     def _bytes_of(self, token_id: int) -> bytes:
@@ -311,13 +326,15 @@ async def stream_body(first: bytes, chunks: AsyncIterator[bytes], generation: Ge
                       error_body: Callable[[Exception], dict[str, Any]]) -> AsyncIterator[bytes]:
     """A started stream's body: `first`, then the rest of `chunks`; an error becomes an `error` event
     (`error_body`, OpenAI's shape) and the end. The generation closes however the body ends."""
+    error: Exception | None = None
     try:
         yield first
         async for chunk in chunks:
             yield chunk
     except Exception as err:  # after the response started: an error event, then the end
+        error = err
         yield _sse(error_body(err))
         yield _DONE
     finally:
         await chunks.aclose()
-        generation.close()
+        generation.close(error)

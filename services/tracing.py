@@ -113,7 +113,7 @@ def _now() -> int:
 
 
 def _context_from(metadata: Iterable[tuple[str, Any]] | None):
-    """The W3C trace context a gRPC call's metadata carries (None: none)."""
+    """The W3C trace context a gRPC call's metadata (or an HTTP request's headers) carries (None: none)."""
     from opentelemetry.propagate import extract
 
     carrier = {key: value for key, value in (metadata or ()) if isinstance(value, str)}
@@ -143,15 +143,20 @@ class RequestTrace:
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
-def start_request(name: str, metadata, received_ns: int, sampling: Mapping[str, Any] | None = None) -> RequestTrace | None:
-    """The request's SERVER span (None when tracing is off), child of the caller's trace context."""
+def start_request(name: str, metadata, received_ns: int, sampling: Mapping[str, Any] | None = None, *,
+                  http_route: str | None = None) -> RequestTrace | None:
+    """The request's SERVER span (None when tracing is off), child of the caller's trace context: the
+    gRPC call's metadata, or the HTTP request's headers (`http_route`: its path)."""
     tracer = _State.tracer
     if tracer is None:
         return None
     from opentelemetry.trace import SpanKind
 
-    attributes = {"gen_ai.system": SYSTEM, "gen_ai.operation.name": "text_completion", "rpc.system": "grpc",
-                  "rpc.method": name}
+    attributes = {"gen_ai.system": SYSTEM, "gen_ai.operation.name": "chat" if name == "chat" else "text_completion"}
+    if http_route is None:
+        attributes |= {"rpc.system": "grpc", "rpc.method": name}
+    else:
+        attributes |= {"http.request.method": "POST", "http.route": http_route}
     for key, value in (sampling or {}).items():
         if value is not None:
             attributes[f"gen_ai.request.{key}"] = value
@@ -232,7 +237,7 @@ def start_expert_call(expert: str, method: str, session_ids: Sequence[str], addr
     from opentelemetry.trace import Link, SpanKind
 
     traces = [t for t in (_State.requests.get(s) for s in dict.fromkeys(session_ids)) if t is not None]
-    if not traces:  # sessions of untraced requests (the HTTP API's): no trace of their own
+    if not traces:  # sessions of untraced requests: no trace of their own
         return None, []
     parent = otel.set_span_in_context(traces[0].span) if len(traces) == 1 else None
     links = [Link(t.span.get_span_context()) for t in traces] if len(traces) > 1 else None

@@ -5,6 +5,8 @@ batched calls link to the requests they serve; off, nothing is recorded."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,7 +18,7 @@ from services import tracing
 from services.coordinator import create_coordinator_server
 from services.expert_server import create_expert_server
 from services.protos import fusion_pb2, fusion_pb2_grpc
-from tests.helpers import wait_until
+from tests.helpers import HANG_S, wait_until
 from tests.test_grpc import addr, remote_config
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -115,6 +117,45 @@ def test_a_request_is_one_trace_across_the_grpc_hop_to_its_experts(loop, tiny_co
     assert len(calls) == len(served) == 3 * 6
 
 
+def test_an_http_request_is_one_trace_per_choice_child_of_its_traceparent_header(loop, tiny_config, tiny_dir,
+                                                                                 receiver):
+    experts = {e.name: loop.run(create_expert_server(LocalExpert.load(e), tiny_config.limits))
+               for e in tiny_config.experts}
+    coordinator, _ = loop.run(create_coordinator_server(
+        remote_config(tiny_dir, {name: [addr(p)] for name, (_, p) in experts.items()}), http_address="127.0.0.1:0"))
+    try:
+        body = {"model": "fusion", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "n": 2,
+                "ignore_eos": True}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{coordinator.http_port}/v1/chat/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"})
+        with urllib.request.urlopen(request, timeout=HANG_S) as response:
+            assert len(json.load(response)["choices"]) == 2
+
+        def mine():
+            return [s for s in receiver.spans if s.trace_id.hex() == TRACE_ID]
+
+        wait_until(lambda: [s.name for s in tracing.flush() and mine()].count("chat") == 2, interval_s=0.2,
+                   message="the choices' spans at the receiver")
+    finally:
+        loop.run(coordinator.stop(0))
+        for server, _ in experts.values():
+            loop.run(server.stop(0))
+    roots = [s for s in mine() if s.name == "chat"]
+    for root in roots:  # one per choice, each the caller's child, with its stages and tokens
+        facts = attributes(root)
+        assert root.parent_span_id.hex() == CALLER_SPAN and root.kind == root.SPAN_KIND_SERVER
+        assert facts["http.route"] == "/v1/chat/completions" and facts["gen_ai.operation.name"] == "chat"
+        assert facts["gen_ai.usage.output_tokens"] == 4 and facts["gen_ai.response.finish_reasons"] == ["length"]
+        stages = [s.name for s in mine() if s.parent_span_id == root.span_id]
+        assert {"admission", "queue", "prefill", "decode"} <= set(stages)
+    # the experts' calls: each the child of the one request it served, or linked to both when batched
+    calls = [s for s in mine() if s.name == "expert.step"]
+    root_ids = {r.span_id for r in roots}
+    assert calls and all(c.parent_span_id in root_ids or {link.span_id for link in c.links} == root_ids
+                         for c in calls)
+
+
 def test_a_batched_call_links_the_requests_it_serves_and_a_single_one_is_their_child(receiver):
     traces = {}
     for request_id in ("r1", "r2"):
@@ -126,7 +167,7 @@ def test_a_batched_call_links_the_requests_it_serves_and_a_single_one_is_their_c
         traces[r].span.get_span_context() for r in ("r1", "r2")]
     single, _ = tracing.start_expert_call("a", "Step", ["r2"], "127.0.0.1:1")
     assert single.parent.span_id == traces["r2"].span.get_span_context().span_id and not single.links
-    # a call for requests no trace follows (the HTTP API's) starts none of its own
+    # a call for requests no trace follows starts none of its own
     assert tracing.start_expert_call("a", "Step", ["not-traced"], "127.0.0.1:1") == (None, [])
     for request_id, trace in traces.items():
         tracing.end_request(trace, request_id, "stop")

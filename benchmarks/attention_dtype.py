@@ -28,7 +28,7 @@ def timed_us(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    import fusion.decode_ops as ops
+    import fusion.forward.ops as ops
     from fusion.config import load_config
     from fusion.models import default_cache_dir
     from fusion.tools.loading import DEFAULT_CONFIG, load_service

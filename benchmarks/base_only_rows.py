@@ -16,7 +16,7 @@ from pathlib import Path
 def main() -> None:
     from fusion.config import load_config
     from fusion.models import default_cache_dir
-    from fusion.multi_lora import AdapterRows
+    from fusion.experts.multi_lora import AdapterRows
     from fusion.tools.loading import DEFAULT_CONFIG, load_service
     from fusion.tools.step_timing import emit_figures, members_step_ms
 

@@ -24,7 +24,7 @@ from pathlib import Path
 def main() -> None:
     from fusion.compute import run_on_compute_thread
     from fusion.config import load_config
-    from fusion.expert import StepRequest
+    from fusion.experts.expert import StepRequest
     from fusion.models import default_cache_dir
     from fusion.tools.loading import DEFAULT_CONFIG, load_service
     from fusion.tools.step_timing import emit_figures, members_step_ms

@@ -5,7 +5,7 @@ One `fusion serve --http-port` process (its own process, as in production) serve
 of SmolLM2-135M's shape (random weights, `--layers` of its 30, bf16, vocabulary 49,152). This process
 streams the same greedy request (`--tokens` tokens, EOS ignored) over
 
-    grpc   services.client.FusionClient.generate (the Fusion gRPC service)
+    grpc   fusion.services.client.FusionClient.generate (the Fusion gRPC service)
     http   the official `openai` client, chat.completions.create(stream=True) (HTTP + server-sent events)
 
 in interleaved rounds, and reports per transport the median time to first token (request sent to the
@@ -67,7 +67,7 @@ def main() -> None:
 
     import openai
 
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -32,10 +32,10 @@ import torch
 import yaml
 
 from fusion.config import ExpertConfig, parse_config
-from fusion.expert import LocalExpert, StepRequest
-from services.protos import expert_pb2
-from services.remote_expert import RemoteExpert
-from services.wire import encode_tensor
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.services.protos import expert_pb2
+from fusion.services.remote_expert import RemoteExpert
+from fusion.services.wire import encode_tensor
 
 from synthetic import build_expert  # noqa: E402  (benchmarks/ is on sys.path when run)
 

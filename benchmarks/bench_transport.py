@@ -2,7 +2,7 @@
 the same expert replica, measured side by side in one run.
 
 An expert of SmolLM2-135M's shape (hidden 576, vocabulary 49,152, bf16; random weights, `--layers`
-of its 30) is deployed with `deploy.expert.ExpertReplica` on a local Ray cluster. Each transport
+of its 30) is deployed with `fusion.deploy.expert.ExpertReplica` on a local Ray cluster. Each transport
 decodes its own sessions step by step (every step carries the whole history, as the protocol does):
 
     local     LocalExpert.step in this process (the forward alone; reference)
@@ -77,14 +77,14 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deploy.expert import ExpertReplica
-    from deploy.registry import ReplicaRegistry
+    from fusion.deploy.expert import ExpertReplica
+    from fusion.deploy.registry import ReplicaRegistry
     from fusion.config import parse_config
-    from fusion.expert import LocalExpert, StepRequest
-    from services.protos import expert_pb2, expert_pb2_grpc
-    from services.remote_expert import RemoteExpert
-    from services.serving import channel_options
-    from services.wire import decode_tensor
+    from fusion.experts.expert import LocalExpert, StepRequest
+    from fusion.services.protos import expert_pb2, expert_pb2_grpc
+    from fusion.services.remote_expert import RemoteExpert
+    from fusion.services.serving import channel_options
+    from fusion.services.wire import decode_tensor
 
     workdir = tempfile.TemporaryDirectory(prefix="bench-transport-")
     folder = build_expert(Path(workdir.name) / "smol", opts.layers)
@@ -95,7 +95,7 @@ def main() -> None:
     try:
         serve.start(proxy_location="HeadOnly", http_options={"port": free_port()}, grpc_options={
             "port": ingress_port,
-            "grpc_servicer_functions": ["services._generated.expert_pb2_grpc.add_ExpertServicer_to_server"],
+            "grpc_servicer_functions": ["fusion.services._generated.expert_pb2_grpc.add_ExpertServicer_to_server"],
         })
         replica = ExpertReplica.options(name="expert-smol", num_replicas=1, ray_actor_options={"num_cpus": 0})
         app = replica.bind(config.experts[0].model_dump(), config.limits.model_dump(), ReplicaRegistry.bind(10.0),
@@ -153,8 +153,8 @@ def remote_logits_proto(address: str, prompt: list[int]):
     """One step's logits message as the replica sends it (for its size)."""
     import grpc
 
-    from services.protos import expert_pb2, expert_pb2_grpc
-    from services.serving import channel_options
+    from fusion.services.protos import expert_pb2, expert_pb2_grpc
+    from fusion.services.serving import channel_options
 
     with grpc.insecure_channel(address, options=channel_options(64 << 20)) as channel:
         stub = expert_pb2_grpc.ExpertStub(channel)

@@ -2,13 +2,13 @@
 GPU) work on a thread other than the one that imported them. torch 2.11 kept the trees' state in the
 importing thread only and asserted elsewhere (docs/performance.md, the GPU check), which failed the engine's
 pool threads; a compiled CUDA step now runs on one thread of its own, given that state first
-(fusion.graph_thread). This probe says what the machine's torch does, in seconds.
+(fusion.forward.graph_thread). This probe says what the machine's torch does, in seconds.
 
     python benchmarks/cuda_graph_threads.py [--out FILE]
 
 Prints one JSON object (and writes it to FILE): torch's version, and "ok" or the error for the compiling
 thread, for a new thread replaying its graph, and for a new thread given the trees' state first
-(`fusion.graph_thread.prepare_graph_trees`, what a compiled CUDA decode step's own thread does) that
+(`fusion.forward.graph_thread.prepare_graph_trees`, what a compiled CUDA decode step's own thread does) that
 compiles and replays a graph of its own. Exit 0 when it ran (whatever it found), 3 without a CUDA device.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fusion.graph_thread import prepare_graph_trees
+from fusion.forward.graph_thread import prepare_graph_trees
 
 
 def replay(step, x: torch.Tensor, want: torch.Tensor) -> str:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     def other() -> None:
         found["other_thread"] = replay(step, x, want)
 
-    def prepared() -> None:  # what a compiled CUDA decode step's own thread does first (fusion.graph_thread)
+    def prepared() -> None:  # what a compiled CUDA decode step's own thread does first (fusion.forward.graph_thread)
         prepare_graph_trees()
         found["prepared_thread"] = replay(fresh_step, x, want)
 

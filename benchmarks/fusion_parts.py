@@ -12,7 +12,7 @@ forward is timed in alternating rounds, so every part is also given as a share o
     complementary logit   Router._add_complementary: the (hidden, V) product onto the fused scores
     router head and pick  the rest of Route.fuse: the body, route weights, the hard pick
     sampling metadata     SamplingMetadata.build
-    sampler               fusion.sampler.sample
+    sampler               fusion.fuse.sampler.sample
     attribution, lists    the rest of the engine's sampling: attribution, results to host lists
 
     .venv/bin/python benchmarks/fusion_parts.py [--config F] [--cache DIR] [--steps 24] [--rounds 4]
@@ -27,11 +27,11 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-from fusion import decode_batch as decode_batch_module
-from fusion import router as router_module
-from fusion.decode_batch import DecodeBatch
-from fusion.engine import FusionEngine
-from fusion.sampler import SamplingMetadata
+from fusion.engine import batch as decode_batch_module
+from fusion.fuse import router as router_module
+from fusion.engine.batch import DecodeBatch
+from fusion.engine.core import FusionEngine
+from fusion.fuse.sampler import SamplingMetadata
 from fusion.tools.bench import _prompt_ids, plain_forward_ms, warm_decode_batch
 from fusion.tools.loading import cache_dir, load_service, read_config
 from fusion.tools.step_timing import Timings, wrap

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fusion.config import parse_config
-from fusion.service import FusionService
+from fusion.frontdoor.service import FusionService
 from fusion.tools import bench
 
 logger = logging.getLogger("gpu_check")

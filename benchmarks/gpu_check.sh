@@ -90,7 +90,7 @@ if [ -n "$missing" ]; then
     "$wheels"/*.whl >"$out/pip.log" 2>&1 || fail "pip install from $wheels failed (see $out/pip.log)" 4
   export PYTHONPATH="$PYTHONPATH:$site"  # holds only the wheels given, meant for what the image lacks
 fi
-"$python" -c "import fusion.service, fusion.tools.bench" 2>"$out/import.log" \
+"$python" -c "import fusion.frontdoor.service, fusion.tools.bench" 2>"$out/import.log" \
   || fail "the runtime does not import (see $out/import.log)" 4
 
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -98,7 +98,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$out/inductor-cache}"
 status=0
 
 # 2b. whether CUDA-graph trees work from a thread other than the importing one, as is and prepared as a
-# compiled CUDA step's own thread is (fusion/graph_thread.py)
+# compiled CUDA step's own thread is (fusion/forward/graph_thread.py)
 say "CUDA graphs from another thread"
 (cd "$repo" && timeout 120 "$python" benchmarks/cuda_graph_threads.py --out "$out/cuda_graph_threads.json") \
   2>&1 | tee "$out/cuda_graph_threads.log"

@@ -3,7 +3,7 @@
 For SmolLM2-135M-Instruct's vocabulary (49,152 ids) and three constraints (a JSON Schema with nested
 objects, an enum and a number; any JSON object; a regex), each library compiles the constraint for
 the vocabulary, then walks a valid answer token by token, computing the allowed-token mask before
-each token: the work `fusion.structured` does per constrained row per step. Reports the compile time
+each token: the work `fusion.fuse.structured` does per constrained row per step. Reports the compile time
 and the mask time per step (median, p95), and prints one JSON object (`--json` writes it).
 
 xgrammar is the third well-kept choice; its wheel depends on triton and apache-tvm-ffi (for its GPU
@@ -52,7 +52,7 @@ def bench_llguidance(tokenizer, kind: str, ids: list[int]) -> dict:
     import llguidance.torch
 
     from fusion.config import StructuredOutput
-    from fusion.structured import grammar_text
+    from fusion.fuse.structured import grammar_text
 
     start = time.perf_counter()
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152)
@@ -111,7 +111,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from fusion.models import default_cache_dir, model_dir
-    from fusion.spelling import token_bytes_of
+    from fusion.crosstok.spelling import token_bytes_of
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=model_dir(default_cache_dir(), "smollm2-135m-instruct"))

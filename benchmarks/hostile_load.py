@@ -50,10 +50,10 @@ from pathlib import Path
 import grpc
 import yaml
 
-from services.client import FusionClient
-from services.protos import EXPERT_SERVICE, FUSION_SERVICE, expert_pb2, fusion_pb2
-from services.api_keys import create_key
-from services.expert_auth import EXPERT_SECRET_HEADER
+from fusion.services.client import FusionClient
+from fusion.services.protos import EXPERT_SERVICE, FUSION_SERVICE, expert_pb2, fusion_pb2
+from fusion.services.api_keys import create_key
+from fusion.services.expert_auth import EXPERT_SECRET_HEADER
 
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import build_expert  # noqa: E402

@@ -26,8 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build(kernels: Path, target: Path) -> ctypes.CDLL:
-    from fusion import native_kernels
-
+    from fusion.forward import native_kernels
     subprocess.run(["gcc", *native_kernels.FLAGS, str(kernels / "library.c"), "-o", str(target), "-lm"], check=True)
     library = ctypes.CDLL(str(target))
     native_kernels.declare_products(library)
@@ -35,11 +34,11 @@ def build(kernels: Path, target: Path) -> ctypes.CDLL:
 
 
 def checkout_kernels(revision: str, into: Path) -> Path:
-    """fusion/kernels/*.c as of `revision`, written under `into`."""
+    """fusion/forward/kernels/*.c as of `revision`, written under `into`."""
     names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:fusion/kernels"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split()
     for name in names:
-        source = subprocess.run(["git", "show", f"{revision}:fusion/kernels/{name}"], cwd=REPO, check=True,
+        source = subprocess.run(["git", "show", f"{revision}:fusion/forward/kernels/{name}"], cwd=REPO, check=True,
                                 capture_output=True).stdout
         (into / name).write_bytes(source)
     return into
@@ -47,7 +46,7 @@ def checkout_kernels(revision: str, into: Path) -> Path:
 
 def main() -> None:
     from fusion.compute import run_on_compute_thread
-    from fusion.fast_decode import FastDecoder
+    from fusion.forward.llama import FastDecoder
     from fusion.tools.loading import cache_dir, load_service, read_config
     from fusion.tools.step_timing import emit_figures
 

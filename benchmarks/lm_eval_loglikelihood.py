@@ -48,7 +48,7 @@ metric_list:
 
 def main() -> None:
     from fusion.models import SMOLLM2_NAME, default_cache_dir, model_dir
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config")

@@ -51,7 +51,7 @@ def main() -> None:
     from fusion.tools.loading import DEFAULT_CONFIG
     from fusion.tools.ray_cluster import LocalRayCluster, free_port
     from fusion.tools.step_timing import emit_figures
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path(DEFAULT_CONFIG))

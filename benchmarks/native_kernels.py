@@ -1,7 +1,7 @@
 """The default trio's decode step with torch's quantized kernels against the project's own
-(fusion/native_kernels.py), side by side in one run, alternating rounds: the three members' step (one
+(fusion/forward/native_kernels.py), side by side in one run, alternating rounds: the three members' step (one
 session each) and the base member's step alone, at a short and a longer history, eager (`decode: fast`).
-The eager step with the project's kernels runs twice: its layers in the C step (`fast_native`, fusion/native_decoder.py, the default) and as torch
+The eager step with the project's kernels runs twice: its layers in the C step (`fast_native`, fusion/forward/native_step.py, the default) and as torch
 operators calling the kernels one product at a time (`fast_native_ops`).
 
     python benchmarks/native_kernels.py --json benchmarks/results/bench_native_kernels.json
@@ -26,7 +26,7 @@ def main() -> None:
 
     import torch
 
-    import fusion.quantized as quantized
+    import fusion.forward.quantized as quantized
     from fusion.config import load_config
     from fusion.models import default_cache_dir
     from fusion.tools.loading import DEFAULT_CONFIG, load_service

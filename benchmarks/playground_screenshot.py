@@ -35,10 +35,10 @@ def main() -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
     from fusion.config import parse_config
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
     from fusion.tools.router_training import RouterTrainSettings, train_router
-    from services.background import BackgroundLoop
-    from services.coordinator import create_coordinator_server
+    from fusion.services.background import BackgroundLoop
+    from fusion.services.coordinator import create_coordinator_server
     from tests.conftest import tiny_config_dict
     from tests.tiny_models import CORPUS, make_model, make_tokenizer
 

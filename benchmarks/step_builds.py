@@ -26,9 +26,9 @@ CASES = {"base": [0], "trio": [0, 1, 2]}
 
 
 def main() -> None:
-    from fusion import native_kernels
+    from fusion.forward import native_kernels
     from fusion.compute import run_on_compute_thread
-    from fusion.expert import StepRequest
+    from fusion.experts.expert import StepRequest
     from fusion.tools.loading import cache_dir, load_service, read_config
     from fusion.tools.step_timing import emit_figures, members_step_ms
 

@@ -7,7 +7,7 @@ base stepping
   the default trio.
 
 The kernels are built with -DFUSION_STEP_CLOCKS (a library file of their own, beside the usual one), which
-clocks each phase of the layers (`fusion_step_clocks` in fusion/kernels/decoder_step.c). Around the call,
+clocks each phase of the layers (`fusion_step_clocks` in fusion/forward/kernels/decoder_step.c). Around the call,
 the head (`FastDecoder._head`) and the layers' call from Python (`NativeLayers.run`) are timed too; what
 remains of the step (embedding, the rotary table, sessions and caches, Python) is the step's time less both.
 Over 4-bit weights a projection's adapter deltas run inside its product (decoder_step.c's `project`), so the
@@ -31,15 +31,14 @@ CASES = {"base": ([0], 1), "base_3_rows": ([0], 3), "trio": ([0, 1, 2], 1)}
 
 
 def main() -> None:
-    from fusion import native_kernels
-
+    from fusion.forward import native_kernels
     # Before anything loads the library: the clocked build is a file of its own (FLAGS are in its name's hash).
     native_kernels.FLAGS = (*native_kernels.FLAGS, "-DFUSION_STEP_CLOCKS")
     native_kernels.library.cache_clear()
 
-    from fusion.fast_decode import FastDecoder
+    from fusion.forward.llama import FastDecoder
     from fusion.models import default_cache_dir
-    from fusion.native_decoder import NativeLayers
+    from fusion.forward.native_step import NativeLayers
     from fusion.tools.loading import read_config, load_service
     from fusion.tools.step_timing import Timings, emit_figures, members_step_ms, wrap
 

@@ -30,18 +30,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
 
-    from fusion import (
-        decode_batch,
-        engine,
-        expert,
-        expert_batching,
-        fast_decode,
-        native_decoder,
-        native_kernels,
-        router,
-    )
+    from fusion.engine import batch as decode_batch
+    from fusion.engine import core as engine
+    from fusion.experts import batching as expert_batching
+    from fusion.experts import expert
+    from fusion.forward import llama as fast_decode
+    from fusion.forward import native_kernels
+    from fusion.forward import native_step as native_decoder
+    from fusion.fuse import router
     from fusion.models import default_cache_dir
-    from fusion.service import FusionRequest
+    from fusion.frontdoor.service import FusionRequest
     from fusion.tools.bench import BENCH_PROMPT, clear_kept_prefixes
     from fusion.tools.loading import load_service, read_config
     from fusion.tools.step_timing import Timings, emit_figures, wrap

@@ -25,12 +25,12 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from fusion.config import parse_config
-from fusion.expert import LocalExpert
-from services import tracing
-from services.coordinator import create_coordinator_server
-from services.expert_server import create_expert_server
-from services.protos import fusion_pb2, fusion_pb2_grpc
-from services.background import BackgroundLoop
+from fusion.experts.expert import LocalExpert
+from fusion.services import tracing
+from fusion.services.coordinator import create_coordinator_server
+from fusion.services.expert_server import create_expert_server
+from fusion.services.protos import fusion_pb2, fusion_pb2_grpc
+from fusion.services.background import BackgroundLoop
 from tests.conftest import tiny_config_dict
 from tests.tiny_models import make_model, make_tokenizer
 

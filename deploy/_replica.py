@@ -12,8 +12,8 @@ from typing import Any, Coroutine
 
 import grpc
 
-from services.background import BackgroundLoop
-from services.status import error_from_status
+from fusion.services.background import BackgroundLoop
+from fusion.services.status import error_from_status
 
 _ANY_INTERFACE = {"0.0.0.0", "::", "[::]", ""}
 

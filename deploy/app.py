@@ -4,8 +4,8 @@
         ▲                                        ▲
         └──── addresses, every refresh_s ─── coordinator ── Fusion gRPC, OpenAI HTTP ◄── clients
 
-`build_app(args)` is what a serve YAML's `import_path: deploy.app:build_app` calls with its `args:`
-(see `deploy.settings.DeployArgs`), and what Python code calls before `serve.run`. `run_local`
+`build_app(args)` is what a serve YAML's `import_path: fusion.deploy.app:build_app` calls with its `args:`
+(see `fusion.deploy.settings.DeployArgs`), and what Python code calls before `serve.run`. `run_local`
 starts it on a local Ray cluster and blocks until Ctrl-C (the `fusion deploy` command).
 """
 
@@ -20,10 +20,10 @@ from typing import Any, Callable
 from ray import serve
 from ray.serve import Application
 
-from deploy.coordinator import COORDINATOR_DEPLOYMENT, CoordinatorReplica
-from deploy.expert import ExpertReplica, expert_deployment_name
-from deploy.registry import ReplicaRegistry
-from deploy.settings import DeployArgs, parse_args
+from fusion.deploy.coordinator import COORDINATOR_DEPLOYMENT, CoordinatorReplica
+from fusion.deploy.expert import ExpertReplica, expert_deployment_name
+from fusion.deploy.registry import ReplicaRegistry
+from fusion.deploy.settings import DeployArgs, parse_args
 
 logger = logging.getLogger(__name__)
 

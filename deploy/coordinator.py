@@ -1,9 +1,9 @@
-"""The coordinator deployment: `services.coordinator` serving the Fusion gRPC service to clients and,
+"""The coordinator deployment: `fusion.services.coordinator` serving the Fusion gRPC service to clients and,
 with `http_port`, the OpenAI-compatible HTTP API on its own port (uvicorn in the replica, not Serve's
 HTTP proxy: docs/deployment.md, "The HTTP API on Ray Serve").
 
 At start it waits until every expert has a registered replica of the version its config names
-(same model, dtype, device; see `deploy.registry`), then builds the service with one
+(same model, dtype, device; see `fusion.deploy.registry`), then builds the service with one
 `RemoteExpert` per expert over those replicas' addresses and serves on `port` (fixed, so a
 Kubernetes Service and probes can find it). Every `refresh_s` it re-reads the registry and hands
 each expert's current replica list to its `RemoteExpert` (`set_addresses`): new replicas take new
@@ -13,7 +13,7 @@ sessions, sessions stay pinned to their replica (its KV cache), and a step that 
 - `check_health`: the server's own gRPC health service must report SERVING, dialled with the config's
   TLS settings (health needs no API key, as for Kubernetes probes); with `http_port`, the HTTP API's
   `/health` must answer 200 too.
-- `record_autoscaling_stats`: requests in flight (what `deploy.autoscaling` scales on).
+- `record_autoscaling_stats`: requests in flight (what `fusion.deploy.autoscaling` scales on).
 - `__del__` (Serve's graceful shutdown): NOT_SERVING, streams in flight get `grace_s` to finish.
 """
 
@@ -31,18 +31,18 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
-from deploy._replica import ServerLoop, advertised_host
-from deploy.registry import expert_version
-from deploy.settings import CoordinatorRuntime
+from fusion.deploy._replica import ServerLoop, advertised_host
+from fusion.deploy.registry import expert_version
+from fusion.deploy.settings import CoordinatorRuntime
 from fusion.config import FusionConfig, parse_config
 from fusion.errors import ExpertUnavailableError
 from fusion.models import model_resolver
-from services import tracing
-from services.coordinator import create_coordinator_server
-from services.metrics import label_replica
-from services.protos import FUSION_SERVICE
-from services.remote_expert import RemoteExpert
-from services.tls import open_channel
+from fusion.services import tracing
+from fusion.services.coordinator import create_coordinator_server
+from fusion.services.metrics import label_replica
+from fusion.services.protos import FUSION_SERVICE
+from fusion.services.remote_expert import RemoteExpert
+from fusion.services.tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class CoordinatorReplica:
             reply.read()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        from deploy.autoscaling import LOAD_METRIC
+        from fusion.deploy.autoscaling import LOAD_METRIC
 
         return {LOAD_METRIC: float(self.service.active)}
 

@@ -1,4 +1,4 @@
-"""One Serve deployment per expert; each replica is one `services.expert_server` on its node.
+"""One Serve deployment per expert; each replica is one `fusion.services.expert_server` on its node.
 
 A replica loads its expert (on the GPU Ray gave it, when the expert config asks for `num_gpus`),
 starts the Expert gRPC service on a free port, registers the address with the registry and
@@ -10,7 +10,7 @@ bytes, continuous batching across sessions), not through Serve's request path.
   credentials fail it and Serve replaces the replica; and the model's worker thread must not have
   been on one job for more than `_WEDGED_AFTER_S` (a forward that never returns). Both answer on the
   server's event loop, never behind the worker: a long Score does not fail the check.
-- `record_autoscaling_stats`: the sessions cached here (what `deploy.autoscaling` scales on).
+- `record_autoscaling_stats`: the sessions cached here (what `fusion.deploy.autoscaling` scales on).
 - `Step`: the same batched step for a caller holding a Serve handle, or Serve's gRPC ingress.
 - `__del__` (Serve's graceful shutdown): unregister, report NOT_SERVING, let in-flight steps finish
   for `grace_s`, then stop. A caller refused meanwhile fails over to another replica.
@@ -31,22 +31,22 @@ from typing import Any
 import ray
 from ray import serve
 
-from deploy._replica import DirectContext, ServerLoop, advertised_host
-from deploy.registry import expert_version
-from deploy.settings import ExpertRuntime
+from fusion.deploy._replica import DirectContext, ServerLoop, advertised_host
+from fusion.deploy.registry import expert_version
+from fusion.deploy.settings import ExpertRuntime
 from fusion.compute import compute_executor
 from fusion.config import ExpertConfig, Limits, SecurityConfig
-from fusion.expert import LocalExpert
+from fusion.experts.expert import LocalExpert
 from fusion.models import model_resolver
-from services import tracing
-from services.expert_server import create_expert_server
-from services.metrics import label_replica, serve_metrics
+from fusion.services import tracing
+from fusion.services.expert_server import create_expert_server
+from fusion.services.metrics import label_replica, serve_metrics
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.expert_auth import expert_channel_metadata
-from services.tls import open_channel
-from services.serving import channel_options
+from fusion.services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
+from fusion.services.expert_auth import expert_channel_metadata
+from fusion.services.tls import open_channel
+from fusion.services.serving import channel_options
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class ExpertReplica:
                                f"(more than {_WEDGED_AFTER_S:.0f} s): wedged")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        from deploy.autoscaling import LOAD_METRIC
+        from fusion.deploy.autoscaling import LOAD_METRIC
 
         return {LOAD_METRIC: float(self._running.servicer.expert.active_sessions)}
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 from ray import serve
 
-from deploy._replica import advertised_host
+from fusion.deploy._replica import advertised_host
 from fusion.config import ExpertConfig
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ better set in the application's `deployments:` section (by deployment name: `exp
 `args` restarts all of them.
 
 Autoscaling works on load the deployments report themselves (sessions on an expert replica,
-requests on a coordinator; see `deploy.autoscaling`), because the decode traffic runs over the
+requests on a coordinator; see `fusion.deploy.autoscaling`), because the decode traffic runs over the
 services' own gRPC channels, which Serve does not see. `target_ongoing_requests` is therefore read as
 sessions per replica, and an `autoscaling_config` given here gets that policy unless it names one
-(one given in a `deployments:` section must name it: `deploy.autoscaling:fusion_load_policy`).
+(one given in a `deployments:` section must name it: `fusion.deploy.autoscaling:fusion_load_policy`).
 
 `min_replicas: 0` is refused for the experts and the coordinator: a deployment scaled to zero
 reports no load, so that policy never asks for a replica again, and the coordinator would have no
@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fusion.config import FusionConfig, format_validation_error, load_config, parse_config
 from fusion.errors import ConfigError
 
-LOAD_POLICY = "deploy.autoscaling:fusion_load_policy"
+LOAD_POLICY = "fusion.deploy.autoscaling:fusion_load_policy"
 
 
 class _Strict(BaseModel):

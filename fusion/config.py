@@ -33,7 +33,7 @@ class ExpertConfig(_Strict):
     adapter: str | None = Field(default=None, min_length=1)
     # Experts naming the same base (model, GGUF file, dtype, device, decode, weights, batch_invariant,
     # c_step_prompt_ids) load it once and run their rows of a step as one batch, each row with its own
-    # adapter (fusion.shared_base). False: this expert loads its own copy with its adapter merged into the weights.
+    # adapter (fusion.experts.shared_base). False: this expert loads its own copy with its adapter merged into the weights.
     share_base: bool = True
     dtype: DType = "bfloat16"
     device: str = "cpu"
@@ -48,21 +48,21 @@ class ExpertConfig(_Strict):
     # (limits.prefill_chunk_tokens) of another stream. Prompt work gets prefill_timeout_s.
     step_timeout_s: float = Field(default=10.0, gt=0)
     # KV budget for this expert's sessions, in cached ids; each session's buffers also reserve spare
-    # columns for appends (fusion.kv_cache: up to 128 + 50%), which the budget does not count.
+    # columns for appends (fusion.forward.kv_cache: up to 128 + 50%), which the budget does not count.
     max_cached_tokens: int = Field(default=65536, gt=0)
     # Keys and values of ended sessions kept for new sessions whose histories begin alike (a system prompt, a
-    # conversation's earlier turns), in cached ids (fusion.prefix_pool): a new session sharing at least 16
+    # conversation's earlier turns), in cached ids (fusion.experts.prefix_pool): a new session sharing at least 16
     # leading ids with a kept one computes only the rest. Counted apart from max_cached_tokens. 0: none kept.
     prefix_cache_tokens: int = Field(default=1024, ge=0)
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
     # The forward of a steady decode step (one new id per session; prefill and prompt chunks run
     # transformers' forward but with batch_invariant): "transformers" (the model's own eager forward), "fast"
-    # (fusion.fast_decode: one function over fused projections, eager; on a CPU with int4/int8 weights
+    # (fusion.forward.llama: one function over fused projections, eager; on a CPU with int4/int8 weights
     # its layers run in the C step; Llama, Mistral and Qwen2 models, Gemma 3 its own, others fall back
     # to "transformers"), "compiled" (on CUDA only: that function compiled with CUDA graphs; the first
     # step pays the compilation, cached on disk).
     decode: Literal["transformers", "fast", "compiled"] = "fast"
-    # How the decoder layers' projections are held (fusion.quantized): "dense" (in `dtype`), "int8"
+    # How the decoder layers' projections are held (fusion.forward.quantized): "dense" (in `dtype`), "int8"
     # (8-bit codes, a scale per output row) or "int4" (4-bit codes, a scale and offset per 32 inputs,
     # GGUF Q4_1's recipe; the output head at 8 bits). Quantized weights run on CPU.
     weights: Literal["dense", "int8", "int4"] = "dense"
@@ -183,7 +183,7 @@ class ToolFunction(_Strict):
 
 
 class ToolCalls(_Strict):
-    """Tool calls in the Hermes syntax (fusion.tool_calls): the functions the experts are shown, and
+    """Tool calls in the Hermes syntax (fusion.fuse.tool_calls): the functions the experts are shown, and
     which they may call: "auto" (the fused distribution decides; the grammar starts at the trigger),
     "required" (a call from the first token) or one function's name; `parallel`: several calls."""
 
@@ -206,7 +206,7 @@ class ToolCalls(_Strict):
 
 
 class StructuredOutput(_Strict):
-    """Output constrained to a grammar, as one token mask on the fused distribution (fusion.structured):
+    """Output constrained to a grammar, as one token mask on the fused distribution (fusion.fuse.structured):
     exactly one of a JSON Schema, any JSON object, a regular expression, a choice of strings, a
     grammar in Lark syntax (llguidance's dialect), or tool calls. vLLM's `structured_outputs` fields,
     and OpenAI's `tools`."""
@@ -413,7 +413,7 @@ class SecurityConfig(_Strict):
             raise ValueError("give either api_keys_file or api_keys_env, not both")
         return self
 
-    # The pepper of API key hashes (services.api_keys): an environment variable or a file; neither
+    # The pepper of API key hashes (fusion.services.api_keys): an environment variable or a file; neither
     # means the documented default pepper.
     api_keys_pepper_env: str | None = None
     api_keys_pepper_file: str | None = None
@@ -441,9 +441,9 @@ class FusionConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     # How experts' distributions meet: "auto" fuses token ids when every expert shares one tokenizer and
-    # text (fusion.crosstok) when they differ; "text" fuses over text even for one tokenizer.
+    # text (fusion.crosstok.step) when they differ; "text" fuses over text even for one tokenizer.
     alignment: Literal["auto", "text"] = "auto"
-    # fusion.crosstok.CrossParams fields (top_k, min_path_prob, max_paths, depth) for text-level fusion.
+    # fusion.crosstok.step.CrossParams fields (top_k, min_path_prob, max_paths, depth) for text-level fusion.
     cross_tokenizer: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="before")

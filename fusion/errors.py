@@ -42,6 +42,11 @@ class SessionReleasedError(FusionError):
     """A step or score named a session its caller had already released (the request is over)."""
 
 
+class SessionHistoryUnknownError(FusionError):
+    """A step sent a session's new ids only, after a history this replica does not hold (it restarted,
+    the session moved here, or its record was dropped): the caller sends the whole history again."""
+
+
 class AssetError(FusionError):
     """A model asset could not be fetched, verified, converted or found."""
 

@@ -3,7 +3,7 @@
 Two kinds of state live with one thread rather than with the process: the OpenMP team that runs a
 thread's CPU tensor work (the compute thread, fusion.compute) and the CUDA-graph trees that
 `torch.compile(mode="reduce-overhead")` records and replays (a compiled CUDA decode step,
-fusion.fast_decode). `OwnThread.run` calls a function there, directly when already on it.
+fusion.forward.llama). `OwnThread.run` calls a function there, directly when already on it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ is stored, `hmac-sha256$HEX` under the server's pepper (`hash_key` says why a fa
 random secrets). Files written before keep working: `pbkdf2_sha256$...` and `sha256:HEX` entries still
 verify. A PBKDF2 hash cannot be rehashed without the key itself, so there is no offline migration:
 `fusion keys create --id ID --reissue` gives the id a new key in the current format (until then,
-legacy entries verify through the bounded path in `services.key_gate`). Writes replace the file
+legacy entries verify through the bounded path in `fusion.services.key_gate`). Writes replace the file
 atomically (temporary file, then os.replace)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import yaml
 
 from fusion.config import SecurityConfig
 from fusion.errors import ConfigError
-from services.config_secrets import configured_secret
+from fusion.services.config_secrets import configured_secret
 
 logger = logging.getLogger(__name__)
 

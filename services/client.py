@@ -16,15 +16,15 @@ from typing import Any, Iterator, Sequence
 import grpc
 
 from fusion.config import FusionSpec, SamplingParams, SecurityConfig, SpecOverrides
-from fusion.engine_types import ExpertAttribution, TokenEvent
+from fusion.engine.types import ExpertAttribution, TokenEvent
 from fusion.errors import FusionError
-from fusion.service import ScoreResult, TextEvent, Usage
-from fusion.text import Message
-from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
-from services.tls import api_key_metadata, open_channel
-from services.serving import channel_options
-from services.status import error_from_rpc
-from services.wire import generate_request, spec_to_proto
+from fusion.frontdoor.service import ScoreResult, TextEvent, Usage
+from fusion.frontdoor.text import Message
+from fusion.services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
+from fusion.services.tls import api_key_metadata, open_channel
+from fusion.services.serving import channel_options
+from fusion.services.status import error_from_rpc
+from fusion.services.wire import generate_request, spec_to_proto
 
 
 GenerateEvent = TextEvent  # the same events as a local FusionService stream; `usage` on the last one

@@ -7,8 +7,8 @@ over the config's defaults, admits it off the event loop, streams text events fr
 batching, and frees the request's sessions on every expert when the client's stream ends, is
 cancelled or expires. The service's step observer feeds the Prometheus metrics.
 
-With an HTTP address the same process also serves the OpenAI-compatible HTTP API (`services.http_api`,
-served by `services.http_server`) over the same service, metrics and API key gate; both servers stop
+With an HTTP address the same process also serves the OpenAI-compatible HTTP API (`fusion.services.http_api`,
+served by `fusion.services.http_server`) over the same service, metrics and API key gate; both servers stop
 together.
 """
 
@@ -27,22 +27,22 @@ from grpc_health.v1 import health_pb2
 
 from fusion.config import FusionConfig
 from fusion.errors import ConfigError
-from fusion.expert import Expert
-from fusion.expert_loading import load_tokenizer, tokenizer_fingerprint
-from fusion.shared_base import load_local_experts
-from fusion.service import FusionService, TextEvent
-from services.http_api import HttpApi
-from services.http_server import start_http_server
-from services.metrics import CoordinatorMetrics
-from services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
-from services.remote_expert import RemoteExpert
-from services.grpc_auth import fusion_interceptors
-from services.key_gate import KeyGate, current_tenant
-from services.tls import server_credentials
-from services.serving import RunningServer, serve_until_signalled, start_server
-from services import tracing
-from services.status import stream_errors, unary_errors
-from services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto
+from fusion.experts.expert import Expert
+from fusion.experts.loading import load_tokenizer, tokenizer_fingerprint
+from fusion.experts.shared_base import load_local_experts
+from fusion.frontdoor.service import FusionService, TextEvent
+from fusion.services.http_api import HttpApi
+from fusion.services.http_server import start_http_server
+from fusion.services.metrics import CoordinatorMetrics
+from fusion.services.protos import FUSION_SERVICE, fusion_pb2, fusion_pb2_grpc
+from fusion.services.remote_expert import RemoteExpert
+from fusion.services.grpc_auth import fusion_interceptors
+from fusion.services.key_gate import KeyGate, current_tenant
+from fusion.services.tls import server_credentials
+from fusion.services.serving import RunningServer, serve_until_signalled, start_server
+from fusion.services import tracing
+from fusion.services.status import stream_errors, unary_errors
+from fusion.services.wire import description_to_proto, request_from_proto, spec_overrides_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str], cac
     compiled decode step keeps its compiled code under `cache_dir/compiled`, as the local build's does."""
     experts, tokenizers = [], []
     try:
-        # In-process experts load together: those that are adapters over one base share it (fusion.shared_base).
+        # In-process experts load together: those that are adapters over one base share it (fusion.experts.shared_base).
         local = iter(load_local_experts([e for e in config.experts if not e.addresses], resolve_model,
                                         Path(cache_dir) / "compiled" if cache_dir is not None else None))
         for expert_config in config.experts:
@@ -118,7 +118,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     @stream_errors
     async def Generate(self, request: fusion_pb2.GenerateRequest, context):
         received = time.perf_counter()
-        trace = self._start_trace(request, context) if tracing.active() else None  # (services.tracing)
+        trace = self._start_trace(request, context) if tracing.active() else None  # (fusion.services.tracing)
         request_id, finish_reason, error = None, None, None
 
         def started(admitted_id: str, prompt_tokens: int) -> None:  # before the scheduler can step it

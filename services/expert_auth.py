@@ -13,9 +13,9 @@ import grpc
 
 from fusion.config import SecurityConfig
 from fusion.errors import ConfigError
-from services.config_secrets import configured_secret
-from services.status import call_metadata, refusing
-from services.tls import is_loopback
+from fusion.services.config_secrets import configured_secret
+from fusion.services.status import call_metadata, refusing
+from fusion.services.tls import is_loopback
 
 logger = logging.getLogger(__name__)
 

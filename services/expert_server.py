@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,18 +40,19 @@ import grpc
 
 from fusion.compute import compute_executor
 from fusion.config import FusionConfig, Limits, SecurityConfig
-from fusion.errors import FusionError, InvalidArgumentError, ResourceExhaustedError, SessionReleasedError
-from fusion.expert import LocalExpert, StepRequest
-from fusion.isolation import isolate_failures
-from fusion.shared_base import load_local_experts
-from services.metrics import ExpertMetrics
-from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.expert_auth import check_expert_exposure, expert_interceptors
-from services.tls import server_credentials
-from services.serving import RunningServer, serve_until_signalled, start_server
-from services import tracing
-from services.status import unary_errors
-from services.wire import encode_tensor, info_to_proto, wire_dtype
+from fusion.errors import (FusionError, InvalidArgumentError, ResourceExhaustedError, SessionHistoryUnknownError,
+                           SessionReleasedError)
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.experts.isolation import isolate_failures
+from fusion.experts.shared_base import load_local_experts
+from fusion.services.metrics import ExpertMetrics
+from fusion.services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
+from fusion.services.expert_auth import check_expert_exposure, expert_interceptors
+from fusion.services.tls import server_credentials
+from fusion.services.serving import RunningServer, serve_until_signalled, start_server
+from fusion.services import tracing
+from fusion.services.status import unary_errors
+from fusion.services.wire import encode_tensor, info_to_proto, wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,51 @@ class ReleasedSessions:
         return next((s for s in session_ids if s in self), None)
 
 
+# Ids of the sessions' last stepped histories a replica keeps for Step calls that send only new ids
+# (4 bytes each: 16 MiB), the least recently stepped dropped first; a session dropped here costs its
+# caller one resend of the whole history, not a wrong answer.
+HISTORY_IDS = 4 * 1024 * 1024
+
+
+class SessionHistories:
+    """Each session's history as of its last Step here, within `capacity` ids in all, so that a decoding
+    session's Step carries only its new ids (`SessionStep.known_length`). On the event loop only."""
+
+    def __init__(self, capacity: int = HISTORY_IDS) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, array] = OrderedDict()
+        self._total = 0
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def history(self, session: expert_pb2.SessionStep, i: int) -> list[int] | None:
+        """The whole history a SessionStep stands for (None: this replica does not hold its known part)."""
+        if session.known_length < 0:
+            raise InvalidArgumentError(f"sessions[{i}].known_length: must not be negative")
+        if session.known_length == 0:
+            return list(session.token_ids)
+        known = self._ids.get(session.session_id)
+        if known is None or len(known) < session.known_length:
+            return None
+        return known[:session.known_length].tolist() + list(session.token_ids)
+
+    def record(self, session_id: str, token_ids: list[int]) -> None:
+        self.discard([session_id])
+        if len(token_ids) > self.capacity:
+            return
+        self._ids[session_id] = array("i", token_ids)
+        self._total += len(token_ids)
+        while self._total > self.capacity:
+            self._total -= len(self._ids.popitem(last=False)[1])
+
+    def discard(self, session_ids: Iterable[str]) -> None:
+        for session_id in session_ids:
+            dropped = self._ids.pop(session_id, None)
+            if dropped is not None:
+                self._total -= len(dropped)
+
+
 def _deadline(context: Any) -> float | None:
     """The caller's deadline on this machine's monotonic clock (None: the call has none)."""
     time_remaining = getattr(context, "time_remaining", None)
@@ -147,6 +194,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         self._queue: list[_Pending] = []
         self._drainer: asyncio.Task | None = None
         self.released = ReleasedSessions()
+        self.histories = SessionHistories()
         self._in_flight = 0  # Step and Score calls being served
         self._busy_since: float | None = None  # when the worker's current job started (None: idle)
         metrics.track_sessions(lambda: len(expert.cache))
@@ -227,12 +275,18 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
             raise ResourceExhaustedError(f"limits.max_sessions_per_step={limit}: a Step call of "
                                          f"{len(request.sessions)} sessions; split it")
         dtype = wire_dtype(request.dtype, self.expert.info.dtype)
-        steps = []
+        steps, unknown = [], []
         for i, session in enumerate(request.sessions):
             if not session.session_id:
                 raise InvalidArgumentError(f"sessions[{i}].session_id: must not be empty")
-            steps.append(StepRequest(session.session_id, list(session.token_ids)))
+            history = self.histories.history(session, i)
+            if history is None:
+                unknown.append(session.session_id)
+            steps.append(StepRequest(session.session_id, history or []))
         self._refuse_released(s.session_id for s in steps)
+        if unknown:
+            raise SessionHistoryUnknownError(f"expert {self.expert.info.name!r} does not hold the history of "
+                                             f"{len(unknown)} session(s) ({unknown[0]!r}, ...); send it whole")
         queued = sum(len(p.steps) for p in self._queue if not p.future.done())
         limit = self.limits.max_queued_steps
         if self._queue and queued + len(steps) > limit:
@@ -251,7 +305,13 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
                 try:
                     logits = await pending.future
                 except _Dropped as err:
+                    self.histories.discard(s.session_id for s in steps)
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+                except BaseException:
+                    self.histories.discard(s.session_id for s in steps)
+                    raise
+                for step in steps:
+                    self.histories.record(step.session_id, step.token_ids)
                 return expert_pb2.StepResponse(logits=logits)
         except BaseException as err:
             tracing.fail(span, err)
@@ -313,6 +373,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
         # now on, on the worker too if its batch has not started its forward; one already computing
         # runs before this release does (both run on the one worker).
         self.released.add(request.session_ids)
+        self.histories.discard(request.session_ids)
 
         def release() -> int:
             present = sum(session_id in self.expert.cache for session_id in set(request.session_ids))

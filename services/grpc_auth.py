@@ -10,9 +10,9 @@ import logging
 
 import grpc
 
-from services.api_keys import ApiKey
-from services.key_gate import KeyGate, Refusal, api_key_from_headers
-from services.status import abort_with_retry, call_metadata, refusing
+from fusion.services.api_keys import ApiKey
+from fusion.services.key_gate import KeyGate, Refusal, api_key_from_headers
+from fusion.services.status import abort_with_retry, call_metadata, refusing
 
 logger = logging.getLogger(__name__)
 

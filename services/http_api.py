@@ -9,14 +9,14 @@
 
 A request is authenticated by the coordinator's `KeyGate` (the same keys, limits and counters as
 gRPC: `Authorization: Bearer <key>` or `x-api-key`), read (at most `limits.max_request_bytes`),
-planned (`services.openai_wire`: one service request per choice), admitted by the service and
+planned (`fusion.services.openai_wire`: one service request per choice), admitted by the service and
 metered token by token against the key's limits. A stream's response starts with its first token,
 so an error before it (a field the service refuses, no free slot, a lost expert) is an HTTP status
 with OpenAI's error body; one after it is an `error` event before `[DONE]`. A client that
 disconnects cancels every stream of its request, which frees their sessions on every expert
-(`services.http_streams`).
+(`fusion.services.http_streams`).
 
-`HttpApi.app()` is the ASGI app; `services.http_server` serves it beside the gRPC server.
+`HttpApi.app()` is the ASGI app; `fusion.services.http_server` serves it beside the gRPC server.
 """
 
 from __future__ import annotations
@@ -41,17 +41,17 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from fusion.errors import FusionError
-from fusion.service import FusionService, RequestStream
-from fusion.tenancy import LOCAL
-from services import tracing
-from services.api_keys import ApiKey
-from services.http_streams import Echo, Generation, ResponseBuilder, prompt_only_events, stream_body
-from services.key_gate import KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers
-from services.metrics import CoordinatorMetrics
-from services.openai_errors import ApiError, client_field
-from services.openai_requests import Kind
-from services.openai_wire import Plan, model_ids, plan_request
-from services.status import http_status_for, retry_after_s
+from fusion.frontdoor.service import FusionService, RequestStream
+from fusion.engine.tenancy import LOCAL
+from fusion.services import tracing
+from fusion.services.api_keys import ApiKey
+from fusion.services.http_streams import Echo, Generation, ResponseBuilder, prompt_only_events, stream_body
+from fusion.services.key_gate import KeyGate, KeyStream, Refusal, TokenBucket, api_key_from_headers
+from fusion.services.metrics import CoordinatorMetrics
+from fusion.services.openai_errors import ApiError, client_field
+from fusion.services.openai_requests import Kind
+from fusion.services.openai_wire import Plan, model_ids, plan_request
+from fusion.services.status import http_status_for, retry_after_s
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class HttpApi:
 
     async def _open(self, plan: Plan, record: ApiKey | None, request: Request, received_ns: int) -> Generation:
         """Admit one stream per choice, each in one of the key's slots and as the key's tenant (its
-        tokens reserved at admission), each traced when tracing is on (services.tracing); all or none."""
+        tokens reserved at admission), each traced when tracing is on (fusion.services.tracing); all or none."""
         tickets: list[KeyStream] = []
         streams: list[RequestStream] = []
         traces: list[tracing.RequestTrace | None] = []

@@ -1,6 +1,6 @@
-"""The embedded HTTP server: uvicorn serving the HTTP API's app (`services.http_api`) on the running
+"""The embedded HTTP server: uvicorn serving the HTTP API's app (`fusion.services.http_api`) on the running
 event loop, beside the gRPC server: one process, one service. Over TLS with the gRPC server's
-certificate when the config has one; connections bounded as `services.http_edge` bounds them.
+certificate when the config has one; connections bounded as `fusion.services.http_edge` bounds them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from fastapi import FastAPI
 
 from fusion.config import Limits, SecurityConfig
 from fusion.errors import FusionError
-from services.http_edge import RESERVED_FDS, ConnectionBook, bounded_protocol, raise_open_files_limit
-from services.tls import warn_if_plaintext
+from fusion.services.http_edge import RESERVED_FDS, ConnectionBook, bounded_protocol, raise_open_files_limit
+from fusion.services.tls import warn_if_plaintext
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +25,13 @@ logger = logging.getLogger(__name__)
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
-        """The host process's own handler stops every server (`services.serving.serve_until_signalled`)."""
+        """The host process's own handler stops every server (`fusion.services.serving.serve_until_signalled`)."""
         yield
 
 
 @dataclass
 class HttpServer:
-    """A running HTTP server: its bound port, and its connection book (`services.http_edge`)."""
+    """A running HTTP server: its bound port, and its connection book (`fusion.services.http_edge`)."""
 
     server: uvicorn.Server
     task: asyncio.Task
@@ -60,7 +60,7 @@ async def start_http_server(app: FastAPI, address: str, security: SecurityConfig
                             limits: Limits | None = None) -> HttpServer:
     """Serve `app` on `address` ("host:0" picks a free port) on the running event loop; over TLS when
     the config's security section has a `tls` section (the gRPC server's certificate), else plaintext.
-    Connections are bounded by `limits` (`services.http_edge`)."""
+    Connections are bounded by `limits` (`fusion.services.http_edge`)."""
     sock = _bind(address)
     tls = security.tls if security is not None and not security.plaintext else None
     if tls is None:

@@ -4,7 +4,7 @@
 closes them all when the client goes away, so a disconnect frees their sessions on every expert.
 `ResponseBuilder` turns their token events into the answer: a whole response (`collect`) or one
 server-sent chunk per token and choice (`chunks`), the echoed prompt first when asked, each token's
-logprobs and attribution shown the same way in both (`services.openai_responses`). `stream_body`
+logprobs and attribution shown the same way in both (`fusion.services.openai_responses`). `stream_body`
 sends the chunks once the first one exists; an error after that point can only be an `error` event
 before `[DONE]`, since the response's status is already sent.
 """
@@ -22,12 +22,12 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.sse import format_sse_event
 
-from fusion.engine_types import new_request_id
-from fusion.service import FusionService, PromptLogprobs, RequestStream, TextEvent, Usage
-from services import tracing
-from services.key_gate import KeyStream
-from services.metrics import CoordinatorMetrics
-from services.openai_responses import (
+from fusion.engine.types import new_request_id
+from fusion.frontdoor.service import FusionService, PromptLogprobs, RequestStream, TextEvent, Usage
+from fusion.services import tracing
+from fusion.services.key_gate import KeyStream
+from fusion.services.metrics import CoordinatorMetrics
+from fusion.services.openai_responses import (
     attribution,
     chat_logprob,
     completion_logprobs,
@@ -36,8 +36,8 @@ from services.openai_responses import (
     utf8_decoder,
     vllm_prompt_logprobs,
 )
-from services.openai_tools import CallDeltas, message_of
-from services.openai_wire import Plan
+from fusion.services.openai_tools import CallDeltas, message_of
+from fusion.services.openai_wire import Plan
 
 _DONE = format_sse_event(data_str="[DONE]")
 _OBJECTS = {"chat": ("chatcmpl", "chat.completion", "chat.completion.chunk"),
@@ -55,7 +55,7 @@ class Generation:
     def __init__(self, streams: list[RequestStream], tickets: list[KeyStream],
                  traces: list[tracing.RequestTrace | None] | None = None) -> None:
         self.streams, self.tickets = streams, tickets
-        self.traces = traces or [None] * len(streams)  # each stream's trace (services.tracing), None: untraced
+        self.traces = traces or [None] * len(streams)  # each stream's trace (fusion.services.tracing), None: untraced
         self.finish_reasons: list[str | None] = [None] * len(self.traces)
         self._watch: asyncio.Task | None = None
         self._pumps: list[asyncio.Task] = []  # end with their streams (cancelled streams end too)
@@ -265,7 +265,7 @@ class ResponseBuilder:
 
     def _tool_call_chunk(self, plan: Plan, i: int, event: TextEvent, choice: _Choice) -> dict[str, Any] | None:
         """A token of an answer that may call tools: its text as content until a call begins, each call as
-        OpenAI's deltas (`services.openai_tools.CallDeltas`); text that may be the start of a call is held
+        OpenAI's deltas (`fusion.services.openai_tools.CallDeltas`); text that may be the start of a call is held
         until it is not."""
         if choice.calls is None:
             choice.calls = CallDeltas()

@@ -7,7 +7,7 @@ tokens at admission (`KeyQuota`, a sliding 60 s window; settled with what the re
 hashes are checked inline in microseconds; wrong secrets are rate-limited per key id, and legacy PBKDF2
 checks also globally, refused before any hashing past the rate and run on their own bounded executor.
 Its per-key state is bounded by the configured keys. Per-key usage counters (`fusion_key_*`) carry
-the key id, never the key. The gRPC adapter is `services.grpc_auth`; the HTTP API calls the gate
+the key id, never the key. The gRPC adapter is `fusion.services.grpc_auth`; the HTTP API calls the gate
 itself and answers `Refusal.http_status` (401, 429 with Retry-After)."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from fusion.config import Limits, SecurityConfig
 from fusion.errors import InvalidArgumentError, ServiceBusyError
-from fusion.tenancy import LOCAL, Tenant
-from services.api_keys import API_KEY_HEADER, ApiKey, ApiKeyStore, is_slow_hash
+from fusion.engine.tenancy import LOCAL, Tenant
+from fusion.services.api_keys import API_KEY_HEADER, ApiKey, ApiKeyStore, is_slow_hash
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """OpenAI's request bodies (`/v1/chat/completions`, `/v1/completions`) as pydantic models, and the parse
-that refuses a bad body with a 400 naming the field. Kept apart from the planning (`services.openai_wire`)
+that refuses a bad body with a 400 naming the field. Kept apart from the planning (`fusion.services.openai_wire`)
 so what a client may send reads in one place.
 
 Unknown fields are ignored, as OpenAI ignores them; values of the wrong JSON type are refused, as OpenAI
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.openai_errors import ApiError
+from fusion.services.openai_errors import ApiError
 
 Kind = Literal["chat", "completions"]
 MAX_USER_CHARS = 256  # OpenAI's `user`: an end-user id the client may send; accepted and not used

@@ -1,7 +1,7 @@
 """The pieces of OpenAI's answers built from the service's tokens: logprobs in chat's and in completions'
 shapes (an echoed prompt's too, and vLLM's `prompt_logprobs`), each token's attribution (the `fusion`
 extension) and usage. Pure functions over token events and a token's bytes, so the HTTP API's
-whole responses and stream chunks (`services.http_streams`) show a token the same way.
+whole responses and stream chunks (`fusion.services.http_streams`) show a token the same way.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import codecs
 import math
 from typing import Any, Callable
 
-from fusion.engine_types import TokenEvent
+from fusion.engine.types import TokenEvent
 
 MIN_LOGPROB = -9999.0  # what a -inf logprob is sent as (JSON has no infinity; vLLM sends the same)
 
@@ -73,7 +73,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def echo_logprobs(scored, bytes_of: Callable[[int], bytes], top: int, decoder: codecs.IncrementalDecoder
                   ) -> tuple[dict[str, Any], int]:
-    """An echoed prompt's part of a completion's `logprobs` (`scored`: fusion.service.PromptLogprobs; the
+    """An echoed prompt's part of a completion's `logprobs` (`scored`: fusion.frontdoor.service.PromptLogprobs; the
     first token has no logprob: null, as OpenAI sends it), and the character offset after it."""
     tokens, offsets, top_logprobs, offset = [], [], [], 0
     for token_id, alternatives in zip(scored.token_ids, scored.alternatives):

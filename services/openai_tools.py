@@ -1,4 +1,4 @@
-"""Tool calls over OpenAI's HTTP API, as the core's tool calls (`fusion.tool_calls`, Hermes syntax):
+"""Tool calls over OpenAI's HTTP API, as the core's tool calls (`fusion.fuse.tool_calls`, Hermes syntax):
 `tools` and `tool_choice` become the `tool_calls` grammar (`tool_calls_spec`), past calls in the
 conversation become the text the experts wrote (`past_calls_text`), and the answer's calls come back
 in OpenAI's shape, whole (`message_of`) or as stream deltas (`CallDeltas`).
@@ -10,9 +10,9 @@ import json
 import uuid
 from typing import Any
 
-from fusion.tool_calls import CallStream, call_text, parse_calls
-from services.openai_errors import ApiError
-from services.openai_requests import ChatRequest, NamedToolChoice, ToolCall
+from fusion.fuse.tool_calls import CallStream, call_text, parse_calls
+from fusion.services.openai_errors import ApiError
+from fusion.services.openai_requests import ChatRequest, NamedToolChoice, ToolCall
 
 
 def tool_calls_spec(request: ChatRequest) -> dict[str, Any] | None:

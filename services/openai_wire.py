@@ -1,19 +1,19 @@
-"""OpenAI's HTTP API requests as the core's requests: pure functions, as `services.wire` is for gRPC.
-`services.http_api` serves them.
+"""OpenAI's HTTP API requests as the core's requests: pure functions, as `fusion.services.wire` is for gRPC.
+`fusion.services.http_api` serves them.
 
-A request body (`/v1/chat/completions` or `/v1/completions`, parsed by `services.openai_requests`)
+A request body (`/v1/chat/completions` or `/v1/completions`, parsed by `fusion.services.openai_requests`)
 becomes a `Plan`: one `FusionRequest` per choice (`n` per prompt), each layered over the config's
 defaults by the service like any other request; a completion's prompt is continued as is (no chat
 template), a chat's messages go through each expert's template. Fields OpenAI has and the sampler has
 too keep OpenAI's meaning; vLLM's extras that the sampler has (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`) are accepted. Structured output (`response_format`, vLLM's
-`structured_outputs`) and tool calls (`tools` with any `tool_choice`, `services.openai_tools`) become one
-grammar over the fused distribution (`fusion.structured`). Fusion
+`structured_outputs`) and tool calls (`tools` with any `tool_choice`, `fusion.services.openai_tools`) become one
+grammar over the fused distribution (`fusion.fuse.structured`). Fusion
 controls travel in an extension object, `"fusion": {"rule", "params", "weights", "profile",
 "attribution"}`, and `model` may name a weight profile (`fusion:<profile>` or the profile's own name).
 
 A plan records how the service's field names map back to the client's (`Plan.renames`), so an error
-the service raises names the field the client sent (`services.openai_errors.client_field`).
+the service raises names the field the client sent (`fusion.services.openai_errors.client_field`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from fusion.config import SpecOverrides
-from fusion.service import FusionRequest
-from services.openai_errors import ApiError
-from services.openai_requests import (ChatRequest, CompletionRequest, FusionExtension, Kind, StructuredOutputs,
+from fusion.frontdoor.service import FusionRequest
+from fusion.services.openai_errors import ApiError
+from fusion.services.openai_requests import (ChatRequest, CompletionRequest, FusionExtension, Kind, StructuredOutputs,
                                      parse_body)
-from services.openai_tools import past_calls_text, tool_calls_spec
+from fusion.services.openai_tools import past_calls_text, tool_calls_spec
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Plan:
     logprobs: bool  # return each token's logprob (and the top alternatives the sampler gives)
     attribution: bool
     max_tokens: int | None  # as requested (None: the config's default), for per-key limits
-    tool_call: bool = False  # the answer may hold tool calls (fusion.tool_calls), sent as `tool_calls`
+    tool_call: bool = False  # the answer may hold tool calls (fusion.fuse.tool_calls), sent as `tool_calls`
     echo: bool = False  # completions: the prompt precedes the completion (with its logprobs)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     prompts: list = field(default_factory=list)  # completions: each prompt as sent (text or token ids)
@@ -152,7 +152,7 @@ def _chat_prompts(request: ChatRequest) -> list:
                     raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported (got type "
                                    f"{part.type!r})", f"messages[{i}].content[{j}]", "unsupported")
             content = "\n".join(part.text for part in content)
-        if message.tool_calls:  # as the experts would have written them (fusion.tool_calls)
+        if message.tool_calls:  # as the experts would have written them (fusion.fuse.tool_calls)
             content = past_calls_text(content, message.tool_calls, i)
         messages.append({"role": role, "content": content or ""})
     return [messages]

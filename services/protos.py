@@ -4,7 +4,7 @@ The generated modules are not committed: when `services/_generated/` is missing 
 other .proto sources (a hash of their bytes and the protoc version is kept beside them), they are
 compiled with `grpc_tools.protoc` under a file lock, in a temporary folder, and moved into place
 file by file with the stamp written last, so concurrent processes neither clash nor read half-built
-code. Imports between the generated files are rewritten to `services._generated` (the proto package
+code. Imports between the generated files are rewritten to `fusion.services._generated` (the proto package
 `fusion.v1` would otherwise collide with the `fusion` Python package).
 """
 
@@ -23,7 +23,7 @@ PROTO_FILES = ("fusion/v1/expert.proto", "fusion/v1/fusion.proto")
 GENERATED = Path(__file__).resolve().parent / "_generated"
 _STAMP = GENERATED / "STAMP"
 _MODULES = ("expert_pb2", "expert_pb2_grpc", "fusion_pb2", "fusion_pb2_grpc")
-_REWRITE_VERSION = "2"  # bump when _compile rewrites the generated code differently
+_REWRITE_VERSION = "3"  # bump when _compile rewrites the generated code differently
 
 
 def _source_hash() -> str:
@@ -52,10 +52,10 @@ def _compile(stamp: str) -> None:
             raise RuntimeError(f"protoc failed on {PROTO_FILES} under {PROTO_ROOT}")
         built = Path(tmp) / "fusion" / "v1"
         for path in sorted(built.iterdir()):
-            text = re.sub(r"^from fusion\.v1 import", "from services._generated import", path.read_text(),
+            text = re.sub(r"^from fusion\.v1 import", "from fusion.services._generated import", path.read_text(),
                           flags=re.MULTILINE)
             # The messages' module name, used by pickle (Ray handles, multiprocessing), must be importable.
-            text = re.sub(r"'fusion\.v1\.(\w+_pb2)'", r"'services._generated.\1'", text)
+            text = re.sub(r"'fusion\.v1\.(\w+_pb2)'", r"'fusion.services._generated.\1'", text)
             staged = Path(tmp) / path.name
             staged.write_text(text)
             os.replace(staged, GENERATED / path.name)
@@ -83,7 +83,7 @@ def ensure_generated() -> None:
 
 ensure_generated()
 expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc = (
-    importlib.import_module(f"services._generated.{name}") for name in _MODULES
+    importlib.import_module(f"fusion.services._generated.{name}") for name in _MODULES
 )
 
 EXPERT_SERVICE = expert_pb2.DESCRIPTOR.services_by_name["Expert"].full_name

@@ -19,7 +19,7 @@ replica left a call raises `ExpertUnavailableError` naming the expert.
 Deadlines: a Step call carrying only decode work (each of its sessions was stepped on that replica
 before and adds at most `DECODE_IDS` ids since) gets `step_timeout_s`; a call with a session new to
 the replica or more ids (prompt work) gets `prefill_timeout_s`, as do Score calls. Channels send
-keepalive pings (`services.serving.KEEPALIVE_TIME_MS`), so a peer that vanished is noticed within
+keepalive pings (`fusion.services.serving.KEEPALIVE_TIME_MS`), so a peer that vanished is noticed within
 seconds even between calls.
 
 Score answers are split so each fits the message limit: positions go in chunks of at most
@@ -48,14 +48,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fusion.config import ExpertConfig, SecurityConfig
 from fusion.errors import ConfigError, ExpertOutputError, ExpertUnavailableError
-from fusion.expert import ExpertInfo, StepRequest
-from services import tracing
-from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.expert_auth import expert_channel_metadata
-from services.tls import open_channel
-from services.serving import channel_options, keepalive_channel_options
-from services.status import error_from_rpc
-from services.wire import WIRE_DTYPES, decode_tensor, info_from_proto, wire_dtype
+from fusion.experts.expert import ExpertInfo, StepRequest
+from fusion.services import tracing
+from fusion.services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
+from fusion.services.expert_auth import expert_channel_metadata
+from fusion.services.tls import open_channel
+from fusion.services.serving import channel_options, keepalive_channel_options
+from fusion.services.status import error_from_rpc
+from fusion.services.wire import WIRE_DTYPES, decode_tensor, info_from_proto, wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,9 @@ class RemoteExpert:
         self._closing = threading.Event()
         self._channels_lock = threading.Lock()  # held by close() and by health probes of down replicas
         self._stepped: dict[str, tuple[int, int]] = {}  # session -> (replica, history length) of its last step
+        # session -> (replica, history) of its last Step there: what that replica holds of it, so the next
+        # Step sends only the ids after it (SessionStep.known_length)
+        self._sent: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.failovers = 0  # sessions moved to another replica
         self.failed_calls = 0  # calls that failed over (timed out, cancelled, unreachable)
         self._message_limit = max_message_bytes  # of a Score answer: this channel's and the replicas' (Info)
@@ -210,9 +213,12 @@ class RemoteExpert:
             return torch.empty(0, self.info.vocab_size)
 
         def send(index: int, rows: list[int]) -> grpc.Future:
+            with self._lock:
+                known = [self._known_length(index, requests[i]) for i in rows]
             message = expert_pb2.StepRequest(dtype=self.wire_dtype, sessions=[
-                expert_pb2.SessionStep(session_id=requests[i].session_id, token_ids=requests[i].token_ids)
-                for i in rows
+                expert_pb2.SessionStep(session_id=requests[i].session_id, token_ids=requests[i].token_ids[n:],
+                                       known_length=n)
+                for i, n in zip(rows, known)
             ])
             timeout = self._step_timeout(index, [requests[i] for i in rows])
             if not tracing.active():
@@ -230,14 +236,26 @@ class RemoteExpert:
 
         out: list[torch.Tensor | None] = [None] * len(requests)
         for rows, response, index in self._fan_out([r.session_id for r in requests], send,
-                                                   self.max_sessions_per_call):
+                                                   self.max_sessions_per_call, resend_whole=True):
             logits = self._logits(response.logits, len(rows), self._replicas[index].address)  # (b, V)
             with self._lock:
                 for k, i in enumerate(rows):
                     out[i] = logits[k]
-                    if self._pinned.get(requests[i].session_id) == index:  # not released meanwhile
-                        self._stepped[requests[i].session_id] = (index, len(requests[i].token_ids))
+                    session_id = requests[i].session_id
+                    if self._pinned.get(session_id) == index:  # not released meanwhile
+                        self._stepped[session_id] = (index, len(requests[i].token_ids))
+                        self._sent[session_id] = (index, tuple(requests[i].token_ids))
         return torch.stack(out)
+
+    def _known_length(self, index: int, request: StepRequest) -> int:
+        """Under the lock: how many leading ids of the request's history replica `index` holds from the
+        session's last Step there (0: send it whole)."""
+        sent = self._sent.get(request.session_id)
+        if sent is None or sent[0] != index:
+            return 0
+        history = sent[1]
+        n = len(history)
+        return n if n <= len(request.token_ids) and tuple(request.token_ids[:n]) == history else 0
 
     def score(self, session_id: str, token_ids: Sequence[int], num_positions: int) -> torch.Tensor:
         """Logits predicting each of the last `num_positions` ids: (n, V) float32. Asked in chunks of
@@ -317,6 +335,7 @@ class RemoteExpert:
                 if pinned is not None:
                     self._replicas[pinned].sessions.discard(session_id)
                 self._stepped.pop(session_id, None)
+                self._sent.pop(session_id, None)
                 touched[session_id] = self._touched.pop(session_id, set())
         return touched
 
@@ -447,11 +466,13 @@ class RemoteExpert:
 
     def _fan_out(
         self, session_ids: Sequence[str], send: Callable[[int, list[int]], grpc.Future],
-        max_rows: int | None = None,
+        max_rows: int | None = None, resend_whole: bool = False,
     ) -> list[tuple[list[int], Any, int]]:
         """Send each replica its sessions' rows at once (in calls of at most `max_rows`); resend what a
-        failed call had to another replica. Returns (rows, response, replica index) per answering call."""
+        failed call had to another replica, and (`resend_whole`) what a replica answered ABORTED to, its
+        histories whole, to the same replica. Returns (rows, response, replica index) per answering call."""
         failed: set[int] = set()  # replicas that failed during this call: never retried in it
+        resent: set[int] = set()  # rows sent again whole: a second ABORTED is an error
         todo = list(range(len(session_ids)))
         done = []
         while todo:
@@ -468,6 +489,13 @@ class RemoteExpert:
                 try:
                     response = call.result()
                 except grpc.RpcError as err:
+                    if resend_whole and err.code() == grpc.StatusCode.ABORTED and not resent & set(rows):
+                        resent.update(rows)  # the replica lacks a session's history
+                        with self._lock:
+                            for row in rows:
+                                self._sent.pop(session_ids[row], None)
+                        todo.extend(rows)
+                        continue
                     if err.code() not in FAILOVER_CODES:
                         if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # released before: nothing to pin
                             self._forget([session_ids[row] for row in rows])

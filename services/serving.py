@@ -18,9 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fusion.errors import FusionError
-from services.metrics import ServerMetrics, serve_metrics
-from services.malformed import MalformedRequestInterceptor
-from services.tls import warn_if_plaintext
+from fusion.services.metrics import ServerMetrics, serve_metrics
+from fusion.services.malformed import MalformedRequestInterceptor
+from fusion.services.tls import warn_if_plaintext
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from fusion.errors import (
     NotFoundError,
     ResourceExhaustedError,
     ServiceBusyError,
+    SessionHistoryUnknownError,
     SessionReleasedError,
 )
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 # Checked in order: the first matching class wins. Only domain errors map to a client's fault: every check
-# raises one naming the field (fusion.admission), so any other exception, a ValueError included, is a bug
+# raises one naming the field (fusion.engine.admission), so any other exception, a ValueError included, is a bug
 # and answers INTERNAL with the details in the server's log.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
@@ -43,6 +44,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ExpertUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (ExpertOutputError, grpc.StatusCode.INTERNAL),
     (SessionReleasedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionHistoryUnknownError, grpc.StatusCode.ABORTED),
 )
 
 ERROR_BY_STATUS: dict[grpc.StatusCode, type[FusionError]] = {
@@ -51,6 +53,7 @@ ERROR_BY_STATUS: dict[grpc.StatusCode, type[FusionError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: ExpertUnavailableError,
     grpc.StatusCode.FAILED_PRECONDITION: SessionReleasedError,
+    grpc.StatusCode.ABORTED: SessionHistoryUnknownError,
 }
 
 

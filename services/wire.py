@@ -16,10 +16,10 @@ from google.protobuf import json_format
 
 from fusion.config import FusionSpec, Limits, SamplingParams, SpecOverrides
 from fusion.errors import ExpertOutputError, InvalidArgumentError
-from fusion.expert import ExpertInfo
-from fusion.service import FusionRequest, ServiceDescription
-from fusion.text import Message
-from services.protos import expert_pb2, fusion_pb2
+from fusion.experts.expert import ExpertInfo
+from fusion.frontdoor.service import FusionRequest, ServiceDescription
+from fusion.frontdoor.text import Message
+from fusion.services.protos import expert_pb2, fusion_pb2
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

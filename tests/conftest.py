@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusion.config import parse_config
-from services.background import BackgroundLoop
+from fusion.services.background import BackgroundLoop
 from tests.tiny_models import make_model, make_tokenizer
 
 torch.set_num_threads(2)
@@ -67,7 +67,7 @@ def tiny_config(tiny_dir):
 
 @pytest.fixture(scope="session")
 def tiny_service(tiny_config):
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
 
     service = FusionService.from_config(tiny_config)
     yield service
@@ -97,8 +97,8 @@ def loop():
 def start_expert_server(loop, tiny_config):
     """start(limits=None) -> (server, port): a fresh expert server of tiny expert a on a loopback port,
     stopped after the test."""
-    from fusion.expert import LocalExpert
-    from services.expert_server import create_expert_server
+    from fusion.experts.expert import LocalExpert
+    from fusion.services.expert_server import create_expert_server
 
     started = []
 

@@ -1,4 +1,4 @@
-"""`fusion/adapter_merge.py`: an expert that is a base plus a PEFT LoRA adapter, loaded through peft's own
+"""`fusion/experts/adapter_merge.py`: an expert that is a base plus a PEFT LoRA adapter, loaded through peft's own
 path from a folder, against the merged weights computed by hand and against peft's unmerged model."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from fusion.config import SamplingParams, parse_config
-from fusion.engine_types import GenerationRequest
+from fusion.engine.types import GenerationRequest
 from fusion.errors import AssetError
-from fusion.expert import LocalExpert
-from fusion.service import FusionService
+from fusion.experts.expert import LocalExpert
+from fusion.frontdoor.service import FusionService
 from tests.conftest import tiny_config_dict
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]

@@ -9,8 +9,9 @@ import torch
 
 from fusion.config import parse_config
 from fusion.errors import InvalidArgumentError, ResourceExhaustedError
-from fusion.service import FusionRequest, FusionService
+from fusion.frontdoor.service import FusionRequest, FusionService
 from tests.conftest import tiny_config_dict
+from tests.helpers import HANG_S
 
 LIMITS = {
     "max_prompt_bytes": 64, "max_messages": 3, "max_stop_strings": 2, "max_stop_chars": 5,
@@ -94,8 +95,7 @@ def test_score_bounds(bounded):
 def test_chunked_score_equals_one_chunk(tiny_service, monkeypatch):
     """Scoring in chunks (each its own compute job, the cache carrying the prefix) gives the same
     log-probabilities as one pass."""
-    from fusion import engine as engine_module
-
+    from fusion.engine import core as engine_module
     text = "the quick brown fox jumps over the lazy dog and the cat"
     whole = tiny_service.score("hello", text)
     monkeypatch.setattr(engine_module, "SCORE_CHUNK", 3)
@@ -122,10 +122,10 @@ def test_client_messages_are_capped_apart_from_expert_logits(tiny_dir):
     max_message_bytes allows between the coordinator and its experts; the server serves on."""
     import grpc
 
-    from services.background import BackgroundLoop
-    from services.client import FusionClient
-    from services.coordinator import create_coordinator_server
-    from services.protos import fusion_pb2, fusion_pb2_grpc
+    from fusion.services.background import BackgroundLoop
+    from fusion.services.client import FusionClient
+    from fusion.services.coordinator import create_coordinator_server
+    from fusion.services.protos import fusion_pb2, fusion_pb2_grpc
 
     config = parse_config(tiny_config_dict(tiny_dir, limits={"max_request_bytes": 64 * 1024},
                                            sampling={"max_tokens": 3}))
@@ -135,8 +135,8 @@ def test_client_messages_are_capped_apart_from_expert_logits(tiny_dir):
                                    options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]) as channel:
             stub = fusion_pb2_grpc.FusionStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
-                list(stub.Generate(fusion_pb2.GenerateRequest(prompt="x" * (1024 * 1024)), timeout=30))
+                list(stub.Generate(fusion_pb2.GenerateRequest(prompt="x" * (1024 * 1024)), timeout=HANG_S))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with FusionClient(f"127.0.0.1:{port}", timeout=30) as client:
+        with FusionClient(f"127.0.0.1:{port}", timeout=HANG_S) as client:
             assert len(list(client.generate("hello"))) == 3
         loop.run(server.stop(0))

@@ -12,8 +12,8 @@ import torch
 from pydantic import ValidationError
 
 from fusion.config import ExpertConfig, parse_config
-from fusion.expert import LocalExpert, StepRequest
-from fusion.service import FusionService
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.frontdoor.service import FusionService
 from tests.conftest import batch_invariant_config_dict
 
 PROMPT = [5, 17, 40, 33, 8, 91, 12, 64, 3, 27, 50]

@@ -47,7 +47,7 @@ def test_suites_report_ratios_and_plot(tiny_service, tmp_path):
 def test_step_suite_on_experts_of_different_tokenizers(tiny_dir):
     """The text step's figures: against transformers' plain forwards and the experts' own decode steps."""
     from fusion.config import parse_config
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
     from tests.conftest import tiny_config_dict
 
     service = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "other"))))
@@ -70,7 +70,7 @@ def test_suites_on_experts_sharing_a_base(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fusion.config import parse_config
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
     from tests.conftest import tiny_config_dict
 
     base = AutoModelForCausalLM.from_pretrained(tiny_dir / "a")

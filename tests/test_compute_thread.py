@@ -11,11 +11,11 @@ import textwrap
 
 import torch
 
-import fusion.expert as expert_module
+import fusion.experts.expert as expert_module
 from fusion.compute import on_compute_thread, run_on_compute_thread
 from fusion.config import parse_config
-from fusion.expert import LocalExpert
-from fusion.router import expert_fingerprint
+from fusion.experts.expert import LocalExpert
+from fusion.fuse.router import expert_fingerprint
 from tests.conftest import tiny_config_dict
 
 
@@ -70,8 +70,8 @@ def test_a_service_leaves_the_main_thread_without_an_openmp_team(smollm2_dir, tm
     script = textwrap.dedent(f"""
         import json, os, torch
         from fusion.config import parse_config
-        from fusion.router import expert_fingerprint
-        from fusion.service import FusionService
+        from fusion.fuse.router import expert_fingerprint
+        from fusion.frontdoor.service import FusionService
 
         def threads():
             return len(os.listdir("/proc/self/task"))

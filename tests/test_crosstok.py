@@ -1,4 +1,4 @@
-"""Cross-tokenizer fusion (fusion.crosstok, fusion.crosstok_decode) on tiny models over two
+"""Cross-tokenizer fusion (fusion.crosstok.step, fusion.crosstok.decode) on tiny models over two
 different byte-level BPE vocabularies, against plain reference computations."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from fusion.config import ExpertConfig, SamplingParams, parse_config
-from fusion.crosstok import END, CrossParams, CrossTokenizerFusion, _Row
-from fusion.crosstok_decode import decode, score_text
+from fusion.crosstok.step import END, CrossParams, CrossTokenizerFusion, _Row
+from fusion.crosstok.decode import decode, score_text
 from fusion.errors import InvalidArgumentError
-from fusion.expert import ExpertInfo, LocalExpert
-from fusion.rules import Mixture, WeightedLogits
-from fusion.service import FusionRequest, FusionService
-from fusion.spelling import Spelling
+from fusion.experts.expert import ExpertInfo, LocalExpert
+from fusion.fuse.rules import Mixture, WeightedLogits
+from fusion.frontdoor.service import FusionRequest, FusionService
+from fusion.crosstok.spelling import Spelling
 from tests.conftest import tiny_config_dict
+from tests.helpers import HANG_S
 from tests.tiny_models import make_model, make_tokenizer
 
 OTHER_CORPUS = [
@@ -386,9 +387,9 @@ def test_text_level_scoring_agrees_with_token_level_for_one_expert(xdir):
 def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
     """Both experts behind expert servers (the Extend call), fused by a coordinator: the same text and
     scores as in-process."""
-    from services.client import FusionClient
-    from services.coordinator import create_coordinator_server
-    from services.expert_server import create_expert_server
+    from fusion.services.client import FusionClient
+    from fusion.services.coordinator import create_coordinator_server
+    from fusion.services.expert_server import create_expert_server
 
     config = cross_service.config
     servers = {e.name: loop.run(create_expert_server(LocalExpert.load(e), config.limits, metrics_port=0,
@@ -401,7 +402,7 @@ def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
     try:
         sampling = {"max_tokens": 10, "ignore_eos": True}
         local = cross_service.complete("the quick brown", sampling).text
-        with FusionClient(f"127.0.0.1:{port}", timeout=60) as client:
+        with FusionClient(f"127.0.0.1:{port}", timeout=HANG_S) as client:
             remote = "".join(e.text for e in client.generate("the quick brown", sampling))
             scored = client.score("what is 12 + 35 ?", " the answer is 47 .")
         assert remote == local
@@ -409,7 +410,7 @@ def test_remote_cross_tokenizer_fusion_matches_local(loop, xdir, cross_service):
         greedy = cross_service.complete("the quick brown", {**sampling, "temperature": 0.0}).text
         assert greedy
         http = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{coordinator.http_port}/v1",
-                             max_retries=0, timeout=60)
+                             max_retries=0, timeout=HANG_S)
         chat = dict(model="fusion", messages=[{"role": "user", "content": "the quick brown"}], max_tokens=10,
                     temperature=0.0, extra_body={"ignore_eos": True})
         assert http.chat.completions.create(**chat).choices[0].message.content == greedy
@@ -459,7 +460,7 @@ def test_exact_text_probability_does_not_depend_on_the_partition(xdir):
     """In exact mode a text's probability under one expert is the same whether the step's candidates
     come from it alone or from another tokenizer too (the events only partition it differently), and
     it is at least the probability of its canonical token spelling (it counts every spelling)."""
-    from fusion.rules import Single
+    from fusion.fuse.rules import Single
 
     a, x = load(xdir["a"], "a"), load(xdir["x"], "x")
     spellings = [spelling_of(a), spelling_of(x)]

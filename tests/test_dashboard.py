@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from services.key_gate import KeyMetrics
-from services.metrics import CoordinatorMetrics, ExpertMetrics, label_replica
+from fusion.services.key_gate import KeyMetrics
+from fusion.services.metrics import CoordinatorMetrics, ExpertMetrics, label_replica
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "k8s" / "grafana-dashboard.json"

@@ -4,9 +4,9 @@ is rebuilt when one joins or leaves; every step samples exactly as a state built
 from __future__ import annotations
 
 from fusion.config import SamplingParams
-from fusion.decode_batch import DecodeBatch
-from fusion.engine_types import GenerationRequest
-from fusion.sampler import SamplingMetadata
+from fusion.engine.batch import DecodeBatch
+from fusion.engine.types import GenerationRequest
+from fusion.fuse.sampler import SamplingMetadata
 
 
 def requests(service, max_tokens=(6, 3, 6)):

@@ -18,9 +18,9 @@ import yaml
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
 
-from deploy.autoscaling import LOAD_METRIC, fusion_load_policy
-from deploy.registry import ReplicaTable
-from deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args
+from fusion.deploy.autoscaling import LOAD_METRIC, fusion_load_policy
+from fusion.deploy.registry import ReplicaTable
+from fusion.deploy.settings import LOAD_POLICY, DeploymentOptions, parse_args
 from fusion.config import parse_config
 from fusion.errors import ConfigError
 from tests.conftest import tiny_config_dict
@@ -122,7 +122,7 @@ def test_scrape_targets_are_served_over_http_as_prometheus_polls_them():
     import urllib.error
     import urllib.request
 
-    from deploy.registry import TARGETS_PATH, serve_targets
+    from fusion.deploy.registry import TARGETS_PATH, serve_targets
 
     table = ReplicaTable(ttl_s=5.0)
     server = serve_targets(table, "127.0.0.1", 0)
@@ -148,7 +148,7 @@ def test_scrape_targets_are_served_over_http_as_prometheus_polls_them():
 
 
 def test_coordinators_see_only_replicas_of_their_expert_versions():
-    from deploy.registry import expert_version
+    from fusion.deploy.registry import expert_version
     from fusion.config import ExpertConfig
 
     old = ExpertConfig(name="a", model="/models/a-v1")
@@ -278,7 +278,7 @@ def cluster(tiny_dir):
     import ray
     from ray import serve
 
-    from deploy.app import build_app, coordinator_address
+    from fusion.deploy.app import build_app, coordinator_address
 
     # Sessions a test holds open stay while a new replica starts (minutes on a loaded host): the idle
     # sweep's default (120 s) would drop them, and the load the autoscaling test holds with them.
@@ -362,7 +362,7 @@ def test_deployments_follow_the_config(cluster):
 
 
 def test_greedy_output_equals_the_local_engine(cluster, tiny_service):
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     sampling = {"max_tokens": 24, "temperature": 0.0}
     with FusionClient(cluster.address, timeout=REPLICA_START_S) as client:
@@ -376,9 +376,9 @@ def test_step_through_a_serve_handle(cluster, tiny_service):
     import torch
 
     from fusion.errors import InvalidArgumentError
-    from fusion.expert import StepRequest
-    from services.protos import expert_pb2
-    from services.wire import decode_tensor
+    from fusion.experts.expert import StepRequest
+    from fusion.services.protos import expert_pb2
+    from fusion.services.wire import decode_tensor
 
     def request(session_id):
         return expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(session_id=session_id, token_ids=[5, 6, 7])])
@@ -401,7 +401,7 @@ def test_step_through_a_serve_handle(cluster, tiny_service):
 
 def _replica_holding_sessions(addresses_by_replica: dict[str, str]) -> str:
     """The replica id whose Expert server caches the most sessions now."""
-    from services.protos import expert_pb2, expert_pb2_grpc
+    from fusion.services.protos import expert_pb2, expert_pb2_grpc
 
     counts = {}
     for replica_id, address in addresses_by_replica.items():
@@ -414,7 +414,7 @@ def _replica_holding_sessions(addresses_by_replica: dict[str, str]) -> str:
 def test_stream_survives_killing_its_expert_replica(cluster, tiny_service):
     import ray
 
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
     prompt = "hello world , fusion"
@@ -452,7 +452,7 @@ def test_expert_scales_on_the_sessions_it_holds(cluster):
     """Expert c scales on its cached sessions (target 1 per replica, at most 2): three sessions opened
     directly on its replica bring a second one, which the coordinator then uses; releasing them
     brings it back to one."""
-    from services.protos import expert_pb2, expert_pb2_grpc
+    from fusion.services.protos import expert_pb2, expert_pb2_grpc
 
     [address] = [r["address"] for r in _handle("registry").replicas.remote().result() if r["expert"] == "c"]
     sessions = [f"load-{i}" for i in range(3)]

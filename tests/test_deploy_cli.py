@@ -16,7 +16,7 @@ import yaml
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
 
-from services.client import FusionClient
+from fusion.services.client import FusionClient
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_greedy_equivalent
 from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone

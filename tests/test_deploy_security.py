@@ -19,10 +19,10 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fus
 
 from fusion.config import parse_config
 from fusion.errors import FusionError
-from services.protos import expert_pb2, expert_pb2_grpc
-from services.api_keys import create_key
-from services.expert_auth import expert_channel_metadata
-from services.tls import open_channel
+from fusion.services.protos import expert_pb2, expert_pb2_grpc
+from fusion.services.api_keys import create_key
+from fusion.services.expert_auth import expert_channel_metadata
+from fusion.services.tls import open_channel
 from tests.conftest import tiny_config_dict
 from tests.reference import assert_stream_matches
 from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
@@ -50,7 +50,7 @@ def secure_app(tiny_dir, tmp_path_factory):
     import ray
     from ray import serve
 
-    from deploy.app import build_app, coordinator_address
+    from fusion.deploy.app import build_app, coordinator_address
 
     section, key = _security(tmp_path_factory.mktemp("pki"))
     config = tiny_config_dict(tiny_dir, security=section)
@@ -88,7 +88,7 @@ def test_replicas_pass_their_health_probes_over_tls(secure_app):
 
 
 def test_greedy_output_over_tls_equals_the_local_engine(secure_app, tiny_service):
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     sampling = {"max_tokens": 16, "temperature": 0.0}
     prompt = "what is 12 + 35 ?"

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fusion.config import FusionSpec, Limits, SamplingParams, parse_config
-from fusion.engine import FusionEngine
-from fusion.engine_types import ErrorEvent, GenerationRequest
+from fusion.engine.core import FusionEngine
+from fusion.engine.types import ErrorEvent, GenerationRequest
 from fusion.errors import (
     ConfigError,
     ExpertOutputError,
@@ -19,9 +19,9 @@ from fusion.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from fusion.expert import ExpertInfo, LocalExpert, StepRequest
-from fusion.service import FusionRequest, FusionService
-from fusion.rule_registry import make_rule
+from fusion.experts.expert import ExpertInfo, LocalExpert, StepRequest
+from fusion.frontdoor.service import FusionRequest, FusionService
+from fusion.fuse.registry import make_rule
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
 

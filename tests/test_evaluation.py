@@ -122,7 +122,7 @@ CODE_CORPUS = [
 def code_service(tmp_path_factory):
     """One tiny expert whose BPE merges a newline with the indentation after it ("\n   ")."""
     from fusion.config import parse_config
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
     from tests.tiny_models import make_model, make_tokenizer
 
     root = tmp_path_factory.mktemp("code")

@@ -1,4 +1,4 @@
-"""LocalExpert (fusion.expert, with its loading, batched forwards and `extend`) against plain
+"""LocalExpert (fusion.experts.expert, with its loading, batched forwards and `extend`) against plain
 references: every row of logits it returns equals the model's own uncached forward over the same ids,
 whatever the expert cached, batched, adopted, evicted or released on the way."""
 
@@ -12,10 +12,10 @@ from transformers import AutoTokenizer
 
 from fusion.config import ExpertConfig, parse_config
 from fusion.errors import AssetError, InvalidArgumentError
-from fusion.expert import LocalExpert, StepRequest
-from fusion.expert_extensions import MAX_EXTENSION_TOKENS, MAX_EXTENSIONS
-from fusion.expert_loading import codes_folder, eos_ids, tokenizer_fingerprint
-from fusion.kv_cache import new_cache
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.experts.extensions import MAX_EXTENSION_TOKENS, MAX_EXTENSIONS
+from fusion.experts.loading import codes_folder, eos_ids, tokenizer_fingerprint
+from fusion.forward.kv_cache import new_cache
 
 
 def load(path, name="e", **fields):

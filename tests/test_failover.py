@@ -23,14 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fusion.config import Limits, parse_config
 from fusion.errors import SessionReleasedError
-from fusion.expert import LocalExpert, StepRequest
-from services.client import FusionClient
-from services.coordinator import create_coordinator_server
-from services.expert_server import create_expert_server
-from services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
-from services.remote_expert import RemoteExpert
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.services.client import FusionClient
+from fusion.services.coordinator import create_coordinator_server
+from fusion.services.expert_server import create_expert_server
+from fusion.services.protos import EXPERT_SERVICE, expert_pb2, expert_pb2_grpc
+from fusion.services.remote_expert import RemoteExpert
 from tests.conftest import tiny_config_dict
-from tests.helpers import wait_until
+from tests.helpers import HANG_S, wait_until
 from tests.test_remote_expert import addr, local_step, reference, start  # noqa: F401  the same servers and reference (fixtures)
 
 HISTORY = [5, 17, 42, 99, 3, 250, 8, 61]
@@ -276,7 +276,7 @@ def test_a_released_session_is_refused_and_never_recreated(start, tiny_config):
 
         def step(*sessions: str):
             return stub.Step.future(expert_pb2.StepRequest(sessions=[
-                expert_pb2.SessionStep(session_id=s, token_ids=HISTORY) for s in sessions]), timeout=30)
+                expert_pb2.SessionStep(session_id=s, token_ids=HISTORY) for s in sessions]), timeout=HANG_S)
 
         step("gone").result()
         assert len(cache) == 1
@@ -297,7 +297,7 @@ def test_a_released_session_is_refused_and_never_recreated(start, tiny_config):
         assert wait_until(lambda: step_calls(server, 1, queued=0))
         late = step("late")  # waits for the next forward
         assert wait_until(lambda: step_calls(server, 2, queued=1))
-        release = stub.Release.future(expert_pb2.ReleaseRequest(session_ids=["late"]), timeout=30)
+        release = stub.Release.future(expert_pb2.ReleaseRequest(session_ids=["late"]), timeout=HANG_S)
         assert wait_until(lambda: "late" in server.servicer.released)
         busy.go()
         first.result()
@@ -358,7 +358,7 @@ def test_limits_refuse_with_resource_exhausted_naming_the_limit(start):
 
         def step(*sessions: str):
             return stub.Step.future(expert_pb2.StepRequest(sessions=[
-                expert_pb2.SessionStep(session_id=s, token_ids=HISTORY) for s in sessions]), timeout=60)
+                expert_pb2.SessionStep(session_id=s, token_ids=HISTORY) for s in sessions]), timeout=HANG_S)
 
         def refused(call, limit: str) -> None:
             with pytest.raises(grpc.RpcError) as caught:
@@ -374,7 +374,7 @@ def test_limits_refuse_with_resource_exhausted_naming_the_limit(start):
         assert wait_until(lambda: step_calls(server, 2, queued=1))
         refused(step("w"), "max_queued_steps")
         score = stub.Score.future(expert_pb2.ExpertScoreRequest(session_id="s", token_ids=HISTORY, num_positions=2),
-                                  timeout=60)
+                                  timeout=HANG_S)
         refused(score, "max_concurrent_rpcs")  # two Step calls in flight
         # Info and health still answer: they never wait for the worker.
         assert stub.Info(expert_pb2.InfoRequest(), timeout=10).name == "a"
@@ -390,11 +390,11 @@ def test_info_and_health_answer_while_a_long_score_runs(start):
         health = health_pb2_grpc.HealthStub(channel)
         busy = Busy(server)  # the score's forward, as long as the test wants
         score = stub.Score.future(expert_pb2.ExpertScoreRequest(session_id="s", token_ids=HISTORY, num_positions=4),
-                                  timeout=60)
+                                  timeout=HANG_S)
         assert wait_until(lambda: server.servicer._in_flight == 1)
         for _ in range(3):
-            assert stub.Info(expert_pb2.InfoRequest(), timeout=30).name == "a"
-            status = health.Check(health_pb2.HealthCheckRequest(service=EXPERT_SERVICE), timeout=30).status
+            assert stub.Info(expert_pb2.InfoRequest(), timeout=HANG_S).name == "a"
+            status = health.Check(health_pb2.HealthCheckRequest(service=EXPERT_SERVICE), timeout=HANG_S).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         assert not score.done()
         assert server.servicer.worker_busy_s() > 0
@@ -404,7 +404,7 @@ def test_info_and_health_answer_while_a_long_score_runs(start):
 
 
 def test_released_sessions_are_remembered_within_a_bound():
-    from services.expert_server import ReleasedSessions
+    from fusion.services.expert_server import ReleasedSessions
 
     released = ReleasedSessions(capacity=3)
     long_id = "x" * 10_000

@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import fusion.kv_cache as kv_cache
+import fusion.forward.kv_cache as kv_cache
 from fusion.config import SamplingParams, parse_config
-from fusion.engine_types import GenerationRequest
+from fusion.engine.types import GenerationRequest
 from fusion.errors import ConfigError
-from fusion.expert import LocalExpert, StepRequest
-from fusion.decode_ops import attend
-from fusion.fast_decode import DecodeStep, FastDecoder, unsupported_reason
-from fusion.rule_registry import make_rule
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.forward.ops import attend
+from fusion.forward.llama import DecodeStep, FastDecoder, unsupported_reason
+from fusion.fuse.registry import make_rule
 from tests.conftest import tiny_config_dict
 
 
@@ -94,7 +94,7 @@ def test_fast_decoder_shares_the_models_weights(tiny_dir):
 
 
 def _greedy_tokens(tiny_dir, decode: str, prompts: list[list[int]], max_tokens: int = 10) -> list[list[int]]:
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
 
     data = tiny_config_dict(tiny_dir)
     for expert in data["experts"]:
@@ -204,8 +204,7 @@ def test_cuda_graph_steps_compile_their_own_graphs_and_run_each_on_one_thread_of
 def test_cuda_graph_steps_take_turns_only_where_torch_does_not_serialise_recordings(monkeypatch):
     from torch._inductor import cudagraph_trees
 
-    from fusion import graph_thread
-
+    from fusion.forward import graph_thread
     assert isinstance(graph_thread.turns(), contextlib.nullcontext)  # torch 2.13: its own graph_capture_lock
     monkeypatch.delattr(cudagraph_trees, "graph_capture_lock")
     assert graph_thread.turns() is graph_thread._TAKE_TURNS
@@ -221,7 +220,7 @@ def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on(mo
     if not torch_initialises:
         monkeypatch.delattr(cudagraph_trees, "_initialize_tls")
 
-    from fusion.graph_thread import TREE_STATE, prepare_graph_trees
+    from fusion.forward.graph_thread import TREE_STATE, prepare_graph_trees
 
     def older_get_obj(local, name):  # torch 2.11's cudagraph_trees.get_obj
         if hasattr(local, name):
@@ -328,7 +327,7 @@ def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir, decode):
     """Three experts on one GPU (a CUDA stream and a pool thread each, overlapped; compiled: each step's
     CUDA graphs recorded and replayed on its own thread, on the caller's stream) fuse to the CPU trio's
     logits."""
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
 
     fused = {}
     for device in ("cpu", "cuda"):

@@ -1,4 +1,4 @@
-"""Gemma 3's fast decode step (fusion.fast_decode_gemma3) against the plain reference: a separately
+"""Gemma 3's fast decode step (fusion.forward.gemma3) against the plain reference: a separately
 loaded copy of the model, uncached, over each whole history, past its sliding window, and its own
 greedy `generate`."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion.expert import StepRequest
-from fusion.fast_decode import DecodeStep, unsupported_reason
-from fusion.fast_decode_gemma3 import Gemma3Decoder
+from fusion.experts.expert import StepRequest
+from fusion.forward.llama import DecodeStep, unsupported_reason
+from fusion.forward.gemma3 import Gemma3Decoder
 from tests.test_fast_decode import _expert
 
 WINDOW = 6

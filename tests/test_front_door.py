@@ -21,12 +21,13 @@ import torch
 import yaml
 
 from fusion.config import SpecOverrides, parse_config
-from fusion.service import FusionRequest, FusionService
+from fusion.frontdoor.service import FusionRequest, FusionService
 from fusion.tools.router_training import RouterTrainSettings, prepare_router
-from services.background import BackgroundLoop
-from services.client import FusionClient
-from services.coordinator import create_coordinator_server
+from fusion.services.background import BackgroundLoop
+from fusion.services.client import FusionClient
+from fusion.services.coordinator import create_coordinator_server
 from tests.conftest import tiny_config_dict
+from tests.helpers import HANG_S
 
 PROMPT = "what is 12 + 35 ?"
 SAMPLING = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "max_tokens": 16, "stop": ["zz"]}
@@ -80,7 +81,7 @@ def test_grpc(routed):
     with BackgroundLoop() as loop:
         server, port = loop.run(create_coordinator_server(routed.config, cache_dir=routed.cache))
         try:
-            with FusionClient(f"127.0.0.1:{port}", timeout=60) as client:
+            with FusionClient(f"127.0.0.1:{port}", timeout=HANG_S) as client:
                 events = list(client.generate(PROMPT, SAMPLING, OVERRIDES))
         finally:
             loop.run(server.stop(1.0))
@@ -95,7 +96,7 @@ def test_ray_serve(routed):
     import ray
     from ray import serve
 
-    from deploy.app import build_app, coordinator_address
+    from fusion.deploy.app import build_app, coordinator_address
     from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 
     args = {"config": routed.data, "port": 0, "grace_s": 2.0, "cache_dir": str(routed.cache),

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fusion.config import SamplingParams
-from fusion.engine_types import GenerationRequest
-from fusion.router import Route, Router, RouterShape
-from fusion.rule_registry import make_rule
-from fusion.rules import CONTEXT_TOKENS
+from fusion.engine.types import GenerationRequest
+from fusion.fuse.router import Route, Router, RouterShape
+from fusion.fuse.registry import make_rule
+from fusion.fuse.rules import CONTEXT_TOKENS
 
 
 def _logits(vocab: int = 300) -> torch.Tensor:

@@ -25,13 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusion.config import parse_config
-from fusion.expert import LocalExpert
-from services.background import BackgroundLoop
-from services.coordinator import create_coordinator_server
-from services.expert_server import create_expert_server
-from services.protos import EXPERT_SERVICE, FUSION_SERVICE, expert_pb2, fusion_pb2
-from services.api_keys import create_key
-from services.expert_auth import EXPERT_SECRET_HEADER
+from fusion.experts.expert import LocalExpert
+from fusion.services.background import BackgroundLoop
+from fusion.services.coordinator import create_coordinator_server
+from fusion.services.expert_server import create_expert_server
+from fusion.services.protos import EXPERT_SERVICE, FUSION_SERVICE, expert_pb2, fusion_pb2
+from fusion.services.api_keys import create_key
+from fusion.services.expert_auth import EXPERT_SECRET_HEADER
 from tests.conftest import tiny_config_dict
 from tests.helpers import wait_until
 

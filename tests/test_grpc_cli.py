@@ -14,8 +14,9 @@ import threading
 
 import yaml
 
-from services.client import FusionClient
+from fusion.services.client import FusionClient
 from tests.conftest import tiny_config_dict
+from tests.helpers import HANG_S
 from tests.reference import assert_greedy_equivalent, assert_payload_matches
 
 
@@ -71,7 +72,7 @@ def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_servic
         server = f"127.0.0.1:{coordinator.port}"
         expected = tiny_service.complete("hello world", {"max_tokens": 6})
 
-        with FusionClient(server, timeout=60) as client:
+        with FusionClient(server, timeout=HANG_S) as client:
             got = [e.token.token_id for e in client.generate("hello world", {"max_tokens": 6})]
         assert_greedy_equivalent(tiny_service, "hello world", got, expected.token_ids)  # other processes
 

@@ -23,14 +23,15 @@ import torch
 openai = pytest.importorskip("openai", reason="the HTTP tests use the official client: pip install openai")
 
 from fusion.config import SpecOverrides, parse_config  # noqa: E402
-from fusion.expert import LocalExpert  # noqa: E402
-from fusion.service import FusionRequest  # noqa: E402
-from services.client import FusionClient  # noqa: E402
-from services.coordinator import create_coordinator_server  # noqa: E402
-from services.expert_server import create_expert_server  # noqa: E402
-from services.openai_responses import token_string  # noqa: E402
-from services.api_keys import create_key  # noqa: E402
+from fusion.experts.expert import LocalExpert  # noqa: E402
+from fusion.frontdoor.service import FusionRequest  # noqa: E402
+from fusion.services.client import FusionClient  # noqa: E402
+from fusion.services.coordinator import create_coordinator_server  # noqa: E402
+from fusion.services.expert_server import create_expert_server  # noqa: E402
+from fusion.services.openai_responses import token_string  # noqa: E402
+from fusion.services.api_keys import create_key  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
+from tests.helpers import HANG_S  # noqa: E402
 from tests.test_grpc import addr, expert_sessions, experts, wait_until  # noqa: E402,F401 (experts: a fixture)
 
 LIMITS = {"max_prompt_tokens": 1024, "max_tokens": 400, "max_request_bytes": 64 * 1024}
@@ -56,7 +57,7 @@ def coordinator(loop, tiny_dir, experts):
 
 
 def client_for(http_port: int, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(api_key=api_key, base_url=f"http://127.0.0.1:{http_port}/v1", max_retries=0, timeout=60)
+    return openai.OpenAI(api_key=api_key, base_url=f"http://127.0.0.1:{http_port}/v1", max_retries=0, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +342,7 @@ def test_prompt_logprobs_and_a_text_prompt_echoed_while_streaming(client, tiny_s
 def test_same_tokens_as_grpc(coordinator, client):
     sampling = {"max_tokens": 16, "temperature": 0.8, "seed": 3, "stop": ["zz"]}
     spec = SpecOverrides(rule="mixture", weights={"a": 1.0, "c": 1.0})
-    with FusionClient(addr(coordinator[1]), timeout=60) as grpc_client:
+    with FusionClient(addr(coordinator[1]), timeout=HANG_S) as grpc_client:
         expected = [e.token.token_id for e in grpc_client.generate(CHAT, sampling, spec)]
     reply = client.chat.completions.create(
         model="fusion", messages=CHAT, max_tokens=16, temperature=0.8, seed=3, stop=["zz"],
@@ -373,7 +374,7 @@ BAD = {
     "no messages": (dict(messages=[]), 400, "messages"),
     "unknown rule": (dict(extra_body={"fusion": {"rule": "nope"}}), 400, "fusion.rule"),
     "rule parameter": (dict(extra_body={"fusion": {"rule": "mixture", "params": {"tau": 1}}}), 400, "fusion.params"),
-    "extension key": (dict(extra_body={"fusion": {"rules": "mixture"}}), 400, "fusion.rules"),
+    "extension key": (dict(extra_body={"fusion": {"rules": "mixture"}}), 400, "fusion.fuse.rules"),
     "all weights zero": (dict(extra_body={"fusion": {"weights": {"a": 0.0}}}), 400, "fusion.weights"),
     "unknown model": (dict(model="gpt-4o"), 404, "model"),
     "unknown profile": (dict(extra_body={"fusion": {"profile": "nope"}}), 404, "fusion.profile"),
@@ -418,7 +419,7 @@ def test_unknown_fields_are_ignored_and_bad_bodies_refused(coordinator, client):
 def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
     request = urllib.request.Request(url, body, {"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=HANG_S) as reply:
             return reply.status, json.load(reply)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
@@ -491,7 +492,7 @@ def test_metrics_count_http_requests(coordinator, client):
     client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT, max_tokens=2)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{coordinator[0].metrics_port}/metrics", timeout=30).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{coordinator[0].metrics_port}/metrics", timeout=HANG_S).read().decode()
     for series in ('fusion_http_requests_total{path="/v1/chat/completions",status="200"}',
                    'fusion_http_requests_total{path="/v1/chat/completions",status="404"}',
                    "fusion_time_to_first_token_seconds_count", "fusion_generated_tokens_total"):
@@ -528,7 +529,7 @@ def test_missing_or_wrong_key_is_401(keyed):
 
 def test_key_limits_are_shared_with_grpc_and_are_429(keyed):
     server, port, http_port, keys = keyed
-    with FusionClient(addr(port), timeout=60, api_key=keys["one"]) as grpc_client, \
+    with FusionClient(addr(port), timeout=HANG_S, api_key=keys["one"]) as grpc_client, \
             client_for(http_port, keys["one"]) as client:
         held = grpc_client.generate(CHAT, {"max_tokens": 400, "ignore_eos": True})
         next(held)  # the key's one stream, held over gRPC
@@ -574,7 +575,7 @@ def test_tls_with_the_grpc_servers_certificate(loop, tiny_dir, tmp_path):
         body = json.dumps({"messages": CHAT, "max_tokens": 3}).encode()
         request = urllib.request.Request(f"https://localhost:{http_port}/v1/chat/completions", body,
                                          {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30, context=context) as reply:
+        with urllib.request.urlopen(request, timeout=HANG_S, context=context) as reply:
             assert json.load(reply)["usage"]["completion_tokens"] == 3
         with pytest.raises(OSError):  # plaintext is not served (URLError, or the connection closed)
             urllib.request.urlopen(f"http://localhost:{http_port}/health", timeout=10)
@@ -596,7 +597,7 @@ def test_fusion_serve_http_port(tiny_dir, tmp_path, tiny_service):
     served = Served("serve", "--config", str(config), "--port", "0", "--host", "127.0.0.1", "--http-port", "0")
     try:
         http_port = int(re.search(r"HTTP API on \S+:(\d+)", "".join(served.log)).group(1))
-        with FusionClient(f"127.0.0.1:{served.port}", timeout=60) as grpc_client:
+        with FusionClient(f"127.0.0.1:{served.port}", timeout=HANG_S) as grpc_client:
             over_grpc = [e.token.token_id for e in grpc_client.generate(CHAT, {"max_tokens": 8})]
         with client_for(http_port) as client:
             reply = client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=8,
@@ -614,7 +615,7 @@ def test_ray_serve_deployment_serves_http(tiny_dir, tiny_service):
     import ray
     from ray import serve
 
-    from deploy.app import build_app, coordinator_http_address
+    from fusion.deploy.app import build_app, coordinator_http_address
     from tests.reference import assert_greedy_equivalent
     from tests.test_deploy import REPLICA_START_S, descendants, wait_until_gone
 

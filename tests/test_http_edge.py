@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from fusion.config import parse_config
-from services.coordinator import create_coordinator_server
-from services.protos import fusion_pb2, fusion_pb2_grpc
+from fusion.services.coordinator import create_coordinator_server
+from fusion.services.protos import fusion_pb2, fusion_pb2_grpc
 from tests.conftest import tiny_config_dict
-from tests.helpers import wait_until
+from tests.helpers import HANG_S, wait_until
 
 ORIGIN = "https://app.example"
 EDGE = {"max_prompt_tokens": 256, "max_tokens": 64, "max_http_connections": 32, "http_header_timeout_s": 0.5,
@@ -45,7 +45,7 @@ def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
                                      headers={"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=HANG_S) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -68,7 +68,7 @@ def test_idle_connections_past_the_cap_make_room_for_health(server):
     try:
         # answered, not queued behind the idle ones (the eviction counts below say why; the
         # timeout is a hang bound, not the assertion)
-        status, body = get(port, "/health", timeout=60)
+        status, body = get(port, "/health", timeout=HANG_S)
         assert status == 200 and json.loads(body)["status"] == "ok"
         book = server.http.connections
         assert book.evicted >= 3 * EDGE["max_http_connections"] - 1
@@ -149,7 +149,7 @@ def test_weights_outside_float32_are_invalid_argument_over_grpc(server):
             spec.params.update({"lead": "a"})
             request = fusion_pb2.GenerateRequest(prompt="hi", spec=spec)
             with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(request, timeout=30))
+                list(stub.Generate(request, timeout=HANG_S))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "float32" in caught.value.details()
 
@@ -184,7 +184,7 @@ def test_large_bodies_wait_for_their_keys_parse_budget(loop, tiny_dir):
         request = urllib.request.Request(f"http://127.0.0.1:{running.http_port}/v1/chat/completions", data=large,
                                          headers={"content-type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as caught:
-            urllib.request.urlopen(request, timeout=30)
+            urllib.request.urlopen(request, timeout=HANG_S)
         assert caught.value.code == 429 and 1 <= int(caught.value.headers["Retry-After"]) <= 5
         assert "http_parse_bytes_per_s" in json.loads(caught.value.read())["error"]["message"]
         small = json.dumps({"model": "fusion", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
@@ -276,8 +276,8 @@ def test_tokens_holding_part_of_a_character_keep_their_own_bytes(server):
     """Byte-level BPE has a token for each byte: alone, a byte of a multi-byte character is no text.
     Its logprob entries show its own bytes (`bytes:\\xNN`), distinct from every other such token, never
     U+FFFD; whole characters stay text, and offsets count decoded characters."""
-    from services.openai_responses import completion_logprobs, token_string, utf8_decoder
-    from fusion.engine_types import TokenEvent
+    from fusion.services.openai_responses import completion_logprobs, token_string, utf8_decoder
+    from fusion.engine.types import TokenEvent
 
     service = server.servicer.service
     partial = [i for i in range(service.engine.vocab_size)

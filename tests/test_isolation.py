@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fusion.errors import ExpertUnavailableError
-from fusion.isolation import isolate_failures
+from fusion.experts.isolation import isolate_failures
 
 
 def doubled_unless_bad(bad: set[int], calls: list[list[int]]):

@@ -11,7 +11,7 @@ import yaml
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'logit-fusion[ray]'")
 
-from deploy.settings import parse_args
+from fusion.deploy.settings import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "k8s" / "rayservice.yaml"
@@ -88,7 +88,7 @@ def test_embedded_serve_config_is_serve_gpu_yaml(serve_config):
     assert serve_config == yaml.safe_load((ROOT / "deploy" / "serve-gpu.yaml").read_text())
     ServeDeploySchema.model_validate(serve_config)
     [app] = serve_config["applications"]
-    assert app["import_path"] == "deploy.app:build_app"
+    assert app["import_path"] == "fusion.deploy.app:build_app"
 
 
 def test_ray_version_and_image(service):
@@ -136,7 +136,7 @@ def test_coordinator_group_port_probe_and_resource(service, serve_config, settin
     assert ports(c) == {"grpc-fusion": settings.port, "http-fusion": settings.http_port,
                         "fusion-metrics": settings.metrics_port}
     # One probe for both APIs: the HTTP /health answers 200 only while the gRPC health of the Fusion
-    # service reports SERVING (services.coordinator).
+    # service reports SERVING (fusion.services.coordinator).
     probe = c["readinessProbe"]["httpGet"]
     assert probe == {"path": "/health", "port": "http-fusion", "scheme": "HTTPS"}  # the tls section is on
     assert "grpc" not in c["readinessProbe"]

@@ -7,10 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import fusion.kv_cache as kv_cache
+import fusion.forward.kv_cache as kv_cache
 from fusion.config import parse_config
-from fusion.expert import LocalExpert, StepRequest
-from fusion.kv_cache import GrowingLayer, cache_holding, new_cache
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.forward.kv_cache import GrowingLayer, cache_holding, new_cache
 
 
 def test_growing_layer_equals_dynamic_layer_through_appends_and_crops():
@@ -112,7 +112,7 @@ def test_cohort_steps_in_place_and_rebuilds_when_its_sessions_change(tiny_dir, m
     """A batched step of the same sessions reuses the batch buffers (in any request order); sessions
     joining, leaving, diverging, scored alone or outgrowing the buffers make it rebuild. Every step's
     logits equal a plain uncached forward of each whole history."""
-    import fusion.expert_batching as batching_module
+    import fusion.experts.batching as batching_module
 
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 3)  # the batch outgrows its buffers every few steps
     built = []

@@ -1,4 +1,5 @@
-"""The project's imports point one way: runtime < servers < deploy, with the tools beside the servers.
+"""The project's imports point one way: runtime < servers < deploy, with the tools beside the servers;
+inside the runtime, its subpackages in the order fusion/__init__.py gives (RUNTIME_LAYERS).
 
 Every `import` in the packages is read from the source (module level and inside functions alike, so a
 lazy import cannot hide a cycle), and the graph of project modules is checked: no cycle, and no
@@ -11,7 +12,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("fusion", "services", "deploy")
+# folder -> the package it installs as (pyproject.toml's package-dir): one namespace, `fusion`
+PACKAGES = {"fusion": "fusion", "services": "fusion.services", "deploy": "fusion.deploy", "tools": "fusion.tools"}
 
 # layer -> the layers it may import (its own included)
 ALLOWED = {
@@ -22,17 +24,28 @@ ALLOWED = {
 }
 
 
+# The runtime's floors, lowest first: each may import only its own and those before it. "base" is the
+# modules at fusion/'s top (config, errors, models, compute, own_thread).
+RUNTIME_LAYERS = ("base", "forward", "experts", "fuse", "crosstok", "engine", "frontdoor")
+
+
+def runtime_layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in RUNTIME_LAYERS else "base"
+
+
 def layer_of(module: str) -> str:
-    if module.startswith("fusion.tools"):
-        return "tools"
-    return {"fusion": "runtime", "services": "servers", "deploy": "deploy"}[module.split(".")[0]]
+    for package, layer in (("fusion.tools", "tools"), ("fusion.services", "servers"), ("fusion.deploy", "deploy")):
+        if module == package or module.startswith(package + "."):
+            return layer
+    return "runtime"
 
 
 def project_modules() -> dict[str, Path]:
     modules = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = package.split(".") + list(path.relative_to(ROOT / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             if "protos" in parts and path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
@@ -111,9 +124,33 @@ def test_imports_point_downwards():
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_runtime_floors_import_only_those_below():
+    rank = {name: i for i, name in enumerate(RUNTIME_LAYERS)}
+    graph = import_graph()
+    runtime = [m for m in graph if layer_of(m) == "runtime"]
+    assert {runtime_layer(m) for m in runtime} == set(RUNTIME_LAYERS)  # every floor holds modules
+    wrong = [f"{module} ({runtime_layer(module)}) imports {imported} ({runtime_layer(imported)})"
+             for module in runtime for imported in sorted(graph[module])
+             if layer_of(imported) == "runtime" and rank[runtime_layer(imported)] > rank[runtime_layer(module)]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_wheel_installs_every_package_under_one_namespace():
+    """pyproject.toml lists each package folder, mapped under `fusion`: nothing else at site-packages' top."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {package: folder for folder, package in PACKAGES.items()}
+    folders = {".".join(PACKAGES[p.parts[0]].split(".") + list(p.parts[1:])) for p in
+               (q.parent.relative_to(ROOT) for folder in PACKAGES for q in (ROOT / folder).rglob("__init__.py"))}
+    assert set(setuptools["packages"]) == folders
+    assert {p.split(".")[0] for p in setuptools["packages"]} == {"fusion"}
+
+
 def test_the_checks_can_fail():
     """The walker sees lazy imports, and the checks flag a cycle and an upward import."""
     graph = import_graph()
     assert "fusion.tools.router_training" in graph["fusion.tools.cli"]  # imported inside a command function
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert layer_of("fusion.tools.bench") not in ALLOWED[layer_of("fusion.engine")]
+    assert layer_of("fusion.tools.bench") not in ALLOWED[layer_of("fusion.engine.core")]
+    assert runtime_layer("fusion.engine.core") == "engine" and runtime_layer("fusion.config") == "base"

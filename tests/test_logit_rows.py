@@ -1,4 +1,4 @@
-"""The route rule's vocabulary passes in C (fusion/kernels/logit_rows.c) against torch's operators: each
+"""The route rule's vocabulary passes in C (fusion/forward/kernels/logit_rows.c) against torch's operators: each
 expert's statistics (best id, runner-up, normalizer, entropy) and the experts' mixture; and the rule's
 fused scores through either."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion import native_kernels
-from fusion.router import Route, Router, RouterShape, _softmax_parts, _statistics
-from fusion.rules import LOGPROB_FLOOR, row_argmax
+from fusion.forward import native_kernels
+from fusion.fuse.router import Route, Router, RouterShape, _softmax_parts, _statistics
+from fusion.fuse.rules import LOGPROB_FLOOR, row_argmax
 
 
 def _logits(width: int, seed: int = 0) -> torch.Tensor:

@@ -21,7 +21,7 @@ import pytest
 from fusion.tools import cluster_scenarios as sc
 from fusion.tools.ray_cluster import LocalRayCluster, free_port
 from tests.conftest import batch_invariant_config_dict
-from tests.helpers import wait_until
+from tests.helpers import HANG_S, wait_until
 
 # Node losses and rejoins wait for replicas to start again, which on a loaded 2-core host takes minutes.
 pytestmark = pytest.mark.timeout(1800)
@@ -34,7 +34,7 @@ PROMPTS = ["what is 12 + 35 ?", "def add", "hello world , fusion", "the quick br
 def local_service(tiny_dir):
     """The same config in one process: the tokens every stream of the cluster must give."""
     from fusion.config import parse_config
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
 
     service = FusionService.from_config(parse_config(batch_invariant_config_dict(tiny_dir)))
     yield service
@@ -95,12 +95,12 @@ def test_experts_are_placed_by_resources_and_survive_a_node_loss(three_nodes, lo
 
 
 def test_a_rolling_update_loses_no_stream_and_new_requests_see_the_new_config(three_nodes):
-    from services.client import FusionClient
+    from fusion.services.client import FusionClient
 
     cluster, args, address = three_nodes
 
     def rule(at: str) -> str:
-        with FusionClient(at, timeout=60) as client:
+        with FusionClient(at, timeout=HANG_S) as client:
             return client.describe().default_spec.rule
 
     new_config = {**args["config"], "fusion": {"rule": "mixture"}}

@@ -1,4 +1,4 @@
-"""The decode step's layers in the project's C step (fusion/native_decoder.py) against the same
+"""The decode step's layers in the project's C step (fusion/forward/native_step.py) against the same
 `FastDecoder` run as torch operators, on the same inputs: batched rows of different lengths (masked),
 one shared history for every row, adapters per row, query/key/value biases, float32 and bfloat16."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fusion import native_kernels
-from fusion.fast_decode import DecodeStep, FastDecoder, decode_on_layers, prefill_on_layers
-from fusion.kv_cache import new_cache
-from fusion.multi_lora import LoraPair, MultiAdapter
-from fusion.native_decoder import NativeLayers, adapter_ranges, exactly_narrowed, output_spans
-from fusion.quantized import quantize_model
+from fusion.forward import native_kernels
+from fusion.forward.llama import DecodeStep, FastDecoder, decode_on_layers, prefill_on_layers
+from fusion.forward.kv_cache import new_cache
+from fusion.experts.multi_lora import LoraPair, MultiAdapter
+from fusion.forward.native_step import NativeLayers, adapter_ranges, exactly_narrowed, output_spans
+from fusion.forward.quantized import quantize_model
 
 
 HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 3

@@ -1,4 +1,4 @@
-"""`fusion/native_kernels.py`: the project's own quantized products against their plain references (the
+"""`fusion/forward/native_kernels.py`: the project's own quantized products against their plain references (the
 weights' codes times the activations' integer codes, in float64), their build and its cache, the switch that
 turns them off, and the custom operators a compiled step calls."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import fusion.quantized as quantized
-from fusion import native_kernels
-from fusion.quantized import QuantizedLinear, quantize_int4, quantize_int8
+import fusion.forward.quantized as quantized
+from fusion.forward import native_kernels
+from fusion.forward.quantized import QuantizedLinear, quantize_int4, quantize_int8
 
 
 @contextlib.contextmanager
@@ -145,7 +145,7 @@ def test_the_spread_setting_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv("FUSION_INT4_COARSE_SPREAD", bad)
         with pytest.raises(ValueError, match="FUSION_INT4_COARSE_SPREAD"):
             native_kernels._spread_setting()
-    probe = ("import torch; from fusion import native_kernels as nk; x = torch.linspace(-1.0, 1.0, 32)[None]; "
+    probe = ("import torch; from fusion.forward import native_kernels as nk; x = torch.linspace(-1.0, 1.0, 32)[None]; "
              "print(nk.COARSE_SPREAD, nk.available(), nk._coarse_spread, "
              "float(((y := nk.grouped_activations(x)[0] * 16256 / 128) - y.round()).abs().max()))")
     env = {**os.environ, "FUSION_INT4_COARSE_SPREAD": "0"}
@@ -231,7 +231,7 @@ def test_the_build_without_avx512_gives_the_same_bits(tmp_path):
     several row counts, with an odd number of output blocks, and the C decode step. (On a machine without
     AVX-512 both builds are the AVX2 one.)"""
     from tests.test_native_decoder import _both, _inputs, _model
-    from fusion.fast_decode import FastDecoder
+    from fusion.forward.llama import FastDecoder
 
     cases = [(24, 160, 7), (80, 160, 3), (96, 64, 1), (128, 96, 9)]  # (outputs, inputs, rows)
     data = []
@@ -261,7 +261,7 @@ def test_the_plain_c_loops_compute_what_the_vector_ones_do(tmp_path):
     conversion), the products are their references, and the decode step's layers in C give what the
     vectorised build gives."""
     from tests.test_native_decoder import _both, _inputs, _model
-    from fusion.fast_decode import FastDecoder
+    from fusion.forward.llama import FastDecoder
 
     vector = {}
     model = _model("qwen2", torch.float32)
@@ -300,7 +300,7 @@ def test_the_step_clocks_are_built_only_on_request_and_change_no_result(tmp_path
     import ctypes
 
     from tests.test_native_decoder import _both, _inputs, _model
-    from fusion.fast_decode import FastDecoder
+    from fusion.forward.llama import FastDecoder
 
     model = _model("llama", torch.float32)
     inputs = _inputs(torch.bfloat16, 3, 3)
@@ -344,7 +344,7 @@ def test_attention_over_head_shapes_is_the_torch_steps_split_or_not(tmp_path, he
     step is the torch step's, and a build that never splits gives the same bits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fusion.quantized import quantize_model
+    from fusion.forward.quantized import quantize_model
 
     torch.manual_seed(11)
     config = LlamaConfig(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=2,
@@ -367,7 +367,7 @@ def _check_attention_split_or_not(model, inputs, tmp_path) -> None:
     """The C step on `inputs` (3 rows or fewer, of 1 or 2 kv heads) on a team of four threads, where such rows
     are fewer than two tasks a thread, so that a long history splits: the torch step's, and the bits of a build
     that never splits."""
-    from fusion.fast_decode import FastDecoder
+    from fusion.forward.llama import FastDecoder
     from tests.test_native_decoder import _both
 
     threads = torch.get_num_threads()

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from fusion.service import PromptLogprobs
-from services.openai_errors import ApiError
-from services.openai_responses import vllm_prompt_logprobs
-from fusion.tool_calls import call_text
-from services.openai_tools import message_of
-from services.openai_wire import plan_request
+from fusion.frontdoor.service import PromptLogprobs
+from fusion.services.openai_errors import ApiError
+from fusion.services.openai_responses import vllm_prompt_logprobs
+from fusion.fuse.tool_calls import call_text
+from fusion.services.openai_tools import message_of
+from fusion.services.openai_wire import plan_request
 
 CHAT = [{"role": "user", "content": "hi"}]
 

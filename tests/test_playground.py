@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from services.http_api import PLAYGROUND_DIR
-from services.api_keys import create_key
-from tests.helpers import wait_until
+from fusion.services.http_api import PLAYGROUND_DIR
+from fusion.services.api_keys import create_key
+from tests.helpers import HANG_S, wait_until
 from tests.test_grpc import addr, expert_sessions
 from tests.test_http import experts, no_sessions_left, post, start  # noqa: F401 (a fixture)
 
@@ -109,17 +109,17 @@ def leader(attribution: list[dict]) -> str:
 def test_page_and_describe_are_served(coordinator, tiny_config):
     server, url = coordinator
     for path in ("/", "/playground", "/playground/"):
-        with urllib.request.urlopen(url + path, timeout=30) as reply:
+        with urllib.request.urlopen(url + path, timeout=HANG_S) as reply:
             assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/html")
             assert "script-src 'self'" in reply.headers["Content-Security-Policy"]
             assert b"/playground/playground.js" in reply.read()
     for name in ("playground.js", "playground.css"):
-        with urllib.request.urlopen(f"{url}/playground/{name}", timeout=30) as reply:
+        with urllib.request.urlopen(f"{url}/playground/{name}", timeout=HANG_S) as reply:
             assert reply.read() == (PLAYGROUND_DIR / name).read_bytes()
     with pytest.raises(urllib.error.HTTPError) as missing:
-        urllib.request.urlopen(f"{url}/playground/..%2Fhttp_server.py", timeout=30)
+        urllib.request.urlopen(f"{url}/playground/..%2Fhttp_server.py", timeout=HANG_S)
     assert missing.value.code == 404
-    with urllib.request.urlopen(url + "/v1/fusion/describe", timeout=30) as reply:
+    with urllib.request.urlopen(url + "/v1/fusion/describe", timeout=HANG_S) as reply:
         described = json.load(reply)
     assert [e["name"] for e in described["experts"]] == ["a", "b", "c"]
     assert [e["default_weight"] for e in described["experts"]] == [0.5, 0.3, 0.2]
@@ -249,7 +249,7 @@ def test_stop_and_leaving_cancel_the_requests(coordinator, browser, experts):  #
             wait_for(browser, lambda d: set(panes_state(d).values()) == {"stopped"}, message="stop did not stop")
             assert by_css(browser, "#error")[0].get_attribute("hidden")
         assert no_sessions_left(server, experts)
-        assert wait_until(lambda: json.load(urllib.request.urlopen(url + "/v1/fusion/describe", timeout=30))
+        assert wait_until(lambda: json.load(urllib.request.urlopen(url + "/v1/fusion/describe", timeout=HANG_S))
                           ["active_requests"] == 0)
 
 

@@ -1,4 +1,4 @@
-"""Kept prefixes (fusion.prefix_pool): the pool's own rules, and experts whose new sessions start from a
+"""Kept prefixes (fusion.experts.prefix_pool): the pool's own rules, and experts whose new sessions start from a
 released session's columns computing only the rest, with the logits of a fresh prefill."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fusion.config import ExpertConfig, parse_config
-from fusion.expert import LocalExpert, StepRequest
-from fusion.prefix_pool import MIN_SHARED, PrefixPool
-from fusion.shared_base import load_local_experts
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.experts.prefix_pool import MIN_SHARED, PrefixPool
+from fusion.experts.shared_base import load_local_experts
 from tests.conftest import batch_invariant_config_dict
 from tests.test_shared_base import save_adapter
 

@@ -1,4 +1,4 @@
-"""`fusion/quantized.py`: 8- and 4-bit weight-only projections against the plain reference (the product
+"""`fusion/forward/quantized.py`: 8- and 4-bit weight-only projections against the plain reference (the product
 with the weight their codes stand for), the model's own forward through them against the fast decode
 step, experts with quantized weights end to end, and the config's checks."""
 
@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import fusion.kv_cache as kv_cache
-import fusion.quantized as quantized
-from fusion import native_kernels
+import fusion.forward.kv_cache as kv_cache
+import fusion.forward.quantized as quantized
+from fusion.forward import native_kernels
 from fusion.config import parse_config
 from fusion.errors import ConfigError
-from fusion.expert import LocalExpert, StepRequest
-from fusion.fast_decode import FastDecoder
-from fusion.quantized import (INT4_GROUP, QuantizedLinear, dequantize_int4, fused_projection, int4_row_block,
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.forward.llama import FastDecoder
+from fusion.forward.quantized import (INT4_GROUP, QuantizedLinear, dequantize_int4, fused_projection, int4_row_block,
                               quantize_int4, quantize_int8, quantize_model, quantized_bytes)
-from fusion.shared_base import load_local_experts
+from fusion.experts.shared_base import load_local_experts
 from tests.conftest import tiny_config_dict
 
 
@@ -303,7 +303,7 @@ def test_codes_come_back_from_the_cache_file_as_they_were_made(tmp_path, hidden,
 
 
 def test_an_experts_codes_are_kept_under_the_cache_and_named_by_what_made_them(tiny_dir, tmp_path):
-    from fusion.quantized import packed_cache_file
+    from fusion.forward.quantized import packed_cache_file
 
     config = parse_config({"experts": [{"name": "x", "model": str(tiny_dir / "a"), "dtype": "float32",
                                         "weights": "int8"}]}).experts[0]

@@ -10,8 +10,8 @@ from gguf import GGUFReader
 from transformers import AutoModelForCausalLM
 
 from fusion.config import parse_config
-from fusion.expert import LocalExpert, StepRequest
-from fusion.quantized import INT4_GROUP, QuantizedLinear, dequantize_int4, quantize_int4
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.forward.quantized import INT4_GROUP, QuantizedLinear, dequantize_int4, quantize_int4
 from fusion.tools.assets import SMOLLM2_GGUF
 
 GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

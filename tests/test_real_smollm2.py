@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fusion.config import parse_config
-from fusion.service import FusionService
+from fusion.frontdoor.service import FusionService
 
 
 def test_self_fusion_reproduces_plain_generate(smollm2_dir):

@@ -16,9 +16,9 @@ import torch
 
 from fusion.config import Limits
 from fusion.errors import ConfigError, ExpertUnavailableError, InvalidArgumentError, ResourceExhaustedError
-from fusion.expert import LocalExpert, StepRequest
-from services.remote_expert import MESSAGE_MARGIN_BYTES, RemoteExpert
-from tests.helpers import wait_until
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.services.remote_expert import MESSAGE_MARGIN_BYTES, RemoteExpert
+from tests.helpers import HANG_S, wait_until
 
 HISTORY = [5, 17, 42, 99, 3, 250, 8, 61]
 ATOL = 1e-4  # a batched forward on the replica may round differently from a lone one here
@@ -82,6 +82,82 @@ def test_step_logits_equal_the_local_experts_for_the_same_ids(start, remote, ref
             assert torch.allclose(row, local_step(reference, history), atol=ATOL)
         histories = {s: h + [int(row.argmax())] for (s, h), row in zip(histories.items(), logits)}
     assert expert.step([]).shape == (0, reference.info.vocab_size)
+
+
+def watch_steps(monkeypatch) -> list[list[tuple[str, int, int]]]:
+    """Each Step call replicas started from now on receive, as (session, known_length, ids sent) per
+    session (before a server starts: it binds its handlers then)."""
+    from fusion.services.expert_server import ExpertServicer
+
+    calls = []
+    step = ExpertServicer.Step
+
+    async def seen(self, request, context):
+        calls.append([(s.session_id, s.known_length, len(s.token_ids)) for s in request.sessions])
+        return await step(self, request, context)
+
+    monkeypatch.setattr(ExpertServicer, "Step", seen)
+    return calls
+
+
+def test_a_decoding_session_sends_only_its_new_ids_and_the_same_logits_come_back(start, remote, reference,
+                                                                                monkeypatch):
+    calls = watch_steps(monkeypatch)
+    _, port = start()
+    expert = remote([port])
+    history = list(HISTORY)
+    for _ in range(4):
+        [row] = expert.step([StepRequest("s", history)])
+        assert torch.allclose(row, local_step(reference, history), atol=ATOL)
+        history.append(int(row.argmax()))
+    # the prompt whole, then each step its one new id after what the replica holds
+    assert calls == [[("s", 0, len(HISTORY))]] + [[("s", len(HISTORY) + k, 1)] for k in range(3)]
+    # a history that does not continue the last one is sent whole
+    expert.step([StepRequest("s", [9] + history[1:])])
+    assert calls[-1] == [("s", 0, len(history))]
+
+
+def test_a_replica_without_the_history_gets_it_whole_on_the_same_call(start, remote, reference, monkeypatch):
+    calls = watch_steps(monkeypatch)
+    server, port = start()
+    expert = remote([port])
+    expert.step([StepRequest("s", HISTORY), StepRequest("t", HISTORY[:4])])
+    server.servicer.histories.discard(["s"])  # as a restarted replica, or one that dropped its record
+    [row, _] = expert.step([StepRequest("s", HISTORY + [7]), StepRequest("t", HISTORY[:4] + [7])])
+    assert torch.allclose(row, local_step(reference, HISTORY + [7]), atol=ATOL)
+    assert calls[1:] == [[("s", len(HISTORY), 1), ("t", 4, 1)],  # answered ABORTED
+                         [("s", 0, len(HISTORY) + 1), ("t", 0, 5)]]
+    assert expert.failovers == 0
+
+
+def test_a_step_of_new_ids_the_replica_cannot_place_is_refused_by_name(start):
+    from fusion.services.protos import expert_pb2, expert_pb2_grpc
+    import grpc
+
+    _, port = start()
+    with grpc.insecure_channel(addr(port)) as channel:
+        stub = expert_pb2_grpc.ExpertStub(channel)
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.Step(expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(
+                session_id="never-seen", token_ids=[5], known_length=3)]), timeout=HANG_S)
+        assert unknown.value.code() == grpc.StatusCode.ABORTED and "send it whole" in unknown.value.details()
+        with pytest.raises(grpc.RpcError) as negative:
+            stub.Step(expert_pb2.StepRequest(sessions=[expert_pb2.SessionStep(
+                session_id="s", token_ids=[5], known_length=-1)]), timeout=HANG_S)
+        assert negative.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sessions[0].known_length" in negative.value.details()
+
+
+def test_the_histories_a_replica_keeps_are_bounded_in_ids():
+    from fusion.services.expert_server import SessionHistories
+
+    histories = SessionHistories(capacity=10)
+    histories.record("a", [1] * 6)
+    histories.record("b", [2] * 4)
+    histories.record("c", [3] * 3)  # past 10 ids: the least recently stepped goes
+    assert len(histories) == 2 and histories._total == 7
+    histories.record("big", [4] * 11)  # longer than everything: not kept
+    assert len(histories) == 2
 
 
 def test_score_and_extend_equal_the_local_experts(start, remote, reference):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fusion.config import FusionSpec, SamplingParams, SpecOverrides, parse_config
-from fusion.engine_types import GenerationRequest
+from fusion.engine.types import GenerationRequest
 from fusion.errors import AssetError, InvalidArgumentError, NotFoundError
-from fusion.service import FusionRequest, FusionService
-from fusion.router import FamiliarityGate, Route, Router, RouterShape, load_router, logit_features
+from fusion.frontdoor.service import FusionRequest, FusionService
+from fusion.fuse.router import FamiliarityGate, Route, Router, RouterShape, load_router, logit_features
 from fusion.tools.router_training import (
     RouterTrainSettings,
     file_samples,
@@ -21,8 +21,8 @@ from fusion.tools.router_training import (
     router_loss,
     train_router,
 )
-from fusion.rules import context_rows, teacher_forced_context
-from fusion.text import TextSample, end_of_turn_id
+from fusion.fuse.rules import context_rows, teacher_forced_context
+from fusion.frontdoor.text import TextSample, end_of_turn_id
 from tests.conftest import tiny_config_dict
 from tests.tiny_models import CORPUS
 
@@ -352,7 +352,7 @@ def test_a_shipped_router_is_found_for_exactly_its_config_experts(tiny_dir, tmp_
 
     import fusion.models as models
     import fusion.tools.router_training as router_training
-    from fusion.router import load_router
+    from fusion.fuse.router import load_router
 
     monkeypatch.setattr(models, "ROUTERS_DIR", tmp_path / "routers")
     monkeypatch.setattr(router_training, "ROUTERS_DIR", tmp_path / "routers")

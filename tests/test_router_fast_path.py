@@ -11,8 +11,8 @@ import torch
 
 from fusion.compute import one_thread
 from fusion.config import SamplingParams
-from fusion.engine_types import GenerationRequest
-from fusion.router import (
+from fusion.engine.types import GenerationRequest
+from fusion.fuse.router import (
     FamiliarityGate,
     Route,
     Router,
@@ -22,7 +22,7 @@ from fusion.router import (
     logit_statistics,
     save_router,
 )
-from fusion.rules import CONTEXT_TOKENS, FusedLogits, FusionRule
+from fusion.fuse.rules import CONTEXT_TOKENS, FusedLogits, FusionRule
 
 
 def _logits(experts: int = 3, rows: int = 4, vocab: int = 1024, seed: int = 3) -> torch.Tensor:
@@ -133,8 +133,7 @@ def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank
     """Where the route rule's passes run in C, the router's head (context features, body, weights, the gate's
     pull, the complementary layer's input) is one C call: the same weights and fused logits as torch's
     operators, within float32 rounding, with experts left out of some rows."""
-    from fusion import native_kernels
-
+    from fusion.forward import native_kernels
     assert native_kernels.library() is not None  # (CI builds the kernels: the C head is what is tested)
     vocab = 1024
     router = _router(vocab, comp_rank=comp_rank)
@@ -159,8 +158,7 @@ def test_the_c_head_reads_a_replaced_tensor_and_copies_the_router():
     head to torch, and a router that has run it still copies (the pointers are not part of its state)."""
     import copy
 
-    from fusion import native_kernels
-
+    from fusion.forward import native_kernels
     assert native_kernels.library() is not None
     vocab = 1024
     router = _router(vocab, comp_rank=16)
@@ -268,7 +266,7 @@ def test_engine_tokens_equal_the_reference_rule(tiny_service, sampling):
 
 
 def test_greedy_sampling_picks_the_first_maximum():
-    from fusion.sampler import SamplingMetadata, sample
+    from fusion.fuse.sampler import SamplingMetadata, sample
 
     logits = (torch.randn(4, 49152, generator=torch.Generator().manual_seed(2)) * 3).bfloat16().float()
     logits[1, [100, 40000]] = logits[1].max() + 1  # tied maxima: the first wins, as argmax

@@ -1,5 +1,5 @@
-"""The training-free fusion rules (`fusion.rules`) and the registry that builds them by name
-(`fusion.rule_registry`), each against the rule written out plainly: a loop over rows and experts in
+"""The training-free fusion rules (`fusion.fuse.rules`) and the registry that builds them by name
+(`fusion.fuse.registry`), each against the rule written out plainly: a loop over rows and experts in
 float64, from probabilities where the docstring speaks of probabilities. Bad parameters and weights
 raise the documented error naming the field."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fusion.errors import ConfigError, InvalidArgumentError
-from fusion.router import Route
-from fusion.rule_registry import RULES, known_rules, make_rule
-from fusion.rules import (
+from fusion.fuse.router import Route
+from fusion.fuse.registry import RULES, known_rules, make_rule
+from fusion.fuse.rules import (
     BUILTIN_RULES,
     LOGPROB_FLOOR,
     Confidence,

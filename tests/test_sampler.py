@@ -7,8 +7,8 @@ import torch
 from pydantic import ValidationError
 
 from fusion.config import SamplingParams
-from fusion import sampler
-from fusion.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, sample, token_bias_row
+from fusion.fuse import sampler
+from fusion.fuse.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, sample, token_bias_row
 
 V = 64
 

@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from fusion.config import SamplingParams
-from fusion.engine_types import GenerationRequest
+from fusion.engine.types import GenerationRequest
 from fusion.errors import ResourceExhaustedError, ServiceBusyError
-from fusion.scheduler import Scheduler
-from fusion.tenancy import Tenant
+from fusion.engine.scheduler import Scheduler
+from fusion.engine.tenancy import Tenant
 from tests.helpers import wait_until
 
 

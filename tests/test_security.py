@@ -18,15 +18,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fusion.config import SecurityConfig, parse_config
 from fusion.errors import ConfigError, ExpertUnavailableError
-from fusion.expert import LocalExpert
-from services import api_keys, expert_auth, key_gate, tls
-from services.client import FusionClient
-from services.coordinator import create_coordinator_server
-from services.expert_server import create_expert_server
-from services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
-from services.api_keys import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
+from fusion.experts.expert import LocalExpert
+from fusion.services import api_keys, expert_auth, key_gate, tls
+from fusion.services.client import FusionClient
+from fusion.services.coordinator import create_coordinator_server
+from fusion.services.expert_server import create_expert_server
+from fusion.services.protos import expert_pb2, expert_pb2_grpc, fusion_pb2, fusion_pb2_grpc
+from fusion.services.api_keys import ApiKeyStore, create_key, hash_key, pbkdf2_hash_key, revoke_key, verify_key
 from tests.conftest import tiny_config_dict
-from tests.helpers import wait_until
+from tests.helpers import HANG_S, wait_until
 
 LIMITS = {"max_prompt_tokens": 256, "max_tokens": 400}
 UNAUTH, EXHAUSTED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -134,7 +134,7 @@ def test_security_config_is_explicit(tiny_dir):
 
 
 def test_plaintext_warning_only_off_loopback(caplog):
-    with caplog.at_level("WARNING", logger="services.tls"):
+    with caplog.at_level("WARNING", logger="fusion.services.tls"):
         tls.warn_if_plaintext("127.0.0.1:0", "svc")
         tls.warn_if_plaintext("localhost:5", "svc")
         tls.warn_if_plaintext("[::1]:5", "svc")
@@ -304,7 +304,7 @@ def generate_code(port: int, metadata=(), **sampling) -> grpc.StatusCode | int:
         stub = fusion_pb2_grpc.FusionStub(channel)
         request = fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(**sampling))
         try:
-            return len(list(stub.Generate(request, metadata=list(metadata), timeout=30)))
+            return len(list(stub.Generate(request, metadata=list(metadata), timeout=HANG_S)))
         except grpc.RpcError as err:
             return err.code()
 
@@ -330,10 +330,10 @@ def test_unauthenticated_callers_are_refused(keyed):
     # both headers work, and every method answers a valid key
     assert generate_code(port, [("authorization", "Bearer " + keys["free"])]) == 3
     assert generate_code(port, [("x-api-key", keys["free"])]) == 3
-    with FusionClient(addr(port), timeout=30, api_key=keys["free"]) as client:
+    with FusionClient(addr(port), timeout=HANG_S, api_key=keys["free"]) as client:
         assert client.describe().experts and client.score("a b", " c").token_ids
         assert len(list(client.generate("hi", {"max_tokens": 2, "ignore_eos": True}))) == 2
-    with FusionClient(addr(port), timeout=30, api_key=keys["gone"]) as client:
+    with FusionClient(addr(port), timeout=HANG_S, api_key=keys["gone"]) as client:
         with pytest.raises(Exception, match="revoked"):
             client.describe()
 
@@ -344,11 +344,11 @@ def test_stream_limit_is_per_key(keyed):
         stub = fusion_pb2_grpc.FusionStub(channel)
         long = fusion_pb2.GenerateRequest(prompt="hello", sampling=fusion_pb2.SamplingParams(
             max_tokens=300, ignore_eos=True))
-        first = stub.Generate(long, metadata=[("x-api-key", keys["one-stream"])], timeout=60)
+        first = stub.Generate(long, metadata=[("x-api-key", keys["one-stream"])], timeout=HANG_S)
         next(first)  # the stream is open
         # a second stream of the same key is refused, naming the limit
         with pytest.raises(grpc.RpcError) as caught:
-            list(stub.Generate(long, metadata=[("x-api-key", keys["one-stream"])], timeout=30))
+            list(stub.Generate(long, metadata=[("x-api-key", keys["one-stream"])], timeout=HANG_S))
         assert caught.value.code() == EXHAUSTED and "max_concurrent_streams" in caught.value.details()
         # other keys' clients keep streaming, concurrently
         results = []
@@ -370,7 +370,7 @@ def test_closing_a_stream_frees_its_slot(keyed):
     with grpc.insecure_channel(addr(port)) as channel:
         stub = fusion_pb2_grpc.FusionStub(channel)
         call = stub.Generate(fusion_pb2.GenerateRequest(prompt="x", sampling=fusion_pb2.SamplingParams(
-            max_tokens=300, ignore_eos=True)), metadata=[("x-api-key", keys["one-stream"])], timeout=60)
+            max_tokens=300, ignore_eos=True)), metadata=[("x-api-key", keys["one-stream"])], timeout=HANG_S)
         next(call)
         call.cancel()
     # the slot is free again once the cancelled stream ends: a call is served its 3 tokens
@@ -384,7 +384,7 @@ def run_stream(port: int, key: str, prompt: str = "hello", **sampling):
     got = []
     with grpc.insecure_channel(addr(port)) as channel:
         call = fusion_pb2_grpc.FusionStub(channel).Generate(fusion_pb2.GenerateRequest(
-            prompt=prompt, sampling=fusion_pb2.SamplingParams(**sampling)), metadata=[("x-api-key", key)], timeout=30)
+            prompt=prompt, sampling=fusion_pb2.SamplingParams(**sampling)), metadata=[("x-api-key", key)], timeout=HANG_S)
         try:
             for response in call:
                 got.append(response)
@@ -422,7 +422,7 @@ def test_tokens_per_minute_are_reserved_before_the_work(keyed, monkeypatch):
     assert generate_code(port, md, max_tokens=left) == left  # exactly what is left fits
     assert generate_code(port, md, max_tokens=1) == EXHAUSTED  # up front now
     assert generate_code(port, [("x-api-key", keys["free"])]) == 3  # other keys are unaffected
-    with FusionClient(addr(port), timeout=30, api_key=keys["rate"]) as client:
+    with FusionClient(addr(port), timeout=HANG_S, api_key=keys["rate"]) as client:
         with pytest.raises(Exception, match="tokens_per_minute"):
             client.score("a", "b")
     # the window slides: tokens older than the window no longer count
@@ -441,7 +441,7 @@ def test_score_reserves_its_tokens_and_holds_a_slot(keyed):
     limit = KEY_LIMITS[key_id]["tokens_per_minute"]
 
     def charged() -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=HANG_S).read().decode()
         line = f'fusion_key_tokens_total{{key_id="{key_id}"}}'
         return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line))
 
@@ -449,7 +449,7 @@ def test_score_reserves_its_tokens_and_holds_a_slot(keyed):
     assert error is None and len(got) == 2
     prompt = got[-1].usage.prompt_tokens
     assert charged() == prompt + 2
-    with FusionClient(addr(port), timeout=30, api_key=key) as client:
+    with FusionClient(addr(port), timeout=HANG_S, api_key=key) as client:
         scored = client.score("a b", " c")
     score_tokens = charged() - prompt - 2
     assert score_tokens > len(scored.token_ids)  # the prompt's tokens too
@@ -457,7 +457,7 @@ def test_score_reserves_its_tokens_and_holds_a_slot(keyed):
     got, error = run_stream(port, key, max_tokens=10)
     assert got == [] and error.code() == EXHAUSTED and "tokens_per_minute" in error.details()
     one = keys["one-stream"]
-    with FusionClient(addr(port), timeout=60, api_key=one) as client:
+    with FusionClient(addr(port), timeout=HANG_S, api_key=one) as client:
         held = client.generate("hi", {"max_tokens": 400, "ignore_eos": True})
         next(held)  # the key's one slot
         with pytest.raises(Exception, match="max_concurrent_streams"):
@@ -477,18 +477,18 @@ def test_max_tokens_per_request_caps_or_refuses(keyed):
         stub = fusion_pb2_grpc.FusionStub(channel)
         request = fusion_pb2.GenerateRequest(prompt="hi", sampling=fusion_pb2.SamplingParams(max_tokens=5))
         with pytest.raises(grpc.RpcError) as caught:
-            list(stub.Generate(request, metadata=md, timeout=30))
+            list(stub.Generate(request, metadata=md, timeout=HANG_S))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_tokens_per_request=4" in caught.value.details() and pushback_ms(caught.value) is None
         unset = fusion_pb2.GenerateRequest(prompt="hi", sampling=fusion_pb2.SamplingParams(ignore_eos=True))
-        assert len(list(stub.Generate(unset, metadata=md, timeout=30))) == 4
+        assert len(list(stub.Generate(unset, metadata=md, timeout=HANG_S))) == 4
 
 
 def test_per_key_metrics(keyed):
     server, port, keys = keyed
     assert generate_code(port, [("x-api-key", keys["free"])], max_tokens=5) == 5
     assert generate_code(port, [("x-api-key", "fsk_free_wrong")]) == UNAUTH
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=HANG_S).read().decode()
 
     def value(line_start: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
@@ -528,10 +528,10 @@ def secure_cluster(loop, tiny_dir, pki, tmp_path_factory):
 
 
 def test_tls_end_to_end(secure_cluster, tiny_dir):
-    from fusion.service import FusionService
+    from fusion.frontdoor.service import FusionService
 
     cluster = secure_cluster
-    with FusionClient(f"localhost:{cluster['port']}", timeout=60, api_key=cluster["key"],
+    with FusionClient(f"localhost:{cluster['port']}", timeout=HANG_S, api_key=cluster["key"],
                       security=cluster["config"].security) as client:
         events = list(client.generate("hello world", {"max_tokens": 8, "ignore_eos": True}))
     local = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, names=("a", "b"))))
@@ -627,7 +627,7 @@ def test_keys_cli_and_remote_generate(tmp_path, keyed, monkeypatch):
     from typer.testing import CliRunner
 
     from fusion.tools.cli import app
-    from services.client import stream_remote
+    from fusion.services.client import stream_remote
 
     path = tmp_path / "keys.yaml"
     runner = CliRunner()
@@ -688,7 +688,7 @@ def test_coordinator_without_client_certificate_is_refused_by_experts(secure_clu
 def test_usage_state_stays_bounded_for_a_key_without_limits():
     """Usage is kept in one-second buckets over the window, trimmed as tokens arrive: a key that streams
     for ten minutes holds at most WINDOW_S + 1 buckets, and the window total is exact."""
-    from services.key_gate import WINDOW_S, _Usage
+    from fusion.services.key_gate import WINDOW_S, _Usage
 
     usage = _Usage()
     now = 1000.0
@@ -707,7 +707,7 @@ LEGACY_ITERATIONS = api_keys.LEGACY_PBKDF2_ITERATIONS  # what old key files hold
 
 @pytest.fixture
 def pbkdf2_runs(monkeypatch):
-    """Counts the PBKDF2 computations of services.api_keys (the real function runs)."""
+    """Counts the PBKDF2 computations of fusion.services.api_keys (the real function runs)."""
     runs = []
     real = api_keys._pbkdf2_hmac
 
@@ -792,7 +792,7 @@ def test_a_burst_of_wrong_secrets_is_refused_without_hashing(legacy, pbkdf2_runs
             assert len(pbkdf2_runs) == hashed  # new-format hashes run no PBKDF2
         finally:
             server.gate.clock = clock
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=HANG_S).read().decode()
     assert 'fusion_key_refusals_total{key_id="-",reason="auth_rate_limited"}' in text
     assert "fusion_key_slow_verifications_total" in text
 
@@ -827,7 +827,7 @@ def test_slow_verification_has_its_own_bounded_executor(loop):
         return full, still_full, await second
 
     try:
-        assert loop.run(scenario(), timeout=30) == (None, None, True)
+        assert loop.run(scenario(), timeout=HANG_S) == (None, None, True)
         assert threads and all(name.startswith("fusion-key-verify") for name in threads)
         assert wait_until(lambda: verifier.pending == 0)
         assert loop.run(verifier.run(lambda: False), timeout=10) is False
@@ -892,11 +892,11 @@ def test_one_key_holds_at_most_its_share_of_the_slots(loop, tiny_dir, tmp_path):
     try:
         with grpc.insecure_channel(addr(port)) as channel:
             stub = fusion_pb2_grpc.FusionStub(channel)
-            streams = [stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=60) for _ in range(2)]
+            streams = [stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=HANG_S) for _ in range(2)]
             for stream in streams:
                 next(stream)  # both are open
             with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=30))
+                list(stub.Generate(long, metadata=[("x-api-key", keys["team-a"])], timeout=HANG_S))
             details = caught.value.details()
             assert caught.value.code() == EXHAUSTED and "key_share" in details, details
             assert "0.5 of max_concurrent_sessions 4 allows 2 calls per key" in details

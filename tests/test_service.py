@@ -9,7 +9,7 @@ import pytest
 
 from fusion.config import FusionSpec, SpecOverrides
 from fusion.errors import InvalidArgumentError, NotFoundError
-from fusion.service import FusionRequest
+from fusion.frontdoor.service import FusionRequest
 from tests.helpers import wait_until
 
 

@@ -19,10 +19,10 @@ from fusion.errors import (
     ServiceBusyError,
     SessionReleasedError,
 )
-from services import protos
-from services.protos import expert_pb2, fusion_pb2
-from services.status import error_from_status, http_status_for, status_for
-from services.wire import (
+from fusion.services import protos
+from fusion.services.protos import expert_pb2, fusion_pb2
+from fusion.services.status import error_from_status, http_status_for, status_for
+from fusion.services.wire import (
     decode_tensor,
     encode_tensor,
     generate_request,
@@ -144,7 +144,7 @@ def test_generated_code_is_current():
 
 
 def test_keepalive_pings_are_ones_the_servers_accept():
-    from services.serving import keepalive_channel_options, keepalive_server_options
+    from fusion.services.serving import keepalive_channel_options, keepalive_server_options
 
     channel, server = dict(keepalive_channel_options()), dict(keepalive_server_options())
     assert channel["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusion.session_cache import SessionCache, common_prefix_length
+from fusion.experts.session_cache import SessionCache, common_prefix_length
 
 
 def test_session_cache_lru():

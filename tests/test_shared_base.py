@@ -1,4 +1,4 @@
-"""`fusion/shared_base.py` and `fusion/multi_lora.py`: experts that are adapters over one base run their
+"""`fusion/experts/shared_base.py` and `fusion/experts/multi_lora.py`: experts that are adapters over one base run their
 rows in one batch, each row with its own adapter, and give the logits of each adapter merged into its
 own copy of the base (the reference), on every path: batched prefill, batched fast decode, one session
 alone, transformers' decode, Score, lookahead extensions, and a whole fused generation."""
@@ -11,13 +11,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from fusion.config import SamplingParams, parse_config
-from fusion.engine import FusionEngine
-from fusion.engine_types import GenerationRequest
+from fusion.engine.core import FusionEngine
+from fusion.engine.types import GenerationRequest
 from fusion.errors import AssetError
-from fusion.expert import LocalExpert, StepRequest
-from fusion.multi_lora import AdapterRows, AdapterStack, LoraPair
-from fusion.rule_registry import make_rule
-from fusion.shared_base import AdapterMember, load_local_experts
+from fusion.experts.expert import LocalExpert, StepRequest
+from fusion.experts.multi_lora import AdapterRows, AdapterStack, LoraPair
+from fusion.fuse.registry import make_rule
+from fusion.experts.shared_base import AdapterMember, load_local_experts
 from tests.conftest import tiny_config_dict
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -104,7 +104,7 @@ def _joint_steps_equal_merged(shared, merged):
 def test_base_rows_alone_skip_the_adapters_and_equal_the_plain_base(shared, merged, monkeypatch):
     # a step whose rows run no adapter (the base member alone) computes no adapter product: its deltas
     # would be zero; the logits stay exactly the plain base's, on the fast step and in prefill
-    from fusion.multi_lora import AdapterStack
+    from fusion.experts.multi_lora import AdapterStack
 
     products = []
     original = AdapterStack.forward

@@ -11,8 +11,8 @@ import pytest
 
 from fusion.config import FusionSpec, load_config
 from fusion.models import ADAPTERS_DIR, BUILTIN_ADAPTERS, ROUTERS_DIR, shipped_router
-from fusion.router import load_router
-from fusion.service import FusionService
+from fusion.fuse.router import load_router
+from fusion.frontdoor.service import FusionService
 from fusion.tools.assets import SMOLLM2_WHEEL
 from fusion.tools.loading import DEFAULT_CONFIG
 from fusion.tools.training import ADAPTER_NAMES, RECIPES

@@ -1,4 +1,4 @@
-"""How a tokenizer spells text (`fusion.spelling`): each id's bytes read from the tokenizer's decoder
+"""How a tokenizer spells text (`fusion.crosstok.spelling`): each id's bytes read from the tokenizer's decoder
 (byte-level BPE and SentencePiece-style pieces), the byte-prefix index, and tokenizing a text cut
 inside a character, each against a plain reference: GPT-2's published byte table, the tokenizer's own
 decode, hand-written expected bytes, or a brute-force scan over every id."""
@@ -12,9 +12,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-import fusion.spelling as spelling_module
+import fusion.crosstok.spelling as spelling_module
 from fusion.errors import ConfigError
-from fusion.spelling import Spelling, spelling_for, token_bytes_of
+from fusion.crosstok.spelling import Spelling, spelling_for, token_bytes_of
 
 TEXTS = ["the quick brown fox", "12 plus 35 , héllo  wörld\n", "tabs\tand 中文 and 😀!", ""]
 

@@ -1,4 +1,4 @@
-"""`fusion/structured.py`: structured output as one grammar mask on the fused distribution. Greedy decoding
+"""`fusion/fuse/structured.py`: structured output as one grammar mask on the fused distribution. Greedy decoding
 under a grammar picks, at every step, the most likely token of the fused distribution among the tokens
 that keep the output inside the grammar (checked against a brute-force reference over the vocabulary);
 every grammar kind gives output that parses; bad grammars are refused naming the field."""
@@ -14,7 +14,7 @@ import torch
 
 from fusion.config import SamplingParams, StructuredOutput, parse_config
 from fusion.errors import InvalidArgumentError, ResourceExhaustedError
-from fusion.service import FusionService
+from fusion.frontdoor.service import FusionService
 from tests.conftest import tiny_config_dict
 
 PROMPT = "what is 12 + 35 ?"

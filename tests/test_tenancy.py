@@ -1,4 +1,4 @@
-"""`fusion/tenancy.py`: the weighted-fair choices every queue makes, against a plain simulation."""
+"""`fusion/engine/tenancy.py`: the weighted-fair choices every queue makes, against a plain simulation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from fusion.config import SamplingParams
-from fusion.engine_types import GenerationRequest
-from fusion.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
+from fusion.engine.types import GenerationRequest
+from fusion.engine.tenancy import Tenant, VirtualClock, fair_pick, should_preempt
 
 
 def test_tenant_weight_must_be_positive():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusion.text import StopMatcher, TextStream
+from fusion.frontdoor.text import StopMatcher, TextStream
 
 
 class CharTokenizer:

@@ -1,4 +1,4 @@
-"""Tool calls (fusion/tool_calls.py) on their own and through a real HTTP server with stock clients:
+"""Tool calls (fusion/fuse/tool_calls.py) on their own and through a real HTTP server with stock clients:
 the prompt as each template shows tools, the lazy grammar of tool_choice "auto" (text until the trigger,
 then a call to one of the tools), the answer read back whole and as stream deltas, an openai client's
 round trip and LangChain's `bind_tools`. The experts are tiny random models whose tokenizer holds the
@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 
 from fusion.config import ExpertConfig, StructuredOutput, ToolCalls, parse_config
-from fusion.structured import GrammarCompiler
-from fusion.text import encode_prompt
-from fusion.tool_calls import CallStream, parse_calls, template_tools, tool_prompt
+from fusion.fuse.structured import GrammarCompiler
+from fusion.frontdoor.text import encode_prompt
+from fusion.fuse.tool_calls import CallStream, parse_calls, template_tools, tool_prompt
 from tests.tiny_models import make_model, make_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -49,7 +49,7 @@ def tokenizer(path):
 def matcher(tok, **calls):
     spec = StructuredOutput(tool_calls=ToolCalls(functions=[WEATHER, CLOCK], **calls))
     eos = (tok.convert_tokens_to_ids("<|im_end|>"),)
-    return GrammarCompiler(tok, len(tok), eos, max_bytes=1 << 16).matcher(spec)
+    return GrammarCompiler(tok, len(tok), eos).matcher(spec)
 
 
 def accepts(tok, text: str, **calls) -> tuple[bool, bool]:
@@ -70,7 +70,7 @@ CALL = '<tool_call>\n{"name":"weather","arguments":{"city":"Oslo"}}\n</tool_call
 @pytest.mark.parametrize("tags", ["tok", "plain"])
 def test_auto_lets_text_run_until_the_trigger_then_holds_the_call_to_the_tools(tool_dir, tags):
     tok = tokenizer(tool_dir / tags)
-    assert GrammarCompiler(tok, len(tok), (), 1 << 16).token_tags == (tags == "tok")
+    assert GrammarCompiler(tok, len(tok), ()).token_tags == (tags == "tok")
     assert accepts(tok, "It is sunny, no call needed.") == (True, True)
     assert accepts(tok, "Let me look. " + CALL)[0]
     assert not accepts(tok, 'Let me look. <tool_call>\n{"name":"rain"')[0]  # not a tool
@@ -133,7 +133,7 @@ def test_a_stream_read_in_pieces_gives_the_answer_read_whole():
 # -- through a real HTTP server, stock clients -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(loop, tool_dir):
-    from services.coordinator import create_coordinator_server
+    from fusion.services.coordinator import create_coordinator_server
 
     config = parse_config({"experts": [{"name": n, "model": str(tool_dir / n), "dtype": "float32", "weight": w}
                                        for n, w in (("a", 0.6), ("b", 0.4))]})

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fusion.config import parse_config
-from fusion.shared_base import load_local_experts
+from fusion.experts.shared_base import load_local_experts
 from fusion.tools.training import train_expert
 from fusion.tools.training.arithmetic import (
     FRAMES,

@@ -13,7 +13,7 @@ CHAT_TEMPLATE = (
 )
 
 # A Qwen2.5-like template that takes `tools`: they are listed in the system turn, calls are asked for
-# in the Hermes syntax (fusion.tool_calls), and tool results come back as user turns.
+# in the Hermes syntax (fusion.fuse.tool_calls), and tool results come back as user turns.
 TOOLS_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"

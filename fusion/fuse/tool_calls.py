@@ -1,0 +1,248 @@
+"""Tool calls in the Hermes syntax, the one Qwen2.5, Qwen3 and Hermes models are trained to write:
+
+    <tool_call>
+    {"name":"get_weather","arguments":{"city":"Paris"}}
+    </tool_call>
+
+One syntax on every path, so what the experts are shown, what the grammar lets them write and what the
+parser reads back always agree:
+- the prompt: the experts' own chat template when it takes `tools` (`takes_tools`), else the
+  project's tool prompt in the system message (`tool_prompt`), with past calls and tool results in the
+  same syntax (`plain_tool_messages`);
+- the grammar (`tool_grammar`): under tool_choice "auto" a lazy grammar, free text until the trigger
+  `<tool_call>` and then a call constrained to one of the tools' JSON schemas; under "required" or a
+  named function, calls from the first token;
+- the parser (`CallStream`, `parse_calls`): the answer's calls, streamed as OpenAI's deltas (the name
+  first, then the arguments as they are written).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+TRIGGER, END = "<tool_call>", "</tool_call>"
+RESPONSE, RESPONSE_END = "<tool_response>", "</tool_response>"
+# Compact JSON (no spaces or newlines between items), as in fusion.fuse.structured: left free, a small
+# model's fused votes drift into whitespace and never close the object.
+_COMPACT = {"whitespace_flexible": False}
+
+
+def takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders `tools` and asks for calls in this syntax."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template and TRIGGER in template
+
+
+def tool_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
+    """The system text that offers `functions` ({"name", "description"?, "parameters"?}) to an expert
+    whose template takes no tools (SmolLM2's): the project's own, in the syntax the grammar enforces."""
+    listed = "\n".join(json.dumps(fn, separators=(",", ":")) for fn in functions)
+    return (f"You can call these functions:\n{listed}\nTo call one, answer:\n{TRIGGER}\n"
+            f'{{"name":"<function>","arguments":{{...}}}}\n{END}\nIf none is needed, answer in plain text.')
+
+
+def plain_tool_messages(messages: Sequence[Mapping[str, str]],
+                        functions: Sequence[Mapping[str, Any]] | None) -> list[dict[str, str]]:
+    """`messages` for a template that knows no tools: tool results become user turns in
+    <tool_response> tags, and the tool prompt joins the system message (or opens the conversation)."""
+    out = [{"role": "user", "content": f"{RESPONSE}\n{m.get('content', '')}\n{RESPONSE_END}"}
+           if m.get("role") == "tool" else dict(m) for m in messages]
+    if functions:
+        prompt = tool_prompt(functions)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def template_tools(functions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The functions as chat templates take them (OpenAI's `tools` entries)."""
+    return [{"type": "function", "function": dict(fn)} for fn in functions]
+
+
+def call_text(name: str, arguments: Any) -> str:
+    """A past call as the experts would have written it (an assistant turn's content)."""
+    return f"{TRIGGER}\n{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}\n{END}"
+
+
+def call_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One call's JSON Schema: {"name", "arguments"} of one of `functions`, name first."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "x-guidance": _COMPACT}
+
+
+def tool_grammar(functions: Sequence[Mapping[str, Any]], *, required: bool, parallel: bool,
+                 token_tags: bool) -> str:
+    """The Lark grammar (llguidance's dialect) of an answer that may (`required`: must) call `functions`,
+    one call or several (`parallel`). `token_tags`: the tags are single tokens of the tokenizer (Qwen's),
+    named as such; otherwise they are text, and the free text before a call is a lazy lexeme that ends at
+    the trigger."""
+    if token_tags:
+        opening, closing = TRIGGER, END
+    else:
+        opening, closing = json.dumps(TRIGGER), json.dumps(END)
+    body = f'"\\n" %json {json.dumps(call_schema(functions))} "\\n" {closing}'
+    lines = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
+    if required:
+        lines += [f"call: {opening} {body}", "start: call (\"\\n\" call)*" if parallel else "start: call"]
+    else:
+        if token_tags:
+            lines.append(f"call: TEXT {opening} {body}")
+        else:  # lazy: the text ends at the first trigger, where the call begins
+            lines += [f"call_head[lazy]: TEXT {opening}", f"call: call_head {body}"]
+        lines.append("start: call* TEXT" if parallel else "start: TEXT | call")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a stream of answer text holds, in order: "text" (content), "call" (a call starts: `name`),
+    "arguments" (the current call's arguments, as written)."""
+
+    kind: str
+    text: str = ""
+    index: int = 0  # the call's index in the answer
+
+
+_OPENING = '{"name"'
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass
+class CallStream:
+    """An answer's text, fed as it comes, read into `Piece`s. Text that may be the start of the trigger
+    is held until it is not; a call's name is sent once whole, its arguments as they are written."""
+
+    _state: str = "text"
+    _buffer: str = ""
+    calls: int = 0  # calls started so far
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+    _pieces: list[Piece] = field(default_factory=list)
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buffer += text
+        self._pieces = []
+        progressed = True
+        while progressed and self._buffer:
+            progressed = getattr(self, f"_{self._state}")()
+        return self._pieces
+
+    @property
+    def inside_call(self) -> bool:
+        return self._state != "text"
+
+    def finish(self) -> list[Piece]:
+        """The rest at the end of the answer: held text, or a call cut before its end (as text)."""
+        self._pieces = []
+        if self._buffer:
+            self._pieces.append(Piece("text", self._buffer))
+            self._buffer = ""
+        return self._pieces
+
+    def _text(self) -> bool:
+        at = self._buffer.find(TRIGGER)
+        if at < 0:
+            keep = _partial_suffix(self._buffer, TRIGGER)
+            self._emit_text(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        self._emit_text(self._buffer[:at])
+        self._buffer = self._buffer[at:]
+        self._state = "head"
+        return True
+
+    def _head(self) -> bool:
+        # self._buffer starts with the trigger
+        rest = self._buffer[len(TRIGGER):]
+        lead = rest.lstrip()
+        if lead and not (lead.startswith(_OPENING) or _OPENING.startswith(lead)):
+            self._emit_text(TRIGGER)  # not a call after all (text that named the tag)
+            self._buffer, self._state = rest, "text"
+            return True
+        match = _HEAD.match(self._buffer, len(TRIGGER))
+        if match is None:
+            return False
+        self._pieces.append(Piece("call", json.loads(match.group(1)), self.calls))
+        self._buffer = self._buffer[match.end():]
+        self._depth, self._in_string, self._escaped = 0, False, False
+        self._state = "arguments"
+        return True
+
+    def _arguments(self) -> bool:
+        for i, char in enumerate(self._buffer):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+            if self._depth == 0 and not self._in_string and not char.isspace():
+                self._pieces.append(Piece("arguments", self._buffer[:i + 1], self.calls))
+                self._buffer = self._buffer[i + 1:]
+                self._state = "tail"
+                return True
+        self._pieces.append(Piece("arguments", self._buffer, self.calls))
+        self._buffer = ""
+        return False
+
+    def _tail(self) -> bool:
+        end = self._buffer.find(END)
+        if end < 0:
+            return False
+        self._buffer = self._buffer[end + len(END):].lstrip("\n")
+        self.calls += 1
+        self._state = "text"
+        return True
+
+    def _emit_text(self, text: str) -> None:
+        if text:
+            self._pieces.append(Piece("text", text))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (text that may yet become the tag)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class ParsedAnswer:
+    content: str | None  # the text around the calls (None: only calls, or nothing)
+    calls: list[tuple[str, str]]  # (name, arguments as JSON text), in order
+    complete: bool  # every call that started ended
+
+
+def parse_calls(text: str) -> ParsedAnswer:
+    """A whole answer's calls and the text around them (`CallStream` over it, in one piece)."""
+    stream = CallStream()
+    pieces = stream.feed(text)
+    complete = not stream.inside_call
+    pieces += stream.finish()
+    content = "".join(p.text for p in pieces if p.kind == "text").strip()
+    calls: list[list[str]] = []
+    for piece in pieces:
+        if piece.kind == "call":
+            calls.append([piece.text, ""])
+        elif piece.kind == "arguments":
+            calls[-1][1] += piece.text
+    if not complete:  # a call cut short (max_tokens): no call, the text as written
+        return ParsedAnswer(text.strip() or None, [], False)
+    return ParsedAnswer(content or None, [(name, args) for name, args in calls], True)

@@ -1,0 +1,458 @@
+"""Quality evaluation: does the fused trio beat each of its members?
+
+Rows: every expert alone (`single` rule) and each fusion rule. Columns: exact-match accuracy on
+held-out arithmetic problems (problems training never draws) asked twice, in training phrasings
+(in-template) and in two sets of phrasings no training has seen (out-of-template: held-out
+expressions, frames and instruction styles; the second set has never informed the training lists),
+overall and by kind (+, -, * by one digit, two digits by two digits);
+bits-per-byte on held-out text of each domain; and tokens/s while answering (batched).
+
+Domains for bits-per-byte, all available offline on any Python install:
+  arithmetic  worked answers to held-out questions, each scored after its chat prompt (as generated)
+  python      held-out standard-library source files (the code specialist never trained on them)
+  functions   unseen function-completion tasks (`fusion.tools.code_tasks`): each reference body
+              scored after its signature and docstring (lm-evaluation-harness's convention)
+  general     English documentation prose: IDLE's help page and Python's licence history
+Plain texts are scored on their own after the BOS (or the eos), as lm-eval's rolling log-likelihood.
+Experts' teacher-forced logits are computed once per text chunk and every rule is applied to them.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import math
+import re
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from fusion.config import FusionSpec, SamplingParams
+from fusion.fuse.router import FAIL_SAFE
+from fusion.frontdoor.service import FusionRequest, FusionService
+from fusion.frontdoor.text import TextSample
+
+logger = logging.getLogger(__name__)
+
+DOMAINS = ("arithmetic", "python", "functions", "general")
+KIND_LABELS = {"+": "+", "-": "-", "*": "x 1 digit", "**": "2x2 digits"}
+Sample = TextSample | str | tuple[str, str]  # a chat answer, a plain text, or a plain (prompt, continuation)
+
+
+@dataclass
+class EvalRow:
+    name: str
+    spec: dict
+    arithmetic_accuracy: float | None = None  # in-template
+    bits_per_byte: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float | None = None
+    arithmetic_out: float | None = None  # out-of-template: the same problems in unseen phrasings
+    arithmetic_fresh: float | None = None  # out-of-template, second set (never informed training)
+    arithmetic_novel: float | None = None  # out-of-template, the third set (asked with `reserve=True`)
+    arithmetic_spare: float | None = None  # out-of-template, the fourth set (asked with `reserve=True`)
+    arithmetic_fifth: float | None = None  # out-of-template, the fifth set (asked with `reserve=True`)
+    arithmetic_sixth: float | None = None  # out-of-template, the sixth set (asked only when `sets` names it)
+    arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
+
+
+# Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
+# `fusion.tools.training.arithmetic.PHRASINGS`); the reserve sets are asked only with `reserve`.
+SPLIT_FIELDS = {"in": "arithmetic_accuracy", "out": "arithmetic_out", "fresh": "arithmetic_fresh",
+                "novel": "arithmetic_novel", "spare": "arithmetic_spare", "fifth": "arithmetic_fifth",
+                "sixth": "arithmetic_sixth"}
+SPLIT_PHRASINGS = {"in": "train", "out": "held_out", "fresh": "fresh", "novel": "novel", "spare": "spare",
+                   "fifth": "fifth", "sixth": "sixth"}
+SPLIT_LABELS = {"in": "in", "out": "out", "fresh": "out 2", "novel": "out 3", "spare": "out 4", "fifth": "out 5",
+                "sixth": "out 6"}
+DEFAULT_SPLITS = ("in", "out", "fresh")
+RESERVE_SPLITS = ("novel", "spare", "fifth")
+# The sixth set is asked only by name (`sets`): choices made while comparing runs on the other sets
+# never show its figures, so it stays the set that informed nothing.
+
+
+def chosen_splits(reserve: bool = False, sets: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The arithmetic sets to ask: `sets` as named (in `SPLIT_FIELDS` order), else the first three and,
+    with `reserve`, the reserve sets."""
+    if sets is not None:
+        unknown = sorted(set(sets) - set(SPLIT_FIELDS))
+        if unknown:
+            raise ValueError(f"sets: unknown set(s) {unknown}; known: {list(SPLIT_FIELDS)}")
+        return tuple(split for split in SPLIT_FIELDS if split in sets)
+    return DEFAULT_SPLITS + (RESERVE_SPLITS if reserve else ())
+
+
+def route_variant(spec: FusionSpec, **params) -> FusionSpec:
+    """A `route` spec with some of its router's switches changed."""
+    return spec.model_copy(update={"params": {**spec.params, **params}})
+
+
+def pure_routing(spec: FusionSpec) -> FusionSpec:
+    """A `route` spec's router without its complementary logit: pure routing."""
+    return route_variant(spec, complementary=False)
+
+
+def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]] = ()) -> list[tuple[str, FusionSpec]]:
+    config = service.config
+    weights = {e.name: e.weight for e in config.experts}
+    rows = [(f"{name} alone", FusionSpec(rule="single", params={"expert": name})) for name in service.expert_names]
+    rows += [
+        ("weighted_logits", FusionSpec(rule="weighted_logits", weights=weights)),
+        ("mixture", FusionSpec(rule="mixture", weights=weights)),
+        ("confidence", FusionSpec(rule="confidence", params={"tau": 0.5}, weights=weights)),
+    ]
+    configured = config.fusion
+    resolved = service.resolve_spec(configured)
+
+    def same(spec: FusionSpec) -> bool:  # the same rule, parameters and effective weights
+        rule, weights = service.resolve_spec(spec)
+        return (spec.rule, spec.params, weights) == (configured.rule, configured.params, resolved[1])
+
+    if not any(same(spec) for _, spec in rows):
+        rows.append((f"{configured.rule} (config)", configured))
+    if configured.rule == "route" and service.cross is None:  # each switch flipped on its own
+        params = configured.params
+        rows.append(("route (config, pure)", pure_routing(configured)))
+        hard = bool(params.get("hard", False))
+        rows.append((f"route (config, {'soft' if hard else 'hard'})", route_variant(configured, hard=not hard)))
+        safe = bool(params.get("fail_safe", FAIL_SAFE))
+        rows.append((f"route (config, fail-safe {'off' if safe else 'on'})",
+                     route_variant(configured, fail_safe=not safe)))
+    rows += list(extra)
+    return rows
+
+
+# -- arithmetic ------------------------------------------------------------------------------
+def arithmetic_accuracy(
+    service: FusionService, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
+    max_tokens: int = 192,  # a worked long multiplication is up to ~160 SmolLM2 tokens
+) -> tuple[float, float, list[dict]]:
+    """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records)."""
+    from fusion.tools.training.arithmetic import extract_answer
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    correct, tokens, records = 0, 0, []
+    start = time.perf_counter()
+    for offset in range(0, len(questions), batch_size):
+        chunk = questions[offset:offset + batch_size]
+        # Submitted together, the chunk decodes as one batch in the service's scheduler.
+        streams = [service.submit(FusionRequest(q, sampling, spec)) for q, _ in chunk]
+        for (question, answer), stream in zip(chunk, streams):
+            events = list(stream)
+            tokens += len(events)
+            text = "".join(e.text for e in events)
+            got = extract_answer(text)
+            correct += got == answer
+            records.append({"question": question, "answer": answer, "got": got, "text": text})
+    elapsed = time.perf_counter() - start
+    return correct / max(1, len(questions)), tokens / elapsed, records
+
+
+# -- held-out text ----------------------------------------------------------------------------
+def _html_text(path: Path) -> str:
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    raw = re.sub(r"(?is)<(script|style).*?</\1>", " ", raw)
+    text = html.unescape(re.sub(r"(?s)<[^>]+>", " ", raw))
+    return re.sub(r"[ \t]+", " ", re.sub(r"\n\s*\n+", "\n\n", text)).strip()
+
+
+def general_text() -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    help_page = stdlib / "idlelib" / "help.html"
+    if help_page.exists():
+        parts.append(_html_text(help_page))
+    licence = stdlib / "LICENSE.txt"
+    if licence.exists():
+        parts.append(licence.read_text(encoding="utf-8", errors="replace"))
+    if not parts:
+        raise FileNotFoundError("no general English text found in the standard library (idlelib/help.html)")
+    return "\n\n".join(parts)
+
+
+def python_text() -> str:
+    from fusion.tools.training.python_code import stdlib_files
+
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files(held_out=True)[:40])
+
+
+def arithmetic_answers(n: int, seed: int) -> list[TextSample]:
+    """`n` held-out questions, each with its worked answer (ending the turn) after the chat prompt."""
+    import random
+
+    from fusion.tools.training.arithmetic import _held_out_pool, answer_text, question_text
+
+    rng = random.Random(f"bpb:{seed}")
+    pool = list(_held_out_pool())
+    rng.shuffle(pool)
+    return [TextSample(answer_text(p), prompt=question_text(p, rng), end_turn=True) for p in pool[:n]]
+
+
+def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
+    """`count` evenly spaced windows of about `tokens` tokens, cut at line starts."""
+    lines = text.splitlines(keepends=True)
+    ids_per_line = [len(tokenizer(line, add_special_tokens=False)["input_ids"]) for line in lines]
+    windows, current, size = [], [], 0
+    for line, n in zip(lines, ids_per_line):
+        current.append(line)
+        size += n
+        if size >= tokens:
+            windows.append("".join(current))
+            current, size = [], 0
+    if not windows and current:
+        windows.append("".join(current))
+    step = max(1, len(windows) // count)
+    return windows[::step][:count]
+
+
+def function_tasks() -> list[tuple[str, str]]:
+    """(signature and docstring, reference body) of every unseen function-completion task."""
+    from fusion.tools.code_tasks import TASKS
+
+    return [(task.prompt, task.body) for task in TASKS]
+
+
+def held_out_samples(domain: str, tokenizer, *, seed: int = 0, text_chunks: int = 8, chunk_tokens: int = 192
+                     ) -> list[Sample]:
+    """The held-out texts of one bits-per-byte domain (module docstring)."""
+    if domain == "arithmetic":
+        return arithmetic_answers(8 * text_chunks, seed)
+    if domain == "functions":
+        return function_tasks()
+    text = {"python": python_text, "general": general_text}[domain]()
+    return chunks(text, tokenizer, count=text_chunks, tokens=chunk_tokens)
+
+
+def bits_per_byte(service: FusionService, specs: list[FusionSpec], samples: Sequence[Sample]) -> list[float]:
+    """Bits per UTF-8 byte of the samples' text (an end-of-turn token is scored but adds no bytes) under
+    each spec. A (prompt, continuation) pair is scored as `FusionService.score` does (lm-evaluation-
+    harness's convention), over the bytes its log-probabilities cover. Each expert runs once per
+    sample; every rule is applied to the same teacher-forced logits. Experts of different tokenizers
+    are scored over text (`FusionService.score_texts`): the same bytes for every row."""
+    if service.cross is not None:
+        totals, _, num_bytes = service.score_texts(list(samples), specs)
+        return [-t / math.log(2) / max(num_bytes, 1) for t in totals]
+    nats = [0.0] * len(specs)
+    total_bytes = 0
+    resolved = [service.resolve_spec(s) for s in specs]
+    for sample in samples:
+        prompt_ids, ids, text = scored_ids(service, sample)
+        logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
+        nats = [a + b for a, b in zip(nats, fused_nats(service, logits, ids, resolved, prompt_ids[0]))]
+        total_bytes += len(text.encode("utf-8"))
+    return [n / math.log(2) / total_bytes for n in nats]
+
+
+def scored_ids(service: FusionService, sample: Sample) -> tuple[list[list[int]], list[int], str]:
+    """(one prompt per expert, the ids scored, the text they cover) of a sample."""
+    if isinstance(sample, tuple):
+        return service.pair_ids(*sample)
+    prompt_ids, ids = service.sample_ids(sample)
+    return prompt_ids, ids, sample.text if isinstance(sample, TextSample) else sample
+
+
+def fused_nats(service: FusionService, logits, ids: list[int], resolved, prefix_ids) -> list[float]:
+    """Negative log-likelihood of `ids` under each resolved (rule, weights), from the experts' logits
+    (E, n, V)."""
+    return [-sum(service.engine.fused_logprobs(logits, ids, rule, weights, prefix_ids)) for rule, weights in resolved]
+
+
+def evaluate(
+    service: FusionService,
+    *,
+    rows: list[tuple[str, FusionSpec]] | None = None,
+    questions: int = 100,
+    seed: int = 0,
+    text_chunks: int = 8,
+    chunk_tokens: int = 192,
+    domains: Sequence[str] = DOMAINS,
+    reserve: bool = False,
+    sets: Sequence[str] | None = None,
+) -> list[EvalRow]:
+    """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
+    `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
+    informed choices; `sets` names the sets instead) and bits per byte on the held-out texts of `domains`."""
+    from fusion.tools.training.arithmetic import held_out_problems, make_questions
+
+    rows = rows or default_rows(service)
+    results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
+    if questions > 0:
+        kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
+        asked = {split: make_questions(questions, seed, phrasing=SPLIT_PHRASINGS[split])
+                 for split in chosen_splits(reserve, sets)}
+        for result, (name, spec) in zip(results, rows):
+            for split, qs in asked.items():
+                logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
+                acc, tps, records = arithmetic_accuracy(service, spec, qs)
+                result.arithmetic_by_kind[split] = by_kind(records, kinds)
+                setattr(result, SPLIT_FIELDS[split], acc)
+                if split == "in":
+                    result.tokens_per_s = tps
+                logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
+    for domain in domains:
+        texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
+                                 chunk_tokens=chunk_tokens)
+        logger.info("bits-per-byte: %s (%d samples)", domain, len(texts))
+        for result, bpb in zip(results, bits_per_byte(service, [spec for _, spec in rows], texts)):
+            result.bits_per_byte[domain] = bpb
+    return results
+
+
+def by_kind(records: list[dict], kinds: Sequence[str]) -> dict[str, float]:
+    """Exact-match accuracy per problem kind of `records` (in the order of `kinds`)."""
+    hits: dict[str, list[bool]] = {}
+    for record, kind in zip(records, kinds):
+        hits.setdefault(kind, []).append(record["got"] == record["answer"])
+    return {kind: sum(v) / len(v) for kind, v in sorted(hits.items(), key=lambda kv: list(KIND_LABELS).index(kv[0]))}
+
+
+def _pct(value: float | None) -> str:
+    return f"{100 * value:.1f}%" if value is not None else "–"
+
+
+def format_table(results: list[EvalRow]) -> str:
+    """Markdown: in- and out-of-template accuracy (every set asked) side by side, then per kind
+    "in / out / out 2 / ...", then bits per byte per domain and tokens/s."""
+    domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
+    kinds = [k for k in KIND_LABELS if any(k in r.arithmetic_by_kind.get("in", {}) for r in results)]
+    # the sets any row was asked (`evaluate` records each by kind); rows made by hand show the default three
+    splits = [split for split in SPLIT_FIELDS if any(split in r.arithmetic_by_kind for r in results)] or list(DEFAULT_SPLITS)
+    header = ["row"] + [{"in": "arith in-template"}.get(s, "arith " + SPLIT_LABELS[s].replace("out", "out-of-template"))
+                        for s in splits]
+    header += [f"{KIND_LABELS[k]} " + " / ".join(SPLIT_LABELS[s] for s in splits) for k in kinds]
+    header += [f"bpb {d}" for d in domains] + ["tokens/s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        split = r.arithmetic_by_kind
+        per_kind = [" / ".join(_pct(split.get(s, {}).get(k)) for s in splits) for k in kinds]
+        bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
+        tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
+        accuracies = [getattr(r, SPLIT_FIELDS[split]) for split in splits]
+        lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, tps]) + " |")
+    return "\n".join(lines)
+
+
+def to_json(results: list[EvalRow]) -> list[dict]:
+    return [asdict(r) for r in results]
+
+
+def plot(results: list[EvalRow], path: Path) -> None:
+    """A bar chart: arithmetic accuracy and bits-per-byte per domain, one bar per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = [d for d in DOMAINS if any(d in r.bits_per_byte for r in results)]
+    panels = (["arithmetic exact match"] if any(r.arithmetic_accuracy is not None for r in results) else [])
+    panels += (["arithmetic out-of-template"] if any(r.arithmetic_out is not None for r in results) else [])
+    panels += (["arithmetic out-of-template 2"] if any(r.arithmetic_fresh is not None for r in results) else [])
+    panels += [f"bits/byte: {d}" for d in domains]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    names = [r.name for r in results]
+    for ax, panel in zip(axes[0], panels):
+        if panel.startswith("arithmetic out-of-template"):
+            values = [100 * ((r.arithmetic_fresh if panel.endswith("2") else r.arithmetic_out) or 0) for r in results]
+            ax.set_ylabel("% exact (higher is better)")
+        elif panel.startswith("arithmetic"):
+            values = [100 * (r.arithmetic_accuracy or 0) for r in results]
+            ax.set_ylabel("% exact (higher is better)")
+        else:
+            domain = panel.split(": ")[1]
+            values = [r.bits_per_byte.get(domain, float("nan")) for r in results]
+            ax.set_ylabel("bits per byte (lower is better)")
+        ax.bar(range(len(values)), values, color=["#8da0cb" if "alone" in n else "#fc8d62" for n in names])
+        ax.set_xticks(range(len(values)), names, rotation=60, ha="right", fontsize=8)
+        ax.set_title(panel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- weights formats --------------------------------------------------------------------------
+@dataclass
+class WeightsRow:
+    """One weights format (fusion.forward.quantized) of every expert: bits per byte of each expert alone and of
+    the config's fusion per domain, and each expert's KL(dense ‖ this format) per token."""
+    weights: str
+    bits_per_byte: dict[str, dict[str, float]] = field(default_factory=dict)  # {row: {domain: bpb}}
+    kl_per_token: dict[str, dict[str, float]] = field(default_factory=dict)  # {expert: {domain: nats}}
+
+
+def with_weights(config, weights: str):
+    """`config` with every in-process expert's weights set to `weights`."""
+    experts = [e if e.addresses else e.model_copy(update={"weights": weights}) for e in config.experts]
+    return config.model_copy(update={"experts": experts})
+
+
+def compare_weights(config, load, formats: Sequence[str], domains: Sequence[str] = ("python", "functions", "general"),
+                    *, seed: int = 0, text_chunks: int = 8, chunk_tokens: int = 192) -> list[WeightsRow]:
+    """Teacher-forced quality of the experts at each weights format against dense weights, on the same
+    held-out texts: bits per byte of each expert alone and of the config's fusion, and per expert the KL
+    divergence of its next-token distribution from the dense one's, per token; every product from the
+    codes, as in a decode step (long texts would otherwise take the dense weight). `load(config)` builds a
+    service (the dense one stays loaded while each other format is scored beside it)."""
+    import torch
+
+    from fusion.forward.quantized import codes_only
+
+    reference = load(with_weights(config, "dense"))
+    rows: list[WeightsRow] = []
+    try:
+        names = reference.expert_names
+        specs = [(f"{n} alone", FusionSpec(rule="single", params={"expert": n})) for n in names]
+        specs.append((f"{config.fusion.rule} (config)", config.fusion))
+        texts = {d: held_out_samples(d, reference.tokenizers[0], seed=seed, text_chunks=text_chunks,
+                                     chunk_tokens=chunk_tokens) for d in domains}
+        for weights in formats:
+            service = reference if weights == "dense" else load(with_weights(config, weights))
+            try:
+                row = WeightsRow(weights)
+                resolved = [service.resolve_spec(spec) for _, spec in specs]
+                for domain, samples in texts.items():
+                    logger.info("weights %s: %s (%d samples)", weights, domain, len(samples))
+                    nats, kl, tokens, total_bytes = [0.0] * len(specs), [0.0] * len(names), 0, 0
+                    for sample in samples:
+                        prompt_ids, ids, text = scored_ids(service, sample)
+                        with codes_only():  # the codes' quality, as decode steps see it
+                            logits = service.engine.continuation_logits(prompt_ids, ids)  # (E, n, V)
+                        nats = [a + b for a, b in zip(nats, fused_nats(service, logits, ids, resolved, prompt_ids[0]))]
+                        dense = logits if service is reference else reference.engine.continuation_logits(prompt_ids, ids)
+                        p_log = torch.log_softmax(dense.float(), -1)  # (E, n, V)
+                        q_log = torch.log_softmax(logits.float(), -1)
+                        per_expert = (p_log.exp() * (p_log - q_log)).sum(-1).sum(-1)  # (E,)
+                        kl = [a + float(b) for a, b in zip(kl, per_expert)]
+                        tokens += len(ids)
+                        total_bytes += len(text.encode("utf-8"))
+                    for (name, _), n in zip(specs, nats):
+                        row.bits_per_byte.setdefault(name, {})[domain] = n / math.log(2) / total_bytes
+                    for name, k in zip(names, kl):
+                        row.kl_per_token.setdefault(name, {})[domain] = k / tokens
+                rows.append(row)
+            finally:
+                if service is not reference:
+                    service.close()
+    finally:
+        reference.close()
+    return rows
+
+
+def format_weights_table(rows: list[WeightsRow]) -> str:
+    """Markdown: one line per (row, weights format): bits per byte per domain, then the KL per token of
+    an expert's own row, with the change in bits per byte against dense."""
+    domains = list(next(iter(rows[0].bits_per_byte.values())))
+    dense = next((r for r in rows if r.weights == "dense"), None)
+    header = ["row", "weights"] + [f"bpb {d}" for d in domains] + [f"KL/token {d}" for d in domains]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in rows[0].bits_per_byte:
+        for row in rows:
+            cells = []
+            for d in domains:
+                value = row.bits_per_byte[name][d]
+                change = "" if dense is None or row is dense else \
+                    f" ({100 * (value / dense.bits_per_byte[name][d] - 1):+.1f}%)"
+                cells.append(f"{value:.3f}{change}")
+            expert = name.removesuffix(" alone")
+            kls = [f"{row.kl_per_token[expert][d]:.4f}" if expert in row.kl_per_token else "–" for d in domains]
+            lines.append("| " + " | ".join([name, row.weights, *cells, *kls]) + " |")
+    return "\n".join(lines)

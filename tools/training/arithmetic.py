@@ -1,0 +1,622 @@
+"""Arithmetic specialist data: chat-formatted questions answered with column-by-column working.
+
+Answer format. A tiny model cannot carry in its head: trained on bare "47 + 38 = 85" answers it
+stays near chance, because the first digit it writes depends on the whole sum. So each answer
+restates the problem, then works one column at a time from the units up (every step needs only a
+few earlier tokens: two digits and a carry), then states the result in ordinary form:
+
+    47 + 38 -> "47+38: 7+8=15, carry 1; 4+3+1=8. So the answer is 85."
+    38 - 47 -> "38-47: swap, 47-38; 17-8=9, borrow 1; 4-3-1=0. So the answer is -9."
+    47 * 6  -> "47*6: 7*6=42, carry 4; 4*6+4=24+4=28. So the answer is 282."
+    7 x 8   -> "7*8: 7*8=56. So the answer is 56."
+
+SmolLM2's tokenizer splits numbers into single digits, so each digit is one token.
+
+    47 * 38 -> "47*38: 47*8: 7*8=56, carry 5; 4*8+5=32+5=37, so 376; then 47*3: 7*3=21, carry 2;
+               4*3+2=12+2=14, so 141, shifted 1410; then 376+1410: 6+0=6, carry 0; 7+1+0=8, carry 0;
+               3+4+0=7, carry 0; 0+1+0=1. So the answer is 1786."
+
+Ranges: + and - on 0..99 (negative differences allowed; borrows worked by column), * with one
+operand 0..9 and the other 0..99 (covers tables like 7 x 8 and 12 x 9), and long multiplication of
+two two-digit numbers. Every answer ends with "So the answer is N." and the turn terminator.
+
+Held-out split, two ways: each problem (op, a, b) belongs to training or to the held-out set by a
+hash of its canonical form (training never draws a held-out problem; `make_questions` draws only
+held-out ones); and the phrasings' parts (expressions, frames, instruction styles) are split into
+training and held-out lists, so evaluation asks the held-out problems both in training phrasings
+(in-template) and in phrasings no training has seen (out-of-template).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from fusion.tools.training.loop import Batch
+from fusion.frontdoor.text import end_of_turn_id
+
+MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND
+MAX_MULTIPLIER = 9  # * by one digit: one operand in 0..MAX_MULTIPLIER, the other in 0..MAX_OPERAND
+LONG_MIN = 10  # long multiplication: both operands in LONG_MIN..MAX_OPERAND
+HELD_OUT_PERCENT = 10
+
+# Phrasings are composed of three parts, each split into a training and a held-out list: the
+# expression (how the operation is worded), the frame around it (the question's verb and
+# punctuation) and the instruction style (what the user wraps the question in). Training (of the
+# specialist and of the router) composes training parts only; `make_questions(..., phrasing="held_out")`
+# composes held-out parts only, so an out-of-template question shares no wording beyond the numbers
+# and common words with anything trained on. Whole imperative templates ("Add {a} and {b}.") count as
+# training expressions framed by themselves.
+EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} + {b}", "{a}+{b}", "{a} plus {b}", "the sum of {a} and {b}"),
+    "-": ("{a} - {b}", "{a}-{b}", "{a} minus {b}", "the difference {a} - {b}", "{a} take away {b}"),
+    "*": ("{a} x {b}", "{a} * {b}", "{a}*{b}", "{a} × {b}", "{a} times {b}", "the product of {a} and {b}"),
+}
+HELD_OUT_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} and {b} added together", "the total of {a} and {b}"),
+    "-": ("{b} subtracted from {a}", "{a} less {b}"),
+    "*": ("{a} multiplied by {b}", "{a} lots of {b}"),
+}
+IMPERATIVES: dict[str, tuple[str, ...]] = {
+    "+": ("Add {a} and {b}.",),
+    "-": ("Subtract {b} from {a}.",),
+    "*": ("Multiply {a} by {b}.",),
+}
+FRAMES = (
+    "What is {e}?", "What's {e}?", "{e} = ?", "{e}", "{e}?", "Compute {e}.", "Calculate {e}.", "Work out {e}.",
+    "Find {e}.", "Evaluate {e}.", "How much is {e}?", "Tell me {e}.", "Can you compute {e}?",
+    "Please calculate {e}.", "What do you get for {e}?", "Solve {e}.",
+)
+HELD_OUT_FRAMES = (
+    "Would you mind working out {e}?", "I wonder what {e} comes to.", "{e} equals what?",
+    "Give me the result of {e}.", "Determine {e}, please.",
+)
+STYLES = (
+    "{q}", "{q}", "{q}", "{q}", "Please answer: {q}", "Question: {q}", "Solve this: {q}", "{q} Show your working.",
+    "Math question. {q}", "Help me with this one: {q}", "Q: {q}", "Arithmetic: {q}",
+)
+HELD_OUT_STYLES = (
+    "My kid asked me this and I forgot how: {q}", "{q} Explain step by step.", "Homework check -> {q}",
+    "Hi! Quick one for you. {q} Thanks.",
+)
+
+
+# A second out-of-template set, written after the first set's results were known. It has informed
+# nothing: no training list and no default was chosen with it in view, so it checks that the first
+# set's figures are not an accident of the few wordings it happens to hold. Its pieces match no
+# training question either (a test checks).
+FRESH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{b} added onto {a}", "{a} with {b} more on top", "{a} and {b} put together"),
+    "-": ("{a} subtract {b}", "{a} with {b} taken off", "{b} deducted from {a}"),
+    "*": ("{a} rows of {b}", "{a} multiplied with {b}", "product of {a} with {b}"),
+}
+FRESH_FRAMES = (
+    "Any idea what {e} is?", "What comes out of {e}?", "Let me know {e}.", "{e}: what do we get?",
+    "Help me find {e}.",
+)
+FRESH_STYLES = (
+    "Teacher here, checking answers. {q}", "{q} Walk me through it.", "urgent!! {q}", "Puzzle for you - {q} Cheers!",
+)
+
+
+# A third set, written before any of its results was seen; it informs no default either. `fusion eval`
+# does not ask it by default (its time goes to the first two): it is a reserve for checking the first
+# two sets' figures again once they have informed choices.
+NOVEL_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} and {b} added up", "{a} along with {b}", "{b} tacked onto {a}"),
+    "-": ("{a} having lost {b}", "{a} after spending {b}", "{a} with {b} subtracted"),
+    "*": ("{a} stacks of {b}", "{a} weeks of {b} per week", "{a} times the number {b}"),
+}
+NOVEL_FRAMES = ("I'd love to know {e}.", "{e} - any thoughts?", "Tell me what {e} is.", "What might {e} be?",
+                "Curious about {e}.")
+NOVEL_STYLES = ("Grandma wants to know: {q}", "{q} Don't rush.", "Exam prep. {q}", "{q} Thanks heaps!")
+
+
+# A fourth set, the spare, written once the third set's results were known and before any adapter had
+# answered it. It informs nothing: with the third set now seen (it informed a retraining that was not
+# kept), the spare is the one that checks the out-of-template figures. `fusion eval
+# --reserve` asks it beside the third.
+SPARE_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} and {b} summed", "{a} with another {b} added", "{b} in addition to {a}"),
+    "-": ("{a} lessened by {b}", "{b} knocked off {a}", "{a} cut by {b}"),
+    "*": ("{a} crates of {b}", "{a} copies of {b}", "{b} repeated {a} times"),
+}
+SPARE_FRAMES = ("Mind telling me {e}?", "{e} -> ?", "Need a hand: {e}.", "How big is {e}?", "{e} - can't work it out.")
+SPARE_STYLES = ("Dad here. {q}", "{q} Cheers, mate.", "Revision time: {q}", "{q} (asking for a friend)")
+
+
+# A fifth set, written once the spare set's results were known (its misses informed the training
+# lists' operand-order wordings below) and before any adapter trained on those lists had answered
+# anything. It informs nothing; `fusion eval --reserve` asks it beside the third and the fourth.
+FIFTH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} together with {b}", "{b} piled on top of {a}", "{a} topped up by {b}"),
+    "-": ("{b} shaved off {a}", "{a} after losing {b}", "{b} docked from {a}"),
+    "*": ("{a} packs of {b}", "{b} counted {a} times", "{a} bundles of {b}"),
+}
+FIFTH_FRAMES = ("Any chance you know {e}?", "Quick sum: {e}.", "{e} -- what's that?", "Reckon you can do {e}?",
+                "Answer me this: {e}.")
+FIFTH_STYLES = ("Uncle Bob asks: {q}", "{q} Ta.", "Lunch break puzzle. {q}", "{q} (for my notes)")
+
+
+# A sixth set, written once the fifth set's results were known and before any router or fail-safe
+# setting was chosen for an adapter trained after them: choices made on sets one to five leave it the
+# one that informed nothing. `fusion eval --sets ...,sixth` asks it (not `--reserve`, so that choosing
+# among runs on the other sets never shows its figures).
+SIXTH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} raised by {b}", "{b} tossed in with {a}", "{a} boosted by {b}"),
+    "-": ("{a} trimmed by {b}", "{b} lopped off {a}", "{a} after giving away {b}"),
+    "*": ("{a} trays of {b}", "{a} cartons holding {b} each", "{b}, {a} times over"),
+}
+SIXTH_FRAMES = ("Settle this: {e}?", "{e} makes how many?", "Hit me with {e}.", "Got a moment for {e}?",
+                "Out of interest, {e}?")
+SIXTH_STYLES = ("Aunt May wonders: {q}", "{q} Much obliged.", "Train ride riddle. {q}", "{q} (double-checking)")
+
+
+# Word problems: whole questions in which the numbers are things counted, per split like the
+# templates above. A "-" word problem is asked only when the difference is not negative (nobody
+# sells 40 of 12 pens); other questions go to the templates.
+WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?",
+          "A bus carries {a} people and {b} more get on. How many people are on the bus?",
+          "There are {a} red balls and {b} blue balls in a bag. How many balls are in the bag?",
+          "Mia read {a} pages on Monday and {b} pages on Tuesday. How many pages did she read in all?"),
+    "-": ("A shop had {a} pens and sold {b}. How many pens are left?",
+          "Tom had {a} stickers and gave {b} to his friend. How many stickers does Tom have now?",
+          "A tank holds {a} litres and {b} litres leak out. How many litres remain?",
+          "There were {a} birds on a tree and {b} flew away. How many birds are still on the tree?"),
+    "*": ("There are {a} boxes with {b} pencils in each. How many pencils are there in total?",
+          "A farmer plants {a} lines with {b} trees in each line. How many trees does he plant?",
+          "Each ticket costs {b} dollars. How much do {a} tickets cost?",
+          "A book has {a} chapters of {b} pages each. How many pages does it have?"),
+}
+HELD_OUT_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Lena saved {a} coins last month and {b} coins this month. What is her total now?",
+          "A library got {a} new novels and {b} new comics. How many new books arrived?"),
+    "-": ("A baker made {a} rolls and {b} were eaten at lunch. How many rolls are still there?",
+          "Out of {a} seats in the hall, {b} are taken. How many seats are free?"),
+    "*": ("A crate has {a} layers, each with {b} eggs. How many eggs fit in the crate?",
+          "If one parcel weighs {b} kilograms, what do {a} such parcels weigh together?"),
+}
+FRESH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Our team scored {a} points in the first half and {b} in the second. What was the final score?",),
+    "-": ("The ferry left with {a} cars and dropped {b} at the first stop. How many cars are on board?",),
+    "*": ("{a} children each bring {b} marbles to school. How many marbles are there altogether?",),
+}
+NOVEL_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A hiker walks {a} km one day and {b} km the next. How far did she walk?",),
+    "-": ("Of {a} emails in the inbox, {b} were deleted. How many emails stay?",),
+    "*": ("A theatre sells {a} rows with {b} seats per row. How many seats does it sell?",),
+}
+SPARE_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A jar held {a} sweets and {b} more were poured in. How many sweets are in the jar?",),
+    "-": ("A train had {a} passengers and {b} got off. How many passengers are left on the train?",),
+    "*": ("A garden has {a} beds with {b} tulips in each bed. How many tulips are there?",),
+}
+FIFTH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A box had {a} crayons and {b} were added later. How many crayons are in the box?",),
+    "-": ("A farmer had {a} sheep and sold {b} at the market. How many sheep does he keep?",),
+    "*": ("A school orders {a} packs with {b} rulers in each pack. How many rulers is that?",),
+}
+SIXTH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A pond had {a} ducks and {b} more landed on it. How many ducks are on the pond?",),
+    "-": ("A van carried {a} boxes and unloaded {b} of them. How many boxes are still in the van?",),
+    "*": ("A hotel has {a} floors with {b} rooms on each floor. How many rooms are there?",),
+}
+
+
+def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
+               imperatives: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    return {op: tuple(f.replace("{e}", e) for f in frames for e in expressions[op]) + imperatives.get(op, ())
+            for op in expressions}
+
+
+TEMPLATES = _templates(FRAMES, EXPRESSIONS, IMPERATIVES)  # training: frames x expressions + imperatives
+HELD_OUT_TEMPLATES = _templates(HELD_OUT_FRAMES, HELD_OUT_EXPRESSIONS, {})  # held-out frames x expressions
+FRESH_TEMPLATES = _templates(FRESH_FRAMES, FRESH_EXPRESSIONS, {})
+NOVEL_TEMPLATES = _templates(NOVEL_FRAMES, NOVEL_EXPRESSIONS, {})
+SPARE_TEMPLATES = _templates(SPARE_FRAMES, SPARE_EXPRESSIONS, {})
+FIFTH_TEMPLATES = _templates(FIFTH_FRAMES, FIFTH_EXPRESSIONS, {})
+SIXTH_TEMPLATES = _templates(SIXTH_FRAMES, SIXTH_EXPRESSIONS, {})
+PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES),
+             "fresh": (FRESH_TEMPLATES, FRESH_STYLES), "novel": (NOVEL_TEMPLATES, NOVEL_STYLES),
+             "spare": (SPARE_TEMPLATES, SPARE_STYLES), "fifth": (FIFTH_TEMPLATES, FIFTH_STYLES),
+             "sixth": (SIXTH_TEMPLATES, SIXTH_STYLES)}
+WORD_PHRASINGS = {"train": WORD_PROBLEMS, "held_out": HELD_OUT_WORD_PROBLEMS, "fresh": FRESH_WORD_PROBLEMS,
+                  "novel": NOVEL_WORD_PROBLEMS, "spare": SPARE_WORD_PROBLEMS, "fifth": FIFTH_WORD_PROBLEMS,
+                  "sixth": SIXTH_WORD_PROBLEMS}
+WORD_SHARE = 0.2  # of questions whose problem suits a word problem
+
+# Training draws from wider lists than the in-template evaluation asks in: more wordings of each
+# operation, polite and indirect frames, instructions about the answer's form, and openers and
+# closers around the question, so that the specialist learns to read the numbers and the operation
+# out of words it was not built around. None of these is a held-out piece of either set (a test
+# checks), and the held-out operation words (added together, total, subtracted from, less, multiplied
+# by, lots of; added onto, put together, deducted, taken off, rows of, multiplied with) never appear:
+# a specialist that reads embeddings borrowed from the generalist has to get them from
+# their neighbours ("multiply", "subtract", "groups of").
+EXTRA_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} increased by {b}", "{a} more than {b}", "{a} and {b} combined", "{a}, plus {b}",
+          "{a} + {b} (addition)", "the result of adding {a} and {b}"),
+    "-": ("{a} decreased by {b}", "{a} reduced by {b}", "the result of subtracting {b} from {a}",
+          "{a} - {b} (subtraction)", "{a}, minus {b}", "{a} with {b} removed",
+          # Wordings that name the smaller operand first, so that the order of the words and not of
+          # the numbers says which is taken from which.
+          "{b} taken from {a}", "{b} taken away from {a}", "{b} removed from {a}", "{a} once {b} is gone",
+          "what is left of {a} after {b}", "{b} fewer than {a}"),
+    "*": ("{a} groups of {b}", "{a} sets of {b}", "{a} x {b} (multiplication)", "the result of multiplying {a} by {b}",
+          "{a}, times {b}", "{a} multiply {b}"),
+}
+# Operand order read from the preposition rather than from a fixed phrase: "{b} <verb> from/off/out of
+# {a}" asks for a - b and "{b} <verb> to/onto/into {a}" for a + b, for many verbs, so that a wording
+# naming the amount taken (or added) first with a verb training never saw still reads the right way
+# round. `training_question` draws them with `ORDER_SHARE`; none shares a word with a held-out set's
+# expressions (subtracted, deducted, knocked, shaved, docked, tacked, added, taken, ...; a test checks).
+ORDER_VERBS: dict[str, tuple[str, ...]] = {
+    "+": ("brought", "put", "stuck", "glued", "joined", "attached", "thrown", "heaped", "fixed", "moved"),
+    "-": ("scooped", "removed", "pulled", "dropped", "cut", "lifted", "wiped", "struck", "withdrawn", "borrowed"),
+}
+ORDER_PREPOSITIONS: dict[str, tuple[str, ...]] = {"+": ("to", "onto", "into"), "-": ("from", "off", "out of")}
+ORDER_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    op: tuple(f"{{b}} {verb} {prep} {{a}}" for verb in verbs for prep in ORDER_PREPOSITIONS[op])
+    for op, verbs in ORDER_VERBS.items()
+}
+ORDER_SHARE = 0.2  # of + and - template questions
+# More word problems for training only (the in-template set asks `WORD_PROBLEMS`), in other verbs and
+# orders, some naming the smaller amount first.
+EXTRA_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("Ben had {a} marbles and found {b} more. How many marbles does Ben have?",
+          "A farm has {a} cows and buys another {b}. How many cows does the farm have now?",
+          "{a} people came in the morning and {b} in the afternoon. How many people came that day?",
+          "A shelf holds {a} books, then {b} more are placed on it. How many books are on the shelf?"),
+    "-": ("Kim had {a} sweets and ate {b}. How many sweets are left?",
+          "A class has {a} pupils and {b} are away today. How many pupils are in class?",
+          "{b} of the {a} cookies were eaten. How many cookies remain?",
+          "A rope is {a} metres long and {b} metres are cut from it. How long is the rope now?"),
+    "*": ("{a} bags hold {b} oranges each. How many oranges are there in all?",
+          "A car park has {a} lanes with {b} cars in each. How many cars are parked?",
+          "Each of {a} tables seats {b} guests. How many guests can sit down?",
+          "A worker earns {b} dollars an hour for {a} hours. How much does she earn?"),
+}
+EXTRA_IMPERATIVES: dict[str, tuple[str, ...]] = {
+    "+": ("Add {b} to {a}.", "Sum {a} and {b}.", "Find the sum of {a} and {b}."),
+    "-": ("Take {b} away from {a}.", "Work out {a} take away {b}.", "Subtract {b} from {a}, please.",
+          "From {a}, take away {b}.", "Remove {b} from {a}.", "Start at {a} and count back {b}."),
+    "*": ("Multiply {a} and {b}.", "Find the product of {a} and {b}.", "Work out {a} times {b}, please."),
+}
+EXTRA_FRAMES = (
+    "Could you tell me {e}?", "Can you work out {e} for me?", "I need {e}.", "What does {e} come to?",
+    "Do you know {e}?", "What would {e} be?", "Quick question: what is {e}?", "{e}, what is it?",
+    "Please tell me the value of {e}.", "So what is {e}?", "And {e}?", "Figure out {e}.",
+    "What is the answer to {e}?", "Result of {e}?", "I'd like to know {e}.", "Give the value of {e}.",
+)
+EXTRA_STYLES = (
+    "{q} Answer with just the number.", "{q} Reply with the result only.", "{q} Keep it short.",
+    "{q} Show the steps.", "{q} Be careful with the carries.", "{q} No need to explain.",
+    "Here is a problem. {q}", "I'm stuck on this: {q}", "Can you help me? {q}", "Exercise: {q}",
+    "Practice problem: {q}", "For my worksheet: {q}", "Check this for me: {q}", "Mental maths: {q}",
+)
+OPENERS = ("Hello.", "Hey there!", "Good morning.", "Hi there,", "Sorry to bother you.", "OK,", "Next one.",
+           "One more.", "I'm checking my homework.", "This is for a quiz.", "We are counting apples at the market.",
+           "My teacher gave us this.", "Hello, assistant.", "Let's try another.")
+CLOSERS = ("Thank you!", "Cheers.", "Much appreciated.", "Thank you so much.", "Please be quick.",
+           "I need it for class.", "Double-check it.", "Just the final number, please.", "Take your time.")
+TRAINING_TEMPLATES = {op: TEMPLATES[op] + _templates(FRAMES + EXTRA_FRAMES, EXTRA_EXPRESSIONS, EXTRA_IMPERATIVES)[op]
+                      + _templates(EXTRA_FRAMES, EXPRESSIONS, {})[op] for op in TEMPLATES}
+TRAINING_STYLES = STYLES + EXTRA_STYLES
+
+
+@dataclass(frozen=True)
+class Problem:
+    op: str  # "+", "-" or "*"
+    a: int
+    b: int
+
+    @property
+    def value(self) -> int:
+        return {"+": self.a + self.b, "-": self.a - self.b, "*": self.a * self.b}[self.op]
+
+    @property
+    def canonical(self) -> str:
+        return f"{self.a}{self.op}{self.b}"
+
+    @property
+    def kind(self) -> str:
+        """"+", "-", "*" (by one digit) or "**" (long: two digits by two digits)."""
+        if self.op == "*" and min(self.a, self.b) >= LONG_MIN:
+            return "**"
+        return self.op
+
+
+def is_held_out(p: Problem) -> bool:
+    """The fixed train/held-out split: a hash of the canonical form, independent of any seed."""
+    digest = hashlib.sha256(p.canonical.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
+
+
+def _digits(n: int, width: int) -> list[int]:
+    """Least significant first, zero-padded to `width`."""
+    return [(n // 10**i) % 10 for i in range(width)]
+
+
+def _add_working(a: int, b: int) -> str:
+    width = max(len(str(a)), len(str(b)))
+    da, db = _digits(a, width), _digits(b, width)
+    steps, carry = [], 0
+    for i in range(width):
+        total = da[i] + db[i] + carry
+        step = f"{da[i]}+{db[i]}" + (f"+{carry}" if i else "")
+        if i == width - 1:
+            steps.append(f"{step}={total}")
+        else:
+            carry = total // 10
+            steps.append(f"{step}={total}, carry {carry}")
+    return "; ".join(steps)
+
+
+def _sub_working(a: int, b: int) -> str:
+    """Column subtraction of a - b with a >= b."""
+    width = len(str(a))
+    da, db = _digits(a, width), _digits(b, width)
+    steps, borrow = [], 0
+    for i in range(width):
+        out = 1 if da[i] - borrow < db[i] else 0
+        top = f"1{da[i]}" if out else f"{da[i]}"
+        step = f"{top}-{db[i]}" + (f"-{borrow}" if i else "")
+        diff = da[i] + 10 * out - db[i] - borrow
+        steps.append(f"{step}={diff}" + ("" if i == width - 1 else f", borrow {out}"))
+        borrow = out
+    return "; ".join(steps)
+
+
+def _mul_working(top: int, m: int) -> str:
+    """Column multiplication of `top` (any digits) by the single digit `m`."""
+    width = len(str(top))
+    dt = _digits(top, width)
+    steps, carry = [], 0
+    for i in range(width):
+        product = dt[i] * m
+        if i:
+            total = product + carry
+            step = f"{dt[i]}*{m}+{carry}={product}+{carry}={total}"
+        else:
+            total = product
+            step = f"{dt[i]}*{m}={product}"
+        if i < width - 1:
+            carry = total // 10
+            step += f", carry {carry}"
+        steps.append(step)
+    return "; ".join(steps)
+
+
+def _long_mul_working(a: int, b: int) -> str:
+    """Long multiplication: `a` by each digit of `b` from the units up (each partial product worked
+    by column and shifted), then the partial products added by column."""
+    parts, partials = [], []
+    for i, digit in enumerate(reversed(str(b))):
+        m = int(digit)
+        partial = a * m
+        part = f"{a}*{m}: {_mul_working(a, m)}, so {partial}"
+        if i:
+            partial *= 10**i
+            part += f", shifted {partial}"
+        parts.append(part)
+        partials.append(partial)
+    total = partials[0]
+    for partial in partials[1:]:
+        parts.append(f"{total}+{partial}: {_add_working(total, partial)}")
+        total += partial
+    return "; then ".join(parts)
+
+
+def answer_text(p: Problem) -> str:
+    """The full answer: restatement, column working, then "So the answer is N."."""
+    if p.op == "+":
+        work = _add_working(p.a, p.b)
+    elif p.op == "-":
+        work = _sub_working(p.a, p.b) if p.a >= p.b else f"swap, {p.b}-{p.a}; " + _sub_working(p.b, p.a)
+    elif p.kind == "**":
+        work = _long_mul_working(p.a, p.b)
+    elif p.op == "*":
+        top, m = (p.b, p.a) if p.a <= MAX_MULTIPLIER < p.b else (p.a, p.b)
+        work = _mul_working(top, m)
+    else:
+        raise ValueError(f"unknown operator {p.op!r}")
+    return f"{p.canonical}: {work}. So the answer is {p.value}."
+
+
+def suits_word_problem(p: Problem) -> bool:
+    return p.op != "-" or p.a >= p.b
+
+
+def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> str:
+    """A question for `p` in a random template and instruction style of the `phrasing` split ("train":
+    the only one any training draws from; "held_out" and "fresh": two sets of unseen templates and
+    styles)."""
+    templates, styles = PHRASINGS[phrasing]
+    if rng.random() < WORD_SHARE and suits_word_problem(p):
+        return rng.choice(WORD_PHRASINGS[phrasing][p.op]).format(a=p.a, b=p.b)
+    question = rng.choice(templates[p.op]).format(a=p.a, b=p.b)
+    text = rng.choice(styles).replace("{q}", question)
+    if rng.random() < 0.15:  # casual lower case
+        text = text[0].lower() + text[1:]
+    return text
+
+
+def training_question(p: Problem, rng: random.Random) -> str:
+    """A question for `p` as training sees it: any training template and style (the in-template ones
+    and the wider lists), sometimes with an opener or a closer around it."""
+    if rng.random() < WORD_SHARE and suits_word_problem(p):
+        text = rng.choice(WORD_PROBLEMS[p.op] + EXTRA_WORD_PROBLEMS[p.op]).format(a=p.a, b=p.b)
+        return rng.choice(EXTRA_STYLES[:6]).replace("{q}", text) if rng.random() < 0.3 else text
+    if p.op in ORDER_EXPRESSIONS and rng.random() < ORDER_SHARE:
+        template = rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", rng.choice(ORDER_EXPRESSIONS[p.op]))
+    else:
+        template = rng.choice(TRAINING_TEMPLATES[p.op])
+    question = template.format(a=p.a, b=p.b)
+    text = rng.choice(TRAINING_STYLES).replace("{q}", question)
+    if rng.random() < 0.25:
+        text = f"{rng.choice(OPENERS)} {text}"
+    if rng.random() < 0.2:
+        text = f"{text} {rng.choice(CLOSERS)}"
+    if rng.random() < 0.15:  # casual lower case
+        text = text[0].lower() + text[1:]
+    return text
+
+
+def _random_operand(rng: random.Random, max_value: int) -> int:
+    # One-digit operands are only a tenth of 0..99; draw them more often so short forms are learned.
+    return rng.randint(0, 9) if rng.random() < 0.25 else rng.randint(0, max_value)
+
+
+KIND_SHARES = {"+": 0.22, "-": 0.26, "*": 0.2, "**": 0.32}  # long multiplication has the most to learn
+
+
+def random_problem(rng: random.Random) -> Problem:
+    """Any problem in range, training or held-out."""
+    op = rng.choices(list(KIND_SHARES), list(KIND_SHARES.values()))[0]
+    if op == "**":
+        return Problem("*", rng.randint(LONG_MIN, MAX_OPERAND), rng.randint(LONG_MIN, MAX_OPERAND))
+    if op == "*":
+        big, small = _random_operand(rng, MAX_OPERAND), rng.randint(0, MAX_MULTIPLIER)
+        a, b = (big, small) if rng.random() < 0.5 else (small, big)
+        return Problem(op, a, b)
+    return Problem(op, _random_operand(rng, MAX_OPERAND), _random_operand(rng, MAX_OPERAND))
+
+
+def training_problem(rng: random.Random) -> Problem:
+    while True:
+        p = random_problem(rng)
+        if not is_held_out(p):
+            return p
+
+
+@cache
+def _held_out_pool() -> tuple[Problem, ...]:
+    operands, multipliers = range(MAX_OPERAND + 1), range(MAX_MULTIPLIER + 1)
+    pool = [Problem(op, a, b) for op in "+-" for a in operands for b in operands]
+    pool += [Problem("*", a, m) for a in operands for m in multipliers]
+    pool += [Problem("*", m, a) for a in operands if a > MAX_MULTIPLIER for m in multipliers]
+    pool += [Problem("*", a, b) for a in range(LONG_MIN, MAX_OPERAND + 1) for b in range(LONG_MIN, MAX_OPERAND + 1)]
+    return tuple(p for p in pool if is_held_out(p))
+
+
+KINDS = ("+", "-", "*", "**")
+
+
+def held_out_problems(n: int, seed: int) -> list[Problem]:
+    """`n` distinct held-out problems, the kinds in turn (as even as `n` allows); deterministic in `seed`."""
+    pool = _held_out_pool()
+    by_kind = {k: [p for p in pool if p.kind == k] for k in KINDS}
+    if n < 0 or n > len(pool):
+        raise ValueError(f"n={n} must be between 0 and {len(pool)} (held-out problems)")
+    rng = random.Random(f"held-out:{seed}")
+    order = {k: rng.sample(ps, len(ps)) for k, ps in by_kind.items()}
+    picked: list[Problem] = []
+    while len(picked) < n:  # round by round, each kind once per round (in a shuffled order)
+        live = [k for k in KINDS if order[k]]
+        for kind in rng.sample(live, len(live))[: n - len(picked)]:
+            picked.append(order[kind].pop())
+    return picked
+
+
+def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str, int]]:
+    """`n` distinct held-out (question, answer) pairs; deterministic in `seed`.
+
+    Kinds (+, -, * by one digit, two digits by two digits) take turns. Every problem comes
+    from the held-out split, which training never draws, so these are disjoint from the training
+    stream for any seed. `phrasing`: "train" words them in training templates and styles
+    (in-template), "held_out" and "fresh" in templates and styles no training sees (out-of-template);
+    the same `seed` gives the same problems in every phrasing.
+    """
+    problems = held_out_problems(n, seed)
+    rng = random.Random(f"phrasing:{phrasing}:{seed}")
+    return [(question_text(p, rng, phrasing), p.value) for p in problems]
+
+
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*", re.IGNORECASE)
+# An integer, signed only when the minus is attached and not itself an operator ("47-38").
+_INT = re.compile(r"(?<![\w)\]])[-−](?=\d)\d+|\d+")
+
+
+def extract_answer(text: str) -> int | None:
+    """The final number of a generated answer, or None if it has none.
+
+    Rule: if the text says "answer is/:/=", the first integer after the last such phrase;
+    otherwise the last integer in the text ("12 + 35 = 47" -> 47). Thousands separators
+    ("1,234") are joined; a minus sign counts only when attached to the digits and not preceded
+    by a word or digit ("-9" -> -9, "47-38" -> 38).
+    """
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+    cut = list(_ANSWER_IS.finditer(text))
+    if cut:
+        found = _INT.search(text, cut[-1].end())
+        if found:
+            return int(found.group().replace("−", "-"))
+    found_all = _INT.findall(text)
+    return int(found_all[-1].replace("−", "-")) if found_all else None
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The prompt exactly as the fusion engine formats it (the template's default system prompt)."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def wide_stream(tokenizer, seed: int) -> "ArithmeticStream":
+    """The stream in the wider training phrasings (the reading stage of the recipe)."""
+    return ArithmeticStream(tokenizer, seed, wide=True)
+
+
+class ArithmeticStream:
+    """Endless batches of (chat prompt + working answer + <|im_end|>), loss on the answer only.
+
+    The chat template's system prompt is the same for every row, so it travels once as the
+    batch's shared prefix instead of being recomputed per row.
+    """
+
+    def __init__(self, tokenizer, seed: int, wide: bool = False):
+        self.tokenizer = tokenizer
+        self.wide = wide  # the wider training phrasings (`training_question`), else the in-template ones
+        self.rng = random.Random(f"train-wide:{seed}" if wide else f"train:{seed}")
+        self.end_id = end_of_turn_id(tokenizer)
+        one = self._encode(chat_prompt(tokenizer, "1 + 1"))
+        two = self._encode(chat_prompt(tokenizer, "What is 2 x 3?"))
+        n = 0
+        while n < min(len(one), len(two)) and one[n] == two[n]:
+            n += 1
+        self.prefix = one[:n]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def question(self) -> tuple[Problem, str]:
+        """The next training problem and its question (training phrasings only)."""
+        p = training_problem(self.rng)
+        return p, training_question(p, self.rng) if self.wide else question_text(p, self.rng, "train")
+
+    def example(self) -> tuple[list[int], list[int]]:
+        """(prompt ids after the shared prefix, answer ids ending with the turn terminator)."""
+        p, question = self.question()
+        prompt = self._encode(chat_prompt(self.tokenizer, question))
+        if prompt[: len(self.prefix)] != self.prefix:
+            raise ValueError(f"chat prompt for {p.canonical!r} does not start with the shared prefix")
+        return prompt[len(self.prefix) :], self._encode(answer_text(p)) + [self.end_id]
+
+    def __call__(self, batch_size: int) -> Batch:
+        rows = [self.example() for _ in range(batch_size)]
+        width = max(len(q) + len(a) for q, a in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [B, S]
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)  # [B, S]
+        for r, (q, a) in enumerate(rows):
+            seq = q + a
+            ids[r, : len(seq)] = torch.tensor(seq)
+            # Position t predicts token t+1: the last prompt token predicts the first answer token.
+            labels[r, len(q) - 1 : len(seq) - 1] = torch.tensor(a)
+        return Batch(input_ids=ids, labels=labels, prefix_ids=torch.tensor(self.prefix, dtype=torch.long))

@@ -243,7 +243,7 @@ def start_expert_call(expert: str, method: str, session_ids: Sequence[str], addr
     links = [Link(t.span.get_span_context()) for t in traces] if len(traces) > 1 else None
     span = tracer.start_span(f"expert.{method.lower()}", context=parent, kind=SpanKind.CLIENT, links=links,
                              attributes={"rpc.system": "grpc", "rpc.service": "fusion.v1.Expert", "rpc.method": method,
-                                         "fusion.experts.expert": expert, "fusion.sessions": len(session_ids),
+                                         "fusion.expert": expert, "fusion.sessions": len(session_ids),
                                          "server.address": address})
     return span, _inject(span)
 
@@ -279,4 +279,4 @@ def start_expert_server_span(method: str, metadata, expert: str, sessions: int):
 
     return tracer.start_span(f"Expert/{method}", context=_context_from(metadata), kind=SpanKind.SERVER,
                              attributes={"rpc.system": "grpc", "rpc.service": "fusion.v1.Expert", "rpc.method": method,
-                                         "fusion.experts.expert": expert, "fusion.sessions": sessions})
+                                         "fusion.expert": expert, "fusion.sessions": sessions})

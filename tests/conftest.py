@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray starts its workers at nice 15, below anything else on the host: beside other work (CI beside two
+# busy loops) a test cluster's replica then took 150-195 s to start. The suite's clusters run theirs at
+# the test's own priority; deployments keep Ray's default.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest
 import torch

@@ -95,10 +95,17 @@ def dropped(server) -> float:
     return server.metrics.registry.get_sample_value("fusion_expert_dropped_sessions_total") or 0.0
 
 
+# Deadlines here: a decode deadline far past a tiny step on a loaded host (healthy replicas must never
+# miss it), paid in wall time only where a replica is held on purpose; a prefill deadline past the hang
+# bound, so "the decode deadline, not the prefill one, was waited" is a wait shorter than HANG_S.
+DECODE_S = 5.0
+PREFILL_S = 2 * HANG_S
+
+
 # -- a slow replica: one call's sessions move, the replica stays up -----------------------------------
 def test_a_timed_out_call_moves_only_its_sessions_and_the_replica_stays_up(start, tiny_config, reference):
     (slow, slow_port), (_, other_port) = start(), start()
-    remote = remote_a(tiny_config, [slow_port, other_port], step_timeout_s=1.0, prefill_timeout_s=60.0)
+    remote = remote_a(tiny_config, [slow_port, other_port], step_timeout_s=DECODE_S, prefill_timeout_s=PREFILL_S)
     try:
         histories = {s: HISTORY + [i] for i, s in enumerate(["s1", "s2", "s3"])}
         for session, history in histories.items():  # new sessions go to the replica holding the fewest
@@ -108,9 +115,9 @@ def test_a_timed_out_call_moves_only_its_sessions_and_the_replica_stays_up(start
         busy = Busy(slow)
         started = time.monotonic()
         histories["s1"].append(7)
-        logits = remote.step([StepRequest("s1", histories["s1"])])  # decode: times out after 1 s
-        # one decode deadline (1 s), not the prefill one: waiting that would alone take 60 s
-        assert 1.0 <= time.monotonic() - started < 60
+        logits = remote.step([StepRequest("s1", histories["s1"])])  # decode: times out after DECODE_S
+        # one decode deadline, not the prefill one (waiting that would alone take 2 x HANG_S)
+        assert DECODE_S <= time.monotonic() - started < HANG_S
         assert torch.allclose(logits[0], local_step(reference, histories["s1"]), atol=1e-4)
         assert remote._pinned == {"s1": 1, "s2": 1, "s3": 0}  # s1 moved; s3, in no failed call, stayed
         assert remote.failed_calls == 1 and remote.failovers == 1
@@ -128,23 +135,23 @@ def test_a_timed_out_call_moves_only_its_sessions_and_the_replica_stays_up(start
 
 def test_prompt_work_gets_the_prefill_deadline(start, tiny_config, reference):
     (slow, slow_port), = [start()]
-    remote = remote_a(tiny_config, [slow_port], step_timeout_s=1.0, prefill_timeout_s=60.0)
+    remote = remote_a(tiny_config, [slow_port], step_timeout_s=DECODE_S, prefill_timeout_s=PREFILL_S)
     try:
-        busy = Busy(slow, hold_s=2.5)  # longer than the decode deadline
+        busy = Busy(slow, hold_s=DECODE_S + 1.0)  # longer than the decode deadline
         logits = remote.step([StepRequest("new", HISTORY)])  # a new session: prompt work
         assert remote.failed_calls == 0
         assert torch.allclose(logits[0], local_step(reference, HISTORY), atol=1e-4)
-        busy.job.result(10)
-        assert remote._step_timeout(0, [StepRequest("new", HISTORY + [1])]) == 1.0
-        assert remote._step_timeout(0, [StepRequest("new", HISTORY + list(range(20)))]) == 60.0
-        assert remote._step_timeout(0, [StepRequest("other", HISTORY + [1])]) == 60.0
+        busy.job.result(HANG_S)
+        assert remote._step_timeout(0, [StepRequest("new", HISTORY + [1])]) == DECODE_S
+        assert remote._step_timeout(0, [StepRequest("new", HISTORY + list(range(20)))]) == PREFILL_S
+        assert remote._step_timeout(0, [StepRequest("other", HISTORY + [1])]) == PREFILL_S
     finally:
         remote.close()
 
 
 def test_repeated_failures_mark_a_replica_down(start, tiny_config):
     (slow, slow_port), (_, other_port) = start(), start()
-    remote = remote_a(tiny_config, [slow_port, other_port], step_timeout_s=1.0, failures_before_down=3)
+    remote = remote_a(tiny_config, [slow_port, other_port], step_timeout_s=DECODE_S, failures_before_down=3)
     try:
         sessions = [f"s{i}" for i in range(8)]
         for i, session in enumerate(sessions):
@@ -233,18 +240,18 @@ def test_a_black_holed_replica_costs_one_decode_deadline(loop, start, tiny_dir, 
     data = tiny_config_dict(tiny_dir, limits={"max_prompt_tokens": 256, "max_tokens": 400})
     addresses = {"a": [addr(hole.port), addr(other_port)], "b": [addr(b_port)], "c": [addr(c_port)]}
     for expert in data["experts"]:
-        expert.update(addresses=addresses[expert["name"]], step_timeout_s=1.5, prefill_timeout_s=60.0)
+        expert.update(addresses=addresses[expert["name"]], step_timeout_s=DECODE_S, prefill_timeout_s=PREFILL_S)
     server, port = loop.run(create_coordinator_server(parse_config(data)))
     try:
         remote = server.servicer.service.experts[0]
-        with FusionClient(addr(port), timeout=120) as client:
+        with FusionClient(addr(port), timeout=PREFILL_S + HANG_S) as client:
             started = time.monotonic()
             got = [e.token.token_id for e in client.generate("black hole", sampling)]
         assert hole.frozen.is_set()
         assert got == expected
         assert remote.failed_calls == 1 and remote.failovers == 1  # one decode deadline, one session moved
         assert remote._replicas[0].down  # it did not answer the health check either
-        assert time.monotonic() - started < 60  # the prefill deadline (60 s) was not waited
+        assert time.monotonic() - started < HANG_S  # the prefill deadline (2 x HANG_S) was not waited
     finally:
         loop.run(server.stop(0))
         hole.close()
@@ -256,7 +263,7 @@ def test_an_unreachable_replica_is_marked_down_at_once(start, tiny_config):
     (_, port), = [start()]
     with socket.create_server(("127.0.0.1", 0)) as closed:
         dead_port = closed.getsockname()[1]
-    remote = remote_a(tiny_config, [port, dead_port], step_timeout_s=1.0)
+    remote = remote_a(tiny_config, [port, dead_port], step_timeout_s=DECODE_S)
     try:
         remote._pinned["s"] = 1  # pretend the session lived on the replica that is gone now
         remote._replicas[1].sessions.add("s")

@@ -105,14 +105,14 @@ def test_a_request_is_one_trace_across_the_grpc_hop_to_its_experts(loop, tiny_co
     assert order[-1].end_time_unix_nano == root.end_time_unix_nano
 
     calls = [s for s in spans if s.name == "expert.step"]
-    assert {attributes(c)["fusion.experts.expert"] for c in calls} == {"a", "b", "c"}
+    assert {attributes(c)["fusion.expert"] for c in calls} == {"a", "b", "c"}
     assert all(c.parent_span_id == root.span_id and c.kind == c.SPAN_KIND_CLIENT for c in calls)
     # each expert's own span is the child of the call that carried its context over gRPC
     served = [s for s in spans if s.name == "Expert/Step"]
     assert served and all(s.kind == s.SPAN_KIND_SERVER for s in served)
     call_ids = {c.span_id for c in calls}
     assert all(s.parent_span_id in call_ids for s in served)
-    assert {attributes(s)["fusion.experts.expert"] for s in served} == {"a", "b", "c"}
+    assert {attributes(s)["fusion.expert"] for s in served} == {"a", "b", "c"}
     # six tokens: a prefill call and five decode calls on each expert, each answered there
     assert len(calls) == len(served) == 3 * 6
 

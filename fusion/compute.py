@@ -2,10 +2,9 @@
 
 PyTorch's CPU kernels run on an OpenMP team owned by the calling thread. Once a second thread has
 its own team, the process manages more OpenMP threads than cores and libgomp stops letting idle
-workers spin: every parallel region then wakes its workers through the kernel. Measured on 2 cores,
-a SmolLM2-135M decode forward takes 41 ms on a fresh thread but 52 ms on a thread started after the
-main thread had run one; its compiled decode step 48 ms against 21 ms (inductor's kernels are many
-short parallel regions). So the engine's steps and scoring (its in-process experts' forwards, fusion,
+workers spin: every parallel region then wakes its workers through the kernel, and a decode forward
+of many short parallel regions slows by a quarter or more (measured on 2 cores with SmolLM2-135M).
+So the engine's steps and scoring (its in-process experts' forwards, fusion,
 sampling) run here and experts are loaded here; tensor work on any other thread (admission's bias rows
 and routers, a fingerprint, an expert server's worker in a test) runs on that thread alone
 (`single_team`). An expert server in its own process (`fusion serve-expert`, a Ray replica) makes this

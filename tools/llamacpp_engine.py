@@ -2,9 +2,8 @@
 
 Why a process of its own: llama.cpp and torch each bring an OpenMP runtime, and each runtime's threads
 spin for a while after their work before they sleep. In one process on a 2-core host, alternating rounds
-then time each engine against the other's spinning threads: on an Intel host with AVX-512 llama.cpp's
-decode step measured 28.3 ms in the benchmark's process and 6.6-7.1 ms alone, and the project's own step
-13.6 ms against 4.3 ms (docs/performance.md). A user runs llama.cpp as a program of its own; so does
+then time each engine against the other's spinning threads: each engine's decode step measured three to
+four times its time alone. A user runs llama.cpp as a program of its own; so does
 the benchmark. The worker (`python -m fusion.tools.llamacpp_engine GGUF THREADS`) imports llama.cpp's
 binding and never torch, and answers one JSON line a request on its standard output.
 

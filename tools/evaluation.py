@@ -55,6 +55,8 @@ class EvalRow:
     arithmetic_fifth: float | None = None  # out-of-template, the fifth set (asked with `reserve=True`)
     arithmetic_sixth: float | None = None  # out-of-template, the sixth set (asked only when `sets` names it)
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
+    humaneval_pass1: float | None = None  # HumanEval's problems solved, each completion run (executed_code)
+    humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed
 
 
 # Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
@@ -269,10 +271,13 @@ def evaluate(
     domains: Sequence[str] = DOMAINS,
     reserve: bool = False,
     sets: Sequence[str] | None = None,
+    humaneval: int = 0,
+    humaneval_tokens: int = 384,
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
     `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
-    informed choices; `sets` names the sets instead) and bits per byte on the held-out texts of `domains`."""
+    informed choices; `sets` names the sets instead), bits per byte on the held-out texts of `domains`,
+    and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -290,6 +295,16 @@ def evaluate(
                 if split == "in":
                     result.tokens_per_s = tps
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
+    if humaneval > 0:
+        from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
+
+        problems = humaneval_problems(humaneval)
+        for result, (name, spec) in zip(results, rows):
+            logger.info("humaneval: %s (%d problems)", name, len(problems))
+            rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens))
+            result.humaneval_pass1 = rate
+            result.humaneval_failures = {p["task_id"]: o.reason for p, o in zip(problems, outcomes) if not o.passed}
+            logger.info("humaneval: %s: pass@1 %.1f%%", name, 100 * rate)
     for domain in domains:
         texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
                                  chunk_tokens=chunk_tokens)
@@ -321,7 +336,8 @@ def format_table(results: list[EvalRow]) -> str:
     header = ["row"] + [{"in": "arith in-template"}.get(s, "arith " + SPLIT_LABELS[s].replace("out", "out-of-template"))
                         for s in splits]
     header += [f"{KIND_LABELS[k]} " + " / ".join(SPLIT_LABELS[s] for s in splits) for k in kinds]
-    header += [f"bpb {d}" for d in domains] + ["tokens/s"]
+    humaneval = any(r.humaneval_pass1 is not None for r in results)
+    header += [f"bpb {d}" for d in domains] + (["HumanEval pass@1"] if humaneval else []) + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         split = r.arithmetic_by_kind
@@ -329,7 +345,8 @@ def format_table(results: list[EvalRow]) -> str:
         bpbs = [f"{r.bits_per_byte[d]:.3f}" if d in r.bits_per_byte else "–" for d in domains]
         tps = f"{r.tokens_per_s:.1f}" if r.tokens_per_s is not None else "–"
         accuracies = [getattr(r, SPLIT_FIELDS[split]) for split in splits]
-        lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, tps]) + " |")
+        passed = [_pct(r.humaneval_pass1)] if humaneval else []
+        lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, *passed, tps]) + " |")
     return "\n".join(lines)
 
 

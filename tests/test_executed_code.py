@@ -1,0 +1,65 @@
+"""Code measured by running it (tools/executed_code.py): the sandbox passes right programs and fails
+wrong, hung, networked or escaping ones; HumanEval's canonical solutions pass its tests and wrong bodies
+fail them; completions come from a real service's rows."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from fusion.frontdoor.service import FusionRequest
+from fusion.tools.executed_code import (STOP, complete_humaneval, humaneval_problems, humaneval_program, pass_at_1,
+                                        run_sandboxed)
+
+
+def test_a_right_program_passes_and_a_wrong_one_fails_with_its_error():
+    assert run_sandboxed("assert sum([1, 2]) == 3\n").passed
+    failed = run_sandboxed("def f():\n    return 2\nassert f() == 3, 'f is wrong'\n")
+    assert not failed.passed and "AssertionError: f is wrong" in failed.reason
+
+
+def test_a_hung_program_is_killed_at_its_limit():
+    outcome = run_sandboxed("while True:\n    pass\n", timeout_s=1.0)
+    assert not outcome.passed and outcome.reason in ("timed out", "exit status -9", "exit status -24")
+
+
+def test_the_sandbox_has_no_network_no_environment_and_a_folder_of_its_own(tmp_path, monkeypatch):
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        reached = run_sandboxed(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n")
+    assert not reached.passed and "network access is disabled" in reached.reason
+    monkeypatch.setenv("FUSION_SECRET_FOR_TEST", "x")
+    assert run_sandboxed("import os\nassert 'FUSION_SECRET_FOR_TEST' not in os.environ\n").passed
+    monkeypatch.chdir(tmp_path)
+    assert run_sandboxed("open('left-behind.txt', 'w').write('x')\n").passed
+    assert not (tmp_path / "left-behind.txt").exists()  # it wrote in its own folder, removed after
+
+
+def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
+    problems = humaneval_problems(5)
+    assert len(problems) == 5 and len(humaneval_problems()) == 164
+    rate, outcomes = pass_at_1(problems, [p["canonical_solution"] for p in problems])
+    assert rate == 1.0, [o.reason for o in outcomes]
+    rate, outcomes = pass_at_1(problems, ["    return None\n"] * 5)
+    assert rate == 0.0 and all(not o.passed for o in outcomes)
+
+
+def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_statement(tiny_service):
+    problems = humaneval_problems(2)
+    completions = complete_humaneval(tiny_service, None, problems, max_tokens=12)
+    for problem, completion in zip(problems, completions):
+        # the reference: the prompt continued as is without stops, cut where the first stop begins
+        request = FusionRequest(problem["prompt"], {"max_tokens": 12, "temperature": 0.0}, plain=True)
+        whole = "".join(event.text for event in tiny_service.submit(request))
+        cut = min([whole.find(stop) for stop in STOP if stop in whole] or [len(whole)])
+        assert completion == whole[:cut]
+        assert humaneval_program(problem, completion).startswith(problem["prompt"] + completion)
+    rate, outcomes = pass_at_1(problems, completions)
+    assert 0.0 <= rate <= 1.0 and len(outcomes) == 2
+
+
+@pytest.mark.parametrize("problem", humaneval_problems(1))
+def test_a_problem_program_runs_its_check_on_the_entry_point(problem):
+    program = humaneval_program(problem, problem["canonical_solution"])
+    assert program.rstrip().endswith(f"check({problem['entry_point']})")

@@ -79,11 +79,12 @@ def build_experts(config: FusionConfig, resolve_model: Callable[[str], str], cac
     return experts, tokenizers
 
 
-def build_service(config: FusionConfig, resolve_model: Callable[[str], str], cache_dir: Path | None = None
-                  ) -> FusionService:
+def build_service(config: FusionConfig, resolve_model: Callable[[str], str], cache_dir: Path | None = None,
+                  require_router: bool = True) -> FusionService:
     experts, tokenizers = build_experts(config, resolve_model, cache_dir)
     try:
-        return FusionService.from_config(config, experts=experts, tokenizers=tokenizers, cache_dir=cache_dir)
+        return FusionService.from_config(config, experts=experts, tokenizers=tokenizers, cache_dir=cache_dir,
+                                         require_router=require_router)
     except BaseException:
         for expert in experts:
             expert.close()

@@ -93,8 +93,17 @@ def test_serve_commands_and_generate_with_server(tiny_dir, tmp_path, tiny_servic
         )
         assert out.returncode != 0 and "profile" in out.stderr and "Traceback" not in out.stderr
 
+        # without --server, the config's remote expert is asked where it serves, as `fusion serve` asks it
+        local_run = [sys.executable, "-m", "fusion.tools.cli", "generate", "hello world", "--config", str(remote),
+                     "--max-tokens", "6", "--json"]
+        out = subprocess.run(local_run, capture_output=True, text=True, timeout=HANG_S)
+        assert out.returncode == 0, out.stderr
+        assert_payload_matches(tiny_service, "hello world", json.loads(out.stdout), expected)
+
         assert coordinator.terminate() == 0
         assert expert.terminate() == 0
+        out = subprocess.run(local_run, capture_output=True, text=True, timeout=HANG_S)  # its replica gone
+        assert out.returncode != 0 and "expert 'a'" in out.stderr and "Traceback" not in out.stderr
     finally:
         for served in (coordinator, expert):
             if served is not None:

@@ -33,13 +33,13 @@ def model_resolver(cache: Path, *, prepare: bool) -> Callable[[str], str]:
 
 
 def load_service(config: FusionConfig, cache: Path, *, router: bool = True):
-    """The local build of `config`, preparing what is missing first, explicitly and with progress:
-    builtin models (fetched) and, with `router`, a `router: auto` router for experts that have none
-    shipped (the default trio's ships with the project: nothing trains for it)."""
-    from fusion.frontdoor.service import FusionService
+    """The build of `config` a tool runs (experts with `addresses` remote, as `fusion serve` has them,
+    the others in-process), preparing what is missing first, explicitly and with progress: builtin models
+    (fetched) and, with `router`, a `router: auto` router for experts that have none shipped (the
+    default trio's ships with the project: nothing trains for it)."""
+    from fusion.services.coordinator import build_service
 
-    service = FusionService.from_config(config, resolve_model=model_resolver(cache, prepare=True), cache_dir=cache,
-                                        require_router=False)
+    service = build_service(config, model_resolver(cache, prepare=True), cache, require_router=False)
     if router and service.uses_auto_router:
         from fusion.tools.router_training import prepare_router  # trains only if the cache lacks it
 

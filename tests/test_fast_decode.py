@@ -42,6 +42,43 @@ def qwen_dir(tmp_path_factory, tiny_dir):
     return path
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, tiny_dir):
+    """A tiny Qwen3: each head's query and key RMS-normed before the rotation, an explicit head_dim."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen3") / "q"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    torch.manual_seed(8)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # norms away from ones, so a missing norm shows
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama3_rope_dir(tmp_path_factory, tiny_dir):
+    """Tiny Llama a with Llama 3.x's rotary scaling (`rope_type: llama3`), its original context short
+    enough that the scaling changes the frequencies the histories use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("llama3") / "l"
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32)
+    model.config.rope_parameters = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                    "rope_theta": 10000.0}
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
+    return path
+
+
 def _expert(path, decode: str = "fast") -> LocalExpert:
     config = parse_config({"experts": [{"name": "x", "model": str(path), "dtype": "float32", "decode": decode}]})
     return LocalExpert.load(config.experts[0])
@@ -52,12 +89,14 @@ def _plain_last_logits(model, histories) -> torch.Tensor:
         return torch.stack([model(torch.tensor([h], device=model.device)).logits[0, -1] for h in histories])  # (B, V)
 
 
-@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
-def test_fast_decode_equals_plain_forwards_batched_and_alone(tiny_dir, qwen_dir, monkeypatch, model_name):
+@pytest.mark.parametrize("model_name", ["llama", "qwen2", "qwen3", "llama3-rope"])
+def test_fast_decode_equals_plain_forwards_batched_and_alone(tiny_dir, qwen_dir, qwen3_dir, llama3_rope_dir,
+                                                             monkeypatch, model_name):
     """Sessions of different lengths decoded together (a cohort) and alone, through several buffer
     growths, a divergence (crop) and a prompt chunk, give the logits of an uncached forward."""
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
-    expert = _expert(tiny_dir / "a" if model_name == "llama" else qwen_dir)
+    paths = {"llama": tiny_dir / "a", "qwen2": qwen_dir, "qwen3": qwen3_dir, "llama3-rope": llama3_rope_dir}
+    expert = _expert(paths[model_name])
     assert expert._fast_step is not None
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
 
@@ -280,9 +319,9 @@ def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32)
-    model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    assert "rope type" in unsupported_reason(model)
-    path = tmp_path / "linear-rope"
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "rope type 'dynamic'" in unsupported_reason(model)  # its frequencies change with the length
+    path = tmp_path / "dynamic-rope"
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
     assert _expert(path, "fast")._fast_step is None

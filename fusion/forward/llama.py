@@ -64,7 +64,11 @@ COMPILED_DECODES = ("compiled",)  # the config's `decode` values that compile (a
 # Graphs one compiled step brings (`LocalExpert.warm_up`): any rows, and one row over a batch row and over
 # buffers of its own (their strides differ).
 GRAPHS_PER_STEP = 3
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Rotary embeddings whose frequencies are fixed once the model is built (Llama 3.x's `llama3` scaling,
+# `linear`, `yarn` with its attention factor): the step uses the model's own `inv_freq` and
+# `attention_scaling`. Dynamic NTK and LongRoPE change them with the sequence's length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 # Why a Gemma 3 decode step is never compiled.
@@ -83,14 +87,15 @@ def unsupported_reason(model, *, compiled: bool = False) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES + (GEMMA3,))})"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return f"rope type {rope.get('rope_type')!r} (only the default rotary embedding)"
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} (only silu)"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
-            and model_type != "qwen2":
+    qwen = model_type in ("qwen2", "qwen3")  # their configs name a window that applies only when switched on
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and not qwen:
         return "sliding-window attention"
-    if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+    if qwen and getattr(config, "use_sliding_window", False):
         return "sliding-window attention"
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
@@ -99,8 +104,8 @@ def unsupported_reason(model, *, compiled: bool = False) -> str | None:
         return "a layer without self_attn and mlp"
     if any(getattr(layer.self_attn.o_proj, "bias", None) is not None for layer in layers):
         return "an output projection with a bias"
-    if any(hasattr(layer.self_attn, name) for layer in layers for name in ("q_norm", "k_norm")):
-        return "query/key norms"
+    if any(hasattr(layer.self_attn, "q_norm") != (model_type == "qwen3") for layer in layers):
+        return "query/key norms other than Qwen3's (per head)"
     return None
 
 
@@ -129,6 +134,7 @@ class FastDecoder(nn.Module):
         self.qkv, self.o_proj, self.gate_up, self.down = projection_lists(inner.layers[0], 4)
         self.qkv_bias = nn.ParameterList()
         self.input_norm, self.post_norm = nn.ParameterList(), nn.ParameterList()
+        self.q_norm, self.k_norm = nn.ParameterList(), nn.ParameterList()  # Qwen3's, per head (head_dim,)
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -141,12 +147,17 @@ class FastDecoder(nn.Module):
             self.down.append(weight_of(mlp.down_proj))
             self.input_norm.append(frozen(layer.input_layernorm.weight))
             self.post_norm.append(frozen(layer.post_attention_layernorm.weight))
+            if hasattr(attn, "q_norm"):
+                self.q_norm.append(frozen(attn.q_norm.weight))
+                self.k_norm.append(frozen(attn.k_norm.weight))
         self.has_qkv_bias = len(self.qkv_bias) > 0
         self.intermediate = inner.layers[0].mlp.down_proj.in_features
         shape = LayerShape(self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, self.eps)
         # The same weights again, one module per layer (a plain list: the parameters stay registered once).
+        self.has_qk_norm = len(self.q_norm) > 0
         self.blocks = [DecoderLayer(shape, self.qkv[i], self.qkv_bias[i] if self.has_qkv_bias else None,
-                                    self.o_proj[i], self.gate_up[i], self.down[i], self.input_norm[i], self.post_norm[i])
+                                    self.o_proj[i], self.gate_up[i], self.down[i], self.input_norm[i], self.post_norm[i],
+                                    *((self.q_norm[i], self.k_norm[i]) if self.has_qk_norm else (None, None)))
                        for i in range(len(self.qkv))]
         self._adapters = None
         # Whether eager steps may run the layers in the project's C step (fusion.forward.native_step), and its
@@ -281,11 +292,13 @@ class DecoderLayer(nn.Module):
     copied) and, once adapters are installed, their stacks. Every layer is this one class with the same
     structure, so one compiled layer serves them all (`call_layer`)."""
 
-    def __init__(self, shape: LayerShape, qkv, qkv_bias, o_proj, gate_up, down, input_norm, post_norm) -> None:
+    def __init__(self, shape: LayerShape, qkv, qkv_bias, o_proj, gate_up, down, input_norm, post_norm,
+                 q_norm=None, k_norm=None) -> None:
         super().__init__()
         self.shape = shape
         self.qkv, self.qkv_bias, self.o_proj, self.gate_up, self.down = qkv, qkv_bias, o_proj, gate_up, down
         self.input_norm, self.post_norm = input_norm, post_norm
+        self.q_norm, self.k_norm = q_norm, k_norm  # (D,) each, or None
         self.stacks = nn.ModuleDict()
 
     def set_stacks(self, stacks: dict) -> None:
@@ -306,8 +319,10 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.input_norm, self.shape.eps)
         qkv = self._adapted(project(h, self.qkv, self.qkv_bias), h, "qkv", adapter_rows)
         q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # (B, H·D), (B, H_kv·D) x2
-        q = rotate(q.view(batch, heads, dim), cos, sin)
-        k = rotate(k.view(batch, kv_heads, dim), cos, sin)
+        q, k = q.view(batch, heads, dim), k.view(batch, kv_heads, dim)
+        if self.q_norm is not None:  # Qwen3: each head's query and key normed before the rotation
+            q, k = rms_norm(q, self.q_norm, self.shape.eps), rms_norm(k, self.k_norm, self.shape.eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         v = v.view(batch, kv_heads, dim)
         attn = attend(q, k, v, keys, values, dim ** -0.5, mask)  # (B, H·D)
         x = x + self._adapted(project(attn, self.o_proj), attn, "o", adapter_rows)

@@ -158,6 +158,9 @@ class NativeLayers:
         if not all(_native(getattr(block, name)) for block in decoder.blocks
                    for name in ("qkv", "o_proj", "gate_up", "down")):
             return None
+        if getattr(decoder, "has_qk_norm", False):
+            logger.info("decode layers run as torch operators: the C step has no query/key norms (Qwen3)")
+            return None
         try:
             return cls(decoder, library)
         except ValueError as err:

@@ -224,7 +224,7 @@ class ResponseBuilder:
                             if plan.logprobs else None)
                 message, finish = {"role": "assistant", "content": text}, choice.finish_reason
                 if plan.tool_call:
-                    message, finish = message_of(text, finish)
+                    message, finish = message_of(text, finish, self.service.grammars.tool_syntax)
                 entry = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 state = _Choice(offset=_prompt_chars(plan, i))
@@ -268,7 +268,7 @@ class ResponseBuilder:
         OpenAI's deltas (`fusion.services.openai_tools.CallDeltas`); text that may be the start of a call is held
         until it is not."""
         if choice.calls is None:
-            choice.calls = CallDeltas()
+            choice.calls = CallDeltas(self.service.grammars.tool_syntax)
         delta = choice.calls.delta(event.text, event.finish_reason is not None)
         if not choice.started:
             delta = {"role": "assistant", "content": delta.pop("content", ""), **delta}

@@ -10,7 +10,7 @@ import json
 import uuid
 from typing import Any
 
-from fusion.fuse.tool_calls import CallStream, call_text, parse_calls
+from fusion.fuse.tool_calls import HERMES, CallStream, ToolSyntax, call_text, parse_calls
 from fusion.services.openai_errors import ApiError
 from fusion.services.openai_requests import ChatRequest, NamedToolChoice, ToolCall
 
@@ -39,7 +39,8 @@ def tool_calls_spec(request: ChatRequest) -> dict[str, Any] | None:
 
 
 def past_calls_text(content: str | None, calls: list[ToolCall], i: int) -> str:
-    """An assistant message's tool calls (message `i`) as the experts would have written them."""
+    """An assistant message's tool calls (message `i`) in the canonical Hermes form (each expert's prompt
+    writes them in its own template's syntax: fusion.fuse.tool_calls.messages_in_syntax)."""
     written = [call_text(c.function.name, _arguments(c.function.arguments, i)) for c in calls]
     return "\n".join(([content] if content else []) + written)
 
@@ -56,10 +57,10 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def message_of(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-    """A whole answer as an assistant message and its finish_reason: its calls as `tool_calls` (finish
-    "tool_calls") when it ended with every call whole; else the text as written."""
-    parsed = parse_calls(text)
+def message_of(text: str, finish: str | None, syntax: ToolSyntax = HERMES) -> tuple[dict[str, Any], str | None]:
+    """A whole answer as an assistant message and its finish_reason: its calls (in the experts' `syntax`)
+    as `tool_calls` (finish "tool_calls") when it ended with every call whole; else the text as written."""
+    parsed = parse_calls(text, syntax)
     if finish != "stop" or not parsed.calls:
         return {"role": "assistant", "content": text}, finish
     calls = [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -71,8 +72,8 @@ class CallDeltas:
     """One streamed choice's answer as OpenAI's deltas: text as `content`, each call as a first delta
     with its id and name, then its arguments as they are written."""
 
-    def __init__(self) -> None:
-        self._stream = CallStream()
+    def __init__(self, syntax: ToolSyntax = HERMES) -> None:
+        self._stream = CallStream(syntax)
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
         pieces = self._stream.feed(text) + (self._stream.finish() if finished else [])

@@ -13,9 +13,11 @@ import jsonschema
 import pytest
 
 from fusion.config import ExpertConfig, StructuredOutput, ToolCalls, parse_config
-from fusion.fuse.structured import GrammarCompiler
 from fusion.frontdoor.text import encode_prompt
-from fusion.fuse.tool_calls import CallStream, parse_calls, template_tools, tool_prompt
+from fusion.fuse.structured import GrammarCompiler
+from fusion.fuse.tool_calls import (HERMES, LLAMA3_JSON, CallStream, parse_calls, syntax_of, template_tools,
+                                    tool_prompt)
+from tests.helpers import HANG_S
 from tests.tiny_models import make_model, make_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -33,10 +35,12 @@ def tool_dir(tmp_path_factory):
     """Two tiny experts over a tokenizer with the tags as tokens and a template that takes tools, and the
     plain tokenizer (tags spelled out, a template without tools)."""
     root = tmp_path_factory.mktemp("tools")
-    tok = make_tokenizer(root / "tok", tools=True)
+    tok = make_tokenizer(root / "tok", tools="hermes")
     make_model(root / "a", tok, seed=11, positions=2048)  # tools in a 300-token vocabulary: long prompts
     make_model(root / "b", tok, seed=12, positions=2048)
     make_tokenizer(root / "plain")
+    llama = make_tokenizer(root / "llama-tok", tools="llama3")
+    make_model(root / "llama", llama, seed=13, positions=2048)
     return root
 
 
@@ -87,6 +91,38 @@ def test_required_and_named_calls_start_at_the_first_token(tool_dir, tags):
     assert accepts(tok, CALL, choice="required")[0]
     assert accepts(tok, CALL, choice="weather") == (True, True)
     assert not accepts(tok, CALL.replace("weather", "time"), choice="weather")[0]
+
+
+LLAMA_CALL = '{"name":"weather","parameters":{"city":"Oslo"}}'
+
+
+def test_a_llama3_template_gets_its_own_syntax_a_call_only_as_the_answer(tool_dir):
+    tok = tokenizer(tool_dir / "llama-tok")
+    assert syntax_of(tok) is LLAMA3_JSON and syntax_of(tokenizer(tool_dir / "tok")) is HERMES
+    assert syntax_of(tokenizer(tool_dir / "plain")) is HERMES  # no tools in its template: the project's prompt
+    assert accepts(tok, "It is sunny.") == (True, True)
+    assert accepts(tok, LLAMA_CALL) == (True, True)  # the call is the whole answer
+    assert not accepts(tok, '{"name":"rain"')[0]
+    assert not accepts(tok, '{"name":"weather","arguments":{}}')[0]  # Hermes' key, not Llama's
+    assert not accepts(tok, "Sure.", choice="required")[0]
+    assert parse_calls(LLAMA_CALL, LLAMA3_JSON).calls == [("weather", '{"city":"Oslo"}')]
+    assert parse_calls("Use " + LLAMA_CALL, LLAMA3_JSON).calls == []  # text first: no call
+    stream, pieces = CallStream(LLAMA3_JSON), []
+    for char in LLAMA_CALL:
+        pieces += stream.feed(char)
+    assert [(p.kind, p.text) for p in pieces if p.kind == "call"] == [("call", "weather")]
+    assert "".join(p.text for p in pieces if p.kind == "arguments") == '{"city":"Oslo"}'
+
+
+def test_past_calls_reach_a_llama3_template_in_its_syntax(tool_dir):
+    tok = tokenizer(tool_dir / "llama-tok")
+    history = CHAT + [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "snow"}]
+    expected = [*CHAT, {"role": "assistant", "content": LLAMA_CALL}, {"role": "tool", "content": "snow"}]
+    reference = tok.apply_chat_template(expected, tools=template_tools([WEATHER]), add_generation_prompt=True,
+                                        tokenize=False)
+    ids = encode_prompt(tok, ExpertConfig(name="a", model="unused"), history, [WEATHER])
+    assert ids == tok(reference, add_special_tokens=False)["input_ids"]
+    assert '"parameters"' in tok.decode(ids) and "<tool_call>" not in tok.decode(ids)
 
 
 def test_tool_calls_spec_refuses_unknown_choices_and_repeated_names():
@@ -219,6 +255,34 @@ def test_a_named_tool_after_a_call_and_its_result_and_none_for_text(client, trig
     valid_call(call.function.name, call.function.arguments)
     plain = ask(client, trigger, 0, messages=history, tool_choice="none", max_tokens=4)
     assert plain.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def llama_client(loop, tool_dir):
+    from fusion.services.coordinator import create_coordinator_server
+
+    config = parse_config({"experts": [{"name": "llama", "model": str(tool_dir / "llama"), "dtype": "float32"}]})
+    server, _ = loop.run(create_coordinator_server(config, metrics_port=0, metrics_host="127.0.0.1",
+                                                   http_address="127.0.0.1:0"))
+    with openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{server.http_port}/v1", max_retries=0,
+                       timeout=HANG_S) as c:
+        yield c
+    loop.run(server.stop(0))
+
+
+def test_a_llama3_expert_calls_in_its_json_whole_and_streamed(llama_client, tool_dir):
+    brace = tokenizer(tool_dir / "llama-tok").convert_tokens_to_ids("{")
+    called = ask(llama_client, brace, 100).choices[0]  # the answer opens with "{": a call
+    assert called.finish_reason == "tool_calls" and called.message.content is None
+    [call] = called.message.tool_calls
+    valid_call(call.function.name, call.function.arguments)
+    chunks = list(ask(llama_client, brace, 100, stream=True))
+    parts = [d.tool_calls[0] for c in chunks for d in [c.choices[0].delta] if d.tool_calls]
+    assert parts[0].function.name == call.function.name
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    text = ask(llama_client, brace, -100).choices[0]
+    assert text.message.tool_calls is None and text.finish_reason in ("stop", "length")
 
 
 def test_langchain_bind_tools_and_invoke(server, trigger):

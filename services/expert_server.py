@@ -311,7 +311,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
                     self.histories.discard(s.session_id for s in steps)
                     raise
                 for step in steps:
-                    self.histories.record(step.session_id, step.token_ids)
+                    if step.session_id not in self.released:  # a Release that came during the step wins
+                        self.histories.record(step.session_id, step.token_ids)
                 return expert_pb2.StepResponse(logits=logits)
         except BaseException as err:
             tracing.fail(span, err)
@@ -384,7 +385,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServicer):
 
     @unary_errors
     async def Info(self, request: expert_pb2.InfoRequest, context) -> expert_pb2.ExpertInfo:
-        return info_to_proto(self.expert.info, self.limits, active_sessions=len(self.expert.cache))
+        info = info_to_proto(self.expert.info, self.limits, active_sessions=len(self.expert.cache))
+        info.keeps_histories = True  # (SessionHistories)
+        return info
 
     # -- batching -------------------------------------------------------------------------------
     def _take_batch(self) -> list[_Pending]:

@@ -47,10 +47,13 @@ def past_calls_text(content: str | None, calls: list[ToolCall], i: int) -> str:
 
 def _arguments(arguments: str, i: int) -> Any:
     try:
-        return json.loads(arguments)
+        value = json.loads(arguments)
     except ValueError:  # JSONDecodeError, or a number past Python's digit limit
-        raise ApiError(400, f"messages[{i}].tool_calls: function arguments must be JSON text",
+        value = None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"messages[{i}].tool_calls: function arguments must be a JSON object",
                        f"messages[{i}].tool_calls") from None
+    return value
 
 
 def new_call_id() -> str:

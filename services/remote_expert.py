@@ -100,6 +100,7 @@ class _Replica:
     failures: int = 0  # consecutive failed calls
     probing: bool = False  # a thread is waiting for it to pass a health check (it is down meanwhile)
     probes: int = 0  # health checks made while it was down
+    keeps_histories: bool | None = None  # Step may send only new ids (its Info says; None: not asked yet)
 
     @property
     def down(self) -> bool:
@@ -213,6 +214,8 @@ class RemoteExpert:
             return torch.empty(0, self.info.vocab_size)
 
         def send(index: int, rows: list[int]) -> grpc.Future:
+            if self._replicas[index].keeps_histories is None:
+                self._ask_keeps_histories(index)
             with self._lock:
                 known = [self._known_length(index, requests[i]) for i in rows]
             message = expert_pb2.StepRequest(dtype=self.wire_dtype, sessions=[
@@ -247,11 +250,21 @@ class RemoteExpert:
                         self._sent[session_id] = (index, tuple(requests[i].token_ids))
         return torch.stack(out)
 
+    def _ask_keeps_histories(self, index: int) -> None:
+        """Learn from a replica's Info whether it keeps histories (a replica from before the field does
+        not, and would read new ids alone as a whole history); unanswered, it is asked again later."""
+        replica = self._replicas[index]
+        try:
+            replica.keeps_histories = replica.stub.Info(expert_pb2.InfoRequest(), timeout=self.timeout_s).keeps_histories
+        except grpc.RpcError as err:
+            logger.info("expert %r: %s did not answer Info (%s); its steps send whole histories for now",
+                        self.name, replica.address, err.code().name)
+
     def _known_length(self, index: int, request: StepRequest) -> int:
         """Under the lock: how many leading ids of the request's history replica `index` holds from the
         session's last Step there (0: send it whole)."""
         sent = self._sent.get(request.session_id)
-        if sent is None or sent[0] != index:
+        if sent is None or sent[0] != index or not self._replicas[index].keeps_histories:
             return 0
         history = sent[1]
         n = len(history)
@@ -369,6 +382,7 @@ class RemoteExpert:
                 continue
             if message.limits.max_message_bytes > 0:  # the replica's own send limit
                 self._message_limit = min(self.max_message_bytes, message.limits.max_message_bytes)
+            replica.keeps_histories = message.keeps_histories
             return info_from_proto(message)
         raise ExpertUnavailableError(f"expert {self.name!r}: no replica answered Info ({'; '.join(failures)})")
 

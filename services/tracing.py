@@ -141,6 +141,7 @@ class RequestTrace:
     first_token_ns: int | None = None
     tokens: int = 0
     attributes: dict[str, Any] = field(default_factory=dict)
+    request_id: str | None = None  # registered under it from admission until the end
 
 
 def start_request(name: str, metadata, received_ns: int, sampling: Mapping[str, Any] | None = None, *,
@@ -170,6 +171,7 @@ def admitted(trace: RequestTrace | None, request_id: str, prompt_tokens: int) ->
     if trace is None:
         return
     trace.admitted_ns = _now()
+    trace.request_id = request_id
     trace.span.set_attribute("fusion.request_id", request_id)
     trace.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
     with _State.lock:
@@ -198,9 +200,9 @@ def end_request(trace: RequestTrace | None, request_id: str | None, finish_reaso
     from opentelemetry import trace as otel
     from opentelemetry.trace import Status, StatusCode
 
-    with _State.lock:
-        if request_id is not None:
-            _State.requests.pop(request_id, None)
+    with _State.lock:  # (a request refused after admission registered it ends with no id of the caller's)
+        for registered in {request_id, trace.request_id} - {None}:
+            _State.requests.pop(registered, None)
     tracer = _State.tracer
     end = _now()
     if tracer is not None:

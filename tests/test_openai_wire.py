@@ -70,9 +70,12 @@ def test_tool_history_becomes_the_calls_as_written_and_tool_turns():
     messages = plan(messages=history).requests[0].prompt
     assert messages[1] == {"role": "assistant", "content": call_text("f", {"a": 1})}
     assert messages[2] == {"role": "tool", "content": "2"}
-    with pytest.raises(ApiError, match=r"messages\[1\].tool_calls: function arguments must be JSON"):
+    with pytest.raises(ApiError, match=r"messages\[1\].tool_calls: function arguments must be a JSON object"):
         plan(messages=CHAT + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
             "name": "f", "arguments": "{nope"}}]}])
+    with pytest.raises(ApiError, match=r"messages\[1\].tool_calls: function arguments must be a JSON object"):
+        plan(messages=CHAT + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": "true"}}]}])
 
 
 def test_an_answer_holds_tool_calls_only_when_it_ended_with_them_whole():

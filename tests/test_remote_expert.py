@@ -130,6 +130,30 @@ def test_a_replica_without_the_history_gets_it_whole_on_the_same_call(start, rem
     assert expert.failovers == 0
 
 
+def test_a_replica_from_before_kept_histories_gets_every_history_whole(start, remote, reference, monkeypatch):
+    """A replica whose Info does not say it keeps histories (one from before the field) would read new
+    ids alone as a whole history: it is sent whole histories."""
+    from fusion.services.expert_server import ExpertServicer
+
+    calls = watch_steps(monkeypatch)
+    info = ExpertServicer.Info
+
+    async def older(self, request, context):
+        answer = await info(self, request, context)
+        answer.keeps_histories = False
+        return answer
+
+    monkeypatch.setattr(ExpertServicer, "Info", older)
+    _, port = start()
+    expert = remote([port])
+    history = list(HISTORY)
+    for _ in range(3):
+        [row] = expert.step([StepRequest("s", history)])
+        assert torch.allclose(row, local_step(reference, history), atol=ATOL)
+        history.append(int(row.argmax()))
+    assert [known for [(_, known, _)] in calls] == [0, 0, 0]
+
+
 def test_a_step_of_new_ids_the_replica_cannot_place_is_refused_by_name(start):
     from fusion.services.protos import expert_pb2, expert_pb2_grpc
     import grpc

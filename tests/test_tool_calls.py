@@ -120,9 +120,21 @@ def test_past_calls_reach_a_llama3_template_in_its_syntax(tool_dir):
     expected = [*CHAT, {"role": "assistant", "content": LLAMA_CALL}, {"role": "tool", "content": "snow"}]
     reference = tok.apply_chat_template(expected, tools=template_tools([WEATHER]), add_generation_prompt=True,
                                         tokenize=False)
-    ids = encode_prompt(tok, ExpertConfig(name="a", model="unused"), history, [WEATHER])
+    ids = encode_prompt(tok, ExpertConfig(name="a", model="unused"), history, [WEATHER], LLAMA3_JSON)
     assert ids == tok(reference, add_special_tokens=False)["input_ids"]
     assert '"parameters"' in tok.decode(ids) and "<tool_call>" not in tok.decode(ids)
+
+
+def test_every_expert_is_asked_for_calls_in_the_syntax_the_answer_is_held_to(tool_dir):
+    """Experts of one vocabulary whose templates differ: the grammar's syntax (the first tokenizer's)
+    is the one each is shown, by its template where it asks for that syntax, else by the project's prompt."""
+    expert = ExpertConfig(name="a", model="unused")
+    for name in ("tok", "plain"):  # Hermes' template, and one without tools, in a Llama-syntax service
+        text = tokenizer(tool_dir / name).decode(encode_prompt(tokenizer(tool_dir / name), expert, CHAT, [WEATHER],
+                                                               LLAMA3_JSON))
+        assert tool_prompt([WEATHER], LLAMA3_JSON) in text and "<tools>" not in text
+    assert '"parameters":{...}' in tool_prompt([WEATHER], LLAMA3_JSON) and "<tool_call>" not in tool_prompt(
+        [WEATHER], LLAMA3_JSON)
 
 
 def test_tool_calls_spec_refuses_unknown_choices_and_repeated_names():
@@ -162,6 +174,12 @@ def test_a_stream_read_in_pieces_gives_the_answer_read_whole():
     assert names == [(0, "weather"), (1, "time")]
     arguments = ["".join(p.text for p in pieces if p.kind == "arguments" and p.index == i) for i in (0, 1)]
     assert arguments == [args for _, args in whole.calls]
+    two_calls = CALL + "\n" + CALL  # the newline between parallel calls is part of them, however it arrives
+    stream, pieces = CallStream(), []
+    for char in two_calls:
+        pieces += stream.feed(char)
+    pieces += stream.finish()
+    assert [p.kind for p in pieces if p.kind != "arguments"] == ["call", "call"]
     cut = parse_calls("Sure. " + CALL[:30])  # max_tokens ended it inside a call: no call, the text as written
     assert cut.calls == [] and cut.content == "Sure. " + CALL[:30] and not cut.complete
 

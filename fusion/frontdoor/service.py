@@ -284,7 +284,9 @@ class FusionService:
                 return [list(prompt) for _ in self.tokenizers]
             return [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
         functions = [fn.model_dump(exclude_none=True) for fn in tools.functions] if tools is not None else None
-        return [encode_prompt(tok, cfg, prompt, functions) for tok, cfg in zip(self.tokenizers, self.config.experts)]
+        syntax = self.grammars.tool_syntax  # the fused answer's: every expert is asked for calls in it
+        return [encode_prompt(tok, cfg, prompt, functions, syntax)
+                for tok, cfg in zip(self.tokenizers, self.config.experts)]
 
     def token_text(self, token_id: int) -> str:
         """One id's text on its own, special tokens included (the first expert's tokenizer: the experts

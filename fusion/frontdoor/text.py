@@ -6,16 +6,18 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from fusion.config import ExpertConfig
-from fusion.fuse.tool_calls import messages_in_syntax, plain_tool_messages, syntax_of, takes_tools, template_tools
+from fusion.fuse.tool_calls import (HERMES, ToolSyntax, messages_in_syntax, plain_tool_messages, syntax_of, takes_tools,
+                                    template_tools)
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 
 
 def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Message],
-                  functions: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                  functions: Sequence[Mapping[str, Any]] | None = None, syntax: ToolSyntax = HERMES) -> list[int]:
     """Token ids of a prompt as this expert expects it: its own system prompt and chat template, with
-    the `functions` it may call shown as its template shows tools, or by the project's tool prompt
-    where the template takes none (fusion.fuse.tool_calls)."""
+    the `functions` it may call shown as its template shows tools where it asks for calls in `syntax`
+    (the one the fused answer's grammar holds to), else by the project's tool prompt in that syntax
+    (fusion.fuse.tool_calls)."""
     if isinstance(prompt, str):
         messages: list[Message] = [{"role": "user", "content": prompt}]
     else:
@@ -23,15 +25,15 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
     if expert.chat_template and getattr(tokenizer, "chat_template", None):
         if expert.system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": expert.system_prompt}] + messages
-        if takes_tools(tokenizer):  # past calls in the template's own syntax
+        if takes_tools(tokenizer) and syntax_of(tokenizer) is syntax:
             tools = {"tools": template_tools(functions)} if functions else {}
-            text = tokenizer.apply_chat_template(messages_in_syntax(messages, syntax_of(tokenizer)),
-                                                 add_generation_prompt=True, tokenize=False, **tools)
+            text = tokenizer.apply_chat_template(messages_in_syntax(messages, syntax), add_generation_prompt=True,
+                                                 tokenize=False, **tools)
         else:
-            text = tokenizer.apply_chat_template(plain_tool_messages(messages, functions), add_generation_prompt=True,
-                                                 tokenize=False)
+            text = tokenizer.apply_chat_template(plain_tool_messages(messages, functions, syntax),
+                                                 add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "\n".join(m["content"] for m in plain_tool_messages(messages, functions))
+    text = "\n".join(m["content"] for m in plain_tool_messages(messages, functions, syntax))
     if expert.system_prompt:
         text = f"{expert.system_prompt}\n{text}"
     return list(tokenizer(text)["input_ids"])

@@ -72,22 +72,25 @@ def takes_tools(tokenizer) -> bool:
     return "tools" in template and (TRIGGER in template or syntax_of(tokenizer) is LLAMA3_JSON)
 
 
-def tool_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
+def tool_prompt(functions: Sequence[Mapping[str, Any]], syntax: ToolSyntax | None = None) -> str:
     """The system text that offers `functions` ({"name", "description"?, "parameters"?}) to an expert
     whose template takes no tools (SmolLM2's): the project's own, in the syntax the grammar enforces."""
+    syntax = syntax or HERMES
     listed = "\n".join(json.dumps(fn, separators=(",", ":")) for fn in functions)
-    return (f"You can call these functions:\n{listed}\nTo call one, answer:\n{TRIGGER}\n"
-            f'{{"name":"<function>","arguments":{{...}}}}\n{END}\nIf none is needed, answer in plain text.')
+    call = f'{{"name":"<function>","{syntax.key}":{{...}}}}'
+    how = f"answer:\n{syntax.opening}\n{call}\n{syntax.closing}" if syntax.opening else f"answer only:\n{call}"
+    return f"You can call these functions:\n{listed}\nTo call one, {how}\nIf none is needed, answer in plain text."
 
 
-def plain_tool_messages(messages: Sequence[Mapping[str, str]],
-                        functions: Sequence[Mapping[str, Any]] | None) -> list[dict[str, str]]:
-    """`messages` for a template that knows no tools: tool results become user turns in
-    <tool_response> tags, and the tool prompt joins the system message (or opens the conversation)."""
+def plain_tool_messages(messages: Sequence[Mapping[str, str]], functions: Sequence[Mapping[str, Any]] | None,
+                        syntax: ToolSyntax | None = None) -> list[dict[str, str]]:
+    """`messages` for a template that knows no tools (or not in `syntax`): past calls in `syntax`, tool
+    results as user turns in <tool_response> tags, and the tool prompt joins the system message (or opens
+    the conversation)."""
     out = [{"role": "user", "content": f"{RESPONSE}\n{m.get('content', '')}\n{RESPONSE_END}"}
-           if m.get("role") == "tool" else dict(m) for m in messages]
+           if m.get("role") == "tool" else m for m in messages_in_syntax(messages, syntax or HERMES)]
     if functions:
-        prompt = tool_prompt(functions)
+        prompt = tool_prompt(functions, syntax)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
@@ -115,8 +118,12 @@ def messages_in_syntax(messages: Sequence[Mapping[str, str]], syntax: ToolSyntax
     for message in messages:
         parsed = parse_calls(message.get("content", "")) if message.get("role") == "assistant" else None
         if parsed is not None and parsed.calls:
-            written = [call_text(name, json.loads(args), syntax) for name, args in parsed.calls]
-            message = {**message, "content": "\n".join(([parsed.content] if parsed.content else []) + written)}
+            try:
+                written = [call_text(name, json.loads(args), syntax) for name, args in parsed.calls]
+            except ValueError:  # not calls this module wrote: the text as it is
+                written = None
+            if written is not None:
+                message = {**message, "content": "\n".join(([parsed.content] if parsed.content else []) + written)}
         out.append(dict(message))
     return out
 
@@ -180,6 +187,7 @@ class CallStream:
 
     syntax: ToolSyntax = HERMES
     _state: str = "start"
+    _after_call: bool = False  # the newlines that follow a call's closing tag are part of the call
     _buffer: str = ""
     calls: int = 0  # calls started so far
     _depth: int = 0
@@ -202,6 +210,8 @@ class CallStream:
     def finish(self) -> list[Piece]:
         """The rest at the end of the answer: held text, or a call cut before its end (as text)."""
         self._pieces = []
+        if self._after_call and self._state != "plain":
+            self._buffer = self._buffer.lstrip("\n")
         if self._buffer:
             self._pieces.append(Piece("text", self._buffer))
             self._buffer = ""
@@ -224,6 +234,11 @@ class CallStream:
         return False
 
     def _text(self) -> bool:
+        if self._after_call:
+            self._buffer = self._buffer.lstrip("\n")
+            if not self._buffer:
+                return False
+            self._after_call = False
         at = self._buffer.find(TRIGGER)
         if at < 0:
             keep = _partial_suffix(self._buffer, TRIGGER)
@@ -282,7 +297,8 @@ class CallStream:
         end = self._buffer.find(end_tag)
         if end < 0:
             return False
-        self._buffer = self._buffer[end + len(end_tag):].lstrip("\n")
+        self._buffer = self._buffer[end + len(end_tag):]
+        self._after_call = True
         self.calls += 1
         self._state = "text" if self.syntax.anywhere else "plain"
         return True

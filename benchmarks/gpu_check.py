@@ -9,8 +9,10 @@ one device, a CUDA stream each, measured with `fusion bench`'s suites, side by s
   3. the default trio (SmolLM2-135M-Instruct + the two specialists + the router), if `--cache` holds
      it (`fusion prepare` fills a cache on a machine with network; copy it along).
 
-A build whose compiled decode step fails is reported (its error in the figures) and measured again with
-`decode: fast`, so that a run gives every build's figures. Writes OUT/gpu_check.json (every figure) and
+A build whose captured decode step (decode: fast on CUDA, fusion.forward.static_step) fails is reported
+(its error in the figures) and measured again with `decode: transformers`, so that a run gives every
+build's figures. Beside the fused generation, transformers' own `generate` with its static cache (compiled
+by transformers on a GPU) of each expert alone. Writes OUT/gpu_check.json (every figure) and
 OUT/gpu_check.txt (the report's lines).
 `--device cpu --size tiny` runs the same code on a CPU in seconds (what the tests do).
 """
@@ -103,12 +105,12 @@ def measure(label: str, config_data: dict, resolve, cache_dir: Path | None, args
     report = bench.BenchReport()
     try:
         # The engine's suites first (its steps on its pool threads, a CUDA stream each), then the decode
-        # suite, which compiles each path afresh on this thread: were a step to fail only after that
-        # recompilation, the order tells.
+        # suite, which captures a static step of its own on this thread.
         bench.bench_step(service, report, steps=args.steps, rounds=3)
         bench.bench_generate(service, report, max_tokens=args.max_tokens)
+        bench.bench_generate(service, report, max_tokens=args.max_tokens, cache_implementation="static")
         bench.bench_concurrency(service, report, levels=tuple(args.levels), max_tokens=args.max_tokens, rounds=2)
-        bench.bench_decode(service, report, steps=args.steps, rounds=3, compiled=not args.no_compile)
+        bench.bench_decode(service, report, steps=args.steps, rounds=3, static=not args.no_static)
         bench.bench_memory(service, report)
     finally:
         service.close()
@@ -119,18 +121,19 @@ def measure(label: str, config_data: dict, resolve, cache_dir: Path | None, args
 
 def measure_or_eager(label: str, config_data: dict, resolve, cache_dir: Path | None, args, figures: dict,
                      lines: list[str]) -> None:
-    """`measure`; where a compiled decode step fails, says how and measures the same build eagerly
-    (`decode: fast`), so that a run still gives that build's figures."""
+    """`measure`; where the captured decode step fails, says how and measures the same build with
+    transformers' forward (`decode: transformers`), so that a run still gives that build's figures."""
     try:
         measure(label, config_data, resolve, cache_dir, args, figures, lines)
     except Exception as err:  # noqa: BLE001  reported in the figures, then measured the other way
-        if all(e.get("decode") != "compiled" for e in config_data["experts"]):
+        if all(e.get("decode", "fast") not in ("fast", "static") for e in config_data["experts"]):
             raise
-        logger.exception("%s with decode compiled failed", label)
-        lines.append(f"({label} with decode compiled failed: {type(err).__name__}: {err}; measured with decode fast)")
-        figures[f"{label} (compiled failed)"] = {"error": f"{type(err).__name__}: {err}"}
-        eager = {**config_data, "experts": [{**e, "decode": "fast"} for e in config_data["experts"]]}
-        measure(f"{label} (decode fast)", eager, resolve, cache_dir, args, figures, lines)
+        logger.exception("%s with the captured step failed", label)
+        lines.append(f"({label} with the captured step failed: {type(err).__name__}: {err}; measured with decode "
+                     "transformers)")
+        figures[f"{label} (captured step failed)"] = {"error": f"{type(err).__name__}: {err}"}
+        eager = {**config_data, "experts": [{**e, "decode": "transformers"} for e in config_data["experts"]]}
+        measure(f"{label} (decode transformers)", eager, resolve, cache_dir, args, figures, lines)
 
 
 def write(out: Path, figures: dict, lines: list[str]) -> None:
@@ -144,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=None, help="a model cache holding the default trio")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a check of the script itself)")
     parser.add_argument("--size", choices=sorted(SHAPES), default="smollm2", help="shape of the built experts")
-    parser.add_argument("--decode", choices=["transformers", "fast", "compiled"], default="compiled",
+    parser.add_argument("--decode", choices=["transformers", "fast", "static"], default="fast",
                         help="the experts' decode path in the local builds")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timing round")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request in generate/concurrency")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 16], help="concurrency levels")
-    parser.add_argument("--no-compile", action="store_true", help="leave the compiled step out of the decode suite")
+    parser.add_argument("--no-static", action="store_true", help="leave the static step out of the decode suite")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="the default trio is measured only if the first build took under half of this")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@
 # prefixes). Then run the benchmark with the shim preloaded:
 #
 #   bash benchmarks/llamacpp_wheel_old_glibc.sh
-#   LD_PRELOAD=$HOME/.cache/fusion/isoc23-shim.so fusion bench --suites weights --no-compile
+#   LD_PRELOAD=$HOME/.cache/fusion/isoc23-shim.so fusion bench --suites weights
 set -euo pipefail
 python=${PYTHON:-python}
 package=$("$python" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("llama_cpp_py_sync").origin))')

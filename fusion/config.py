@@ -56,12 +56,19 @@ class ExpertConfig(_Strict):
     prefix_cache_tokens: int = Field(default=1024, ge=0)
     num_gpus: float = Field(default=0.0, ge=0.0)  # Ray Serve placement
     # The forward of a steady decode step (one new id per session; prefill and prompt chunks run
-    # transformers' forward but with batch_invariant): "transformers" (the model's own eager forward), "fast"
-    # (fusion.forward.llama: one function over fused projections, eager; on a CPU with int4/int8 weights
-    # its layers run in the C step; Llama, Mistral and Qwen2 models, Gemma 3 its own, others fall back
-    # to "transformers"), "compiled" (on CUDA only: that function compiled with CUDA graphs; the first
-    # step pays the compilation, cached on disk).
-    decode: Literal["transformers", "fast", "compiled"] = "fast"
+    # transformers' forward but with batch_invariant): "transformers" (the model's own eager forward, the
+    # reference), "fast" (the project's step for the device: on CUDA the static-shape step over KV slots,
+    # captured as CUDA graphs at load (fusion.forward.static_step); on a CPU one function over fused
+    # projections (fusion.forward.llama), whose layers run in the C step with int4/int8 weights; Llama,
+    # Mistral, Qwen2/3 models, Gemma 3 its own eager one, others fall back to "transformers"), "static" (the
+    # static-shape step on any device: eager on a CPU, where it is tested).
+    decode: Literal["transformers", "fast", "static"] = "fast"
+    # The static step's KV slots (decode: fast on CUDA, or static): columns per slot (the longest history it
+    # decodes; a longer one steps eagerly), and the share of the device's memory they take (capped by what
+    # is free at load, as vLLM's gpu_memory_utilization), or a number of slots (one is scratch).
+    kv_slot_tokens: int = Field(default=4096, gt=0)
+    kv_memory_fraction: float = Field(default=0.25, gt=0.0, le=1.0)
+    kv_slots: int | None = Field(default=None, ge=2)
     # How the decoder layers' projections are held (fusion.forward.quantized): "dense" (in `dtype`), "int8"
     # (8-bit codes, a scale per output row) or "int4" (4-bit codes, a scale and offset per 32 inputs,
     # GGUF Q4_1's recipe; the output head at 8 bits). Quantized weights run on CPU.
@@ -90,12 +97,13 @@ class ExpertConfig(_Strict):
                              f"device: {self.device})")
         return self
 
-    @model_validator(mode="after")
-    def _compiled_decode_is_for_cuda(self) -> ExpertConfig:
-        if self.decode == "compiled" and not self.device.startswith("cuda"):
-            raise ValueError(f"expert {self.name!r}: decode: compiled runs on CUDA (its graphs are captured there); "
-                             f"on {self.device} use decode: fast (on a CPU with weights int4 or int8, the C step)")
-        return self
+    @field_validator("decode", mode="before")
+    @classmethod
+    def _retired_compiled_decode(cls, value):
+        if value == "compiled":
+            raise ValueError("decode: compiled was retired: decode: fast captures CUDA graphs on CUDA itself "
+                             "(the static step over KV slots)")
+        return value
 
     @field_validator("weight")
     @classmethod

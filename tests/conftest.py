@@ -44,6 +44,64 @@ def tiny_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory, tiny_dir):
+    """A tiny Qwen2 (biases on the query/key/value projections, a key/value group of 3)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen") / "q"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    torch.manual_seed(7)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, tiny_dir):
+    """A tiny Qwen3: each head's query and key RMS-normed before the rotation, an explicit head_dim."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen3") / "q"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    torch.manual_seed(8)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # norms away from ones, so a missing norm shows
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama3_rope_dir(tmp_path_factory, tiny_dir):
+    """Tiny Llama a with Llama 3.x's rotary scaling (`rope_type: llama3`), its original context short
+    enough that the scaling changes the frequencies the histories use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("llama3") / "l"
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32)
+    model.config.rope_parameters = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                    "rope_theta": 10000.0}
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
+    return path
+
+
 def tiny_config_dict(tiny_dir, names=("a", "b", "c"), **extra):
     data = {
         "experts": [

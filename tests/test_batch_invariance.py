@@ -70,7 +70,7 @@ def test_a_prompt_scored_row_by_row_equals_its_steps(tiny_dir):
 
 
 def test_batch_invariant_needs_the_c_step():
-    for fields in ({"weights": "dense"}, {"weights": "int4", "decode": "compiled"},
+    for fields in ({"weights": "dense"}, {"weights": "int4", "decode": "static"},
                    {"weights": "int4", "device": "cuda"}):
         with pytest.raises(ValidationError, match="batch_invariant needs the C decode step"):
             ExpertConfig(name="a", model="m", batch_invariant=True, **fields)

@@ -18,7 +18,7 @@ def test_suites_report_ratios_and_plot(tiny_service, tmp_path):
     bench.bench_long_context(tiny_service, report, sessions=3, context=40, steps=3)
     bench.bench_sampling(tiny_service, report, sessions=3, steps=3)
     bench.bench_memory(tiny_service, report)
-    bench.bench_decode(tiny_service, report, steps=2, rounds=1, compiled=False)
+    bench.bench_decode(tiny_service, report, steps=2, rounds=1, static=False)
     bench.bench_generate(tiny_service, report, max_tokens=3, rounds=2)
     bench.bench_structured(tiny_service, report, steps=2, rounds=1, levels=(1, 2))
     figures = report.figures
@@ -82,7 +82,7 @@ def test_suites_on_experts_sharing_a_base(tiny_dir, tmp_path):
     try:
         report = bench.BenchReport()
         bench.bench_step(service, report, steps=2, rounds=1)
-        bench.bench_decode(service, report, steps=2, rounds=1, compiled=False)
+        bench.bench_decode(service, report, steps=2, rounds=1, static=False)
         bench.bench_memory(service, report)
         figures = report.figures
         for name in ("fused_step_over_base_step", "fused_step_over_plain_forward", "decode_fast_over_transformers"):
@@ -99,7 +99,7 @@ def test_weights_suite_reports_each_format_and_cold_starts(tiny_service, tmp_pat
     from fusion.tools.bench_weights import bench_weights, gguf_beside
 
     report = bench.BenchReport()
-    bench_weights(tiny_service, report, steps=2, rounds=1, compiled=False, tokens=3, cache_dir=tmp_path)
+    bench_weights(tiny_service, report, steps=2, rounds=1, tokens=3, cache_dir=tmp_path)
     figures = report.figures
     assert {f"weights.decode_ms.{w} fast" for w in ("dense", "int8", "int4")} <= set(figures)
     for name in ("weights.int8 fast_over_dense", "weights.int4 fast_over_dense", "weights.cold_start_int4_over_dense"):

@@ -88,5 +88,5 @@ def test_remote_deadlines_failover_and_expert_limits():
 def test_a_retired_key_is_refused_with_why_and_a_retired_decode_with_what_remains():
     with pytest.raises(ConfigError, match=r"^config: fusion_step: retired: .* remove the key$"):
         parse_config({"experts": [{"name": "a", "model": "m"}], "fusion_step": "compiled"})
-    with pytest.raises(ConfigError, match=r"experts.0.decode: Input should be 'transformers', 'fast' or 'compiled'"):
+    with pytest.raises(ConfigError, match=r"experts.0.decode: Input should be 'transformers', 'fast' or 'static'"):
         parse_config({"experts": [{"name": "a", "model": "m", "decode": "regional"}]})

@@ -1,11 +1,8 @@
-"""The fast (and compiled) decode step against the plain reference: transformers' uncached forward over
+"""The fast decode step against the plain reference: transformers' uncached forward over
 each whole history, and the engine's tokens through transformers' own decode forward."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,67 +13,9 @@ from fusion.engine.types import GenerationRequest
 from fusion.errors import ConfigError
 from fusion.experts.expert import LocalExpert, StepRequest
 from fusion.forward.ops import attend
-from fusion.forward.llama import DecodeStep, FastDecoder, unsupported_reason
+from fusion.forward.llama import FastDecoder, unsupported_reason
 from fusion.fuse.registry import make_rule
 from tests.conftest import tiny_config_dict
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory, tiny_dir):
-    """A tiny Qwen2 (biases on the query/key/value projections, a key/value group of 3)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen") / "q"
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
-    torch.manual_seed(7)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, tiny_dir):
-    """A tiny Qwen3: each head's query and key RMS-normed before the rotation, an explicit head_dim."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3") / "q"
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
-    torch.manual_seed(8)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:  # norms away from ones, so a missing norm shows
-            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def llama3_rope_dir(tmp_path_factory, tiny_dir):
-    """Tiny Llama a with Llama 3.x's rotary scaling (`rope_type: llama3`), its original context short
-    enough that the scaling changes the frequencies the histories use."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = tmp_path_factory.mktemp("llama3") / "l"
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32)
-    model.config.rope_parameters = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-                                    "rope_theta": 10000.0}
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
-    return path
 
 
 def _expert(path, decode: str = "fast") -> LocalExpert:
@@ -157,165 +96,8 @@ def test_fast_decode_generates_the_tokens_of_transformers_decode(tiny_dir):
     assert _greedy_tokens(tiny_dir, "fast", prompts) == _greedy_tokens(tiny_dir, "transformers", prompts)
 
 
-def test_compiled_decode_step_equals_the_eager_one(tiny_dir):
-    """The compiled step (`cudagraphs`: on a CPU, inductor compiles its graphs without recording any)
-    gives the eager step's logits and keys/values, across batch sizes and buffer capacities
-    (dynamic-shape compilations)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "b", dtype=torch.float32).eval()
-    eager, compiled = DecodeStep(model, "off"), DecodeStep(model, "cudagraphs")
-    generator = torch.Generator().manual_seed(0)
-    config = model.config
-    kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-    with torch.no_grad():
-        for batch, capacity in ((1, 9), (3, 14), (2, 30)):
-            keys = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
-            values = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
-            ids = torch.randint(0, config.vocab_size, (batch,), generator=generator)
-            positions = torch.randint(1, capacity, (batch,), generator=generator)
-            columns = torch.arange(capacity)
-            mask = (columns[None] < positions[:, None]).view(batch, 1, 1, capacity)
-            expected = eager(ids, positions, keys, values, mask)
-            got = compiled(ids, positions, keys, values, mask)
-            for g, e in zip(got, expected):
-                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-        # One cached row read by three rows (a lookahead after one history): the rows of a batch holding
-        # a copy of it each, eagerly and compiled.
-        keys = [torch.randn(1, kv_heads, 12, dim, generator=generator) for _ in range(2)]
-        values = [torch.randn(1, kv_heads, 12, dim, generator=generator) for _ in range(2)]
-        ids = torch.randint(0, config.vocab_size, (3,), generator=generator)
-        positions, mask = torch.full((3,), 8), (torch.arange(12) < 8).view(1, 1, 1, 12)
-        copied = [[t.expand(3, -1, -1, -1).contiguous() for t in ts] for ts in (keys, values)]
-        expected = eager(ids, positions, *copied, mask.expand(3, -1, -1, -1))
-        for step in (eager, compiled):
-            for g, e in zip(step(ids, positions, keys, values, mask), expected):
-                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-    assert compiled.first_call_s is not None
-
-
-def test_cuda_graph_steps_compile_their_own_graphs_and_run_each_on_one_thread_of_its_own(tiny_dir):
-    """`cudagraphs` steps (here on the CPU, where inductor compiles them without graphs) of two models of
-    one shape: each compiles a graph of its own (dynamo would share one, and with it the CUDA graphs bound
-    to one thread's tree manager) and runs it on its own thread whichever threads call, with the eager
-    step's results."""
-    from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM
-
-    models = [AutoModelForCausalLM.from_pretrained(tiny_dir / name, dtype=torch.float32).eval() for name in "ab"]
-    assert models[0].config.to_dict() | {"_name_or_path": ""} == models[1].config.to_dict() | {"_name_or_path": ""}
-    eager = [DecodeStep(model, "off") for model in models]
-    compiled = [DecodeStep(model, "cudagraphs") for model in models]
-    ran_on: list[list[int]] = [[], []]
-    for step, threads in zip(compiled, ran_on):
-        forward = step._run
-
-        def recording(*inputs, forward=forward, threads=threads):
-            threads.append(threading.get_ident())
-            return forward(*inputs)
-
-        step._run = recording
-    generator = torch.Generator().manual_seed(0)
-    config = models[0].config
-    kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-    batch, capacity = 2, 9
-    keys = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
-    values = [torch.randn(batch, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
-    ids = torch.randint(0, config.vocab_size, (batch,), generator=generator)
-    positions = torch.tensor([3, 7])
-    mask = (torch.arange(capacity)[None] < positions[:, None]).view(batch, 1, 1, capacity)
-    inputs = (ids, positions, keys, values, mask)
-    graphs_before = counters["stats"]["unique_graphs"]
-    with torch.no_grad():
-        expected = [step(*inputs) for step in eager]
-        results = [(k, compiled[k](*inputs)) for k in (0, 1)]
-        with ThreadPoolExecutor(max_workers=2) as callers:  # two other callers, at once
-            results += list(callers.map(lambda k: (k, compiled[k](*inputs)), [0, 1, 0, 1, 1, 0]))
-    assert counters["stats"]["unique_graphs"] - graphs_before == 2
-    for k, got in results:
-        for g, e in zip(got, expected[k]):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-    assert [len(threads) for threads in ran_on] == [4, 4]
-    assert all(len(set(threads)) == 1 for threads in ran_on) and set(ran_on[0]) != set(ran_on[1])
-    assert threading.get_ident() not in ran_on[0] + ran_on[1]
-
-
-def test_cuda_graph_steps_take_turns_only_where_torch_does_not_serialise_recordings(monkeypatch):
-    from torch._inductor import cudagraph_trees
-
-    from fusion.forward import graph_thread
-    assert isinstance(graph_thread.turns(), contextlib.nullcontext)  # torch 2.13: its own graph_capture_lock
-    monkeypatch.delattr(cudagraph_trees, "graph_capture_lock")
-    assert graph_thread.turns() is graph_thread._TAKE_TURNS
-
-
-@pytest.mark.parametrize("torch_initialises", [True, False], ids=["with torch's initializer", "written out"])
-def test_a_new_thread_gets_the_cuda_graph_trees_state_older_torch_asserted_on(monkeypatch, torch_initialises):
-    """`prepare_graph_trees` gives a fresh thread the per-thread state that torch before 2.13 looked up
-    with a bare assert (its `get_obj`, written out below), its own, not the importing thread's: through
-    torch's `_initialize_tls` where it has one, else written out as torch writes it."""
-    from torch._inductor import cudagraph_trees
-
-    if not torch_initialises:
-        monkeypatch.delattr(cudagraph_trees, "_initialize_tls")
-
-    from fusion.forward.graph_thread import TREE_STATE, prepare_graph_trees
-
-    def older_get_obj(local, name):  # torch 2.11's cudagraph_trees.get_obj
-        if hasattr(local, name):
-            return getattr(local, name)
-        assert torch._C._is_key_in_tls(name)
-        return torch._C._get_obj_in_tls(name)
-
-    mine = {name: cudagraph_trees.get_obj(cudagraph_trees.local, name) for name in TREE_STATE}
-
-    def in_a_new_thread(prepare: bool):
-        if prepare:
-            prepare_graph_trees()
-        return {name: older_get_obj(cudagraph_trees.local, name) for name in TREE_STATE}
-
-    with ThreadPoolExecutor(max_workers=1) as fresh, pytest.raises(AssertionError):
-        fresh.submit(in_a_new_thread, False).result()
-    with ThreadPoolExecutor(max_workers=1) as fresh:
-        theirs = fresh.submit(in_a_new_thread, True).result()
-    assert all(theirs[name] is not mine[name] for name in TREE_STATE)
-    assert theirs["tree_manager_containers"] == {}
-    prepare_graph_trees()  # where the state exists already, nothing changes
-    assert all(cudagraph_trees.get_obj(cudagraph_trees.local, name) is mine[name] for name in TREE_STATE)
-
-
-def test_compiled_decode_on_a_cpu_is_refused_naming_the_fast_step(tiny_dir):
-    """`decode: compiled` captures CUDA graphs; on a CPU the C step (`decode: fast`) is the fast path. The
-    config says so when it is read; an expert whose device resolves to a CPU at load says it too."""
-    with pytest.raises(ConfigError, match="decode: compiled runs on CUDA .* on cpu use decode: fast"):
-        _expert(tiny_dir / "b", "compiled")
-    config = parse_config({"experts": [{"name": "x", "model": str(tiny_dir / "b"), "dtype": "float32"}]})
-    expert = config.experts[0].model_copy(update={"decode": "compiled"})  # as a device resolved to a CPU
-    with pytest.raises(ValueError, match="decode: compiled runs on CUDA .* on cpu use decode: fast"):
-        LocalExpert.load(expert)
-
-
-@pytest.mark.cuda
-def test_compiled_experts_of_three_shapes_each_get_their_graphs(tiny_dir, tmp_path):
-    """Every compiled step enters dynamo through the same frame; three experts of different widths bring
-    three graphs each, past dynamo's default cap of 8 graphs a frame, and none is left eager (on a GPU:
-    `decode: compiled` runs on CUDA only)."""
-    from torch._dynamo.utils import counters
-    from transformers import AutoTokenizer
-
-    from tests.tiny_models import make_model
-
-    torch._dynamo.reset()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
-    graphs = counters["stats"]["unique_graphs"]
-    for hidden in (32, 48, 64):
-        make_model(tmp_path / f"h{hidden}", tokenizer, seed=hidden, hidden=hidden)
-        _cuda_expert(tmp_path / f"h{hidden}", "compiled")
-    assert counters["stats"]["unique_graphs"] - graphs == 3 * 3
-
-
 def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
-    """A model the fast step cannot run decodes through transformers under `fast`; `compiled` refuses it."""
+    """A model the fast step cannot run decodes through transformers under `fast`; `static` refuses it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "a", dtype=torch.float32)
@@ -325,7 +107,7 @@ def test_unsupported_models_fall_back_or_refuse(tiny_dir, tmp_path):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_dir / "tok").save_pretrained(path)
     assert _expert(path, "fast")._fast_step is None
-    assert unsupported_reason(model, compiled=True) is not None  # (decode: compiled, CUDA only, refuses it)
+    assert unsupported_reason(model, static=True) is not None  # (decode: static refuses it)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     biased = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -343,13 +125,12 @@ def _cuda_expert(path, decode: str) -> LocalExpert:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["fast", "compiled"])
-def test_cuda_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode):
-    """Fast and CUDA-graph-compiled decode steps on a GPU, batched and alone, through buffer growths,
-    give the logits of an uncached forward."""
+def test_cuda_decode_equals_plain_forwards(tiny_dir, monkeypatch):
+    """The captured step on a GPU (decode: fast), batched and alone, through buffer growths, gives the
+    logits of an uncached forward."""
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
-    expert = _cuda_expert(tiny_dir / "a", decode)
-    assert expert._fast_step.mode == ("off" if decode == "fast" else "cudagraphs")
+    expert = _cuda_expert(tiny_dir / "a", "fast")
+    assert expert._static is not None and expert._static.captured > 0
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}
     for names in [["s1", "s2", "s3"]] * 6 + [["s2"]] * 3 + [["s1", "s3"]] * 3:
         got = expert.step([StepRequest(s, histories[s]) for s in names])
@@ -361,11 +142,10 @@ def test_cuda_decode_equals_plain_forwards(tiny_dir, monkeypatch, decode):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["fast", "compiled"])
+@pytest.mark.parametrize("decode", ["fast", "transformers"])
 def test_cuda_trio_overlapped_on_streams_equals_the_cpu_trio(tiny_dir, decode):
-    """Three experts on one GPU (a CUDA stream and a pool thread each, overlapped; compiled: each step's
-    CUDA graphs recorded and replayed on its own thread, on the caller's stream) fuse to the CPU trio's
-    logits."""
+    """Three experts on one GPU (a CUDA stream and a pool thread each, overlapped; fast: each one's
+    captured graphs replayed on the caller's stream) fuse to the CPU trio's logits."""
     from fusion.frontdoor.service import FusionService
 
     fused = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusion.experts.expert import StepRequest
-from fusion.forward.llama import DecodeStep, unsupported_reason
+from fusion.forward.llama import unsupported_reason
 from fusion.forward.gemma3 import Gemma3Decoder
 from tests.test_fast_decode import _expert
 
@@ -91,11 +91,9 @@ def test_gemma3_lookahead_rows_read_the_session_cache_and_adoption_appends(gemma
     expert.release(["s"])
 
 
-def test_gemma3_has_no_compiled_step_and_refuses_what_it_does_not_compute(gemma_dir):
+def test_gemma3_has_no_static_step_and_refuses_what_it_does_not_compute(gemma_dir):
     model = _reference(gemma_dir)
-    assert "sliding windows" in unsupported_reason(model, compiled=True)  # (decode: compiled: CUDA only)
-    with pytest.raises(ValueError, match="Llama-family"):
-        DecodeStep(model, "cudagraphs")
+    assert "sliding windows" in unsupported_reason(model, static=True)  # (decode: static refuses it)
     assert unsupported_reason(model) is None
     model.config.attn_logit_softcapping = 50.0
     assert "soft-capping" in unsupported_reason(model)

@@ -252,7 +252,7 @@ def test_a_prompt_row_by_row_is_bit_for_bit_its_ids_stepped_one_at_a_time(dtype,
     step attends the history it follows. A failed-over stream's history replayed this way continues bit
     for bit."""
     model = _model("qwen2", dtype, weights=weights)
-    step = DecodeStep(model, "off")
+    step = DecodeStep(model)
     step.decoder.adapters = _adapters(model)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     adapter = torch.tensor([1])

@@ -78,6 +78,18 @@ def test_a_joint_step_equals_each_merged_expert(shared, merged):
     _joint_steps_equal_merged(shared, merged)
 
 
+def test_the_static_step_runs_every_members_rows_in_one_step_with_its_adapter(tiny_dir, adapters, merged):
+    """decode: static (what decode: fast is on CUDA): the members' decoding rows step together in their KV
+    slots, each row through its own adapter (the base's rows through none), equal to each merged expert."""
+    configs = [c.model_copy(update={"kv_slots": 16, "kv_slot_tokens": 256})
+               for c in trio_configs(tiny_dir, adapters, decode="static")]
+    static = load_local_experts(configs, str)
+    group = static[0].shared_base
+    assert group._static is not None and group._static.decoder.adapters is group.multi
+    _joint_steps_equal_merged(static, merged)
+    assert max(bucket for bucket, _ in group._static.shapes) >= 6  # six sessions, three members, one step
+
+
 def _joint_steps_equal_merged(shared, merged):
     group = shared[0].shared_base
     prompts = histories(6, seed=1)

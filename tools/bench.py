@@ -20,6 +20,7 @@ from fusion.engine.types import GenerationRequest
 from fusion.experts.expert import LocalExpert, StepRequest
 from fusion.forward.llama import DecodeStep, FastDecoder, decode_on_layers, unsupported_reason
 from fusion.forward.kv_cache import new_cache
+from fusion.forward.static_step import KVSlots, StaticStep
 from fusion.frontdoor.service import FusionRequest, FusionService
 
 logger = logging.getLogger(__name__)
@@ -354,43 +355,41 @@ def read_bandwidth_gbs(device: torch.device | str = "cpu", megabytes: int = 512,
 
 
 def bench_decode(service: FusionService, report: BenchReport, steps: int = 16, rounds: int = 3,
-                 compiled: bool = True) -> None:
+                 static: bool = True) -> None:
     """The first local expert's decode step against the hardware floor (its weights' bytes / the read
-    bandwidth measured in this run): transformers' eager forward, the fast step (fusion.forward.llama)
-    eager and, with `compiled`, through torch.compile, timed in alternation on the same history. Also
-    the compilation's start-up cost, cold and again from inductor's on-disk cache."""
+    bandwidth measured in this run): transformers' eager forward, the eager fast step (fusion.forward.llama)
+    and, with `static`, the static-shape step over KV slots (fusion.forward.static_step: on CUDA its captured
+    graphs, with the capture's seconds; on a CPU eagerly), timed in alternation on the same history."""
     index, expert = plain_experts(service)[0]
     reason = unsupported_reason(expert.model)
     if reason is not None:
         logger.warning("decode suite: %s has no fast decode step (%s)", expert.info.name, reason)
         return
     prompt = _prompt_ids(service)[index]
-    figures = run_on_compute_thread(_decode_paths, expert, prompt, steps, rounds, compiled)
+    figures = run_on_compute_thread(_decode_paths, expert, prompt, steps, rounds, static)
     name = expert.info.name
     floor = figures["floor_ms"]
     report.add("read_bandwidth_gbs", figures["bandwidth_gbs"],
                f"read bandwidth ({expert.device}): {figures['bandwidth_gbs']:.1f} GB/s; {name}'s weights "
                f"{figures['weights_mb']:.0f} MB -> floor {floor:.1f} ms per decode step")
-    for path in ("transformers", "fast", "compiled"):
+    for path in ("transformers", "fast", "static"):
         if path in figures["decode_ms"]:
             ms = figures["decode_ms"][path]
             report.add(f"decode_ms.{path}", ms, f"decode step, {name}, {path}: {ms:.1f} ms = {ms / floor:.2f}x the "
                        "floor" + ("  (goal <= 2x)" if path != "transformers" else ""))
-    for path in ("fast", "compiled"):
+    for path in ("fast", "static"):
         if path in figures["decode_ms"]:
             ratio = figures["decode_ms"][path] / figures["decode_ms"]["transformers"]
             report.add(f"decode_{path}_over_transformers", ratio,
                        f"decode step {path} / transformers' eager: {ratio:.3f}")
     best = min(figures["decode_ms"].values())
     report.add("decode_step_over_floor", best / floor, f"best decode step / bandwidth floor: {best / floor:.2f}")
-    if "compile_s" in figures:
-        cold, warm = figures["compile_s"]
-        report.add("compile_s", {"first": cold, "from_disk_cache": warm},
-                   f"compiling {name}'s decode step ({figures['compile_mode']}): {cold:.1f} s, again from "
-                   f"the on-disk cache: {warm:.1f} s")
+    if "capture_s" in figures:
+        report.add("capture_s", figures["capture_s"],
+                   f"capturing {name}'s static step ({figures['graphs']} CUDA graphs): {figures['capture_s']:.1f} s")
 
 
-def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: int, compiled: bool) -> dict:
+def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: int, static: bool) -> dict:
     from transformers import DynamicCache
 
     model, device = expert.model, expert.device
@@ -399,28 +398,20 @@ def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: in
     figures: dict[str, Any] = {"weights_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
     figures["bandwidth_gbs"] = read_bandwidth_gbs(device)
     figures["floor_ms"] = figures["weights_mb"] / figures["bandwidth_gbs"]  # MB / (GB/s) = ms
-    paths: dict[str, DecodeStep | None] = {"transformers": None, "fast": DecodeStep(model, "off", decoder)}
+    paths: dict[str, DecodeStep | StaticStep | None] = {"transformers": None, "fast": DecodeStep(model, decoder)}
     ids = torch.tensor([prompt], device=device)
     token = len(prompt) % 100 + 1
     with torch.no_grad():
-        if compiled and device.type == "cuda":  # decode: compiled is for CUDA (retired on a CPU)
-            mode = "cudagraphs"
-            figures["compile_mode"] = mode
-            times = []
-            for _ in range(2):  # the second after a reset: from inductor's on-disk cache
-                torch._dynamo.reset()
-                step = DecodeStep(model, mode, decoder)
-                cache = new_cache(model.config)
-                model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-                decode_on_layers(step, cache.layers, [token], [len(prompt)])
-                sync()
-                times.append(step.first_call_s)
-            figures["compile_s"] = times
-            paths["compiled"] = step
-        caches = {}
+        if static:  # one slot (and scratch), wide enough for every round's steps
+            paths["static"] = StaticStep(decoder, KVSlots(decoder, 2, len(prompt) + steps + 8), max_batch=1)
+        caches, slot = {}, None
         for path in paths:
             caches[path] = DynamicCache(config=model.config) if path == "transformers" else new_cache(model.config)
             model(input_ids=ids, cache=caches[path], use_cache=True, logits_to_keep=1)
+        if static:
+            slot = paths["static"].slots.claim(caches["static"])
+            if device.type == "cuda":
+                figures["capture_s"], figures["graphs"] = paths["static"].capture(), paths["static"].captured
         timings: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(rounds):
             for path, step in paths.items():
@@ -431,11 +422,14 @@ def _decode_paths(expert: LocalExpert, prompt: list[int], steps: int, rounds: in
                     if step is None:
                         model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True,
                               logits_to_keep=1)
+                    elif path == "static":  # writes column len(prompt) + i of its slot; the cache's mark stays
+                        step([token], [len(prompt) + i], [slot])
                     else:
                         decode_on_layers(step, cache.layers, [token], [len(prompt) + i])
                     sync()
                     times.append(time.perf_counter() - start)
-                cache.crop(-(steps + 2))  # back to the prompt: every round decodes the same positions
+                if path != "static":
+                    cache.crop(-(steps + 2))  # back to the prompt: every round decodes the same positions
                 timings[path].append(statistics.mean(times[2:]) * 1e3)
     figures["decode_ms"] = {path: statistics.median(values) for path, values in timings.items()}
     return figures
@@ -451,10 +445,13 @@ def clear_kept_prefixes(service: FusionService) -> None:
             pool.clear()
 
 
-def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48, rounds: int = 3) -> None:
+def bench_generate(service: FusionService, report: BenchReport, max_tokens: int = 48, rounds: int = 3,
+                   cache_implementation: str | None = None) -> None:
     """Fused single-stream tokens/s against each expert's plain transformers `generate`. Each round
     times the fused request and then every plain `generate` once; a ratio is the median over rounds of
-    the same round's two rates, so drift in machine load hits both alike."""
+    the same round's two rates, so drift in machine load hits both alike. `cache_implementation="static"`:
+    `generate` with transformers' static cache, which it compiles itself on a GPU (the warm-up round pays
+    the compilation)."""
     from transformers import GenerationConfig
 
     prompts = _prompt_ids(service)
@@ -462,7 +459,8 @@ def bench_generate(service: FusionService, report: BenchReport, max_tokens: int 
     list(service.submit(request))  # warm-up
     experts = plain_experts(service)
     gen_config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                  pad_token_id=0)
+                                  pad_token_id=0, cache_implementation=cache_implementation)
+    suffix = f"_{cache_implementation}_cache" if cache_implementation else ""
 
     def timed_generate(expert: LocalExpert, ids: torch.Tensor) -> float:
         with torch.no_grad():
@@ -484,14 +482,15 @@ def bench_generate(service: FusionService, report: BenchReport, max_tokens: int 
             plain_rates[expert.info.name].append(run_on_compute_thread(timed_generate, expert,
                                                                        inputs[expert.info.name]))
     fused_tps = statistics.median(fused_rates)
-    report.add("fused_tokens_per_s", fused_tps, f"fused generation: {fused_tps:.1f} tokens/s")
+    report.add(f"fused_tokens_per_s{suffix}", fused_tps, f"fused generation: {fused_tps:.1f} tokens/s")
     for name, rates in plain_rates.items():
         tps = statistics.median(rates)
         ratio = statistics.median(f / p for f, p in zip(fused_rates, rates))
-        report.add(f"generate_tokens_per_s.{name}", tps,
-                   f"plain generate, {name}: {tps:.1f} tokens/s; fused / plain = {ratio:.3f} (median of "
+        kind = f" ({cache_implementation} cache)" if cache_implementation else ""
+        report.add(f"generate_tokens_per_s{suffix}.{name}", tps,
+                   f"plain generate{kind}, {name}: {tps:.1f} tokens/s; fused / plain = {ratio:.3f} (median of "
                    f"{rounds} rounds)")
-        report.figures[f"fused_over_generate.{name}"] = ratio
+        report.figures[f"fused_over_generate{suffix}.{name}"] = ratio
 
 
 def _concurrency_round(service: FusionService, level: int, max_tokens: int) -> tuple[float, list[float]]:

@@ -49,14 +49,14 @@ def _load_base(expert: LocalExpert, weights: str, decode: str) -> LocalExpert:
 
 
 def bench_weights(service: FusionService, report: BenchReport, steps: int = 16, rounds: int = 3,
-                  compiled: bool = True, tokens: int = 48, cold_start: bool = True,
+                  tokens: int = 48, cold_start: bool = True,
                   cache_dir: Path | None = None) -> None:
     """`cache_dir`: the model cache the cold-start processes use (default: theirs, `$FUSION_CACHE_DIR` or
     the XDG cache)."""
     index, reference = plain_experts(service)[0]
     prompt = _prompt_ids(service)[index]
     name = service.expert_names[index]
-    # (quantized weights run on a CPU, where decode: compiled is retired: the eager step is the C step)
+    # (quantized weights run on a CPU: the eager step is the C step)
     paths = {f"{w} fast": _load_base(reference, w, "fast") for w in WEIGHT_FORMATS}
     gguf = gguf_beside(reference.info.model)
     llama = None

@@ -607,8 +607,8 @@ def bench(
     suites: str = typer.Option("step,generate,concurrency,long,sampling,memory,decode,structured", "--suites",
                                help="Comma-separated: step, generate, concurrency, long, sampling, memory, decode, "
                                     "structured, weights (dense/int8/int4 steps and llama.cpp beside them)."),
-    compiled: bool = typer.Option(True, "--compile/--no-compile",
-                                  help="The decode suite also compiles the decode step (minutes on a small CPU)."),
+    static: bool = typer.Option(True, "--static/--no-static",
+                                help="The decode suite also times the static step (on CUDA: its captured graphs)."),
     steps: int = typer.Option(24, "--steps", help="Decode steps per timing round."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved timing rounds of the step suite."),
     levels: str = typer.Option("1,4,8,16", "--levels", help="Concurrency levels."),
@@ -645,14 +645,13 @@ def bench(
         if "memory" in chosen:
             b.bench_memory(service, report)
         if "decode" in chosen:
-            b.bench_decode(service, report, steps=min(steps, 16), compiled=compiled)
+            b.bench_decode(service, report, steps=min(steps, 16), static=static)
         if "structured" in chosen:
             b.bench_structured(service, report, steps=steps, rounds=rounds)
         if "weights" in chosen:
             from fusion.tools.bench_weights import bench_weights
 
-            bench_weights(service, report, steps=min(steps, 16), rounds=rounds, compiled=compiled,
-                          cache_dir=cache_dir(cache))
+            bench_weights(service, report, steps=min(steps, 16), rounds=rounds, cache_dir=cache_dir(cache))
         service.close()
         typer.echo(f"machine: {report.figures['machine']}")
         for line in report.lines:

@@ -3,7 +3,7 @@
 Teams fine-tune small specialists as LoRA adapters in the PEFT format (`adapter_config.json` +
 `adapter_model.safetensors`). An adapter loads through peft's own path (a local folder or a hub id)
 over the already-loaded base and is merged into its weights, so the expert decodes at the speed of
-its base with every decode path (`fast`, `compiled`) unchanged.
+its base with every decode path (`fast`, `static`) unchanged.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from fusion.forward.kv_cache import Cohort, cache_holding, is_plain, new_cache
 
 class BatchedForwardsMixin:
     """The batched forwards of `step`, for `LocalExpert`. The host provides `model`, `device`,
-    `cache`, `max_decode_batch`, `_plain_cache`, `_fast_step`, `_select_rows` and `_fast_forward`, and
+    `cache`, `max_decode_batch`, `_plain_cache`, `_fast_step`, `_static`, `_select_rows`, `_fast_forward` and
+    `_static_forward`, and
     owns the batching state its constructor sets: `_cohort` (the sessions of the last batched decode
     step), `decode_batches` (batched decode steps, by how the batch was had) and
     `_ready_made_decode_mask`."""
@@ -79,8 +80,17 @@ class BatchedForwardsMixin:
         """One forward for B sessions of different lengths, left-padded into one batch (padding masked
         out). The batch is the expert's `Cohort`: built (one copy of each cache) when the sessions
         differ from the last batched step's, reused in place when they are the same; either way each
-        session's cache is then a view of its batch row. Returns (B, V) float32 in `entries` order."""
+        session's cache is then a view of its batch row. With a static step, the sessions step in their KV
+        slots instead, where they fit. Returns (B, V) float32 in `entries` order."""
         caches = [e.kv for e in entries]
+        if self._static is not None:
+            self._select_rows(sessions)
+            logits = self._static_forward(caches, [history[-1] for history in histories])
+            if logits is not None:
+                for entry, history in zip(entries, histories):
+                    entry.token_ids = history
+                self.cache.record(hits=sum(len(h) - 1 for h in histories), misses=len(entries))
+                return logits
         rows = self._cohort.rows_for(caches) if self._cohort is not None else None
         if rows is None:  # other sessions than last step's: copy them into a new batch once
             previous, self._cohort = self._cohort, Cohort(caches)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -30,8 +28,9 @@ from fusion.errors import InvalidArgumentError
 from fusion.experts.batching import BatchedForwardsMixin
 from fusion.experts.extensions import ExtendMixin, ExtensionCall
 from fusion.experts.loading import codes_folder, eos_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from fusion.forward.llama import (COMPILED_DECODES, GEMMA3, DecodeStep, FastDecoder, configure_compile_cache,
-                                 decode_on_layers, prefill_on_layers, unsupported_reason)
+from fusion.forward.llama import (GEMMA3, DecodeStep, FastDecoder, decode_on_layers, prefill_on_layers,
+                                  unsupported_reason)
+from fusion.forward.static_step import StaticStep, static_step_for
 from fusion.forward.kv_cache import Cohort, GrowingLayer, cache_holding, is_plain, new_cache
 from fusion.experts.prefix_pool import PrefixPool
 from fusion.experts.session_cache import SessionCache
@@ -116,6 +115,9 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
             and getattr(model.config, "_attn_implementation", None) == "sdpa"
         )
         self._fast_step = self._decode_step(config, model)  # None: decode steps run transformers' forward
+        # The static-shape step over KV slots (decode: fast on CUDA, or static): steady decode steps of histories
+        # that fit a slot run there; None: they run `_fast_step`.
+        self._static: StaticStep | None = self._static_step(config)
         # Every forward row by row through the C step (config `batch_invariant`; `_forward_tail`)
         self._row_by_row = config.batch_invariant
         if self._row_by_row:
@@ -145,19 +147,15 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
     @classmethod
     def load(cls, config: ExpertConfig, model_path: str | None = None,
              compile_cache_dir: Path | None = None) -> LocalExpert:
-        """Load the expert; a compiled decode step keeps its compiled code, and quantized weights their
-        codes (`codes_folder`), under `compile_cache_dir`
-        (else inductor's default folder) so that the next start reuses it."""
+        """Load the expert (quantized weights keep their codes under `compile_cache_dir`, `codes_folder`, so
+        that the next start reuses them); a static step on CUDA captures its graphs."""
         path = model_path or config.model
         logger.info("loading expert %s from %s (%s on %s)", config.name, path, config.dtype, config.device)
-        if config.decode in COMPILED_DECODES and compile_cache_dir is not None:
-            configure_compile_cache(compile_cache_dir)
 
         def load() -> LocalExpert:
             model, tokenizer = load_model_and_tokenizer(config, path, codes_folder(compile_cache_dir))
             expert = cls(config, model, tokenizer, model_ref=path)
-            if expert._fast_step is not None and expert._fast_step.mode != "off":
-                expert.warm_up()
+            expert.warm_up()
             return expert
 
         # On the compute thread, like every step after it: a second thread's OpenMP team would slow
@@ -165,25 +163,32 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         return run_on_compute_thread(load)
 
     def _decode_step(self, config: ExpertConfig, model) -> DecodeStep | None:
-        """The fast decode step the config asks for, if the model and its cache allow one."""
+        """The eager fast decode step, if the model and its cache allow one."""
         if config.decode == "transformers":
             return None
-        compiled = config.decode in COMPILED_DECODES
-        reason = unsupported_reason(model, compiled=compiled)
+        static = config.decode == "static"
+        reason = unsupported_reason(model, static=static)
         if reason is None and not self._plain_cache and getattr(model.config, "model_type", None) != GEMMA3:
             reason = "a cache with non-plain layers"  # (Gemma 3's step reads its sliding-window layers itself)
         if reason is not None:
-            if compiled:
-                raise ValueError(f"expert {config.name!r}: decode: {config.decode} is not available for this model: "
-                                 f"{reason}")
+            if static:
+                raise ValueError(f"expert {config.name!r}: decode: static is not available for this model: {reason}")
             logger.info("expert %s decodes with transformers' forward: %s", config.name, reason)
             return None
-        if config.decode == "fast":
-            return DecodeStep(model, "off")
-        if self.device.type != "cuda":
-            raise ValueError(f"expert {config.name!r}: decode: compiled runs on CUDA (its graphs are captured there); "
-                             f"on {self.device.type} use decode: fast (on a CPU with weights int4 or int8, the C step)")
-        return DecodeStep(model, "cudagraphs")
+        return DecodeStep(model)
+
+    def _static_step(self, config: ExpertConfig) -> StaticStep | None:
+        """The static-shape step over KV slots, where the config asks for it (decode: static, or fast on
+        CUDA) and the eager step is the Llama-family one."""
+        wanted = config.decode == "static" or (config.decode == "fast" and self.device.type == "cuda")
+        if not wanted or self._fast_step is None or not isinstance(self._fast_step.decoder, FastDecoder):
+            if wanted and self._fast_step is not None:
+                logger.info("expert %s: no static step for %s models: its eager step runs", config.name,
+                            self.model.config.model_type)
+            return None
+        return static_step_for(self._fast_step.decoder, columns=config.kv_slot_tokens,
+                               memory_fraction=config.kv_memory_fraction, max_batch=self.max_decode_batch,
+                               slots=config.kv_slots)
 
     def _runs_row_by_row(self) -> bool:
         """Whether the C step can run this expert's prompts row by row (`c_step_prompt_ids`): its layers, and
@@ -219,34 +224,14 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
             raise ValueError(f"expert {self.config.name!r}: batch_invariant: {reason}")
 
     def warm_up(self) -> float:
-        """Compile a compiled decode step's graphs now (or load them from inductor's cache), before the
-        expert serves, on three scratch sessions released afterwards. Compiled lazily, they would stall
-        the first batched step and the first single ones, and every stream stepping beside them (for
-        minutes on a cold cache: docs/performance.md). Call it on the thread that will step
-        the expert (the compute thread): the graphs are compiled for its thread count. The expert's
-        counters are left as they were. → seconds taken."""
-        start = time.perf_counter()
-        counters = (self.fast_decode_steps, dict(self.decode_batches), self.cache.hits, self.cache.misses,
-                    self.cache.evictions)
-        top = max(2, min(self.info.tokenizer_size, self.info.vocab_size))
-        histories = {f"warm-up-{uuid.uuid4().hex}": [(7 * k + 3) % top for k in range(1, n + 1)]
-                     for n in (6, 4, 5)}
-        a, b, c = histories
-        try:
-            # a prefill of two sessions, a decode step of both (the any-rows graph), the shorter alone (the
-            # one-row graph, over its row of batch buffers wider than its own columns), then a third
-            # session alone from its prefill on (buffers of its own: another stride, after which dynamo
-            # compiles the one-row graph for any)
-            for names in ([a, b], [a, b], [b], [c], [c]):
-                self.step([StepRequest(name, histories[name]) for name in names])
-                for name in names:
-                    histories[name].append(len(histories[name]) % top)
-        finally:
-            self.release(list(histories))
-        (self.fast_decode_steps, self.decode_batches, self.cache.hits, self.cache.misses,
-         self.cache.evictions) = counters
-        seconds = time.perf_counter() - start
-        logger.info("expert %s: decode step ready (compiled or loaded) in %.1f s", self.info.name, seconds)
+        """Capture the static step's CUDA graphs now, before the expert serves (captured lazily, the first
+        steps would stall every stream beside them). Nothing to do elsewhere. → seconds taken."""
+        if self._static is None or self.device.type != "cuda":
+            return 0.0
+        with torch.no_grad():
+            seconds = self._static.capture()
+        logger.info("expert %s: decode step ready: %d CUDA graphs in %.1f s", self.info.name, self._static.captured,
+                    seconds)
         return seconds
 
     # -- the expert contract -------------------------------------------------------------------
@@ -405,7 +390,9 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         mask = self._decode_mask([reuse + 1], reuse + 1) if suffix.shape[1] == 1 and not fast else None
         try:
             if fast:
-                logits = self._fast_forward(entry.kv.layers, token_ids[-1:], [reuse])  # (1, V)
+                logits = self._static_forward([entry.kv], token_ids[-1:]) if self._static is not None else None
+                if logits is None:
+                    logits = self._fast_forward(entry.kv.layers, token_ids[-1:], [reuse])  # (1, V)
             elif self._short_for_c_step(len(token_ids)):
                 logits = prefill_on_layers(self._fast_step, entry.kv.layers, token_ids[reuse:], self._rows_now,
                                            num_logits)  # (n, V)
@@ -423,3 +410,24 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         """One decode step through the fast step over these cache layers (see `decode_on_layers`)."""
         self.fast_decode_steps += 1
         return decode_on_layers(self._fast_step, layers, new_ids, lengths, self._rows_now)
+
+    def _static_forward(self, caches: list, new_ids: list[int]) -> torch.Tensor | None:
+        """One decode step of these sessions' caches (each one id short of its history) through the static
+        step, each cache moved into a KV slot of its own where it is not in one (a copy, once); its layers
+        are views of the slot's row after it. None, with nothing changed, where some history does not fit a
+        slot (it steps eagerly). (B, V) float32."""
+        step = self._static
+        if len(caches) > step.max_batch:
+            return None
+        lengths = [cache.get_seq_length() for cache in caches]
+        if max(lengths) + 1 > step.slots.columns:
+            return None
+        slots = [step.slots.claim(cache, busy=caches) for cache in caches]
+        if None in slots:
+            return None
+        self.fast_decode_steps += 1
+        logits = step(new_ids, lengths, slots, self._rows_now)
+        for cache, length in zip(caches, lengths):
+            for layer in cache.layers:
+                layer.filled(length + 1)
+        return logits

@@ -162,9 +162,9 @@ class AdapterStack(nn.Module):
         x's dtype, computed in float32."""
         if rows.shape[0] != x.shape[0]:
             rows = rows.expand(x.shape[0])  # one session's rows (a lookahead): one adapter for all
-        if self._rows is not None and not torch.compiler.is_compiling():
+        if self._rows is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             own = self._rows.own_columns(self.owner, rows)  # (B, K·r)
-        else:  # (a compiled step computes each layout's columns once by itself)
+        else:  # (a captured step computes them in its graph: the rows' values change between replays)
             own = (rows[:, None] == self.owner[None, :]).float()
         if x.dim() == 3:
             own = own[:, None, :]
@@ -189,7 +189,7 @@ class MultiLoraLinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and not self._rows.any_adapter:  # only base rows: no delta
+        if not self._rows.any_adapter:  # only base rows: no delta
             return self.base(x)
         return self.base(x) + self.stack(x, self._rows.rows)
 

@@ -28,7 +28,7 @@ from fusion.config import ExpertConfig
 from fusion.errors import InvalidArgumentError
 from fusion.experts.expert import Expert, ExpertInfo, LocalExpert, StepRequest
 from fusion.experts.loading import codes_folder, load_model_and_tokenizer
-from fusion.forward.llama import COMPILED_DECODES, FastDecoder, configure_compile_cache
+from fusion.forward.llama import FastDecoder
 from fusion.experts.multi_lora import BASE, MultiAdapter, load_lora
 
 logger = logging.getLogger(__name__)
@@ -72,10 +72,9 @@ class SharedBaseExpert(LocalExpert):
     def _select_rows(self, session_ids: list[str]) -> None:
         rows = [self.adapter_index.get(s.partition(SEPARATOR)[0], BASE) for s in session_ids]
         self.multi.rows.set(rows)
-        # Only base rows: the eager fast step skips the adapters' products (their deltas are zero). A
-        # compiled step keeps the rows, so that its graphs stay the ones it compiled.
-        eager = self._fast_step is None or self._fast_step.mode == "off"
-        self._rows_now = self.multi.rows.rows if self.multi.rows.any_adapter or not eager else None
+        # Only base rows: the eager fast step skips the adapters' products (their deltas are zero); the static
+        # step fills its rows with the base itself.
+        self._rows_now = self.multi.rows.rows if self.multi.rows.any_adapter else None
 
     def step_members(self, parts: Sequence[tuple[AdapterMember, Sequence[StepRequest]]]) -> list[torch.Tensor]:
         """One step over several members' sessions, their rows batched together: per member, (b, V)."""
@@ -172,15 +171,12 @@ def load_shared_base(configs: Sequence[ExpertConfig], model_path: str, adapters:
         raise InvalidArgumentError(f"experts sharing a base need distinct names: {names}")
     logger.info("loading experts %s over one base %s (%s on %s)", ", ".join(names), model_path, configs[0].dtype,
                 configs[0].device)
-    if configs[0].decode in COMPILED_DECODES and compile_cache_dir is not None:
-        configure_compile_cache(compile_cache_dir)
 
     def load() -> SharedBaseExpert:
         model, tokenizer = load_model_and_tokenizer(configs[0].model_copy(update={"adapter": None}), model_path,
                                                     codes_folder(compile_cache_dir))
         group = SharedBaseExpert(configs, model, tokenizer, model_ref=model_path, adapters=adapters)
-        if group._fast_step is not None and group._fast_step.mode != "off":
-            group.warm_up()
+        group.warm_up()
         return group
 
     return run_on_compute_thread(load)

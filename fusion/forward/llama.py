@@ -1,5 +1,5 @@
-"""A single-token decode forward for Llama-family models, written as one plain function over the
-expert's own KV buffers, so that `torch.compile` can turn it into a few fused kernels.
+"""A single-token decode forward for Llama-family models, written as one plain function of torch operators
+over the expert's own KV buffers.
 
 transformers' eager forward runs a decode step as hundreds of small ops, each a Python module call
 (30 layers of norms, four projections, rotary, SDPA and a three-projection MLP for SmolLM2-135M).
@@ -27,21 +27,16 @@ int8`, fusion.forward.quantized), an eager step runs its layers as one call into
 (fusion.forward.native_step): the same arithmetic in float32, without dispatching dozens of small torch operators a
 layer. The embedding, the rotary table, the final norm and the head stay here.
 
-`DecodeStep` modes: "off" runs the function eagerly (already fewer ops than transformers'; on a CPU
-with quantized weights, the C step); "cudagraphs" compiles it with dynamic shapes and CUDA graphs
-(`mode="reduce-overhead"`), for `decode: compiled` on CUDA. The expert config's `decode` field picks
-one (fusion.experts.expert). A step compiled for a CPU is retired: its cold compile took minutes and the C step
-is faster (docs/performance.md, "Paths that were tried and dropped").
+`DecodeStep` runs it eagerly; on CUDA its layers run inside the static-shape step's captured graphs
+(fusion.forward.static_step). A step compiled by inductor is retired: on a CPU its cold compile took
+minutes and the C step is faster; on CUDA its graph trees bound each graph to the thread that recorded it
+(docs/performance.md, "Paths that were retired").
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,18 +47,12 @@ from fusion.forward.ops import (attend, frozen, fuse_projections, project, proje
                                weight_of)
 from fusion.forward.gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
 from fusion.forward.gemma3 import unsupported_reason as gemma3_unsupported_reason
-from fusion.forward.graph_thread import forward_of_its_own, graph_thread, turns
 from fusion.forward.kv_cache import GrowingLayer
 from fusion.forward.native_step import NativeLayers
 from fusion.forward.quantized import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("off", "cudagraphs")
-COMPILED_DECODES = ("compiled",)  # the config's `decode` values that compile (and warm up) a step
-# Graphs one compiled step brings (`LocalExpert.warm_up`): any rows, and one row over a batch row and over
-# buffers of its own (their strides differ).
-GRAPHS_PER_STEP = 3
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Rotary embeddings whose frequencies are fixed once the model is built (Llama 3.x's `llama3` scaling,
 # `linear`, `yarn` with its attention factor): the step uses the model's own `inv_freq` and
@@ -71,19 +60,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Why a Gemma 3 decode step is never compiled.
-GEMMA3_EAGER_ONLY = ("a compiled decode step is for Llama-family models: Gemma 3's layers differ in width "
+# Why Gemma 3 takes no static step.
+GEMMA3_EAGER_ONLY = ("the static decode step is for Llama-family models: Gemma 3's layers differ in width "
                      "(sliding windows), so it runs the eager fast step (decode: fast)")
 
 
-def unsupported_reason(model, *, compiled: bool = False) -> str | None:
-    """Why no fast decode step (a compiled one, with `compiled`) can run this model (None: one can; Gemma
+def unsupported_reason(model, *, static: bool = False) -> str | None:
+    """Why no fast decode step (the static one, with `static`) can run this model (None: one can; Gemma
     3 text models take `fusion.forward.gemma3.Gemma3Decoder`, eager only, Llama-family ones
     `FastDecoder`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type == GEMMA3:
-        return gemma3_unsupported_reason(model) or (GEMMA3_EAGER_ONLY if compiled else None)
+        return gemma3_unsupported_reason(model) or (GEMMA3_EAGER_ONLY if static else None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES + (GEMMA3,))})"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -201,16 +190,11 @@ class FastDecoder(nn.Module):
         """Returns the logits (B, V) float32 and the new keys and values (layers, B, H_kv, D), which the
         caller writes into the buffers. Keys and values of one row serve every row: B different next
         ids after one shared history (a lookahead), read once, never copied per row. The step reads the
-        buffers and writes nothing: a compiled graph then has no mutated inputs (which CUDA graphs
-        refuse). A whole compiled step is given the buffers' whole capacity, masked, so shapes change only
-        when a buffer grows (by half its size) and it is not recompiled as the cache fills; unfilled
-        columns are zeros (GrowingLayer allocates them so), never NaN. With `append`, the eager C step (which
-        never runs compiled) writes the new keys and values into the column after the views instead, and
-        returns None for them; the step as torch operators returns them as ever."""
+        buffers and writes nothing; masked columns are zeros (GrowingLayer allocates them so), never NaN.
+        With `append`, the C step writes the new keys and values into the column after the views instead,
+        and returns None for them; the step as torch operators returns them as ever."""
         x = F.embedding(ids, self.embed)  # (B, hidden)
-        # is_compiling first: dynamo folds it, and nothing after it is traced
-        native = (self._native_step() if not torch.compiler.is_compiling() and self.native_layers
-                  and NativeLayers.reads(keys, values) else None)
+        native = self._native_step() if self.native_layers and NativeLayers.reads(keys, values) else None
         if native is not None:
             cos, sin = rotary(positions, self.inv_freq, self.rope_scaling, torch.float32)
             append = append and keys[0].shape[0] == x.shape[0]
@@ -289,8 +273,7 @@ class LayerShape:
 
 class DecoderLayer(nn.Module):
     """One decoder layer of `FastDecoder`'s step, over the decoder's own weights (registered here too, not
-    copied) and, once adapters are installed, their stacks. Every layer is this one class with the same
-    structure, so one compiled layer serves them all (`call_layer`)."""
+    copied) and, once adapters are installed, their stacks."""
 
     def __init__(self, shape: LayerShape, qkv, qkv_bias, o_proj, gate_up, down, input_norm, post_norm,
                  q_norm=None, k_norm=None) -> None:
@@ -334,56 +317,14 @@ class DecoderLayer(nn.Module):
         return x, k, v
 
 
-def configure_compile_cache(cache_dir: str | Path) -> None:
-    """Keep inductor's and its code cache on disk under `cache_dir`, so a second start of the same
-    model reuses the compiled kernels. Called once at the edge (the service's start), before the first
-    compilation."""
-    path = Path(cache_dir).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = True
-    try:
-        inductor_config.autotune_local_cache = True
-    except AttributeError:  # older inductor
-        pass
-
-
 class DecodeStep:
-    """`FastDecoder` run eagerly or compiled, with the time its first call (the compilation) took."""
+    """The eager fast step of one model (`FastDecoder`, or Gemma 3's `Gemma3Decoder`)."""
 
-    def __init__(self, model, mode: str = "off", decoder: FastDecoder | None = None) -> None:
-        """`decoder`: an existing `FastDecoder` of `model` to run (another mode of the same weights)."""
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
-        self.mode = mode
+    def __init__(self, model, decoder: FastDecoder | Gemma3Decoder | None = None) -> None:
+        """`decoder`: an existing decoder of `model` to run."""
         if decoder is None:
             decoder = Gemma3Decoder(model) if getattr(model.config, "model_type", None) == GEMMA3 else FastDecoder(model)
-        if mode != "off" and isinstance(decoder, Gemma3Decoder):
-            raise ValueError(GEMMA3_EAGER_ONLY)
         self.decoder = decoder
-        if mode == "off":
-            self._run = self.decoder
-        else:
-            # Not inductor's `freezing` (weights prepacked as constants): side by side in one process it
-            # measured slower than without, kept a second copy of the weights, and its graphs came back
-            # from the on-disk cache much more slowly.
-            # Compiled (a forward of its own), recorded and replayed on one thread of its own, whoever
-            # calls: its CUDA graphs are bound to that thread (fusion.forward.graph_thread). On a CPU (the tests)
-            # inductor compiles the same graphs without recording any.
-            forward, self._graph_thread, self._turns = forward_of_its_own(self.decoder), graph_thread(), turns()
-            self._run = torch.compile(forward, dynamic=True, mode="reduce-overhead")
-            # Every compiled step enters dynamo through one frame, the module call, whose graphs dynamo
-            # caps at `recompile_limit` (8): a third expert of another shape would run its step eagerly.
-            torch._dynamo.config.recompile_limit += GRAPHS_PER_STEP
-        self.first_call_s: float | None = None
-
-    @property
-    def reads_capacity(self) -> bool:
-        """Whether the step attends each buffer's whole capacity, masked (a whole compiled step: its shapes
-        then change only when a buffer grows), rather than only the filled columns."""
-        return self.mode == "cudagraphs"
 
     @property
     def reads_whole_layers(self) -> bool:
@@ -392,28 +333,8 @@ class DecodeStep:
         return isinstance(self.decoder, Gemma3Decoder)
 
     def __call__(self, *inputs, **options):
-        """The decoder's forward: its arguments and results (`options` only for an eager step: `append`)."""
-        start = time.perf_counter() if self.first_call_s is None else None
-        if self.mode == "cudagraphs":
-            device = self.decoder.embed.device
-            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            out = self._graph_thread.run(self._replay, stream, inputs)
-        else:
-            out = self._run(*inputs, **options)
-        if start is not None:
-            self.first_call_s = time.perf_counter() - start
-            if self.mode != "off":
-                logger.info("compiled the decode step (%s) in %.1f s", self.mode, self.first_call_s)
-        return out
-
-    def _replay(self, stream: torch.cuda.Stream | None, inputs: tuple) -> tuple[torch.Tensor, ...]:
-        """The compiled step on its graph thread, on the caller's CUDA stream (a thread's current stream
-        is its own)."""
-        with self._turns, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            # A replay overwrites the previous replay's outputs: each call is a step of its own, and its
-            # outputs are copied out before the next (one expert may run two decode groups in a step).
-            torch.compiler.cudagraph_mark_step_begin()
-            return tuple(t.clone() for t in self._run(*inputs))
+        """The decoder's forward: its arguments and results."""
+        return self.decoder(*inputs, **options)
 
 
 def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths: list[int],
@@ -432,9 +353,7 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
     frontier = layers[0].get_seq_length()
     for layer in layers:
         layer.reserve(frontier + 1)
-    # Eagerly (and layer by layer), attention reads only the filled columns; a whole compiled step, the
-    # whole capacity (masked), so that shapes change only when the buffers grow.
-    width = layers[0].capacity if step.reads_capacity else frontier
+    width = frontier  # attention reads only the filled columns
     device = layers[0]._key_buffer.device
     batch = len(new_ids)
     columns = torch.arange(width, device=device)  # (width,)
@@ -447,7 +366,7 @@ def decode_on_layers(step: DecodeStep, layers: list, new_ids: list[int], lengths
         [layer._value_buffer[:, :, :width] for layer in layers],
         mask.view(batch, 1, 1, width),
         *(() if adapter_rows is None else (adapter_rows,)),
-        **({"append": True} if step.mode == "off" else {}),
+        append=True,
     )  # (B, V), (layers, B, H_kv, D) x2, or None x2 where the step wrote them after the filled columns
     if new_keys is None:
         for layer in layers:
@@ -491,9 +410,8 @@ def decode_after_shared_history(step: DecodeStep, layers: list, new_ids: list[in
         if adapter_rows is not None:
             raise ValueError(f"{type(step.decoder).__name__} steps run no adapters")
         return step(ids, positions, [layer.keys for layer in layers], [layer.values for layer in layers])
-    frontier = layers[0].get_seq_length()
-    width = layers[0].capacity if step.reads_capacity else frontier
-    mask = (torch.arange(width, device=device) < frontier).view(1, 1, 1, width)
+    width = layers[0].get_seq_length()
+    mask = torch.ones(1, 1, 1, width, dtype=torch.bool, device=device)  # every filled column
     return step(
         ids,
         positions,

@@ -47,19 +47,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
     columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
     kv head), as plain products: at one query per row, CPU SDPA's flash kernel measured far slower.
-    The query and the probabilities are stored (`stored`), so a compiled step does not recompute the
-    rotation or the exponentials for every column. On a CPU both products run in float32
+    On a CPU both products run in float32
     (`attention_dtype`). Returns (B, H·D) in q's dtype."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
     dtype, work = q.dtype, attention_dtype(q)
-    q = stored(q.view(batch, kv_heads, heads // kv_heads, dim).to(work))
+    q = q.view(batch, kv_heads, heads // kv_heads, dim).to(work)
     k, v = k.to(work), v.to(work)
     cached = rows_times(q, keys.transpose(-1, -2).to(work)).float()  # (B, H_kv, group, width)
     if mask is not None:
         cached = cached.masked_fill(~mask, float("-inf"))
     own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
-    probs = stored(torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(work))
+    probs = torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(work)
     attn = rows_times(probs[..., :-1], values.to(work)) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
     return attn.reshape(batch, heads * dim).to(dtype)
 
@@ -125,12 +124,3 @@ def project(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch
         out = weight(x)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
-
-
-def stored(t: torch.Tensor) -> torch.Tensor:
-    """t itself. Being compiled, a view with explicit strides, which makes inductor write t once as a
-    buffer: otherwise a reduction that reads t inside its loop (a projection's sum reads its input row
-    once per output) recomputes the ops that made t (an RMS norm, attention's last sum) for every output.
-    A one-row projection measured reading its weight markedly faster stored than with the norm
-    recomputed."""
-    return t.as_strided(t.shape, t.stride()) if torch.compiler.is_compiling() else t

@@ -14,10 +14,11 @@
 #   --python PY   the interpreter that has torch with CUDA (default: python3)
 #   --dry-run     check the machine and print the plan; run nothing
 #
-# Steps: 1. detect CUDA (exit 3 with a message if none); 2. install missing packages from the wheels, then
-# probe CUDA-graph replays from another thread (benchmarks/cuda_graph_threads.py); 3. the CUDA tests
-# (pytest -m cuda); 4. the local builds on one GPU (a CUDA stream each expert) through `fusion bench`'s
-# suites: SmolLM2-sized experts, the same as one base with two adapters, then the default trio if cached.
+# Steps: 1. detect CUDA (exit 3 with a message if none); 2. install missing packages from the wheels;
+# 3. the CUDA tests (pytest -m cuda: the captured static step against transformers' forward, replays from
+# other threads, the trio on streams); 4. the local builds on one GPU (a CUDA stream each expert) through
+# `fusion bench`'s suites, beside transformers' static-cache compiled `generate`: SmolLM2-sized experts, the
+# same as one base with two adapters, then the default trio if cached.
 # Every step has a time limit; the figures land in OUT/gpu_check.json and OUT/gpu_check.txt.
 set -uo pipefail
 
@@ -97,20 +98,16 @@ export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$out/inductor-cache}"
 status=0
 
-# 2b. whether CUDA-graph trees work from a thread other than the importing one, as is and prepared as a
-# compiled CUDA step's own thread is (fusion/forward/graph_thread.py)
-say "CUDA graphs from another thread"
-(cd "$repo" && timeout 120 "$python" benchmarks/cuda_graph_threads.py --out "$out/cuda_graph_threads.json") \
-  2>&1 | tee "$out/cuda_graph_threads.log"
-
 # 3. the CUDA tests (about a minute)
 say "CUDA tests"
-(cd "$repo" && timeout 150 "$python" -m pytest -q -m cuda -p no:cacheprovider tests/test_fast_decode.py) \
+(cd "$repo" && timeout 150 "$python" -m pytest -q -m cuda -p no:cacheprovider tests/test_fast_decode.py \
+  tests/test_static_step.py) \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" = 0 ] || { say "CUDA tests failed (rc $tests_rc)"; status=1; }
 
-# 4. the local builds on one GPU through the bench suites (about 5 minutes, compilation included)
+# 4. the local builds on one GPU through the bench suites (about 5 minutes, captures and transformers'
+# compilation included)
 say "benchmarks"
 (cd "$repo" && timeout 420 "$python" benchmarks/gpu_check.py --out "$out" --budget-s 400 ${cache:+--cache "$cache"}) \
   2>&1 | tee "$out/bench.log"

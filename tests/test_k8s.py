@@ -119,13 +119,19 @@ def test_gpu_group_matches_the_experts(service, serve_config, settings):
     gpu = group(service, "gpu")
     resources = container(gpu)["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
-    assert all(e.num_gpus == 1 and e.device == "cuda" for e in config.experts)
-    # Enough GPU pods for every expert's min and max replicas (one GPU each).
+    # Every expert on the GPU with its captured step; the trio shares one GPU, its KV slots and weights within it.
+    assert all(0 < e.num_gpus <= 1 and e.device == "cuda" and e.decode == "fast" for e in config.experts)
+    assert sum(e.num_gpus for e in config.experts) <= 1
+    assert sum(e.kv_memory_fraction for e in config.experts) <= 0.75
+    # Enough GPU pods for every expert's min and max replicas (fractions of a GPU packed onto pods).
     scaling = [autoscaling(serve_config, settings, f"expert-{e.name}", settings.expert_options(e.name))
                for e in config.experts]
     assert all(s is not None and s["min_replicas"] >= 1 for s in scaling)  # never scaled to zero
-    assert gpu["minReplicas"] >= sum(math.ceil(s["min_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
-    assert gpu["maxReplicas"] >= sum(math.ceil(s["max_replicas"] * e.num_gpus) for s, e in zip(scaling, config.experts))
+    assert gpu["minReplicas"] >= math.ceil(sum(s["min_replicas"] * e.num_gpus for s, e in zip(scaling, config.experts)))
+    assert gpu["maxReplicas"] >= math.ceil(sum(s["max_replicas"] * e.num_gpus for s, e in zip(scaling, config.experts)))
+    # The pod's CPUs hold its expert replicas' (three to a GPU).
+    per_gpu = math.floor(1 / min(e.num_gpus for e in config.experts))
+    assert per_gpu * settings.expert_options(config.experts[0].name).num_cpus <= int(resources["requests"]["cpu"])
     assert gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
     assert ports(container(gpu))["fusion-metrics"] == settings.expert_metrics_port
 

@@ -12,12 +12,17 @@ Printed: median per-step time of each, the median of the paired step-time ratios
 whether the remote logits equal the local ones. Optionally `--soak N` also runs the end-to-end
 concurrency soak of the test suite for N seconds (16 clients through a coordinator).
 
-    .venv/bin/python benchmarks/bench_remote.py [--steps 32] [--rounds 3] [--batch 1,4]
+    .venv/bin/python benchmarks/bench_remote.py [--steps 32] [--rounds 3] [--batch 1,4] [--device cuda]
+                                                [--json FILE]
+
+With `--device cuda` the expert and its server share the GPU (the GPU check runs it at 1, 8 and 32
+sessions): the ratio is what the wire costs a remote expert over one co-located.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -97,6 +102,8 @@ def main() -> None:
     parser.add_argument("--wire", default="bfloat16,float32", help="wire dtypes to time (bfloat16 is exact here)")
     parser.add_argument("--layers", type=int, default=30, help="fewer for a quick look")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the expert (and its server) runs")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
@@ -106,7 +113,7 @@ def main() -> None:
         folder = build_expert(Path(tmp) / "smol", args.layers)
         config_path = Path(tmp) / "bench.yaml"
         config_path.write_text(yaml.safe_dump({"experts": [{"name": "smol", "model": str(folder),
-                                                             "dtype": "bfloat16"}]}))
+                                                             "dtype": "bfloat16", "device": args.device}]}))
         config = parse_config(yaml.safe_load(config_path.read_text()))
         local = LocalExpert.load(config.expert("smol"))
         env_threads = os.environ.get("OMP_NUM_THREADS")
@@ -118,6 +125,7 @@ def main() -> None:
             print(f"expert: {args.layers} layers, hidden 576, vocab {vocab}, bf16; {args.threads} threads here "
                   f"(OMP_NUM_THREADS={env_threads}); {args.steps} decode steps x {args.rounds} rounds")
             experts = {"local": local, **remotes}
+            figures: dict = {"device": args.device, "vocab": vocab, "layers": args.layers, "batches": {}}
             for batch in batches:
                 prompts = [[(7 * i + 3 * b) % 900 + 3 for i in range(args.prompt_tokens)] for b in range(batch)]
                 times: dict[str, list[float]] = {name: [] for name in experts}
@@ -132,11 +140,15 @@ def main() -> None:
                     remote_ms = statistics.median(times[w]) * 1e3
                     ratio = statistics.median(r / l for r, l in zip(times[w], times["local"]))
                     sent, received = wire_bytes(prompts, vocab, w)
+                    figures["batches"].setdefault(str(batch), {"local_ms": local_ms})[w] = {
+                        "remote_ms": remote_ms, "remote_over_local": ratio, "max_logit_difference": diff[w]}
                     print(f"  remote, logits as {w:<8}: {remote_ms:6.1f} ms/step; remote/local {ratio:.3f} "
                           f"(median of paired steps), +{remote_ms - local_ms:.1f} ms; per step {sent:,} B sent, "
                           f"{received:,} B received; max |remote - local| logit {diff[w]:.3g}")
             for remote in remotes.values():
                 remote.close()
+            if args.json is not None:
+                args.json.write_text(json.dumps(figures, indent=2))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)

@@ -18,8 +18,9 @@
 # 3. the CUDA tests (pytest -m cuda: the captured static step against transformers' forward, replays from
 # other threads, the trio on streams); 4. the local builds on one GPU (a CUDA stream each expert) through
 # `fusion bench`'s suites, beside transformers' static-cache compiled `generate`: SmolLM2-sized experts, the
-# same as one base with two adapters, then the default trio if cached.
-# Every step has a time limit; the figures land in OUT/gpu_check.json and OUT/gpu_check.txt.
+# same as one base with two adapters, then the default trio if cached; 5. a remote expert over loopback
+# gRPC on the same GPU against it in-process, at 1, 8 and 32 sessions. Every step has a time limit (550 s
+# in all); the figures land in OUT/gpu_check.json and OUT/gpu_check.txt.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -100,7 +101,7 @@ status=0
 
 # 3. the CUDA tests (about a minute)
 say "CUDA tests"
-(cd "$repo" && timeout 150 "$python" -m pytest -q -m cuda -p no:cacheprovider tests/test_fast_decode.py \
+(cd "$repo" && timeout 120 "$python" -m pytest -q -m cuda -p no:cacheprovider tests/test_fast_decode.py \
   tests/test_static_step.py) \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
@@ -109,10 +110,18 @@ tests_rc=${PIPESTATUS[0]}
 # 4. the local builds on one GPU through the bench suites (about 5 minutes, captures and transformers'
 # compilation included)
 say "benchmarks"
-(cd "$repo" && timeout 420 "$python" benchmarks/gpu_check.py --out "$out" --budget-s 400 ${cache:+--cache "$cache"}) \
+(cd "$repo" && timeout 330 "$python" benchmarks/gpu_check.py --out "$out" --budget-s 300 ${cache:+--cache "$cache"}) \
   2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 [ "$bench_rc" = 0 ] || { say "benchmarks failed (rc $bench_rc)"; status=1; }
 
-say "figures: $out/gpu_check.json, $out/gpu_check.txt (tests rc $tests_rc, bench rc $bench_rc)"
+# 5. a remote expert over loopback gRPC on the same GPU against the same expert in-process, SmolLM2's
+# shape and its 49,152-id vocabulary, at 1, 8 and 32 sessions (about a minute)
+say "remote expert over loopback"
+(cd "$repo" && timeout 100 "$python" benchmarks/bench_remote.py --device cuda --batch 1,8,32 --rounds 2 --steps 16 \
+  --wire bfloat16 --json "$out/remote.json") 2>&1 | tee "$out/remote.log"
+remote_rc=${PIPESTATUS[0]}
+[ "$remote_rc" = 0 ] || { say "remote expert failed (rc $remote_rc)"; status=1; }
+
+say "figures: $out/gpu_check.json, $out/gpu_check.txt $out/remote.json (tests rc $tests_rc, bench rc $bench_rc, remote rc $remote_rc)"
 exit $status

@@ -88,3 +88,17 @@ def test_python_part_writes_figures_on_a_cpu(tmp_path):
         assert key in shared, key
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "fused step / slowest expert's plain forward" in text and "no --cache" in text
+
+
+def test_the_remote_step_of_the_check_runs_on_a_cpu(tmp_path):
+    """benchmarks/bench_remote.py, as the check runs it (there `--device cuda --batch 1,8,32`): a served
+    expert over loopback gRPC against the same expert in-process, exactly equal logits, figures as JSON."""
+    out = tmp_path / "remote.json"
+    done = subprocess.run([sys.executable, "bench_remote.py", "--device", "cpu", "--layers", "1", "--steps", "2",
+                           "--rounds", "1", "--batch", "1,2", "--wire", "bfloat16", "--json", str(out)],
+                          cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["vocab"] == 49152 and set(figures["batches"]) == {"1", "2"}
+    for batch in figures["batches"].values():
+        assert batch["bfloat16"]["max_logit_difference"] == 0.0 and batch["bfloat16"]["remote_ms"] > 0

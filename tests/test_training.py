@@ -52,7 +52,13 @@ from fusion.tools.training.arithmetic import (
     training_problem,
 )
 from fusion.tools.training.borrowed import BorrowedEmbedding
-from fusion.tools.training.lora import ADAPTER_MANIFEST, TARGET_MODULES, sha256_of_files
+from fusion.tools.training.long_arithmetic import KINDS as LONG_KINDS
+from fusion.tools.training.long_arithmetic import (LONG_TRAIN_DIGITS, TRAIN_DIGITS, Expr, LongArithmeticStream,
+                                                   held_out_exprs, max_digits_after, random_expr, training_expr)
+from fusion.tools.training.long_arithmetic import answer_text as long_answer
+from fusion.tools.training.long_arithmetic import is_held_out as long_held_out
+from fusion.tools.training.long_arithmetic import make_questions as long_questions
+from fusion.tools.training.lora import ADAPTER_MANIFEST, TARGET_MODULES, checkpoint_of, sha256_of_files
 from fusion.tools.training.loop import LoopSettings, train_loop
 
 CHAT_TEMPLATE = (
@@ -83,6 +89,8 @@ def tokenizer_dir(tmp_path_factory):
     corpus = [t.format(a=1, b=2) for ts in templates for t in ts]
     corpus += list(STYLES + HELD_OUT_STYLES + FRESH_STYLES)
     corpus += [answer_text(random_problem(rng)) for _ in range(300)]
+    corpus += [long_answer(random_expr(rng, kind, 3)) for kind in LONG_KINDS for _ in range(30)]
+    corpus += [question for question, _ in long_questions(40, 0)]
     corpus += ["You are a helpful AI assistant system user assistant", "def return import self"]
     words = sorted({w for text in corpus for w, _ in pre.pre_tokenize_str(text)})
     vocab = {tok: i for i, tok in enumerate(SPECIALS + words)}
@@ -443,3 +451,119 @@ def test_python_expert_trains_on_stdlib(base_dir, tmp_path):
 def test_unknown_kind(base_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown expert kind 'poetry'"):
         train_expert("poetry", tmp_path, base_dir=base_dir, steps=1)
+
+
+# --- arithmetic at any length (fusion.tools.training.long_arithmetic) ----------------------------
+
+
+@pytest.mark.parametrize("expr, answer", [
+    (Expr((4821, 375), ("+",)), "4821+375: 1+5+0=6, so 6, left 482+37; 2+7+0=9, so 96, left 48+3; 8+3+0=11, so 196, "
+                                "left 4+0; 4+0+1=5, so 5196. So the answer is 5196."),
+    (Expr((95, 7), ("+",)), "95+7: 5+7+0=12, so 2, left 9+0; 9+0+1=10, so 02; 1 in front, so 102. So the answer is 102."),
+    (Expr((37, 52), ("-",)), "37-52: swap, 52-37, negative; 2-7-0 is below 0, 12-7-0=5, so 5, left 5-3; 5-3-1=1, "
+                             "so 15. So the answer is -15."),
+    (Expr((7, 4821), ("*",)), "7*4821: swap, 4821*7; 1*7+0=7, so 7, left 482; 2*7+0=14, so 47, left 48; 8*7+1=57, "
+                              "so 747, left 4; 4*7+5=33, so 3747; 3 in front, so 33747. So the answer is 33747."),
+    (Expr((3, 4, 5), ("+", "*")), "3+4*5: 4*5 first: 4*5+0=20, so 0; 2 in front, so 20; 3+20: 3+0+0=3, so 3, left "
+                                  "0+2; 0+2+0=2, so 23. So the answer is 23."),
+])
+def test_long_answer_format(expr, answer):
+    assert long_answer(expr) == answer
+
+
+def test_every_long_working_ends_in_the_value_at_every_size_and_kind():
+    rng = random.Random(5)
+    for kind in LONG_KINDS:
+        for digits in range(2, 9):
+            for _ in range(60):
+                expr = random_expr(rng, kind, TRAIN_DIGITS, digits)
+                assert expr.digits == digits, (kind, expr)
+                assert extract_answer(long_answer(expr)) == expr.value, expr
+    # chains keep precedence: products first, then left to right
+    assert Expr((12, 345, 67), ("-", "+")).value == -266 and Expr((2, 3, 4, 5), ("*", "-", "*")).value == -14
+
+
+def test_long_held_out_split_by_hash_and_by_size():
+    rng = random.Random(0)
+    for examples in (0, 1300, 10_000):
+        limit = max_digits_after(examples)
+        for _ in range(400):
+            expr = training_expr(rng, limit)
+            assert not long_held_out(expr)
+            top = {"**": LONG_TRAIN_DIGITS}.get(expr.kind, limit if expr.kind != "chain" else 3)
+            assert expr.digits <= max(top, 1) or expr.kind == "*" and expr.digits <= limit, expr
+    assert max_digits_after(0) == 2 and max_digits_after(10**6) == TRAIN_DIGITS
+    for digits in (TRAIN_DIGITS + 1, TRAIN_DIGITS + 2):
+        drawn = held_out_exprs(20, seed=1, digits=digits)
+        assert all(long_held_out(e) and e.digits == digits for e in drawn)
+        assert {e.kind for e in drawn} == set(LONG_KINDS)
+    assert held_out_exprs(10, seed=3) == held_out_exprs(10, seed=3) != held_out_exprs(10, seed=4)
+    assert len({e.canonical for e in held_out_exprs(200, seed=0)}) == 200
+
+
+def test_long_questions_in_held_out_wordings_share_no_training_piece():
+    training = {q for q, _ in long_questions(200, 0, "train")}
+    held = [q for q, _ in long_questions(200, 0, "held_out")]
+    assert not training & set(held)
+    for piece in HELD_OUT_PIECES:
+        pattern = piece_pattern(piece)
+        assert not any(pattern.search(q) for q in training), piece
+
+
+def test_long_stream_masks_all_but_the_answer_and_grows_its_operands(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stream = LongArithmeticStream(tok, seed=0)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    batch = stream(8)
+    for row in range(8):
+        targets = batch.labels[row][batch.labels[row] != -100].tolist()
+        assert targets[-1] == end and "So the answer is" in tok.decode(targets[:-1])
+    assert stream.examples == 8
+    stream.examples = 10_000
+    sizes = {training_expr(stream.rng, max_digits_after(stream.examples)).digits for _ in range(300)}
+    assert max(sizes) == TRAIN_DIGITS
+
+
+def test_a_resumed_training_equals_one_run_through(base_dir, tmp_path):
+    """Three steps, stopped (as a session ending would), then resumed to six: the same weights and data hash
+    as six steps in one run; the checkpoint is gone once the adapter is saved."""
+    from safetensors.torch import load_file
+
+    from fusion.tools.training.experts import RECIPES
+    from fusion.tools.training.lora import train_lora
+
+    whole = train_expert("arithmetic-long", tmp_path / "whole", base_dir=base_dir, steps=6, seed=3)
+    assert not checkpoint_of(tmp_path / "whole").exists()  # a finished run leaves no checkpoint
+    target, recipe = tmp_path / "parts", RECIPES["arithmetic-long"]
+    # A run of six steps cut after three by its time budget (a clock that jumps once three batches are drawn).
+    import fusion.tools.training.loop as loop
+
+    real_monotonic, calls = loop.time.monotonic, {"steps": 0}
+
+    class Clock:
+        def monotonic(self):
+            return real_monotonic() + (1e6 if calls["steps"] >= 3 else 0.0)
+
+    real_batch = LongArithmeticStream.__call__
+
+    def counting(self, size):
+        calls["steps"] += 1
+        return real_batch(self, size)
+
+    LongArithmeticStream.__call__ = counting
+    loop.time = Clock()
+    try:
+        train_lora("arithmetic-long", recipe, target, base_dir=base_dir, seed=3, steps=6, minutes=1.0, resume=False)
+    finally:
+        loop.time = __import__("time")
+        LongArithmeticStream.__call__ = real_batch
+    assert checkpoint_of(target).exists() and not (target / ADAPTER_MANIFEST).exists()
+    state = torch.load(checkpoint_of(target), weights_only=True)
+    assert state["step"] == 3
+    parts = train_lora("arithmetic-long", recipe, target, base_dir=base_dir, seed=3, steps=6)
+    assert not checkpoint_of(target).exists()
+    a, b = (load_file(str(o / "adapter_model.safetensors")) for o in (whole, parts))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-3) for k in a)
+    manifests = [json.loads((o / ADAPTER_MANIFEST).read_text()) for o in (whole, parts)]
+    assert manifests[0]["data_sha256"] == manifests[1]["data_sha256"]
+    assert manifests[1]["resumed_at_steps"] == 3 and manifests[1]["recipe"]["steps"] == 6

@@ -426,13 +426,16 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 
 @app.command("train-expert")
 def train_expert(
-    kind: str = typer.Argument(..., help="arithmetic or python"),
+    kind: str = typer.Argument(..., help="arithmetic, arithmetic-long or python"),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the builtin adapter the "
                               "default config uses, with its manifest (how the shipped adapters are made)."),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Training time budget."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="This run's time budget: a run that stops "
+                                            "before the recipe's steps leaves a checkpoint the next run resumes."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Exact number of steps (default: the recipe's)."),
     seed: int = typer.Option(0, "--seed"),
+    device: str = typer.Option("cpu", "--device", help="cpu, or cuda where a GPU is at hand."),
+    fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming a checkpoint."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Train a specialist as a LoRA adapter over SmolLM2-135M-Instruct (fetched first if needed)."""
@@ -440,16 +443,29 @@ def train_expert(
     def run() -> None:
         from fusion.models import ADAPTERS_DIR
         from fusion.tools import assets
-        from fusion.tools.training import ADAPTER_NAMES, train_expert as train
+        from fusion.tools.training import ADAPTER_NAMES, RECIPES, train_expert as train
 
-        if kind not in ADAPTER_NAMES:
-            fail(f"kind: expected one of {sorted(ADAPTER_NAMES)}, got {kind!r}")
+        if kind not in RECIPES:
+            fail(f"kind: expected one of {sorted(RECIPES)}, got {kind!r}")
+        if ship and kind not in ADAPTER_NAMES:
+            fail(f"--ship: {kind!r} is not a builtin adapter's recipe (those are {sorted(ADAPTER_NAMES)})")
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                fail(f"--device: {device!r}, but torch sees no CUDA device")
         root = cache_dir(cache)
         base = Path(assets.prepare_model("builtin:smollm2-135m-instruct", root))
-        name = ADAPTER_NAMES[kind]
+        name = ADAPTER_NAMES.get(kind, kind)
         target = out or root / "adapters" / name
         typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps,
-                             base_ref=SMOLLM2_HUB_ID)))
+                             base_ref=SMOLLM2_HUB_ID, device=device, resume=not fresh)))
+        from fusion.tools.training.lora import checkpoint_of
+
+        if checkpoint_of(target).exists():
+            typer.echo(f"stopped before the last step; run the same command again to go on (checkpoint beside "
+                       f"{target})")
+            return
         if ship:
             from fusion.tools.training.lora import ship_adapter
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fusion.tools.training.arithmetic import wide_stream
+from fusion.tools.training.long_arithmetic import LongArithmeticStream
 from fusion.tools.training.lora import LoraRecipe, train_lora
 from fusion.tools.training.python_code import CodeStream
 
@@ -19,6 +20,11 @@ RECIPES: dict[str, LoraRecipe] = {
     # answered with column working; loss on the answer only.
     "arithmetic": LoraRecipe(stream=wide_stream, steps=450, rank=8, alpha=16,
                              loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 20, "log_every_s": 30}),
+    # Any length (fusion.tools.training.long_arithmetic): numbers of 1-6 digits by a curriculum, long
+    # multiplication, chains, two-step word problems, each worked digit by digit; it replaces "arithmetic"
+    # once trained and shipped.
+    "arithmetic-long": LoraRecipe(stream=LongArithmeticStream, steps=1200, rank=16, alpha=32,
+                                  loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 30, "log_every_s": 60}),
     # Plain next-token windows of the standard library's training files (held-out files never drawn).
     "python": LoraRecipe(stream=CodeStream, steps=400, rank=8, alpha=16,
                          loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 20, "log_every_s": 30}),
@@ -27,13 +33,15 @@ ADAPTER_NAMES = {"arithmetic": "arith-lora", "python": "python-lora"}  # the bui
 
 
 def train_expert(kind: str, out_dir: Path, *, base_dir: Path, seed: int = 0, steps: int | None = None,
-                 minutes: float | None = None, base_ref: str | None = None) -> Path:
+                 minutes: float | None = None, base_ref: str | None = None, device: str = "cpu",
+                 resume: bool = True) -> Path:
     """Train the `kind` specialist as a LoRA adapter over the base at `base_dir`; save it into `out_dir`.
 
     Deterministic given `seed` and `steps` on one machine (the recipe's step count when neither `steps`
-    nor `minutes` is given). `base_ref` is what the adapter records as its base (default: the folder).
+    nor `minutes` is given; with `minutes` too, the run stops there and the next one resumes). `base_ref` is
+    what the adapter records as its base (default: the folder).
     """
     if kind not in RECIPES:
         raise ValueError(f"unknown expert kind {kind!r}; known: {', '.join(sorted(RECIPES))}")
     return train_lora(kind, RECIPES[kind], Path(out_dir), base_dir=Path(base_dir), seed=seed, steps=steps,
-                      minutes=minutes, base_ref=base_ref)
+                      minutes=minutes, base_ref=base_ref, device=device, resume=resume)

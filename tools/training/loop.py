@@ -1,17 +1,23 @@
 """A small training loop for causal LMs (the specialists' LoRA adapters over a frozen base).
 
 The loss is the full-vocabulary cross-entropy on the positions a batch labels (a chat answer's tokens,
-every token of a code window). Matmuls run under bf16 autocast (fp32 master weights). Everything is
-seeded: the same seed and step count give the same weights.
+every token of a code window). Matmuls run under bf16 autocast (fp32 master weights), on a CPU or a
+GPU. Everything is seeded: the same seed and step count give the same weights.
+
+Resumable: with a checkpoint path the loop saves the trained parameters, the optimizer and its counters
+there every few minutes (and when it stops); started again, it loads them and draws the batches already
+trained on again without training on them, so the stream (and a hash over it) goes on where it was.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +44,7 @@ class LoopSettings:
     warmup_steps: int = 30
     weight_decay: float = 0.01
     log_every_s: float = 15.0
+    checkpoint_every_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
@@ -53,22 +60,23 @@ class LoopResult:
     steps: int
     initial_loss: float  # the first step's loss
     final_loss: float  # mean loss over the last steps
-    seconds: float
+    seconds: float  # training time, over every run that resumed it
     tokens: int  # tokens processed (inputs, including the shared prefix once per row)
+    resumed_at: int = 0  # the step a checkpoint resumed it from (0: trained from the start)
 
 
-def _hidden_states(model, batch: Batch) -> torch.Tensor:
+def _hidden_states(model, batch: Batch, device: torch.device) -> torch.Tensor:
     """Last hidden states [B, S, H] for batch.input_ids, after the shared prefix if any."""
-    ids = batch.input_ids
+    ids = batch.input_ids.to(device)
     if batch.prefix_ids is None or batch.prefix_ids.numel() == 0:
         return model.model(input_ids=ids).last_hidden_state
     # The prefix is identical for every row: run it once and share its KV cache (gradients flow
     # back through the repeat into the prefix computation).
     prefix_len = batch.prefix_ids.numel()
-    out = model.model(input_ids=batch.prefix_ids[None], use_cache=True)
+    out = model.model(input_ids=batch.prefix_ids[None].to(device), use_cache=True)
     kv = out.cache
     kv.batch_repeat_interleave(ids.shape[0])
-    positions = torch.arange(prefix_len, prefix_len + ids.shape[1])[None].expand(ids.shape[0], -1)
+    positions = torch.arange(prefix_len, prefix_len + ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
     return model.model(input_ids=ids, cache=kv, position_ids=positions, use_cache=True).last_hidden_state
 
 
@@ -79,9 +87,19 @@ def _lr_at(progress: float, settings: LoopSettings, step: int) -> float:
     return settings.lr * (settings.min_lr_ratio + (1 - settings.min_lr_ratio) * cos)
 
 
-def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings, *, seed: int) -> LoopResult:
-    """Train `model` (a *ForCausalLM with tied or untied lm_head) in place; return a summary."""
+def _save(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)  # a stop mid-write leaves the previous checkpoint whole
+
+
+def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings, *, seed: int,
+               checkpoint: Path | None = None) -> LoopResult:
+    """Train `model` (a *ForCausalLM with tied or untied lm_head, on the device it is on) in place; return a
+    summary. `checkpoint`: a file to resume from when it exists and to save to (module docstring)."""
     torch.manual_seed(seed)
+    device = next(model.parameters()).device
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen bases train nothing
     decay = [p for n, p in trained if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in trained if p.dim() < 2 or "embed" in n]
@@ -92,24 +110,47 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
     )
     budget_s = settings.minutes * 60 if settings.minutes is not None else math.inf
     model.train()
-    started = last_log = time.monotonic()
     recent: list[float] = []
     initial = float("nan")
     step = tokens = tokens_at_log = 0
+    earlier_s = 0.0  # training time of the runs before a resume
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, map_location=device, weights_only=True)
+        if state["seed"] != seed or state["batch_size"] != settings.batch_size:
+            raise ValueError(f"checkpoint {checkpoint} is of another run (seed {state['seed']}, batch size "
+                             f"{state['batch_size']}); delete it to start over")
+        for (name, param), saved in zip(trained, state["parameters"]):
+            param.data.copy_(saved)
+        opt.load_state_dict(state["optimizer"])
+        step, tokens, earlier_s, initial, recent = (state["step"], state["tokens"], state["seconds"],
+                                                    state["initial_loss"], list(state["recent"]))
+        for _ in range(step):  # the stream where it was: the batches trained on, drawn again
+            next_batch(settings.batch_size)
+        logger.info("resumed from %s at step %d (%.0f s trained before)", checkpoint, step, earlier_s)
+    resumed_at = step
+    started = last_log = last_save = time.monotonic()
+
+    def save() -> None:
+        _save(Path(checkpoint), {
+            "seed": seed, "batch_size": settings.batch_size, "step": step, "tokens": tokens,
+            "seconds": earlier_s + time.monotonic() - started, "initial_loss": initial, "recent": recent,
+            "parameters": [param.detach() for _, param in trained], "optimizer": opt.state_dict()})
+
     while True:
         elapsed = time.monotonic() - started
         if (settings.steps is not None and step >= settings.steps) or elapsed >= budget_s:
             break
-        progress = max(step / settings.steps if settings.steps else 0.0, elapsed / budget_s)
+        progress = step / settings.steps if settings.steps else elapsed / budget_s
         lr = _lr_at(progress, settings, step)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = next_batch(settings.batch_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = _hidden_states(model, batch)  # [B, S, H]
-            mask = batch.labels != -100  # [B, S]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            hidden = _hidden_states(model, batch, device)  # [B, S, H]
+            labels = batch.labels.to(device)
+            mask = labels != -100  # [B, S]
             weight = model.get_output_embeddings().weight  # [V, H]
-            loss = F.cross_entropy((hidden[mask] @ weight.t()).float(), batch.labels[mask])  # [N, V] logits
+            loss = F.cross_entropy((hidden[mask] @ weight.t()).float(), labels[mask])  # [N, V] logits
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0)
@@ -133,7 +174,13 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
                 (tokens - tokens_at_log) / max(now - last_log, 1e-9),
             )
             last_log, tokens_at_log = now, tokens
+        if checkpoint is not None and now - last_save >= settings.checkpoint_every_s:
+            save()
+            last_save = now
+    if checkpoint is not None and step > resumed_at:
+        save()
     model.eval()
     final = sum(recent) / len(recent) if recent else float("nan")
-    seconds = time.monotonic() - started
-    return LoopResult(steps=step, initial_loss=initial, final_loss=final, seconds=seconds, tokens=tokens)
+    seconds = earlier_s + time.monotonic() - started
+    return LoopResult(steps=step, initial_loss=initial, final_loss=final, seconds=seconds, tokens=tokens,
+                      resumed_at=resumed_at)

@@ -80,12 +80,16 @@ def train_lora(
     minutes: float | None = None,
     base_ref: str | None = None,
     evaluate: Callable[[object, object], dict] | None = None,
+    device: str = "cpu",
+    resume: bool = True,
 ) -> Path:
     """Train a LoRA adapter for `kind` over the base at `base_dir`; save it (PEFT format) into `out_dir`.
 
     Deterministic given `seed` and `steps` on one machine. `base_ref` is the base the adapter names
     (`base_model_name_or_path`; default: the folder's name). `evaluate(model, tokenizer)` (optional) runs
-    on the trained model and its figures go into the manifest.
+    on the trained model and its figures go into the manifest. Training checkpoints into `checkpoint_of(out_dir)`
+    and, with `resume`, goes on from a checkpoint found there; a run that ends before the recipe's steps (a
+    `minutes` budget) leaves the checkpoint and saves nothing else: the next run goes on.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,18 +97,25 @@ def train_lora(
     base_dir = Path(base_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).to(device)
     config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
                         target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = base_ref or base_dir.name
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    steps = recipe.steps if steps is None and minutes is None else steps
+    steps = recipe.steps if steps is None else steps  # `minutes` only caps one run: the next one resumes
     settings = LoopSettings(steps=steps, minutes=minutes, **recipe.loop)
     logger.info("training %s adapter (rank %d, %d trainable parameters): %s", kind, recipe.rank, trainable, settings)
     stream = HashingStream(recipe.stream(tokenizer, seed))
+    checkpoint = checkpoint_of(Path(out_dir))
+    if not resume and checkpoint.exists():
+        checkpoint.unlink()
     # peft injects the adapters into the base model in place: the loop drives that model directly.
-    result = train_loop(peft_model.base_model.model, stream, settings, seed=seed)
+    result = train_loop(peft_model.base_model.model, stream, settings, seed=seed, checkpoint=checkpoint)
+    if settings.steps is not None and result.steps < settings.steps:
+        logger.info("%s: %d of %d steps trained; run it again to go on from %s", kind, result.steps,
+                    settings.steps, checkpoint)
+        return Path(out_dir)
     figures = evaluate(peft_model, tokenizer) if evaluate is not None else {}
     manifest = {
         "kind": kind,
@@ -119,17 +130,26 @@ def train_lora(
         "initial_loss": round(result.initial_loss, 6),
         "final_loss": round(result.final_loss, 6),
         "tokens": result.tokens,
-        "train_seconds": {"cpu" if not torch.cuda.is_available() else "gpu": round(result.seconds, 1)},
-        "trained_on": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "train_seconds": {"gpu" if device.startswith("cuda") else "cpu": round(result.seconds, 1)},
+        "trained_on": (torch.cuda.get_device_name(device) if device.startswith("cuda") else
+                       f"{platform.machine()} {torch.get_num_threads()} threads") + f", torch {torch.__version__}",
         "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "eval": figures,
     }
-    peft_model.to(torch.bfloat16)  # shipped in bf16, the dtype experts run in: half the bytes
+    if result.resumed_at:
+        manifest["resumed_at_steps"] = result.resumed_at
+    peft_model.to("cpu", torch.bfloat16)  # shipped in bf16, the dtype experts run in: half the bytes
     with staged_dir(Path(out_dir), replace=True) as tmp:
         peft_model.save_pretrained(tmp)
         (tmp / ADAPTER_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    checkpoint.unlink(missing_ok=True)
     logger.info("saved %s adapter to %s", kind, out_dir)
     return Path(out_dir)
+
+
+def checkpoint_of(out_dir: Path) -> Path:
+    """Where training into `out_dir` keeps its checkpoint (beside it: the adapter folder is replaced whole)."""
+    return out_dir.with_name(out_dir.name + ".checkpoint.pt")
 
 
 def ship_adapter(trained: Path, dest: Path, *, command: str, base_pin: dict | None = None,

@@ -196,3 +196,25 @@ def test_score_whitespace_prompt_starts_a_document(code_service):
     result = service.score("\n", "def add(a, b):")
     assert result.text == "\ndef add(a, b):" and result.prompt_tokens == 1
     assert result.token_ids == tok("\ndef add(a, b):", add_special_tokens=False)["input_ids"]
+
+
+def test_the_length_split_asks_every_kind_at_each_size(tiny_service, monkeypatch):
+    """`lengths`: the same number of held-out problems at each operand size, every kind among them, reported
+    per size and per kind; the answers' token budget grows with the size."""
+    budgets = []
+    asked = ev.arithmetic_accuracy
+
+    def recording(service, spec, questions, **options):
+        budgets.append(options.get("max_tokens"))
+        return asked(service, spec, questions, max_tokens=16)  # random tiny experts: short answers will do
+
+    monkeypatch.setattr(ev, "arithmetic_accuracy", recording)
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"}))]
+    result = ev.evaluate(tiny_service, rows=rows, questions=5, domains=[], lengths=(3, 7),
+                         sets=["in"])[0]
+    assert set(result.arithmetic_by_length) == {"3", "7"}
+    assert all(set(kinds) == {"+", "-", "*", "**", "chain"} for kinds in result.arithmetic_by_length_kind.values())
+    assert budgets[-2:] == [ev.length_budget(3), ev.length_budget(7)] and ev.length_budget(7) > ev.length_budget(3)
+    table = ev.format_length_table([result])
+    assert table.splitlines()[0].startswith("| row | 3 digits | 7 digits | + 3 / 7 | - 3 / 7 |")
+    assert ev.format_length_table([ev.EvalRow("x", {})]) == ""

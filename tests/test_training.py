@@ -518,7 +518,9 @@ def test_long_stream_masks_all_but_the_answer_and_grows_its_operands(tokenizer_d
     for row in range(8):
         targets = batch.labels[row][batch.labels[row] != -100].tolist()
         assert targets[-1] == end and "So the answer is" in tok.decode(targets[:-1])
-    assert stream.examples == 8
+    assert stream.examples == 8 * LongArithmeticStream.POOL  # drawn a pool at a time, batched by length
+    lengths = [int((stream(8).labels != -100).sum(-1).max()) for _ in range(LongArithmeticStream.POOL - 1)]
+    assert stream.examples == 8 * LongArithmeticStream.POOL and len(set(lengths)) > 1
     stream.examples = 10_000
     sizes = {training_expr(stream.rng, max_digits_after(stream.examples)).digits for _ in range(300)}
     assert max(sizes) == TRAIN_DIGITS

@@ -608,8 +608,12 @@ class ArithmeticStream:
             raise ValueError(f"chat prompt for {p.canonical!r} does not start with the shared prefix")
         return prompt[len(self.prefix) :], self._encode(answer_text(p)) + [self.end_id]
 
+    def rows(self, batch_size: int) -> list[tuple[list[int], list[int]]]:
+        """The next batch's (prompt, answer) id rows."""
+        return [self.example() for _ in range(batch_size)]
+
     def __call__(self, batch_size: int) -> Batch:
-        rows = [self.example() for _ in range(batch_size)]
+        rows = self.rows(batch_size)
         width = max(len(q) + len(a) for q, a in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
         ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [B, S]

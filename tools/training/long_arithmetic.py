@@ -327,9 +327,11 @@ def _expression(expr: Expr) -> str:
 
 def question_text(expr: Expr, rng: random.Random, split: str = "train") -> str:
     """A question for `expr` in the phrasings of `split` (the binary problems in
-    fusion.tools.training.arithmetic's templates, styles and word problems of that split; chains in its
-    frames, or as a two-step word problem)."""
+    fusion.tools.training.arithmetic's templates, styles and word problems of that split, training's in its
+    wider lists; chains in its frames, or as a two-step word problem)."""
     templates, styles = phrasing.PHRASINGS[split]
+    if len(expr.ops) == 1 and split == "train":
+        return phrasing.training_question(phrasing.Problem(expr.ops[0], *expr.terms), rng)
     if len(expr.ops) == 1:
         a, b = expr.terms
         op = expr.ops[0]
@@ -340,7 +342,10 @@ def question_text(expr: Expr, rng: random.Random, split: str = "train") -> str:
     if word and len(expr.ops) == 2 and expr.value >= 0 and rng.random() < 0.4:
         a, b, c = expr.terms
         return rng.choice(word).format(a=a, b=b, c=c)
-    frames = {"train": phrasing.FRAMES}.get(split, phrasing.HELD_OUT_FRAMES)
+    if split == "train":
+        frames, styles = phrasing.FRAMES + phrasing.EXTRA_FRAMES, phrasing.TRAINING_STYLES
+    else:
+        frames = phrasing.HELD_OUT_FRAMES
     return rng.choice(styles).replace("{q}", rng.choice(frames).replace("{e}", _expression(expr)))
 
 
@@ -353,12 +358,24 @@ def make_questions(n: int, seed: int, split: str = "train", digits: int | None =
 
 class LongArithmeticStream(ArithmeticStream):
     """Endless batches of (chat prompt + worked answer + turn terminator), loss on the answer only, as
-    `ArithmeticStream` makes them, the operands growing along `CURRICULUM`."""
+    `ArithmeticStream` makes them, the operands growing along `CURRICULUM`. Worked answers range from 30 to
+    600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the batches handed out in
+    a drawn order): a batch pads to its own longest row, not to the pool's."""
+
+    POOL = 4
 
     def __init__(self, tokenizer, seed: int):
         super().__init__(tokenizer, seed)
         self.rng = random.Random(f"long-train:{seed}")
         self.examples = 0
+        self._ready: list[list[tuple[list[int], list[int]]]] = []
+
+    def rows(self, batch_size: int) -> list[tuple[list[int], list[int]]]:
+        if not self._ready:
+            pool = sorted((self.example() for _ in range(self.POOL * batch_size)), key=lambda r: len(r[0]) + len(r[1]))
+            self._ready = [pool[k:k + batch_size] for k in range(0, len(pool), batch_size)]
+            self.rng.shuffle(self._ready)
+        return self._ready.pop()
 
     def example(self) -> tuple[list[int], list[int]]:
         expr = training_expr(self.rng, max_digits_after(self.examples))

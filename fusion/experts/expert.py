@@ -28,7 +28,7 @@ from fusion.errors import InvalidArgumentError
 from fusion.experts.batching import BatchedForwardsMixin
 from fusion.experts.extensions import ExtendMixin, ExtensionCall
 from fusion.experts.loading import codes_folder, eos_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from fusion.forward.llama import (GEMMA3, DecodeStep, FastDecoder, decode_on_layers, prefill_on_layers,
+from fusion.forward.llama import (GEMMA, DecodeStep, FastDecoder, decode_on_layers, prefill_on_layers,
                                   unsupported_reason)
 from fusion.forward.static_step import StaticStep, static_step_for
 from fusion.forward.kv_cache import Cohort, GrowingLayer, cache_holding, is_plain, new_cache
@@ -168,8 +168,8 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
             return None
         static = config.decode == "static"
         reason = unsupported_reason(model, static=static)
-        if reason is None and not self._plain_cache and getattr(model.config, "model_type", None) != GEMMA3:
-            reason = "a cache with non-plain layers"  # (Gemma 3's step reads its sliding-window layers itself)
+        if reason is None and not self._plain_cache and getattr(model.config, "model_type", None) not in GEMMA:
+            reason = "a cache with non-plain layers"  # (Gemma's step reads its sliding-window layers itself)
         if reason is not None:
             if static:
                 raise ValueError(f"expert {config.name!r}: decode: static is not available for this model: {reason}")

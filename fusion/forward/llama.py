@@ -45,8 +45,8 @@ from torch import nn
 from fusion.forward import native_kernels
 from fusion.forward.ops import (attend, frozen, fuse_projections, project, projection_lists, rotary, rotate,
                                weight_of)
-from fusion.forward.gemma3 import MODEL_TYPE as GEMMA3, Gemma3Decoder
-from fusion.forward.gemma3 import unsupported_reason as gemma3_unsupported_reason
+from fusion.forward.gemma import MODEL_TYPES as GEMMA, GemmaDecoder
+from fusion.forward.gemma import unsupported_reason as gemma_unsupported_reason
 from fusion.forward.kv_cache import GrowingLayer
 from fusion.forward.native_step import NativeLayers
 from fusion.forward.quantized import QuantizedLinear
@@ -60,21 +60,21 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Why Gemma 3 takes no static step.
-GEMMA3_EAGER_ONLY = ("the static decode step is for Llama-family models: Gemma 3's layers differ in width "
+# Why Gemma takes no static step.
+GEMMA_EAGER_ONLY = ("the static decode step is for Llama-family models: Gemma's layers differ in width "
                      "(sliding windows), so it runs the eager fast step (decode: fast)")
 
 
 def unsupported_reason(model, *, static: bool = False) -> str | None:
     """Why no fast decode step (the static one, with `static`) can run this model (None: one can; Gemma
-    3 text models take `fusion.forward.gemma3.Gemma3Decoder`, eager only, Llama-family ones
+    2 and 3 text models take `fusion.forward.gemma.GemmaDecoder`, eager only, Llama-family ones
     `FastDecoder`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type == GEMMA3:
-        return gemma3_unsupported_reason(model) or (GEMMA3_EAGER_ONLY if static else None)
+    if model_type in GEMMA:
+        return gemma_unsupported_reason(model) or (GEMMA_EAGER_ONLY if static else None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES + (GEMMA3,))})"
+        return f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES + GEMMA)})"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
@@ -318,19 +318,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecodeStep:
-    """The eager fast step of one model (`FastDecoder`, or Gemma 3's `Gemma3Decoder`)."""
+    """The eager fast step of one model (`FastDecoder`, or Gemma's `GemmaDecoder`)."""
 
-    def __init__(self, model, decoder: FastDecoder | Gemma3Decoder | None = None) -> None:
+    def __init__(self, model, decoder: FastDecoder | GemmaDecoder | None = None) -> None:
         """`decoder`: an existing decoder of `model` to run."""
         if decoder is None:
-            decoder = Gemma3Decoder(model) if getattr(model.config, "model_type", None) == GEMMA3 else FastDecoder(model)
+            decoder = GemmaDecoder(model) if getattr(model.config, "model_type", None) in GEMMA else FastDecoder(model)
         self.decoder = decoder
 
     @property
     def reads_whole_layers(self) -> bool:
-        """Whether the step attends every column of each layer as given, with no mask (Gemma 3: one history
+        """Whether the step attends every column of each layer as given, with no mask (Gemma: one history
         at a time) rather than masked columns of batch buffers (`FastDecoder`)."""
-        return isinstance(self.decoder, Gemma3Decoder)
+        return isinstance(self.decoder, GemmaDecoder)
 
     def __call__(self, *inputs, **options):
         """The decoder's forward: its arguments and results."""

@@ -1,4 +1,4 @@
-"""Tensor helpers shared by the fast decode steps (fusion.forward.llama, fusion.forward.gemma3)."""
+"""Tensor helpers shared by the fast decode steps (fusion.forward.llama, fusion.forward.gemma)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def rows_times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """One new query per row over its cached columns and its own new key/value: q (B, H, D), k and v
     (B, H_kv, D), keys and values (B or 1, H_kv, width, D), mask (B or 1, 1, 1, width) bool over the
-    columns (None: all). Grouped-query attention without repeating keys (each group's queries share one
+    columns (None: all), `softcap`: scores soft-capped as cap·tanh(score/cap) (Gemma 2). Grouped-query attention without repeating keys (each group's queries share one
     kv head), as plain products: at one query per row, CPU SDPA's flash kernel measured far slower.
     On a CPU both products run in float32
     (`attention_dtype`). Returns (B, H·D) in q's dtype."""
@@ -54,11 +54,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
     dtype, work = q.dtype, attention_dtype(q)
     q = q.view(batch, kv_heads, heads // kv_heads, dim).to(work)
     k, v = k.to(work), v.to(work)
-    cached = rows_times(q, keys.transpose(-1, -2).to(work)).float()  # (B, H_kv, group, width)
+    cached = rows_times(q, keys.transpose(-1, -2).to(work)).float() * scale  # (B, H_kv, group, width)
+    own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float() * scale  # (B, H_kv, group, 1): the new column
+    if softcap is not None:
+        cached, own = torch.tanh(cached / softcap) * softcap, torch.tanh(own / softcap) * softcap
     if mask is not None:
         cached = cached.masked_fill(~mask, float("-inf"))
-    own = (q * k[:, :, None, :]).sum(-1, keepdim=True).float()  # (B, H_kv, group, 1): the new column
-    probs = torch.softmax(torch.cat((cached, own), dim=-1) * scale, dim=-1).to(work)
+    probs = torch.softmax(torch.cat((cached, own), dim=-1), dim=-1).to(work)
     attn = rows_times(probs[..., :-1], values.to(work)) + probs[..., -1:] * v[:, :, None, :]  # (B, H_kv, group, D)
     return attn.reshape(batch, heads * dim).to(dtype)
 

@@ -1,10 +1,12 @@
-"""A single-token decode forward for Gemma 3 text models (`gemma3_text`), in the manner of
-`fusion.forward.llama.FastDecoder`: one plain function over the model's own weights (query/key/value and
-gate/up projections fused into one matrix product each) reading the session's cache layers directly.
+"""A single-token decode forward for Gemma 2 and Gemma 3 text models (`gemma2`, `gemma3_text`), in the
+manner of `fusion.forward.llama.FastDecoder`: one plain function over the model's own weights
+(query/key/value and gate/up projections fused into one matrix product each) reading the session's cache
+layers directly.
 
-Gemma 3 differs from Llama in ways transformers' eager forward pays for per step: a scaled embedding,
-four RMS norms per layer (weights stored as `w`, applied as `1 + w`), RMS norms over each query and key
-head, a tanh-GELU MLP, and interleaved layer types with their own rotary tables: sliding-window layers
+Gemma differs from Llama in ways transformers' eager forward pays for per step: a scaled embedding,
+four RMS norms per layer (weights stored as `w`, applied as `1 + w`), a tanh-GELU MLP, Gemma 3's RMS
+norms over each query and key head (Gemma 2 soft-caps the attention scores and the logits instead, with
+tanh), and interleaved layer types (Gemma 3: each with its own rotary table): sliding-window layers
 (transformers' `DynamicSlidingWindowLayer`, which keeps exactly the window's last columns) and
 full-attention ones (`GrowingLayer`). For a new id every cached column of its layer is visible, so
 attention needs no mask and no per-step mask building:
@@ -30,16 +32,14 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from fusion.forward.ops import attend, frozen, fuse_projections, project, projection_lists, rotary, rotate, weight_of
 from fusion.forward.kv_cache import GrowingLayer
 
-MODEL_TYPE = "gemma3_text"
+MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
 def unsupported_reason(model) -> str | None:
-    """Why `Gemma3Decoder` cannot run this Gemma 3 model (None: it can)."""
+    """Why `GemmaDecoder` cannot run this Gemma model (None: it can)."""
     config = model.config
-    if getattr(config, "model_type", None) != MODEL_TYPE:
-        return f"model type {getattr(config, 'model_type', None)!r} (this path: {MODEL_TYPE})"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping"
+    if getattr(config, "model_type", None) not in MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r} (this path: {', '.join(MODEL_TYPES)})"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
     if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
@@ -47,15 +47,16 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "attention_bias", False):
         return "attention biases"
     rotary = model.model.rotary_emb
-    if any("dynamic" in str(kind) for kind in getattr(rotary, "rope_type", {}).values()):
+    kinds = rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
+    if any("dynamic" in str(kind) for kind in kinds):
         return "a dynamic rotary embedding (its table changes with the length)"
     if set(config.layer_types) - {"sliding_attention", "full_attention"}:
         return f"layer types {sorted(set(config.layer_types))}"
     return None
 
 
-class Gemma3Decoder(nn.Module):
-    """The decode step of one Gemma 3 text model over its own weights (see the module docstring)."""
+class GemmaDecoder(nn.Module):
+    """The decode step of one Gemma 2 or Gemma 3 text model over its own weights (see the module docstring)."""
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -69,23 +70,28 @@ class Gemma3Decoder(nn.Module):
         self.eps = float(config.rms_norm_eps)
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.attention_softcap = getattr(config, "attn_logit_softcapping", None)
         inner = model.model
         self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
-        self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
+        embedding = inner.embed_tokens
+        self.embed_scale = float(getattr(embedding, "scalar_embed_scale", None) or embedding.embed_scale)
         self.lm_head = weight_of(model.get_output_embeddings())  # (V, hidden), or quantized
         rotary = inner.rotary_emb
-        # Per layer type: the model's own rotary table (any scaling already folded in) and its factor.
+        # Per layer type: the model's own rotary table (any scaling already folded in) and its factor (Gemma
+        # 2: one table for every layer).
         self.layer_types = list(config.layer_types)
         for kind in sorted(set(self.layer_types)):
-            self.register_buffer(f"{kind}_inv_freq", getattr(rotary, f"{kind}_inv_freq").detach().float().clone(),
-                                 persistent=False)
-        self.rope_scaling = {kind: float(getattr(rotary, f"{kind}_attention_scaling", 1.0))
+            table = getattr(rotary, f"{kind}_inv_freq", None)
+            table = rotary.inv_freq if table is None else table
+            self.register_buffer(f"{kind}_inv_freq", table.detach().float().clone(), persistent=False)
+        self.rope_scaling = {kind: float(getattr(rotary, f"{kind}_attention_scaling",
+                                                 getattr(rotary, "attention_scaling", 1.0)))
                              for kind in set(self.layer_types)}
         # Gemma's norms multiply by (1 + w): kept as that sum, in float32, as transformers computes it.
         self.final_norm = nn.Parameter(1.0 + inner.norm.weight.detach().float(), requires_grad=False)
         self.qkv, self.o_proj, self.gate_up, self.down = projection_lists(inner.layers[0], 4)
         self.norms = nn.ParameterList()  # per layer (4, hidden): input, post-attention, pre-MLP, post-MLP
-        self.head_norms = nn.ParameterList()  # per layer (2, head_dim): query, key
+        self.head_norms = nn.ParameterList()  # per layer (2, head_dim): query, key (Gemma 3)
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, _ = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -98,9 +104,10 @@ class Gemma3Decoder(nn.Module):
                      layer.post_feedforward_layernorm]
             self.norms.append(nn.Parameter(1.0 + torch.stack([n.weight.detach().float() for n in norms]),
                                            requires_grad=False))  # (4, hidden)
-            self.head_norms.append(nn.Parameter(
-                1.0 + torch.stack([attn.q_norm.weight.detach().float(), attn.k_norm.weight.detach().float()]),
-                requires_grad=False))  # (2, head_dim)
+            if hasattr(attn, "q_norm"):
+                self.head_norms.append(nn.Parameter(
+                    1.0 + torch.stack([attn.q_norm.weight.detach().float(), attn.k_norm.weight.detach().float()]),
+                    requires_grad=False))  # (2, head_dim)
         self.intermediate = inner.layers[0].mlp.down_proj.in_features
 
     @staticmethod
@@ -133,15 +140,18 @@ class Gemma3Decoder(nn.Module):
                   for kind, factor in self.rope_scaling.items()}  # (B, 1, D) cos and sin per layer type
         new_keys, new_values = [], []
         for layer, kind in enumerate(self.layer_types):
-            norms, head_norms = self.norms[layer], self.head_norms[layer]
+            norms = self.norms[layer]
             h = self._norm(x, norms[0])
             q, k, v = project(h, self.qkv[layer]).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-            q = rotate(self._norm(q.view(batch, heads, dim), head_norms[0]), *tables[kind])
-            k = rotate(self._norm(k.view(batch, kv_heads, dim), head_norms[1]), *tables[kind])
+            q, k = q.view(batch, heads, dim), k.view(batch, kv_heads, dim)
+            if len(self.head_norms):
+                q, k = self._norm(q, self.head_norms[layer][0]), self._norm(k, self.head_norms[layer][1])
+            q, k = rotate(q, *tables[kind]), rotate(k, *tables[kind])
             v = v.view(batch, kv_heads, dim)
             new_keys.append(k)
             new_values.append(v)
-            attn = attend(q, k, v, keys[layer], values[layer], self.scale)  # (B, H·D), every column visible
+            attn = attend(q, k, v, keys[layer], values[layer], self.scale,
+                          softcap=self.attention_softcap)  # (B, H·D), every column visible
             x = x + self._norm(project(attn, self.o_proj[layer]), norms[1])
             gate, up = project(self._norm(x, norms[2]), self.gate_up[layer]).split(self.intermediate, dim=-1)
             x = x + self._norm(project(F.gelu(gate, approximate="tanh") * up, self.down[layer]), norms[3])

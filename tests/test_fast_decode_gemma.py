@@ -1,6 +1,6 @@
-"""Gemma 3's fast decode step (fusion.forward.gemma3) against the plain reference: a separately
-loaded copy of the model, uncached, over each whole history, past its sliding window, and its own
-greedy `generate`."""
+"""Gemma 2's and Gemma 3's fast decode step (fusion.forward.gemma) against the plain reference: a
+separately loaded copy of the model, uncached, over each whole history, past its sliding window, and its
+own greedy `generate`."""
 
 from __future__ import annotations
 
@@ -9,20 +9,38 @@ import torch
 
 from fusion.experts.expert import StepRequest
 from fusion.forward.llama import unsupported_reason
-from fusion.forward.gemma3 import Gemma3Decoder
+from fusion.forward.gemma import GemmaDecoder
 from tests.test_fast_decode import _expert
 
 WINDOW = 6
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory, tiny_dir):
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def gemma_dir(request, tmp_path_factory, tiny_dir):
     """A tiny Gemma 3: sliding-window and full-attention layers with their own rotary tables (the full
-    one linearly scaled), grouped keys, and random norm weights (Gemma's norms apply 1 + w)."""
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+    one linearly scaled), grouped keys, and random norm weights (Gemma's norms apply 1 + w); or a tiny
+    Gemma 2: one rotary table, no head norms, attention scores and logits soft-capped (caps low enough
+    that the tanh bends them)."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
-    path = tmp_path_factory.mktemp("gemma3") / "g"
+    path = tmp_path_factory.mktemp(request.param) / "g"
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    if request.param == "gemma2":
+        config = Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            max_position_embeddings=256, attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+            tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=0, bos_token_id=None)
+        torch.manual_seed(12)
+        model = Gemma2ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0, 0.3)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=WINDOW,
@@ -52,9 +70,9 @@ def _plain_last_logits(model, history) -> torch.Tensor:
         return model(torch.tensor([history])).logits[0, -1]  # (V,)
 
 
-def test_gemma3_fast_steps_equal_plain_forwards_past_the_window_and_greedy_generate(gemma_dir):
+def test_gemma_fast_steps_equal_plain_forwards_past_the_window_and_greedy_generate(gemma_dir):
     expert, reference = _expert(gemma_dir), _reference(gemma_dir)
-    assert isinstance(expert._fast_step.decoder, Gemma3Decoder)
+    assert isinstance(expert._fast_step.decoder, GemmaDecoder)
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 40))}
     for _ in range(3 * WINDOW):  # both sessions well past the window; each steps alone (sliding layers)
         got = expert.step([StepRequest(s, h) for s, h in histories.items()])
@@ -68,7 +86,7 @@ def test_gemma3_fast_steps_equal_plain_forwards_past_the_window_and_greedy_gener
     assert histories["s1"] == generated[0].tolist()
 
 
-def test_gemma3_lookahead_rows_read_the_session_cache_and_adoption_appends(gemma_dir):
+def test_gemma_lookahead_rows_read_the_session_cache_and_adoption_appends(gemma_dir):
     """One-id extensions after one history are rows of one fast step over the session's own layers
     (sliding-window ones included); the adopted row's column is appended, past the window too."""
     expert, reference = _expert(gemma_dir), _reference(gemma_dir)
@@ -91,10 +109,10 @@ def test_gemma3_lookahead_rows_read_the_session_cache_and_adoption_appends(gemma
     expert.release(["s"])
 
 
-def test_gemma3_has_no_static_step_and_refuses_what_it_does_not_compute(gemma_dir):
+def test_gemma_has_no_static_step_and_refuses_what_it_does_not_compute(gemma_dir):
     model = _reference(gemma_dir)
     assert "sliding windows" in unsupported_reason(model, static=True)  # (decode: static refuses it)
     assert unsupported_reason(model) is None
-    model.config.attn_logit_softcapping = 50.0
-    assert "soft-capping" in unsupported_reason(model)
+    model.config.use_bidirectional_attention = True
+    assert "bidirectional" in unsupported_reason(model)
     assert _expert(gemma_dir, "transformers")._fast_step is None

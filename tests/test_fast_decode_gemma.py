@@ -25,31 +25,19 @@ def gemma_dir(request, tmp_path_factory, tiny_dir):
 
     path = tmp_path_factory.mktemp(request.param) / "g"
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                  sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=0, bos_token_id=None)
     if request.param == "gemma2":
-        config = Gemma2Config(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
-            sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            max_position_embeddings=256, attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
-            tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=0, bos_token_id=None)
         torch.manual_seed(12)
-        model = Gemma2ForCausalLM(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.normal_(0, 0.3)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        return path
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(11)
-    model = Gemma3ForCausalLM(config)
+        model = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=1.5, final_logit_softcapping=4.0))
+    else:
+        torch.manual_seed(11)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

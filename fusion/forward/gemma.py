@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from fusion.forward.ops import attend, frozen, fuse_projections, project, projection_lists, rotary, rotate, weight_of
+from fusion.forward.ops import attend, decoder_shape, frozen, fuse_projections, project, projection_lists, rotary, rotate, weight_of
 from fusion.forward.kv_cache import GrowingLayer
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -60,14 +60,8 @@ class GemmaDecoder(nn.Module):
 
     def __init__(self, model) -> None:
         super().__init__()
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"the fast decode path does not support this model: {reason}")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = decoder_shape(model, unsupported_reason(model))
         config = model.config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.eps = float(config.rms_norm_eps)
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None)

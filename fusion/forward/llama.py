@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.forward import native_kernels
-from fusion.forward.ops import (attend, frozen, fuse_projections, project, projection_lists, rotary, rotate,
+from fusion.forward.ops import (attend, decoder_shape, frozen, fuse_projections, project, projection_lists, rotary, rotate,
                                weight_of)
 from fusion.forward.gemma import MODEL_TYPES as GEMMA, GemmaDecoder
 from fusion.forward.gemma import unsupported_reason as gemma_unsupported_reason
@@ -103,14 +103,7 @@ class FastDecoder(nn.Module):
 
     def __init__(self, model) -> None:
         super().__init__()
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"the fast decode path does not support this model: {reason}")
-        config = model.config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.eps = float(config.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = decoder_shape(model, unsupported_reason(model))
         inner = model.model
         self.embed = frozen(inner.embed_tokens.weight)  # (V_in, hidden)
         self.norm = frozen(inner.norm.weight)

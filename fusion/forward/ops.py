@@ -17,6 +17,17 @@ def frozen(tensor: torch.Tensor | QuantizedLinear) -> nn.Parameter | QuantizedLi
     return nn.Parameter(tensor, requires_grad=False)
 
 
+def decoder_shape(model, reason: str | None) -> tuple[int, int, int, float]:
+    """A decode step's attention shape for `model`: heads, key/value heads, head width and the norms' epsilon;
+    ValueError with `reason`, why the step cannot run the model, where there is one."""
+    if reason is not None:
+        raise ValueError(f"the fast decode path does not support this model: {reason}")
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim, float(config.rms_norm_eps)
+
+
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (B, 1, D) of each row's position (B,) for a rotary table `inv_freq` (D/2,)."""

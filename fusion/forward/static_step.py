@@ -184,11 +184,12 @@ class StaticStep:
         self.widths = widths_for(slots.columns, MIN_WIDTH if min_width is None else min_width)
         device = decoder.embed.device
         self.device = device
-        # The static inputs every graph reads (views of their first rows)
-        self._ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._slots = torch.full((max_batch,), SCRATCH, dtype=torch.long, device=device)
-        self._adapter_rows = torch.full((max_batch,), -1, dtype=torch.long, device=device)  # -1: the base
+        # The static inputs every graph reads (views of their first rows): ids, positions and slots, filled by
+        # one copy from the host a step, and each row's adapter (-1: the base), copied on the device.
+        self._inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self._inputs[2] = SCRATCH
+        self._ids, self._positions, self._slots = self._inputs
+        self._adapter_rows = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         self._columns = torch.arange(slots.columns, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps that replayed a captured graph (the rest ran eagerly)
@@ -216,18 +217,13 @@ class StaticStep:
         value at column `positions[b]` of its slot."""
         rows = len(ids)
         bucket, width = self.shape_for(rows, max(positions))
-        self._ids[:rows] = torch.as_tensor(ids, dtype=torch.long)
-        self._positions[:rows] = torch.as_tensor(positions, dtype=torch.long)
-        self._slots[:rows] = torch.as_tensor(slots, dtype=torch.long)
+        padding = bucket - rows  # rows of id 0 at position 0 in the scratch slot, through the base
+        host = torch.tensor([list(ids) + [0] * padding, list(positions) + [0] * padding,
+                             list(slots) + [SCRATCH] * padding], dtype=torch.long)  # (3, bucket)
+        self._inputs[:, :bucket].copy_(host)
+        self._adapter_rows[:bucket].fill_(-1)
         if adapter_rows is not None:
-            self._adapter_rows[:rows] = adapter_rows
-        else:
-            self._adapter_rows[:rows] = -1
-        # Padding rows: scratch slot, position 0, id 0, the base
-        self._ids[rows:bucket] = 0
-        self._positions[rows:bucket] = 0
-        self._slots[rows:bucket] = SCRATCH
-        self._adapter_rows[rows:bucket] = -1
+            self._adapter_rows[:rows].copy_(adapter_rows)
         self.shapes[bucket, width] += 1
         graph = self._graphs.get((bucket, width))
         if graph is not None:
@@ -262,6 +258,8 @@ class StaticStep:
         self._positions.zero_()
         self._slots.fill_(SCRATCH)
         self._adapter_rows.fill_(-1)
+        # Other threads may launch work while a graph is captured (other experts' steps): only this thread's
+        # unsafe calls fail the capture.
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -272,7 +270,7 @@ class StaticStep:
                     for _ in range(2):  # warm-up: kernels chosen and libraries' handles made outside capture
                         self._compute(bucket, width)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=side):
+                    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                         out = self._compute(bucket, width)
                     self._graphs[(bucket, width)] = (graph, out)
         torch.cuda.current_stream(self.device).wait_stream(side)

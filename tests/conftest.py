@@ -102,6 +102,22 @@ def llama3_rope_dir(tmp_path_factory, tiny_dir):
     return path
 
 
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory, tiny_dir):
+    """A tiny Mistral with full attention (no sliding window: the fast steps' case), keys grouped by four."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    path = tmp_path_factory.mktemp("mistral") / "m"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
+    torch.manual_seed(9)
+    MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def tiny_config_dict(tiny_dir, names=("a", "b", "c"), **extra):
     data = {
         "experts": [

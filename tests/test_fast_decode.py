@@ -28,13 +28,14 @@ def _plain_last_logits(model, histories) -> torch.Tensor:
         return torch.stack([model(torch.tensor([h], device=model.device)).logits[0, -1] for h in histories])  # (B, V)
 
 
-@pytest.mark.parametrize("model_name", ["llama", "qwen2", "qwen3", "llama3-rope"])
+@pytest.mark.parametrize("model_name", ["llama", "qwen2", "qwen3", "llama3-rope", "mistral"])
 def test_fast_decode_equals_plain_forwards_batched_and_alone(tiny_dir, qwen_dir, qwen3_dir, llama3_rope_dir,
-                                                             monkeypatch, model_name):
+                                                             mistral_dir, monkeypatch, model_name):
     """Sessions of different lengths decoded together (a cohort) and alone, through several buffer
     growths, a divergence (crop) and a prompt chunk, give the logits of an uncached forward."""
     monkeypatch.setattr(kv_cache, "DEFAULT_SPARE", 2)
-    paths = {"llama": tiny_dir / "a", "qwen2": qwen_dir, "qwen3": qwen3_dir, "llama3-rope": llama3_rope_dir}
+    paths = {"llama": tiny_dir / "a", "qwen2": qwen_dir, "qwen3": qwen3_dir, "llama3-rope": llama3_rope_dir,
+             "mistral": mistral_dir}
     expert = _expert(paths[model_name])
     assert expert._fast_step is not None
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 55)), "s3": [8, 9]}

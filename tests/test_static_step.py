@@ -52,13 +52,14 @@ def test_a_step_pads_rows_to_a_bucket_and_reads_a_width_past_the_longest_history
         step.shape_for(8, 3)
 
 
-@pytest.mark.parametrize("model_name", ["llama", "qwen2", "qwen3", "llama3-rope"])
+@pytest.mark.parametrize("model_name", ["llama", "qwen2", "qwen3", "llama3-rope", "mistral"])
 def test_static_steps_equal_plain_forwards_across_buckets_widths_and_slots(
-        model_name, tiny_dir, qwen_dir, qwen3_dir, llama3_rope_dir, narrow_widths):
+        model_name, tiny_dir, qwen_dir, qwen3_dir, llama3_rope_dir, mistral_dir, narrow_widths):
     """Sessions of different lengths step together and alone, through width changes, with more sessions
     than slots (the least recently stepped one is copied out, and back in when it steps again), and one that
     outgrows its slot (it steps eagerly after): every step's logits equal an uncached forward's."""
-    path = {"llama": tiny_dir / "a", "qwen2": qwen_dir, "qwen3": qwen3_dir, "llama3-rope": llama3_rope_dir}[model_name]
+    path = {"llama": tiny_dir / "a", "qwen2": qwen_dir, "qwen3": qwen3_dir, "llama3-rope": llama3_rope_dir,
+            "mistral": mistral_dir}[model_name]
     expert = _static_expert(path)  # 3 slots for sessions (one is scratch), 48 columns each
     step = expert._static
     histories = {"s1": [5, 17, 42], "s2": list(range(30, 44)), "s3": [8, 9], "s4": [11, 12, 13, 14, 15]}

@@ -215,7 +215,7 @@ def _default_trio(args) -> dict:
 
     import fusion
 
-    default_config = Path(fusion.__file__).parent / "configs" / "default.yaml"
+    default_config = Path(fusion.__file__).parent / "configs" / "default-gpu.yaml"
     data = yaml.safe_load(default_config.read_text(encoding="utf-8"))
     for expert in data["experts"]:
         expert.update(device=args.device, decode=args.decode)

@@ -90,3 +90,20 @@ def test_a_retired_key_is_refused_with_why_and_a_retired_decode_with_what_remain
         parse_config({"experts": [{"name": "a", "model": "m"}], "fusion_step": "compiled"})
     with pytest.raises(ConfigError, match=r"experts.0.decode: Input should be 'transformers', 'fast' or 'static'"):
         parse_config({"experts": [{"name": "a", "model": "m", "decode": "regional"}]})
+
+
+def test_the_shipped_configs_parse_and_the_gpu_one_is_the_default_trio_on_cuda():
+    """Every config in fusion/configs parses; the GPU one has the default trio's experts, rule and profiles,
+    on CUDA with its decode step and dense weights (the 4-bit codes are a CPU format)."""
+    import yaml
+
+    from fusion.models import ADAPTERS_DIR
+
+    folder = ADAPTERS_DIR.parent / "configs"
+    configs = {path.name: parse_config(yaml.safe_load(path.read_text())) for path in folder.glob("*.yaml")}
+    assert {"default.yaml", "default-gpu.yaml", "cross-family.yaml"} <= set(configs)
+    cpu, gpu = configs["default.yaml"], configs["default-gpu.yaml"]
+    assert [(e.name, e.model, e.adapter) for e in gpu.experts] == [(e.name, e.model, e.adapter) for e in cpu.experts]
+    assert gpu.fusion == cpu.fusion and gpu.profiles == cpu.profiles
+    assert all(e.device == "cuda" and e.decode == "fast" and e.weights == "dense" for e in gpu.experts)
+    assert all(e.weights == "int4" and e.device == "cpu" for e in cpu.experts)

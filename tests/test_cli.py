@@ -91,6 +91,10 @@ def test_show_experts_without_terminal(config_file):
     ("bad_rule_param", "tau must be a finite number > 0"),
     ("missing_router_data", "--data: no such file"),
     ("bad_comp_rank", "--comp-rank: router comp_rank must be in [0, 96)"),
+    ("bad_lengths", "--lengths: comma-separated digit counts"),
+    ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
+    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'arithmetic-long', 'python', 'python-functions']"),
+    ("ship_a_candidate", "--ship: 'arithmetic-long' is not a builtin adapter's recipe"),
 ])
 def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     path = tmp_path / "c.yaml"
@@ -117,6 +121,12 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     elif setup == "missing_router_data":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"),
                 "--data", str(tmp_path / "missing.jsonl")]
+    elif setup in ("bad_lengths", "too_long_lengths"):
+        args = ["eval", "--config", str(path), "--lengths", "3,x" if setup == "bad_lengths" else "3,40"]
+    elif setup == "unknown_training_kind":
+        args = ["train-expert", "poetry"]
+    elif setup == "ship_a_candidate":
+        args = ["train-expert", "arithmetic-long", "--ship"]
     elif setup == "bad_comp_rank":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--comp-rank", "96"]
     if data is not None:

@@ -603,6 +603,10 @@ def evaluate(
             return
         if router:  # requests name routers; the file becomes one of the config's
             config = config.model_copy(update={"routers": {**config.routers, "eval-router": str(router)}})
+        if sizes:  # worked answers of long operands outgrow a serving limit: the evaluation lifts it
+            needed = max(ev.length_budget(d) for d in sizes)
+            if needed > config.limits.max_tokens:
+                config = config.model_copy(update={"limits": config.limits.model_copy(update={"max_tokens": needed})})
         service = load_service(config, cache_dir(cache))
         routed = FusionSpec(rule="route", params={"router": "eval-router"})
         extra = [("route", routed), ("route (pure)", ev.pure_routing(routed))] if router else []

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the experts' decode path in the local builds")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timing round")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request in generate/concurrency")
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 16], help="concurrency levels")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64], help="concurrency levels")
     parser.add_argument("--no-static", action="store_true", help="leave the static step out of the decode suite")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="the default trio is measured only if the first build took under half of this")

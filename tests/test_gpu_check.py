@@ -80,7 +80,8 @@ def test_python_part_writes_figures_on_a_cpu(tmp_path):
     assert rc == 0
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     trio = figures["tiny-sized trio"]
-    for key in ("fused_step_over_slowest_forward", "fused_step_over_sum_of_forwards", "decode_step_over_floor",
+    for key in ("fused_step_over_slowest_forward", "fused_step_over_slowest_runtime_step",
+                "fused_step_over_sum_of_forwards", "decode_step_over_floor",
                 "fused_tokens_per_s", "fused_tokens_per_s_static_cache", "decode_ms.static", "concurrency.2"):
         assert key in trio, key
     shared = figures["tiny-sized adapter trio (one base)"]

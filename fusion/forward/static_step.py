@@ -165,10 +165,6 @@ class KVSlots:
         return slot
 
     def _forget(self, slot: int) -> None:
-        owner = self._owner[slot]
-        cache = owner() if owner is not None else None
-        if cache is not None and self._slot_of.get(id(cache)) == slot:
-            del self._slot_of[id(cache)]
         self._slot_of = {key: s for key, s in self._slot_of.items() if s != slot}
         self._owner[slot] = None
 

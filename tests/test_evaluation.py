@@ -211,10 +211,12 @@ def test_the_length_split_asks_every_kind_at_each_size(tiny_service, monkeypatch
     monkeypatch.setattr(ev, "arithmetic_accuracy", recording)
     rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"}))]
     result = ev.evaluate(tiny_service, rows=rows, questions=5, domains=[], lengths=(3, 7),
-                         sets=["in"])[0]
-    assert set(result.arithmetic_by_length) == {"3", "7"}
+                         sets=["in"], length_wordings=("in", "out"))[0]
+    assert set(result.arithmetic_by_length) == {"3", "3 out", "7", "7 out"}
     assert all(set(kinds) == {"+", "-", "*", "**", "chain"} for kinds in result.arithmetic_by_length_kind.values())
-    assert budgets[-2:] == [ev.length_budget(3), ev.length_budget(7)] and ev.length_budget(7) > ev.length_budget(3)
+    assert budgets[-4:] == [ev.length_budget(3)] * 2 + [ev.length_budget(7)] * 2
+    assert ev.length_budget(7) > ev.length_budget(3)
     table = ev.format_length_table([result])
-    assert table.splitlines()[0].startswith("| row | 3 digits | 7 digits | + 3 / 7 | - 3 / 7 |")
+    assert table.splitlines()[0].startswith("| row | 3 digits | 3 digits out | 7 digits | 7 digits out | "
+                                            "+ 3 / 3 out / 7 / 7 out |")
     assert ev.format_length_table([ev.EvalRow("x", {})]) == ""

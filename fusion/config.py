@@ -97,6 +97,13 @@ class ExpertConfig(_Strict):
                              f"device: {self.device})")
         return self
 
+    @model_validator(mode="after")
+    def _quantized_weights_run_on_a_cpu(self) -> ExpertConfig:
+        if self.weights != "dense" and not self.device.startswith("cpu"):
+            raise ValueError(f"expert {self.name!r}: weights: {self.weights} runs on a CPU (the project's C "
+                             f"kernels); on {self.device} use weights: dense")
+        return self
+
     @field_validator("decode", mode="before")
     @classmethod
     def _retired_compiled_decode(cls, value):

@@ -94,6 +94,8 @@ def test_show_experts_without_terminal(config_file):
     ("bad_lengths", "--lengths: comma-separated digit counts"),
     ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
     ("bad_length_sets", "--length-sets: in, out or in,out"),
+    ("no_such_device", "experts.a.device: 'cuda:7'"),
+    ("not_a_device", "experts.a.device: 'gpu' is not a device"),
     ("unknown_training_kind", "kind: expected one of ['arithmetic', 'arithmetic-long', 'python', 'python-functions']"),
     ("ship_a_candidate", "--ship: 'arithmetic-long' is not a builtin adapter's recipe"),
 ])
@@ -124,6 +126,8 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
                 "--data", str(tmp_path / "missing.jsonl")]
     elif setup in ("bad_lengths", "too_long_lengths"):
         args = ["eval", "--config", str(path), "--lengths", "3,x" if setup == "bad_lengths" else "3,40"]
+    elif setup in ("no_such_device", "not_a_device"):
+        data["experts"][0]["device"] = "cuda:7" if setup == "no_such_device" else "gpu"
     elif setup == "bad_length_sets":
         args = ["eval", "--config", str(path), "--lengths", "3", "--length-sets", "in,fresh"]
     elif setup == "unknown_training_kind":

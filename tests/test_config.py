@@ -107,3 +107,8 @@ def test_the_shipped_configs_parse_and_the_gpu_one_is_the_default_trio_on_cuda()
     assert gpu.fusion == cpu.fusion and gpu.profiles == cpu.profiles
     assert all(e.device == "cuda" and e.decode == "fast" and e.weights == "dense" for e in gpu.experts)
     assert all(e.weights == "int4" and e.device == "cpu" for e in cpu.experts)
+
+
+def test_quantized_weights_are_refused_off_a_cpu():
+    with pytest.raises(ConfigError, match="weights: int4 runs on a CPU .* on cuda use weights: dense"):
+        parse_config({"experts": [{"name": "a", "model": "m", "weights": "int4", "device": "cuda"}]})

@@ -51,12 +51,30 @@ def load_tokenizer(config: ExpertConfig, model_path: str):
         raise AssetError(f"expert {config.name!r}: cannot load the tokenizer of {model_path!r}: {first_line}") from None
 
 
+def check_device(config: ExpertConfig) -> torch.device:
+    """The expert's device, or ConfigError naming the field where this machine has none such."""
+    try:
+        device = torch.device(config.device)
+    except RuntimeError:
+        raise ConfigError(f"experts.{config.name}.device: {config.device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no GPU visible"
+            raise ConfigError(f"experts.{config.name}.device: {config.device!r}, but torch {torch.__version__} sees "
+                              f"no CUDA device ({build}); use device: cpu, or a CUDA build of torch on a GPU machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"experts.{config.name}.device: {config.device!r}, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def load_model_and_tokenizer(config: ExpertConfig, model_path: str, codes_dir: Path | None = None):
     """Load through the real transformers path: a local folder, a hub id, or a GGUF file in a folder;
     with the config's PEFT `adapter` merged in, and its weights quantized as the config says (the codes
     kept under `codes_dir`, if given, for the next start)."""
     from transformers import AutoModelForCausalLM
 
+    check_device(config)
     looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
     if looks_local and not Path(model_path).expanduser().exists():
         raise AssetError(f"expert {config.name!r}: model folder not found: {model_path}")

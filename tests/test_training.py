@@ -623,3 +623,23 @@ def test_function_stream_trains_on_the_body_and_the_end_of_text_only(tokenizer_d
         inputs = batch.input_ids[row].tolist()
         start = (batch.labels[row] != -100).nonzero()[0].item()
         assert "def" in tok.decode(inputs[: start + 1])  # the prompt (signature) is input only
+
+
+def test_a_batch_in_passes_gives_the_gradients_of_one_pass(tokenizer_dir):
+    """A batch split into passes of at most so many tokens (the memory of long worked answers) backs the
+    same mean loss and the same gradients as the batch in one pass."""
+    from fusion.tools.training.loop import _accumulate, _passes
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    batch = LongArithmeticStream(tok, seed=1)(6)
+    width = batch.input_ids.shape[1]
+    assert len(_passes(batch, 10**9)) == 1 and len(_passes(batch, 2 * width)) == 3 and len(_passes(batch, 1)) == 6
+    grads, losses = [], []
+    for budget in (10**9, 2 * width):
+        model = get_peft_model(tiny_llama(tok, seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        losses.append(float(_accumulate(model.base_model.model, batch, torch.device("cpu"), budget)))
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+    # the same up to bf16 rounding of the products (autocast), in norm
+    assert all(float((a - b).norm()) <= 1e-2 * float(a.norm()) + 1e-6 for a, b in zip(*grads))
+    assert any(float(a.norm()) > 0 for a in grads[0])

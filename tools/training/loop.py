@@ -45,6 +45,7 @@ class LoopSettings:
     weight_decay: float = 0.01
     log_every_s: float = 15.0
     checkpoint_every_s: float = 300.0
+    max_tokens_per_pass: int = 2048  # a batch wider than this runs as several passes, its gradients summed
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
@@ -78,6 +79,39 @@ def _hidden_states(model, batch: Batch, device: torch.device) -> torch.Tensor:
     kv.batch_repeat_interleave(ids.shape[0])
     positions = torch.arange(prefix_len, prefix_len + ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
     return model.model(input_ids=ids, cache=kv, position_ids=positions, use_cache=True).last_hidden_state
+
+
+def _passes(batch: Batch, max_tokens: int) -> list[Batch]:
+    """The batch as consecutive groups of rows of at most `max_tokens` input tokens each (one row at least)."""
+    rows, width = batch.input_ids.shape
+    per_pass = max(1, max_tokens // max(width, 1))
+    if per_pass >= rows:
+        return [batch]
+    return [Batch(batch.input_ids[k:k + per_pass], batch.labels[k:k + per_pass], batch.prefix_ids)
+            for k in range(0, rows, per_pass)]
+
+
+def _accumulate(model, batch: Batch, device: torch.device, max_tokens: int) -> torch.Tensor:
+    """Backward the batch's mean next-token loss, in passes of at most `max_tokens` tokens (activations and
+    the full-vocabulary logits of a long batch would not fit memory at once): each pass's summed loss over
+    the whole batch's labelled positions. Returns the loss (a scalar)."""
+    passes = _passes(batch, max_tokens)
+    weight = model.get_output_embeddings().weight  # [V, H]
+    total = int((batch.labels != -100).sum())
+    loss = torch.zeros((), device=device)
+    for part in passes:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            hidden = _hidden_states(model, part, device)  # [b, S, H]
+            labels = part.labels.to(device)
+            mask = labels != -100  # [b, S]
+            logits = (hidden[mask] @ weight.t()).float()  # [n, V]
+            if len(passes) == 1:
+                part_loss = F.cross_entropy(logits, labels[mask])
+            else:
+                part_loss = F.cross_entropy(logits, labels[mask], reduction="sum") / total
+        part_loss.backward()
+        loss = loss + part_loss.detach()
+    return loss
 
 
 def _lr_at(progress: float, settings: LoopSettings, step: int) -> float:
@@ -145,14 +179,8 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
         for group in opt.param_groups:
             group["lr"] = lr
         batch = next_batch(settings.batch_size)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            hidden = _hidden_states(model, batch, device)  # [B, S, H]
-            labels = batch.labels.to(device)
-            mask = labels != -100  # [B, S]
-            weight = model.get_output_embeddings().weight  # [V, H]
-            loss = F.cross_entropy((hidden[mask] @ weight.t()).float(), labels[mask])  # [N, V] logits
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = _accumulate(model, batch, device, settings.max_tokens_per_pass)
         torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0)
         opt.step()
         step += 1

@@ -161,7 +161,7 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
         for _ in range(step):  # the stream where it was: the batches trained on, drawn again
             next_batch(settings.batch_size)
         logger.info("resumed from %s at step %d (%.0f s trained before)", checkpoint, step, earlier_s)
-    resumed_at = step
+    resumed_at, tokens_at_log = step, tokens
     started = last_log = last_save = time.monotonic()
 
     def save() -> None:
@@ -193,8 +193,9 @@ def train_loop(model, next_batch: Callable[[int], Batch], settings: LoopSettings
         if now - last_log >= settings.log_every_s or step == settings.steps:
             logger.info(
                 "%s  step %d%s loss %.4f lr %.2e %.0f tok/s",
-                progress_line(max(step / settings.steps if settings.steps else 0.0, (now - started) / budget_s),
-                              now - started),
+                # this run's share of what it has to do (the steps left when it started, or its time)
+                progress_line(max((step - resumed_at) / (settings.steps - resumed_at) if settings.steps else 0.0,
+                                  (now - started) / budget_s), now - started),
                 step,
                 f"/{settings.steps}" if settings.steps else "",
                 sum(recent) / len(recent),

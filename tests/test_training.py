@@ -526,6 +526,35 @@ def test_long_stream_masks_all_but_the_answer_and_grows_its_operands(tokenizer_d
     assert max(sizes) == TRAIN_DIGITS
 
 
+def cut_run(target, base_dir, steps: int, cut_after: int) -> None:
+    """A run of the arithmetic-long recipe for `steps` steps whose time budget runs out after `cut_after` (a
+    clock that jumps once that many batches are drawn), as a session ending would cut it."""
+    import fusion.tools.training.loop as loop
+    from fusion.tools.training.experts import RECIPES
+    from fusion.tools.training.lora import train_lora
+
+    real_monotonic, calls = loop.time.monotonic, {"steps": 0}
+
+    class Clock:
+        def monotonic(self):
+            return real_monotonic() + (1e6 if calls["steps"] >= cut_after else 0.0)
+
+    real_batch = LongArithmeticStream.__call__
+
+    def counting(self, size):
+        calls["steps"] += 1
+        return real_batch(self, size)
+
+    LongArithmeticStream.__call__ = counting
+    loop.time = Clock()
+    try:
+        train_lora("arithmetic-long", RECIPES["arithmetic-long"], target, base_dir=base_dir, seed=3, steps=steps,
+                   minutes=1.0, resume=False)
+    finally:
+        loop.time = __import__("time")
+        LongArithmeticStream.__call__ = real_batch
+
+
 def test_a_resumed_training_equals_one_run_through(base_dir, tmp_path):
     """Three steps, stopped (as a session ending would), then resumed to six: the same weights and data hash
     as six steps in one run; the checkpoint is gone once the adapter is saved."""
@@ -537,28 +566,7 @@ def test_a_resumed_training_equals_one_run_through(base_dir, tmp_path):
     whole = train_expert("arithmetic-long", tmp_path / "whole", base_dir=base_dir, steps=6, seed=3)
     assert not checkpoint_of(tmp_path / "whole").exists()  # a finished run leaves no checkpoint
     target, recipe = tmp_path / "parts", RECIPES["arithmetic-long"]
-    # A run of six steps cut after three by its time budget (a clock that jumps once three batches are drawn).
-    import fusion.tools.training.loop as loop
-
-    real_monotonic, calls = loop.time.monotonic, {"steps": 0}
-
-    class Clock:
-        def monotonic(self):
-            return real_monotonic() + (1e6 if calls["steps"] >= 3 else 0.0)
-
-    real_batch = LongArithmeticStream.__call__
-
-    def counting(self, size):
-        calls["steps"] += 1
-        return real_batch(self, size)
-
-    LongArithmeticStream.__call__ = counting
-    loop.time = Clock()
-    try:
-        train_lora("arithmetic-long", recipe, target, base_dir=base_dir, seed=3, steps=6, minutes=1.0, resume=False)
-    finally:
-        loop.time = __import__("time")
-        LongArithmeticStream.__call__ = real_batch
+    cut_run(target, base_dir, steps=6, cut_after=3)
     assert checkpoint_of(target).exists() and not (target / ADAPTER_MANIFEST).exists()
     state = torch.load(checkpoint_of(target), weights_only=True)
     assert state["step"] == 3
@@ -643,3 +651,31 @@ def test_a_batch_in_passes_gives_the_gradients_of_one_pass(tokenizer_dir):
     # the same up to bf16 rounding of the products (autocast), in norm
     assert all(float((a - b).norm()) <= 1e-2 * float(a.norm()) + 1e-6 for a, b in zip(*grads))
     assert any(float(a.norm()) > 0 for a in grads[0])
+
+
+def test_an_unfinished_training_exports_as_an_adapter_to_measure(base_dir, tmp_path):
+    """`--export-checkpoint`: a cut run's checkpoint as an adapter folder (manifest: partial, its step) that
+    loads as an expert through peft's path and holds the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    from fusion.tools.training.experts import RECIPES
+    from fusion.tools.training.lora import export_checkpoint
+
+    target = tmp_path / "run"
+    cut_run(target, base_dir, steps=6, cut_after=2)
+    exported = export_checkpoint("arithmetic-long", RECIPES["arithmetic-long"], target, tmp_path / "partial",
+                                 base_dir=base_dir)
+    manifest = json.loads((exported / ADAPTER_MANIFEST).read_text())
+    assert manifest["partial"] is True and manifest["step"] == 2 and manifest["of_steps"] == 1200
+    state = torch.load(checkpoint_of(target), weights_only=True)
+    saved = load_file(str(exported / "adapter_model.safetensors"))
+    trained_b = [t for t in state["parameters"] if t.shape[1] == 16]  # the lora_B matrices (out, rank)
+    assert sorted(float(t.float().abs().sum()) for k, t in saved.items() if "lora_B" in k) == pytest.approx(
+        sorted(float(t.bfloat16().float().abs().sum()) for t in trained_b), rel=1e-3)
+    config = parse_config({"experts": [{"name": "x", "model": str(base_dir), "dtype": "float32",
+                                        "adapter": str(exported)}]}).experts
+    expert = load_local_experts(config, str)[0]
+    assert expert.score("s", tok_ids(base_dir, "What is 2 x 3?"), 2).shape[0] == 2
+    with pytest.raises(FileNotFoundError, match="no training checkpoint"):
+        export_checkpoint("arithmetic-long", RECIPES["arithmetic-long"], tmp_path / "none", tmp_path / "x",
+                          base_dir=base_dir)

@@ -436,6 +436,9 @@ def train_expert(
     seed: int = typer.Option(0, "--seed"),
     device: str = typer.Option("cpu", "--device", help="cpu, or cuda where a GPU is at hand."),
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming a checkpoint."),
+    export: Optional[Path] = typer.Option(None, "--export-checkpoint", help="Instead of training: write the "
+                                          "unfinished training's checkpoint as an adapter folder here, to measure "
+                                          "it (fusion eval with `adapter:` this folder)."),
     cache: Optional[Path] = CacheOption,
 ) -> None:
     """Train a specialist as a LoRA adapter over SmolLM2-135M-Instruct (fetched first if needed)."""
@@ -458,6 +461,15 @@ def train_expert(
         base = Path(assets.prepare_model("builtin:smollm2-135m-instruct", root))
         name = ADAPTER_NAMES.get(kind, kind)
         target = out or root / "adapters" / name
+        if export is not None:
+            from fusion.tools.training.lora import export_checkpoint
+
+            try:
+                typer.echo(str(export_checkpoint(kind, RECIPES[kind], target, export, base_dir=base,
+                                                 base_ref=SMOLLM2_HUB_ID)))
+            except (FileNotFoundError, ValueError) as err:
+                fail(f"--export-checkpoint: {err}")
+            return
         typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps,
                              base_ref=SMOLLM2_HUB_ID, device=device, resume=not fresh)))
         from fusion.tools.training.lora import checkpoint_of

@@ -91,17 +91,9 @@ def train_lora(
     and, with `resume`, goes on from a checkpoint found there; a run that ends before the recipe's steps (a
     `minutes` budget) leaves the checkpoint and saves nothing else: the next run goes on.
     """
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     base_dir = Path(base_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).to(device)
-    config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
-                        target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
-    peft_model.peft_config["default"].base_model_name_or_path = base_ref or base_dir.name
+    peft_model, tokenizer = _lora_model(recipe, base_dir, base_ref, device)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     steps = recipe.steps if steps is None else steps  # `minutes` only caps one run: the next one resumes
     settings = LoopSettings(steps=steps, minutes=minutes, **recipe.loop)
@@ -145,6 +137,49 @@ def train_lora(
     checkpoint.unlink(missing_ok=True)
     logger.info("saved %s adapter to %s", kind, out_dir)
     return Path(out_dir)
+
+
+def _lora_model(recipe: LoraRecipe, base_dir: Path, base_ref: str | None, device: str = "cpu"):
+    """The base in float32 with the recipe's LoRA adapters injected (peft), and its tokenizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).to(device)
+    config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
+                        target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    peft_model.peft_config["default"].base_model_name_or_path = base_ref or Path(base_dir).name
+    return peft_model, tokenizer
+
+
+def export_checkpoint(kind: str, recipe: LoraRecipe, out_dir: Path, dest: Path, *, base_dir: Path,
+                      base_ref: str | None = None) -> Path:
+    """An unfinished training's checkpoint (the one training into `out_dir` keeps) as an adapter folder at
+    `dest`, to measure it with `fusion eval` while it trains on; its manifest says it is partial, at which
+    step. Nothing ships from it."""
+    checkpoint = checkpoint_of(Path(out_dir))
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"no training checkpoint at {checkpoint}")
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    peft_model, _ = _lora_model(recipe, Path(base_dir), base_ref)
+    trained = [param for _, param in peft_model.base_model.model.named_parameters() if param.requires_grad]
+    if len(trained) != len(state["parameters"]):
+        raise ValueError(f"checkpoint {checkpoint} holds {len(state['parameters'])} tensors, the {kind} recipe "
+                         f"trains {len(trained)}")
+    with torch.no_grad():
+        for param, saved in zip(trained, state["parameters"]):
+            param.copy_(saved)
+    manifest = {"kind": kind, "format": "peft-lora", "partial": True, "step": state["step"],
+                "of_steps": recipe.steps, "seed": state["seed"], "train_seconds": round(state["seconds"], 1),
+                "base_model": base_ref or Path(base_dir).name, "recent_loss": round(sum(state["recent"]) /
+                                                                                     max(1, len(state["recent"])), 6)}
+    peft_model.to("cpu", torch.bfloat16)
+    with staged_dir(Path(dest), replace=True) as tmp:
+        peft_model.save_pretrained(tmp)
+        (tmp / ADAPTER_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    logger.info("exported %s's checkpoint at step %d to %s", kind, state["step"], dest)
+    return Path(dest)
 
 
 def checkpoint_of(out_dir: Path) -> Path:

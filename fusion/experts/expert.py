@@ -422,6 +422,7 @@ class LocalExpert(ExtendMixin, BatchedForwardsMixin):
         lengths = [cache.get_seq_length() for cache in caches]
         if max(lengths) + 1 > step.slots.columns:
             return None
+        step.begin()  # (the claims below may copy into slots the last step, on another stream, still reads)
         slots = [step.slots.claim(cache, busy=caches) for cache in caches]
         if None in slots:
             return None

@@ -21,6 +21,8 @@ once:
 Graphs are captured at warm-up (`capture`) on a side stream into one memory pool per step, with
 `torch.cuda.CUDAGraph` directly: no compiler, no CUDA-graph trees, no thread-local state, so that any
 thread replays them (on its current stream: experts on their own streams overlap). A replay is one launch.
+One step's buffers are shared by whoever steps it, so each step first waits for the last one's work on
+whatever stream that ran (`begin`).
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class StaticStep:
         self._columns = torch.arange(slots.columns, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps that replayed a captured graph (the rest ran eagerly)
+        self._done: torch.cuda.Event | None = None  # the last step's end on its stream (see `begin`)
         self.shapes: Counter[tuple[int, int]] = Counter()  # steps by (bucket, width)
 
     @property
@@ -206,6 +209,13 @@ class StaticStep:
         width = next(w for w in self.widths if w > longest)  # columns [0, longest) read, the new one written
         return bucket, width
 
+    def begin(self) -> None:
+        """Order the caller's stream after the last step's work, whichever stream that ran on: the static
+        buffers, the slots and the graphs' outputs are shared, and a replay is queued, not finished, when
+        it returns. Call before touching the slots (a claim's copies); each step calls it too."""
+        if self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+
     def __call__(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                  adapter_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (B, V) float32 after each row's new id `ids[b]`, at `positions[b]` (its cached ids) in
@@ -213,6 +223,7 @@ class StaticStep:
         value at column `positions[b]` of its slot."""
         rows = len(ids)
         bucket, width = self.shape_for(rows, max(positions))
+        self.begin()
         padding = bucket - rows  # rows of id 0 at position 0 in the scratch slot, through the base
         host = torch.tensor([list(ids) + [0] * padding, list(positions) + [0] * padding,
                              list(slots) + [SCRATCH] * padding], dtype=torch.long)  # (3, bucket)
@@ -225,8 +236,13 @@ class StaticStep:
         if graph is not None:
             graph[0].replay()
             self.replays += 1
-            return graph[1][:rows].clone()
-        return self._compute(bucket, width)[:rows]
+            logits = graph[1][:rows].clone()
+        else:
+            logits = self._compute(bucket, width)[:rows]
+        if self.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(self.device))
+        return logits
 
     def _compute(self, rows: int, width: int) -> torch.Tensor:
         """The step over the first `rows` static inputs, attention over `width` columns: (rows, V) float32."""

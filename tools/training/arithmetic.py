@@ -35,9 +35,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-import torch
-
-from fusion.tools.training.loop import Batch
+from fusion.tools.training.loop import PromptAnswerStream
 from fusion.frontdoor.text import end_of_turn_id
 
 MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND
@@ -573,7 +571,7 @@ def wide_stream(tokenizer, seed: int) -> "ArithmeticStream":
     return ArithmeticStream(tokenizer, seed, wide=True)
 
 
-class ArithmeticStream:
+class ArithmeticStream(PromptAnswerStream):
     """Endless batches of (chat prompt + working answer + <|im_end|>), loss on the answer only.
 
     The chat template's system prompt is the same for every row, so it travels once as the
@@ -592,13 +590,14 @@ class ArithmeticStream:
             n += 1
         self.prefix = one[:n]
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def question(self) -> tuple[Problem, str]:
         """The next training problem and its question (training phrasings only)."""
         p = training_problem(self.rng)
         return p, training_question(p, self.rng) if self.wide else question_text(p, self.rng, "train")
+
+    def answer(self, problem) -> str:
+        """The worked answer the loss is on."""
+        return answer_text(problem)
 
     def example(self) -> tuple[list[int], list[int]]:
         """(prompt ids after the shared prefix, answer ids ending with the turn terminator)."""
@@ -606,21 +605,4 @@ class ArithmeticStream:
         prompt = self._encode(chat_prompt(self.tokenizer, question))
         if prompt[: len(self.prefix)] != self.prefix:
             raise ValueError(f"chat prompt for {p.canonical!r} does not start with the shared prefix")
-        return prompt[len(self.prefix) :], self._encode(answer_text(p)) + [self.end_id]
-
-    def rows(self, batch_size: int) -> list[tuple[list[int], list[int]]]:
-        """The next batch's (prompt, answer) id rows."""
-        return [self.example() for _ in range(batch_size)]
-
-    def __call__(self, batch_size: int) -> Batch:
-        rows = self.rows(batch_size)
-        width = max(len(q) + len(a) for q, a in rows)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [B, S]
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)  # [B, S]
-        for r, (q, a) in enumerate(rows):
-            seq = q + a
-            ids[r, : len(seq)] = torch.tensor(seq)
-            # Position t predicts token t+1: the last prompt token predicts the first answer token.
-            labels[r, len(q) - 1 : len(seq) - 1] = torch.tensor(a)
-        return Batch(input_ids=ids, labels=labels, prefix_ids=torch.tensor(self.prefix, dtype=torch.long))
+        return prompt[len(self.prefix) :], self._encode(self.answer(p)) + [self.end_id]

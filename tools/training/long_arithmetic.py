@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 
 from fusion.tools.training import arithmetic as phrasing
-from fusion.tools.training.arithmetic import ArithmeticStream, chat_prompt
+from fusion.tools.training.arithmetic import ArithmeticStream
 
 TRAIN_DIGITS = 6  # +, - and * by one digit: operands of 1..6 digits in training
 LONG_TRAIN_DIGITS = 3  # long multiplication: both operands of 2..3 digits in training
@@ -98,6 +98,14 @@ def is_held_out(expr: Expr) -> bool:
 
 # -- the working -----------------------------------------------------------------------------------
 
+def _finished(steps: list[str], so_far: str, carry: int = 0) -> tuple[str, int]:
+    """A column working's steps joined and its value: a last carry goes in front of the digits so far."""
+    if carry:
+        so_far = f"{carry}{so_far}"
+        steps.append(f"{carry} in front, so {so_far}")
+    return "; ".join(steps), int(so_far)
+
+
 def _add(a: int, b: int) -> tuple[str, int]:
     left_a, left_b, carry, so_far, steps = str(a), str(b), 0, "", []
     while left_a or left_b:
@@ -109,10 +117,7 @@ def _add(a: int, b: int) -> tuple[str, int]:
         if left_a or left_b:
             step += f", left {left_a or 0}+{left_b or 0}"
         steps.append(step)
-    if carry:
-        so_far = f"{carry}{so_far}"
-        steps.append(f"{carry} in front, so {so_far}")
-    return "; ".join(steps), int(so_far)
+    return _finished(steps, so_far, carry)
 
 
 def _subtract(a: int, b: int) -> tuple[str, int]:
@@ -134,7 +139,7 @@ def _subtract(a: int, b: int) -> tuple[str, int]:
         if left_a:
             step += f", left {left_a}-{left_b or 0}"
         steps.append(step)
-    return "; ".join(steps), int(so_far)
+    return _finished(steps, so_far)
 
 
 def _times_digit(a: int, m: int) -> tuple[str, int]:
@@ -147,10 +152,7 @@ def _times_digit(a: int, m: int) -> tuple[str, int]:
         carry, so_far = total // 10, str(total % 10) + so_far
         step += f", so {so_far}" + (f", left {left}" if left else "")
         steps.append(step)
-    if carry:
-        so_far = f"{carry}{so_far}"
-        steps.append(f"{carry} in front, so {so_far}")
-    return "; ".join(steps), int(so_far)
+    return _finished(steps, so_far, carry)
 
 
 def _multiply(a: int, b: int) -> tuple[str, int]:
@@ -377,10 +379,10 @@ class LongArithmeticStream(ArithmeticStream):
             self.rng.shuffle(self._ready)
         return self._ready.pop()
 
-    def example(self) -> tuple[list[int], list[int]]:
+    def question(self) -> tuple[Expr, str]:
         expr = training_expr(self.rng, max_digits_after(self.examples))
         self.examples += 1
-        prompt = self._encode(chat_prompt(self.tokenizer, question_text(expr, self.rng, "train")))
-        if prompt[: len(self.prefix)] != self.prefix:
-            raise ValueError(f"chat prompt for {expr.canonical!r} does not start with the shared prefix")
-        return prompt[len(self.prefix):], self._encode(answer_text(expr)) + [self.end_id]
+        return expr, question_text(expr, self.rng, "train")
+
+    def answer(self, problem: Expr) -> str:
+        return answer_text(problem)

@@ -34,6 +34,40 @@ class Batch:
     prefix_ids: torch.Tensor | None = None  # [P]: tokens every row starts with, before input_ids
 
 
+class PromptAnswerStream:
+    """Endless batches of (prompt, answer) id rows, right-padded, the loss on the answer only; every row
+    starts with `prefix` (ids the batch carries once, e.g. a chat template's system prompt; may be empty).
+    A subclass sets `tokenizer`, `end_id` and `prefix` and gives `example`."""
+
+    tokenizer: object
+    end_id: int
+    prefix: list[int]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def example(self) -> tuple[list[int], list[int]]:
+        """(prompt ids after the shared prefix, answer ids)."""
+        raise NotImplementedError
+
+    def rows(self, batch_size: int) -> list[tuple[list[int], list[int]]]:
+        """The next batch's (prompt, answer) id rows."""
+        return [self.example() for _ in range(batch_size)]
+
+    def __call__(self, batch_size: int) -> Batch:
+        rows = self.rows(batch_size)
+        width = max(len(q) + len(a) for q, a in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [B, S]
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)  # [B, S]
+        for r, (q, a) in enumerate(rows):
+            seq = q + a
+            ids[r, : len(seq)] = torch.tensor(seq)
+            # Position t predicts token t+1: the last prompt token predicts the first answer token.
+            labels[r, len(q) - 1 : len(seq) - 1] = torch.tensor(a)
+        return Batch(input_ids=ids, labels=labels, prefix_ids=torch.tensor(self.prefix, dtype=torch.long))
+
+
 @dataclass
 class LoopSettings:
     steps: int | None  # stop after this many steps (None: only the time budget)

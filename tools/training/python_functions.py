@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from fusion.tools.training.arithmetic import ArithmeticStream
+from fusion.tools.training.loop import PromptAnswerStream
 from fusion.tools.training.python_code import stdlib_files, stdlib_root
 
 logger = logging.getLogger(__name__)
@@ -83,12 +83,12 @@ def training_functions() -> tuple[FunctionExample, ...]:
     return tuple(found)
 
 
-class FunctionStream(ArithmeticStream):
+class FunctionStream(PromptAnswerStream):
     """Endless batches of (prompt, body + end of text), the loss on the body and the end of text, the
     functions shuffled per pass by the seed. No chat wrapping and no shared prefix: HumanEval continues
     the prompt as plain text."""
 
-    def __init__(self, tokenizer, seed: int):  # noqa: D107  (ArithmeticStream's chat prefix is not used)
+    def __init__(self, tokenizer, seed: int):
         self.tokenizer = tokenizer
         self.rng = random.Random(f"functions:{seed}")
         self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

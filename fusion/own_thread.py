@@ -1,9 +1,8 @@
 """A worker thread of its own, for work that must always run on the same thread.
 
-Two kinds of state live with one thread rather than with the process: the OpenMP team that runs a
-thread's CPU tensor work (the compute thread, fusion.compute) and the CUDA-graph trees that
-`torch.compile(mode="reduce-overhead")` records and replays (a compiled CUDA decode step,
-fusion.forward.llama). `OwnThread.run` calls a function there, directly when already on it.
+Some state lives with one thread rather than with the process: the OpenMP team that runs a thread's CPU
+tensor work (the compute thread, fusion.compute). `OwnThread.run` calls a function there, directly when
+already on it.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ T = TypeVar("T")
 class _Ident:
     """The worker's thread id, held apart from its `OwnThread`: the running thread keeps its initializer's
     arguments alive, and must not keep the `OwnThread` so (one let go of ends its thread, and with it what
-    the thread holds: a compiled CUDA step's graphs and their memory)."""
+    the thread holds)."""
 
     value: int | None = None
 

@@ -208,22 +208,6 @@ def test_without_the_kernels_projections_use_torchs(tmp_path, monkeypatch, caplo
     assert QuantizedLinear.of(torch.nn.Linear(48, 32), "int8", torch.float32).kernel == "torch"
 
 
-def test_the_products_are_operators_a_compiled_step_can_call():
-    codes, scale_bias = _int4(32, 64, seed=5)
-    nibbles, scale_bias = _packed(codes, scale_bias)
-    int8_codes, scales = quantize_int8(torch.randn(32, 64))
-    x = torch.randn(3, 64)
-    torch.library.opcheck(torch.ops.fusion.int4_mm.default, (x, nibbles, scale_bias))
-    torch.library.opcheck(torch.ops.fusion.int8_mm.default, (x, int8_codes, scales))
-
-    def step(rows):
-        return torch.relu(native_kernels.int4_mm(rows, nibbles, scale_bias)) @ native_kernels.int8_mm(rows, int8_codes, scales).T
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
-
-
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 flags")
 def test_the_build_without_avx512_gives_the_same_bits(tmp_path):
     """Where the machine has AVX-512's byte dot products (VNNI), the 4-bit products use them, sixteen outputs
     a vector; built without AVX-512 they use AVX2's multiply-adds. The integer sums are exact and each

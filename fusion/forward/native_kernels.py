@@ -14,9 +14,7 @@ target AVX2.
 The build is one translation unit, about a second with gcc; the library is kept under the cache folder, named by
 the source's hash, the compiler and the CPU, so a second start loads it. Where no compiler is found, the
 build fails, or `FUSION_NATIVE_KERNELS=0` is set, `library()` is None and the projections keep torch's
-kernels (fusion/forward/quantized.py). The products are torch custom operators too (`fusion::int4_mm`,
-`fusion::int8_mm`), so a compiled step (torch.compile) calls them as opaque kernels; an eager step calls
-the library directly, skipping the dispatcher.
+kernels (fusion/forward/quantized.py). The steps call the library directly, skipping torch's dispatcher.
 """
 
 from __future__ import annotations
@@ -245,15 +243,11 @@ def int4_mm(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor)
     whose per-group scales and biases are `scale_bias` (N/8, K/32, 2, 8) float16 (`pack_scale_bias`) -> (M, N)."""
     if scale_bias.dtype != torch.float16:
         raise TypeError(f"int4_mm: scale_bias must be float16, got {scale_bias.dtype}")
-    if torch.compiler.is_compiling():
-        return torch.ops.fusion.int4_mm(rows, nibbles, scale_bias)
     return _product("fusion_int4_mm", rows, nibbles, scale_bias, nibbles.shape[0] * OUT_BLOCK)
 
 
 def int8_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """rows (M, K) @ (codes (N, K) int8 · scales (N,) float32 per row).T -> (M, N)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.fusion.int8_mm(rows, codes, scales)
     return _product("fusion_int8_mm", rows, codes, scales, codes.shape[0])
 
 
@@ -362,26 +356,6 @@ def mixture(logits: torch.Tensor, log_weights: torch.Tensor, normalizers: torch.
     library().fusion_mixture(logits.data_ptr(), log_weights.data_ptr(), normalizers.data_ptr(), experts, count, width,
                              torch.get_num_threads(), *comp, out.data_ptr())
     return out
-
-
-@torch.library.custom_op("fusion::int4_mm", mutates_args=())
-def _int4_mm_op(rows: torch.Tensor, nibbles: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
-    return _product("fusion_int4_mm", rows.contiguous(), nibbles, scale_bias, nibbles.shape[0] * OUT_BLOCK)
-
-
-@_int4_mm_op.register_fake
-def _(rows, nibbles, scale_bias):
-    return rows.new_empty(rows.shape[0], nibbles.shape[0] * OUT_BLOCK)
-
-
-@torch.library.custom_op("fusion::int8_mm", mutates_args=())
-def _int8_mm_op(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _product("fusion_int8_mm", rows.contiguous(), codes, scales, codes.shape[0])
-
-
-@_int8_mm_op.register_fake
-def _(rows, codes, scales):
-    return rows.new_empty(rows.shape[0], codes.shape[0])
 
 
 # --- references: what the kernels compute, in plain torch (for tests and for reading) ---------------

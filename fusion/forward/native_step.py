@@ -10,7 +10,7 @@ cannot run them: no kernels built, a projection not in a native layout, or adapt
 not one run per adapter.
 
 Everything else of the step (the embedding, the rotary table, the final norm and the head) stays in
-`FastDecoder.forward`, as do compiled steps, which never take this path.
+`FastDecoder.forward`; the static CUDA step never takes this path.
 """
 
 from __future__ import annotations

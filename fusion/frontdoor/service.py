@@ -130,7 +130,7 @@ class FusionService:
         device = devices.pop() if len(devices) == 1 else "cpu"
         mixed = config.alignment == "text" or len({e.info.tokenizer_fingerprint for e in experts}) > 1
         engine = FusionEngine(experts, config.limits, device=device, mixed_tokenizers=mixed)
-        try:  # on the compute thread: building it runs the experts (their fingerprints, a compiled step)
+        try:  # on the compute thread: building it runs the experts (their fingerprints)
             return run_on_compute_thread(cls, config, engine, tokenizers, cache_dir, require_router=require_router)
         except BaseException:
             engine.close()

@@ -115,10 +115,8 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _native_passes(*tensors: torch.Tensor) -> bool:
     """Whether the vocabulary-wide passes run in the project's C (`native_kernels.logit_statistics`,
-    `mixture`): float32 CPU tensors, eagerly, with no gradient to carry (training and compiled steps keep
-    torch's operators). `is_compiling` comes first: dynamo folds it to a constant, whereas the library's
-    cache lookup breaks the graph, and a call that breaks the graph runs eagerly, where it is False."""
-    return (not torch.compiler.is_compiling() and native_kernels.reads_logits(tensors[0])
+    `mixture`): float32 CPU tensors with no gradient to carry (training keeps torch's operators)."""
+    return (native_kernels.reads_logits(tensors[0])
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 

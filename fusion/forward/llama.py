@@ -30,7 +30,7 @@ layer. The embedding, the rotary table, the final norm and the head stay here.
 `DecodeStep` runs it eagerly; on CUDA its layers run inside the static-shape step's captured graphs
 (fusion.forward.static_step). A step compiled by inductor is retired: on a CPU its cold compile took
 minutes and the C step is faster; on CUDA its graph trees bound each graph to the thread that recorded it
-(docs/performance.md, "Paths that were retired").
+(docs/performance.md, "On a GPU").
 """
 
 from __future__ import annotations

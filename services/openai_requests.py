@@ -144,6 +144,9 @@ class ChatRequest(_Request):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the answer carries on the last message, the assistant's (with add_generation_prompt false)
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(_Request):

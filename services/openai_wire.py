@@ -185,6 +185,22 @@ def _sampling(request: ChatRequest | CompletionRequest) -> tuple[dict[str, Any],
     return out, max_tokens
 
 
+def _continues_final_message(request: ChatRequest | CompletionRequest) -> bool:
+    """vLLM's pair: `continue_final_message` with `add_generation_prompt` false (or unset) carries on the last
+    message; a new turn after it (`add_generation_prompt` true) is refused with it, as vLLM does, and no
+    generation prompt without continuing the last message is not offered."""
+    if not isinstance(request, ChatRequest):
+        return False
+    continued = bool(request.continue_final_message)
+    if continued and request.add_generation_prompt:
+        raise ApiError(400, "add_generation_prompt: cannot be true with continue_final_message",
+                       "add_generation_prompt")
+    if request.add_generation_prompt is False and not continued:
+        raise ApiError(400, "add_generation_prompt: false only with continue_final_message: true",
+                       "add_generation_prompt", "unsupported")
+    return continued
+
+
 def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, Any], max_choices: int) -> Plan:
     """The plan of a request body; ApiError 400 (a bad or unsupported field) or 404 (unknown model)."""
     request = parse_body(kind, body)
@@ -195,6 +211,7 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
     if structured is not None:
         sampling["structured"] = structured
     prompts = _prompts(request)
+    continued = _continues_final_message(request)
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
     prompt_logprobs = request.prompt_logprobs if isinstance(request, CompletionRequest) else None
     generate = not (kind == "completions" and max_tokens == 0)
@@ -214,7 +231,8 @@ def plan_request(kind: Kind, body: Any, *, served: str, profiles: Mapping[str, A
             choice = dict(sampling)
             if "seed" in choice and n > 1:
                 choice["seed"] += i  # distinct choices, each reproducible (vLLM's rule)
-            requests.append(FusionRequest(prompt, choice, spec, plain=kind == "completions"))
+            requests.append(FusionRequest(prompt, choice, spec, plain=kind == "completions",
+                                          continue_final_message=continued))
             prompt_index.append(p)
     renames = {"spec": "fusion", "rule": "fusion.rule", "params": "fusion.params", "weights": "fusion.weights",
                "profile": "model" if profile is not None else "fusion.profile"}

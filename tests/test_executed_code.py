@@ -45,14 +45,24 @@ def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     assert rate == 0.0 and all(not o.passed for o in outcomes)
 
 
-def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_statement(tiny_service):
-    problems = humaneval_problems(2)
-    completions = complete_humaneval(tiny_service, None, problems, max_tokens=12)
+@pytest.mark.parametrize("style", ["plain", "chat"])
+def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_statement(tiny_service, style):
+    """Plain: the prompt continued as is; chat: the answer opened with the code block and the prompt, in the
+    chat turn. Either way the fused continuation without stops, cut where the first stop begins."""
+    problems = sorted(humaneval_problems(), key=lambda p: len(p["prompt"]))[:2]  # in the tiny models' context
+    completions = complete_humaneval(tiny_service, None, problems, max_tokens=12, style=style, batch_size=1)
+    assert complete_humaneval(tiny_service, None, problems, max_tokens=12, style=style) == completions  # batched
+    stops = STOP + (["\n```"] if style == "chat" else [])
     for problem, completion in zip(problems, completions):
-        # the reference: the prompt continued as is without stops, cut where the first stop begins
-        request = FusionRequest(problem["prompt"], {"max_tokens": 12, "temperature": 0.0}, plain=True)
+        if style == "plain":
+            request = FusionRequest(problem["prompt"], {"max_tokens": 12, "temperature": 0.0}, plain=True)
+        else:
+            opened = [{"role": "user", "content": f"Complete the following Python function.\n```python\n"
+                                                  f"{problem['prompt']}```"},
+                      {"role": "assistant", "content": f"```python\n{problem['prompt']}"}]
+            request = FusionRequest(opened, {"max_tokens": 12, "temperature": 0.0}, continue_final_message=True)
         whole = "".join(event.text for event in tiny_service.submit(request))
-        cut = min([whole.find(stop) for stop in STOP if stop in whole] or [len(whole)])
+        cut = min([whole.find(stop) for stop in stops if stop in whole] or [len(whole)])
         assert completion == whole[:cut]
         assert humaneval_program(problem, completion).startswith(problem["prompt"] + completion)
     rate, outcomes = pass_at_1(problems, completions)

@@ -96,6 +96,21 @@ def test_chat_matches_the_service(client, tiny_service):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
 
+def test_chat_continues_the_final_assistant_message_as_the_service_does(client, tiny_service):
+    """vLLM's continue_final_message: the answer carries on the assistant's opening, the same tokens the
+    service gives for the same request; a last message that is not the assistant's is a 400 naming it."""
+    opened = CHAT + [{"role": "assistant", "content": "Sure, here"}]
+    local = list(tiny_service.submit(FusionRequest(opened, {"max_tokens": 8}, continue_final_message=True)))
+    reply = client.chat.completions.create(model="fusion", messages=opened, max_tokens=8, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "fusion": {"attribution": True}})
+    assert token_ids(reply.choices[0]) == [e.token.token_id for e in local]
+    assert reply.usage.prompt_tokens == len(tiny_service.prompt_ids(opened, continue_final_message=True)[0])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="fusion", messages=CHAT, max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+    assert refused.value.body["param"] == "continue_final_message" and "assistant" in refused.value.body["message"]
+
+
 def test_chat_streams_the_same_answer(client, tiny_service):
     local = tiny_service.complete(CHAT, {"max_tokens": 12})
     chunks = list(client.chat.completions.create(model="fusion", messages=CHAT, max_completion_tokens=12, stream=True,

@@ -107,3 +107,17 @@ def test_vllm_prompt_logprobs_carry_the_token_and_its_rank():
     assert out[1] == {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "t5"},
                       "2": {"logprob": -1.5, "rank": 2, "decoded_token": "t2"}}
     assert out[2]["9"] == {"logprob": -3.0, "rank": 6, "decoded_token": "t9"} and set(out[2]) == {"9", "4", "7"}
+
+
+def test_continue_final_message_is_vllms_pair_of_fields():
+    opened = CHAT + [{"role": "assistant", "content": "def f():"}]
+    assert plan(messages=opened, continue_final_message=True).requests[0].continue_final_message
+    assert plan(messages=opened, continue_final_message=True,
+                add_generation_prompt=False).requests[0].continue_final_message
+    assert not plan().requests[0].continue_final_message
+    assert not plan(add_generation_prompt=True).requests[0].continue_final_message
+    with pytest.raises(ApiError, match="cannot be true with continue_final_message") as both:
+        plan(messages=opened, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ApiError, match="false only with continue_final_message") as alone:
+        plan(add_generation_prompt=False)
+    assert both.value.param == alone.value.param == "add_generation_prompt" and both.value.status == 400

@@ -76,3 +76,24 @@ def test_incremental_decode_does_constant_work_per_token():
     for c in "x" * 2000:
         stream.push(ord(c))
     assert Counting.decoded < 10 * 2000
+
+
+def test_a_continued_final_message_stays_open_in_the_chat_template(smollm2_dir):
+    """continue_final_message on SmolLM2's template: the user's turn as a plain chat prompt, then the
+    assistant's opening with no end of turn after it, as transformers' own continue_final_message renders it."""
+    from transformers import AutoTokenizer
+
+    from fusion.config import ExpertConfig
+    from fusion.frontdoor.text import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    expert = ExpertConfig(name="s", model=str(smollm2_dir))
+    question = [{"role": "user", "content": "Complete the function."}]
+    opened = question + [{"role": "assistant", "content": "```python\ndef add(a, b):\n"}]
+    asked = encode_prompt(tok, expert, question)
+    continued = encode_prompt(tok, expert, opened, continue_final_message=True)
+    assert continued[:len(asked)] == asked  # the same turns, then the opening in place of the answer
+    assert tok.decode(continued[len(asked):]) == "```python\ndef add(a, b):\n"  # as written, to the newline
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in continued[len(asked):]
+    expected = tok.apply_chat_template(opened, continue_final_message=True, tokenize=False)
+    assert continued == tok(expected, add_special_tokens=False)["input_ids"]

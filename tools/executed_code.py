@@ -134,19 +134,40 @@ def humaneval_program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int, sampling: dict | None = None
-                       ) -> list[str]:
-    """Each problem's completion by `spec` (greedy, the prompt continued as is, HumanEval's stops)."""
+# An instruction-tuned model asked in its chat turn, its answer opened with the code block and the prompt
+# (evalplus's response prefix): it writes the body and closes the block. Continued as plain text, the same
+# models close the prompt's code block at once and explain it in prose.
+INSTRUCTION = "Complete the following Python function.\n```python\n{prompt}```"
+OPENING = "```python\n{prompt}"
+PROMPT_STYLES = ("chat", "plain")
+
+
+def humaneval_request(problem: dict, max_tokens: int, spec, style: str = "chat", sampling: dict | None = None):
+    """The request completing one problem: greedy, HumanEval's stops, in the chat turn (`style` "chat") or
+    the prompt continued as is ("plain", for base models)."""
     from fusion.frontdoor.service import FusionRequest
 
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"style: {style!r} is not one of {', '.join(PROMPT_STYLES)}")
+    asked = {"max_tokens": max_tokens, "temperature": 0.0, "stop": STOP + (["\n```"] if style == "chat" else []),
+             **(sampling or {})}
+    if style == "plain":
+        return FusionRequest(problem["prompt"], asked, spec, plain=True)
+    messages = [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])},
+                {"role": "assistant", "content": OPENING.format(prompt=problem["prompt"])}]
+    return FusionRequest(messages, asked, spec, continue_final_message=True)
+
+
+def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int, sampling: dict | None = None,
+                       style: str = "chat", batch_size: int = 16) -> list[str]:
+    """Each problem's completion by `spec` (`humaneval_request`), `batch_size` submitted together so that
+    they decode as one batch."""
     completions = []
-    for i, problem in enumerate(problems):
-        asked = {"max_tokens": max_tokens, "temperature": 0.0, "stop": STOP, **(sampling or {})}
-        text = "".join(event.text for event in service.submit(FusionRequest(problem["prompt"], asked, spec,
-                                                                             plain=True)))
-        completions.append(text)
-        if (i + 1) % 20 == 0:
-            logger.info("humaneval: %d of %d problems completed", i + 1, len(problems))
+    for offset in range(0, len(problems), batch_size):
+        chunk = problems[offset:offset + batch_size]
+        streams = [service.submit(humaneval_request(p, max_tokens, spec, style, sampling)) for p in chunk]
+        completions += ["".join(event.text for event in stream) for stream in streams]
+        logger.info("humaneval: %d of %d problems completed", len(completions), len(problems))
     return completions
 
 

@@ -56,11 +56,17 @@ class Admission:
     cross: bool = False
 
     # -- before tokenizing ---------------------------------------------------------------------------
-    def prompt(self, prompt: str | Sequence[Mapping] | Sequence[int], *, plain: bool = True) -> None:
-        """A prompt's shape and size: text, chat messages or (for a plain prompt) token ids."""
+    def prompt(self, prompt: str | Sequence[Mapping] | Sequence[int], *, plain: bool = True,
+               continue_final_message: bool = False) -> None:
+        """A prompt's shape and size: text, chat messages or (for a plain prompt) token ids; chat messages
+        ending with the assistant's where that message is to be continued."""
         limits = self.limits
         if not prompt:
             raise InvalidArgumentError("prompt: give a prompt or messages; both are empty")
+        if continue_final_message and (plain or isinstance(prompt, str) or is_token_ids(prompt)
+                                       or not isinstance(prompt[-1], Mapping) or prompt[-1].get("role") != "assistant"):
+            raise InvalidArgumentError("continue_final_message: the messages must end with the assistant's, "
+                                       "which the answer continues")
         if is_token_ids(prompt):
             if not plain:
                 raise InvalidArgumentError("prompt: token ids are a plain prompt (plain=True, as completions send them)")

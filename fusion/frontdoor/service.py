@@ -276,16 +276,17 @@ class FusionService:
         return params
 
     def prompt_ids(self, prompt: str | Sequence[Message], *, plain: bool = False,
-                   tools: ToolCalls | None = None) -> list[list[int]]:
+                   tools: ToolCalls | None = None, continue_final_message: bool = False) -> list[list[int]]:
         """The prompt as each expert expects it (its own chat template and system prompt, the `tools` it
-        may call); `plain`: the text as is, after each tokenizer's BOS."""
+        may call, its last message continued rather than answered with `continue_final_message`); `plain`:
+        the text as is, after each tokenizer's BOS."""
         if plain:
             if is_token_ids(prompt):  # ids of the experts' shared vocabulary, as sent (`Admission.prompt`)
                 return [list(prompt) for _ in self.tokenizers]
             return [encode_plain(tok, prompt, add_special_tokens=True) for tok in self.tokenizers]
         functions = [fn.model_dump(exclude_none=True) for fn in tools.functions] if tools is not None else None
         syntax = self.grammars.tool_syntax  # the fused answer's: every expert is asked for calls in it
-        return [encode_prompt(tok, cfg, prompt, functions, syntax)
+        return [encode_prompt(tok, cfg, prompt, functions, syntax, continue_final_message=continue_final_message)
                 for tok, cfg in zip(self.tokenizers, self.config.experts)]
 
     def token_text(self, token_id: int) -> str:
@@ -338,14 +339,15 @@ class FusionService:
 
     def _admit(self, request: FusionRequest) -> GenerationRequest:
         admission = self.engine.admission  # every check (fusion.engine.admission), each before the work it bounds
-        admission.prompt(request.prompt, plain=request.plain)
+        admission.prompt(request.prompt, plain=request.plain, continue_final_message=request.continue_final_message)
         if request.request_id:
             admission.request_id(request.request_id)
         rule, weights = self.resolve_spec(request.spec)
         sampling = self.sampling(request.sampling, request.tenant)
         admission.sampling(sampling)
         tools = sampling.structured.tool_calls if sampling.structured is not None else None
-        prompt_ids = self.prompt_ids(request.prompt, plain=request.plain, tools=tools)
+        prompt_ids = self.prompt_ids(request.prompt, plain=request.plain, tools=tools,
+                                     continue_final_message=request.continue_final_message)
         admission.prompt_ids(prompt_ids, rule, weights, sampling.max_tokens)
         generation = GenerationRequest(prompt_ids, sampling, rule, weights, tenant=request.tenant)
         if sampling.structured is not None:

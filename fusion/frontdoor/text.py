@@ -13,11 +13,15 @@ Message = dict[str, str]  # {"role": ..., "content": ...}
 
 
 def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Message],
-                  functions: Sequence[Mapping[str, Any]] | None = None, syntax: ToolSyntax = HERMES) -> list[int]:
+                  functions: Sequence[Mapping[str, Any]] | None = None, syntax: ToolSyntax = HERMES, *,
+                  continue_final_message: bool = False) -> list[int]:
     """Token ids of a prompt as this expert expects it: its own system prompt and chat template, with
     the `functions` it may call shown as its template shows tools where it asks for calls in `syntax`
     (the one the fused answer's grammar holds to), else by the project's tool prompt in that syntax
-    (fusion.fuse.tool_calls)."""
+    (fusion.fuse.tool_calls). With `continue_final_message` the last message (the assistant's, checked at
+    admission) stays open: the template's end of turn is left off, and no new turn begins."""
+    turn = ({"add_generation_prompt": False, "continue_final_message": True} if continue_final_message
+            else {"add_generation_prompt": True})
     if isinstance(prompt, str):
         messages: list[Message] = [{"role": "user", "content": prompt}]
     else:
@@ -27,11 +31,11 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
             messages = [{"role": "system", "content": expert.system_prompt}] + messages
         if takes_tools(tokenizer) and syntax_of(tokenizer) is syntax:
             tools = {"tools": template_tools(functions)} if functions else {}
-            text = tokenizer.apply_chat_template(messages_in_syntax(messages, syntax), add_generation_prompt=True,
-                                                 tokenize=False, **tools)
+            text = tokenizer.apply_chat_template(messages_in_syntax(messages, syntax), tokenize=False, **turn,
+                                                 **tools)
         else:
-            text = tokenizer.apply_chat_template(plain_tool_messages(messages, functions, syntax),
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(plain_tool_messages(messages, functions, syntax), tokenize=False,
+                                                 **turn)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n".join(m["content"] for m in plain_tool_messages(messages, functions, syntax))
     if expert.system_prompt:

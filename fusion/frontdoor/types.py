@@ -25,6 +25,9 @@ class FusionRequest:
     request_id: str | None = None  # the caller's id; it prefixes the service's own (unique) id
     plain: bool = False  # a text prompt continued as is: no chat template or system prompt (OpenAI's completions)
     tenant: Tenant = LOCAL  # who asks: its share of every queue, its max_tokens cap and its token quota
+    # Chat messages whose last one, the assistant's, the answer carries on (vLLM's continue_final_message):
+    # a reply's opening written for the model, such as the start of a code block.
+    continue_final_message: bool = False
 
 
 @dataclass

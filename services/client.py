@@ -97,10 +97,12 @@ class FusionClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        continue_final_message: bool = False,
     ) -> Iterator[GenerateEvent]:
         """Stream the fused answer. `sampling` overrides the server's defaults field by field; `spec`
-        None uses the server's default fusion spec."""
-        request = generate_request(prompt, sampling, spec, request_id)  # bad arguments raise here
+        None uses the server's default fusion spec; `continue_final_message`: the answer carries on the
+        last message, the assistant's."""
+        request = generate_request(prompt, sampling, spec, request_id, continue_final_message)  # bad arguments raise here
         return self._stream(request, timeout or self.timeout)
 
     def _stream(self, request: fusion_pb2.GenerateRequest, timeout: float | None) -> Iterator[GenerateEvent]:

@@ -172,6 +172,7 @@ def request_from_proto(request: fusion_pb2.GenerateRequest) -> FusionRequest:
         sampling=sampling_overrides(request.sampling),
         spec=spec_overrides_from_proto(request.spec) if request.HasField("spec") else None,
         request_id=request.request_id or None,
+        continue_final_message=request.continue_final_message,
     )
 
 
@@ -233,8 +234,10 @@ def generate_request(
     sampling: dict[str, Any] | SamplingParams | None = None,
     spec: FusionSpec | SpecOverrides | None = None,
     request_id: str = "",
+    continue_final_message: bool = False,
 ) -> fusion_pb2.GenerateRequest:
-    request = fusion_pb2.GenerateRequest(sampling=sampling_to_proto(sampling), request_id=request_id)
+    request = fusion_pb2.GenerateRequest(sampling=sampling_to_proto(sampling), request_id=request_id,
+                                         continue_final_message=continue_final_message)
     if isinstance(prompt, str):
         request.prompt = prompt
     else:

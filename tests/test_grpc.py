@@ -21,6 +21,7 @@ import pytest
 from fusion.config import FusionSpec, parse_config
 from fusion.errors import ExpertUnavailableError, InvalidArgumentError, ResourceExhaustedError
 from fusion.experts.expert import LocalExpert
+from fusion.frontdoor.service import FusionRequest
 from fusion.services.client import FusionClient
 from fusion.services.coordinator import create_coordinator_server
 from fusion.services.expert_server import create_expert_server
@@ -122,6 +123,17 @@ def test_remote_generation_matches_local(case, client, tiny_service, experts):
     assert no_sessions_left(experts)
 
 
+def test_remote_generation_continues_the_final_assistant_message_as_locally(client, tiny_service, experts):
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+    local = list(tiny_service.submit(FusionRequest(opened, {"max_tokens": 8, "ignore_eos": True},
+                                                   continue_final_message=True)))
+    events = list(client.generate(opened, {"max_tokens": 8, "ignore_eos": True}, continue_final_message=True))
+    assert [e.token.token_id for e in events] == [e.token.token_id for e in local]
+    assert events[-1].usage.prompt_tokens == local[-1].usage.prompt_tokens
+    # without the flag the opening is a finished turn and a new one begins: another prompt
+    assert list(client.generate(opened, {"max_tokens": 1}))[-1].usage.prompt_tokens != local[-1].usage.prompt_tokens
+
+
 def test_remote_score_matches_local(client, tiny_service):
     remote = client.score("the quick brown", " fox jumps")
     local = tiny_service.score("the quick brown", " fox jumps")
@@ -178,6 +190,8 @@ BAD_GENERATE = {
                         INVALID, "structured.json_schema"),
     "empty structured": (dict(prompt="hi", sampling=S(structured=fusion_pb2.StructuredOutput())), INVALID,
                          "structured"),
+    "continue a user's message": (dict(messages=[fusion_pb2.ChatMessage(role="user", content="x")],
+                                       continue_final_message=True), INVALID, "continue_final_message"),
 }
 
 

@@ -127,7 +127,7 @@ def resolve_model(ref: str, cache_dir: Path) -> str:
 
 ADAPTERS_DIR = Path(__file__).parent / "adapters"  # the LoRA adapters shipped with the project
 BUILTIN_ADAPTERS = {
-    "arith-lora": "arithmetic with column working: a LoRA fine-tune of SmolLM2-135M-Instruct",
+    "arith-lora": "arithmetic of any size, worked digit by digit: a LoRA fine-tune of SmolLM2-135M-Instruct",
     "python-lora": "Python code: a LoRA fine-tune of SmolLM2-135M-Instruct on the standard library",
 }
 

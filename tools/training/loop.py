@@ -46,6 +46,12 @@ class PromptAnswerStream:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _after_prefix(self, prompt: list[int], what: str) -> list[int]:
+        """A whole prompt's ids after the shared `prefix` (the batch carries the prefix once)."""
+        if prompt[: len(self.prefix)] != self.prefix:
+            raise ValueError(f"the prompt for {what} does not start with the shared prefix")
+        return prompt[len(self.prefix):]
+
     def example(self) -> tuple[list[int], list[int]]:
         """(prompt ids after the shared prefix, answer ids)."""
         raise NotImplementedError

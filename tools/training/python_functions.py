@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from fusion.tools.executed_code import INSTRUCTION, OPENING
-from fusion.tools.training.arithmetic import chat_prefix_ids, chat_prompt
+from fusion.tools.executed_code import humaneval_messages
+from fusion.tools.training.arithmetic import chat_prefix_ids
 from fusion.frontdoor.text import end_of_turn_id
 from fusion.tools.training.loop import PromptAnswerStream
 from fusion.tools.training.python_code import stdlib_files, stdlib_root
@@ -107,11 +107,9 @@ class FunctionStream(PromptAnswerStream):
             if not self.order:
                 self.order = self.rng.sample(list(self.functions), len(self.functions))
             function = self.order.pop()
-            asked = chat_prompt(self.tokenizer, INSTRUCTION.format(prompt=function.prompt))
-            prompt = self._encode(asked + OPENING.format(prompt=function.prompt))
-            if prompt[:len(self.prefix)] != self.prefix:
-                raise ValueError(f"the chat prompt for {function.name!r} does not start with the shared prefix")
-            prompt = prompt[len(self.prefix):]
+            asked = self.tokenizer.apply_chat_template(humaneval_messages(function.prompt), tokenize=False,
+                                                       continue_final_message=True)  # as the service renders it
+            prompt = self._after_prefix(self._encode(asked), repr(function.name))
             body = self._encode(function.body + "```") + [self.end_id]
             if len(prompt) + len(body) <= MAX_TOKENS:
                 return prompt, body

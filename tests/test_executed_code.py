@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from fusion.frontdoor.service import FusionRequest
-from fusion.tools.executed_code import (STOP, complete_humaneval, humaneval_problems, humaneval_program, pass_at_1,
-                                        run_sandboxed)
+from fusion.tools.executed_code import (STOP, asked_stops, complete_humaneval, cut_at_stop, humaneval_problems,
+                                        humaneval_program, pass_at_1, run_sandboxed)
 
 
 def test_a_right_program_passes_and_a_wrong_one_fails_with_its_error():
@@ -53,6 +53,7 @@ def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_state
     completions = complete_humaneval(tiny_service, None, problems, max_tokens=12, style=style, batch_size=1)
     assert complete_humaneval(tiny_service, None, problems, max_tokens=12, style=style) == completions  # batched
     stops = STOP + (["\n```"] if style == "chat" else [])
+    assert asked_stops(style) == stops
     for problem, completion in zip(problems, completions):
         if style == "plain":
             request = FusionRequest(problem["prompt"], {"max_tokens": 12, "temperature": 0.0}, plain=True)
@@ -62,8 +63,10 @@ def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_state
                       {"role": "assistant", "content": f"```python\n{problem['prompt']}"}]
             request = FusionRequest(opened, {"max_tokens": 12, "temperature": 0.0}, continue_final_message=True)
         whole = "".join(event.text for event in tiny_service.submit(request))
-        cut = min([whole.find(stop) for stop in stops if stop in whole] or [len(whole)])
-        assert completion == whole[:cut]
+        joined = "\n" + whole  # every HumanEval prompt ends with a newline: a stop may begin there
+        assert problem["prompt"].endswith("\n")
+        cut = min([joined.find(stop) for stop in stops if stop in joined] or [len(joined)])
+        assert completion == whole[:max(cut - 1, 0)]
         assert humaneval_program(problem, completion).startswith(problem["prompt"] + completion)
     rate, outcomes = pass_at_1(problems, completions)
     assert 0.0 <= rate <= 1.0 and len(outcomes) == 2
@@ -73,3 +76,15 @@ def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_state
 def test_a_problem_program_runs_its_check_on_the_entry_point(problem):
     program = humaneval_program(problem, problem["canonical_solution"])
     assert program.rstrip().endswith(f"check({problem['entry_point']})")
+
+
+@pytest.mark.parametrize(("completion", "expected"), [
+    ("```\n\nThis function uses a list comprehension.", ""),  # closes the block at once: met "\n```"
+    ("    return x\n```\nIt returns x.", "    return x"),
+    ("def other():\n    pass", ""),  # a new function at once: met "\ndef "
+    ("    return [y for y in x]\n", "    return [y for y in x]\n"),
+])
+def test_a_stop_is_matched_across_the_prompts_last_newline(completion, expected):
+    assert cut_at_stop("def f(x):\n", completion, asked_stops("chat")) == expected
+    assert cut_at_stop("", completion, asked_stops("chat")) == (completion if completion.startswith(("```", "def"))
+                                                               else expected)

@@ -149,11 +149,26 @@ def humaneval_request(problem: dict, max_tokens: int, spec, style: str = "chat",
 
     if style not in PROMPT_STYLES:
         raise ValueError(f"style: {style!r} is not one of {', '.join(PROMPT_STYLES)}")
-    asked = {"max_tokens": max_tokens, "temperature": 0.0, "stop": STOP + (["\n```"] if style == "chat" else []),
+    asked = {"max_tokens": max_tokens, "temperature": 0.0, "stop": asked_stops(style),
              **(sampling or {})}
     if style == "plain":
         return FusionRequest(problem["prompt"], asked, spec, plain=True)
     return FusionRequest(humaneval_messages(problem["prompt"]), asked, spec, continue_final_message=True)
+
+
+def asked_stops(style: str) -> list[str]:
+    """HumanEval's stops, and in the chat form the closing of the code block."""
+    return STOP + (["\n```"] if style == "chat" else [])
+
+
+def cut_at_stop(prompt: str, completion: str, stops: Sequence[str]) -> str:
+    """`completion` up to its first stop, matched across the prompt's last character too: the prompt ends
+    with a newline, so a completion that begins by closing the code block ("```") or with a new "def " has
+    met the stop "\n```" or "\ndef " at once, which the service, matching the generated text alone, lets
+    through."""
+    joined = prompt[-1:] + completion
+    found = [joined.find(stop) for stop in stops if stop in joined]
+    return completion[:max(min(found) - len(prompt[-1:]), 0)] if found else completion
 
 
 def humaneval_messages(prompt: str) -> list[dict[str, str]]:
@@ -170,7 +185,8 @@ def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int,
     for offset in range(0, len(problems), batch_size):
         chunk = problems[offset:offset + batch_size]
         streams = [service.submit(humaneval_request(p, max_tokens, spec, style, sampling)) for p in chunk]
-        completions += ["".join(event.text for event in stream) for stream in streams]
+        completions += [cut_at_stop(p["prompt"], "".join(event.text for event in stream), asked_stops(style))
+                        for p, stream in zip(chunk, streams)]
         logger.info("humaneval: %d of %d problems completed", len(completions), len(problems))
     return completions
 

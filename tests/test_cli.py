@@ -95,6 +95,8 @@ def test_show_experts_without_terminal(config_file):
     ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
     ("bad_length_sets", "--length-sets: in, out or in,out"),
     ("bad_humaneval_prompt", "--humaneval-prompt: chat or plain, got 'fim'"),
+    ("bad_humaneval_sampling", "--humaneval-sampling: repetition_penalty: Input should be greater than or equal to 0.01"),
+    ("unknown_humaneval_sampling", "--humaneval-sampling: penalty: Extra inputs are not permitted"),
     ("no_such_device", "experts.a.device: 'cuda:7'"),
     ("not_a_device", "experts.a.device: 'gpu' is not a device"),
     ("unknown_training_kind", "kind: expected one of ['arithmetic', 'python', 'python-functions']"),
@@ -133,6 +135,9 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
         args = ["eval", "--config", str(path), "--lengths", "3", "--length-sets", "in,fresh"]
     elif setup == "bad_humaneval_prompt":
         args = ["eval", "--config", str(path), "--humaneval", "1", "--humaneval-prompt", "fim"]
+    elif setup in ("bad_humaneval_sampling", "unknown_humaneval_sampling"):
+        guard = "repetition_penalty=0" if setup == "bad_humaneval_sampling" else "penalty=1.1"
+        args = ["eval", "--config", str(path), "--humaneval", "1", "--humaneval-sampling", guard]
     elif setup == "unknown_training_kind":
         args = ["train-expert", "poetry"]
     elif setup == "ship_a_candidate":

@@ -72,6 +72,19 @@ def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_state
     assert 0.0 <= rate <= 1.0 and len(outcomes) == 2
 
 
+
+def test_completions_take_the_sampling_asked(tiny_service):
+    """A repetition guard over greedy reaches every request (the service's own penalty path decides)."""
+    problems = sorted(humaneval_problems(), key=lambda p: len(p["prompt"]))[:2]
+    guard = {"repetition_penalty": 5.0, "frequency_penalty": 2.0}
+    guarded = complete_humaneval(tiny_service, None, problems, max_tokens=12, sampling=guard, style="plain")
+    for problem, completion in zip(problems, guarded):
+        asked = {"max_tokens": 12, "temperature": 0.0, "stop": asked_stops("plain"), **guard}
+        whole = "".join(e.text for e in tiny_service.submit(FusionRequest(problem["prompt"], asked, plain=True)))
+        assert completion == cut_at_stop(problem["prompt"], whole, asked_stops("plain"))
+    assert guarded != complete_humaneval(tiny_service, None, problems, max_tokens=12, style="plain")
+
+
 @pytest.mark.parametrize("problem", humaneval_problems(1))
 def test_a_problem_program_runs_its_check_on_the_entry_point(problem):
     program = humaneval_program(problem, problem["canonical_solution"])

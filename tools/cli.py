@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+from pydantic import ValidationError
 
-from fusion.config import FusionSpec, SpecOverrides
+from fusion.config import FusionSpec, SamplingParams, SpecOverrides
 from fusion.errors import FusionError
 from fusion.models import SMOLLM2_HUB_ID
 from fusion.tools.loading import cache_dir, load_service, model_resolver, read_config
@@ -99,19 +100,30 @@ def parse_weights(text: Optional[str]) -> Optional[dict[str, float]]:
     return weights
 
 
-def parse_params(text: Optional[str]) -> Optional[dict[str, Any]]:
+def parse_params(text: Optional[str], option: str = "--params") -> Optional[dict[str, Any]]:
     """`path=out/router.pt,hard=true` → {"path": "out/router.pt", "hard": True} (values read as YAML)."""
     if not text:
         return None
     import yaml
 
     params = {}
-    for name, value in _pairs(text, "--params", "NAME=VALUE"):
+    for name, value in _pairs(text, option, "NAME=VALUE"):
         try:
             params[name] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:
-            fail(f"--params: cannot read the value of {name!r}: {value!r}")
+            fail(f"{option}: cannot read the value of {name!r}: {value!r}")
     return params
+
+
+def parse_sampling(text: Optional[str], option: str) -> dict[str, Any]:
+    """`repetition_penalty=1.1` → {"repetition_penalty": 1.1}, checked as a request's sampling is."""
+    overrides = parse_params(text, option) or {}
+    try:
+        SamplingParams(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        fail(f"{option}: {'.'.join(str(part) for part in first['loc'])}: {first['msg']}")
+    return overrides
 
 
 def split_names(text: str) -> list[str]:
@@ -575,6 +587,9 @@ def evaluate(
     humaneval_prompt: str = typer.Option("chat", "--humaneval-prompt", help="How HumanEval asks: chat (in the chat "
                                          "turn, the answer opened with the code block and the prompt: instruction-"
                                          "tuned models) or plain (the prompt continued as is: base models)."),
+    humaneval_sampling: Optional[str] = typer.Option(None, "--humaneval-sampling", help="Sampling for HumanEval's "
+                                                     "requests over greedy, e.g. a repetition guard: "
+                                                     "repetition_penalty=1.1 or frequency_penalty=0.5."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
@@ -609,6 +624,7 @@ def evaluate(
 
         if humaneval_prompt not in PROMPT_STYLES:
             fail(f"--humaneval-prompt: {' or '.join(PROMPT_STYLES)}, got {humaneval_prompt!r}")
+        humaneval_overrides = parse_sampling(humaneval_sampling, "--humaneval-sampling")
         try:
             ev.chosen_splits(reserve, asked_sets)
         except ValueError as exc:
@@ -643,7 +659,8 @@ def evaluate(
             rows = [r for r in rows if r[0] in wanted]
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval,
-                              humaneval_prompt=humaneval_prompt, lengths=sizes, length_wordings=wordings)
+                              humaneval_prompt=humaneval_prompt, humaneval_sampling=humaneval_overrides,
+                              lengths=sizes, length_wordings=wordings)
         service.close()
         typer.echo(ev.format_table(results))
         if sizes:

@@ -278,6 +278,7 @@ def evaluate(
     humaneval: int = 0,
     humaneval_tokens: int = 384,
     humaneval_prompt: str = "chat",
+    humaneval_sampling: dict | None = None,
     lengths: Sequence[int] = (),
     length_wordings: Sequence[str] = ("in",),
 ) -> list[EvalRow]:
@@ -326,6 +327,7 @@ def evaluate(
         for result, (name, spec) in zip(results, rows):
             logger.info("humaneval: %s (%d problems)", name, len(problems))
             rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens,
+                                                                        sampling=humaneval_sampling,
                                                                         style=humaneval_prompt))
             result.humaneval_pass1 = rate
             result.humaneval_failures = {p["task_id"]: o.reason for p, o in zip(problems, outcomes) if not o.passed}

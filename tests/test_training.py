@@ -41,16 +41,12 @@ from fusion.tools.training.arithmetic import (
     WORD_PHRASINGS,
     STYLES,
     TEMPLATES,
-    ArithmeticStream,
     Problem,
-    answer_text,
     chat_prompt,
     extract_answer,
+    held_out_problems,
     is_held_out,
     make_questions,
-    question_text,
-    random_problem,
-    training_problem,
 )
 from fusion.tools.training.borrowed import BorrowedEmbedding
 from fusion.tools.training.long_arithmetic import KINDS as LONG_KINDS
@@ -90,7 +86,6 @@ def tokenizer_dir(tmp_path_factory):
     templates = (*TEMPLATES.values(), *HELD_OUT_TEMPLATES.values(), *FRESH_TEMPLATES.values())
     corpus = [t.format(a=1, b=2) for ts in templates for t in ts]
     corpus += list(STYLES + HELD_OUT_STYLES + FRESH_STYLES)
-    corpus += [answer_text(random_problem(rng)) for _ in range(300)]
     corpus += [long_answer(random_expr(rng, kind, 3)) for kind in LONG_KINDS for _ in range(30)]
     corpus += [question for question, _ in long_questions(40, 0)]
     corpus += ["You are a helpful AI assistant system user assistant", "def return import self"]
@@ -130,43 +125,39 @@ def test_make_questions_rejects_bad_n():
         make_questions(1_000_000, 0)
 
 
-def test_held_out_questions_never_appear_in_training():
-    held = {q for seed in range(3) for q, _ in make_questions(500, seed)}
-    rng = random.Random("train:0")
-    train_questions = set()
-    for _ in range(20_000):
-        p = training_problem(rng)
-        assert not is_held_out(p)
-        train_questions.add(question_text(p, rng))
-    assert not held & train_questions
+def test_make_questions_asks_held_out_problems_the_kinds_in_turn():
+    for seed in range(3):
+        problems = held_out_problems(500, seed)
+        assert all(map(is_held_out, problems)) and len(set(problems)) == 500
+        assert [a for _, a in make_questions(500, seed)] == [p.value for p in problems]
+        for start in range(0, 500 - 3, 4):  # each round of four asks every kind once
+            assert {p.kind for p in problems[start:start + 4]} == {"+", "-", "*", "**"}
+
+
+def in_range_problems() -> list[Problem]:
+    """Every two-digit problem: + and - on 0..99, * by one digit either way round, two digits by two."""
+    problems = [Problem(op, a, b) for op in "+-" for a in range(100) for b in range(100)]
+    problems += [Problem("*", a, m) for a in range(100) for m in range(10)]
+    problems += [Problem("*", m, a) for a in range(10, 100) for m in range(10)]
+    problems += [Problem("*", a, b) for a in range(LONG_MIN, 100) for b in range(LONG_MIN, 100)]
+    return problems
 
 
 def test_held_out_split_is_about_a_tenth_and_covers_all_operators():
-    rng = random.Random(0)
-    draws = [random_problem(rng) for _ in range(20_000)]
-    share = sum(map(is_held_out, draws)) / len(draws)
-    assert 0.07 < share < 0.13
+    problems = in_range_problems()
+    held = [p for p in problems if is_held_out(p)]
+    assert 0.07 < len(held) / len(problems) < 0.13
+    assert {p.kind for p in held} == {"+", "-", "*", "**"}
+    assert len(held_out_problems(len(held), 0)) == len(held)  # the pool is every held-out problem in range
+    with pytest.raises(ValueError, match=f"between 0 and {len(held)}"):
+        held_out_problems(len(held) + 1, 0)
     questions = [q for q, _ in make_questions(300, 0)]
     mul = ("*", " x ", "×", "times", "product", "Multiply")
     for words in (("+", "plus", "sum", "Add"), ("-", "minus", "Subtract"), mul):
         assert any(w in q for q in questions for w in words)
 
 
-@pytest.mark.parametrize(
-    "problem, answer",
-    [
-        (Problem("+", 47, 38), "47+38: 7+8=15, carry 1; 4+3+1=8. So the answer is 85."),
-        (Problem("-", 38, 47), "38-47: swap, 47-38; 17-8=9, borrow 1; 4-3-1=0. So the answer is -9."),
-        (Problem("*", 47, 6), "47*6: 7*6=42, carry 4; 4*6+4=24+4=28. So the answer is 282."),
-        (Problem("*", 7, 8), "7*8: 7*8=56. So the answer is 56."),
-        (Problem("*", 9, 12), "9*12: 2*9=18, carry 1; 1*9+1=9+1=10. So the answer is 108."),
-    ],
-)
-def test_answer_format(problem, answer):
-    assert answer_text(problem) == answer
-
-
-# --- phrasing split and worked answers ------------------------------------------------------
+# --- phrasing split ------------------------------------------------------------------------
 
 
 def piece_pattern(piece: str) -> re.Pattern:
@@ -221,8 +212,8 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
     from fusion.tools.router_training import default_training_samples
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    streams = (ArithmeticStream(tok, 0), ArithmeticStream(tok, 0, wide=True), LongArithmeticStream(tok, 0))
-    questions = [stream.question()[1] for stream in streams for _ in range(3000)]
+    stream = LongArithmeticStream(tok, 0)
+    questions = [stream.question()[1] for _ in range(6000)]
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
     pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES,
@@ -244,85 +235,6 @@ def test_in_and_out_of_template_questions_ask_the_same_problems():
     assert all(len({qi, qo, qf}) == 3 for (qi, _), (qo, _), (qf, _) in zip(inside, outside, fresh))
 
 
-def _column_result(block: str) -> int:
-    """The number a column working spells: each column's digit, units first, the last column whole."""
-    lasts = [int(step.split("=")[-1].split(",")[0]) for step in block.split("; ")]
-    return sum((v % 10) * 10**i for i, v in enumerate(lasts[:-1])) + lasts[-1] * 10 ** (len(lasts) - 1)
-
-
-def check_working(p: Problem, text: str) -> None:
-    """Recompute every step of a worked answer."""
-    head, tail = f"{p.canonical}: ", f". So the answer is {p.value}."
-    assert text.startswith(head) and text.endswith(tail), text
-    body = text[len(head):-len(tail)]
-    assert "answer" not in body
-    for chain in re.findall(r"[\d+\-*]+(?:=[\d+\-*]+)+", body):  # every equation holds
-        values = [eval(side) for side in chain.split("=")]  # digits and + - * only
-        assert len(set(values)) == 1, (chain, text)
-    for total, carry in re.findall(r"=(\d+), carry (\d+)", body):
-        assert int(carry) == int(total) // 10, text
-    for top, borrow in re.findall(r"(\d+)-\d+(?:-\d+)?=\d+, borrow (\d+)", body):
-        assert int(borrow) == (int(top) >= 10), text
-    if p.op in "+-":
-        x, y = (p.a, p.b) if p.op == "+" or p.a >= p.b else (p.b, p.a)
-        if p.op == "-" and p.a < p.b:
-            assert body.startswith(f"swap, {x}-{y}; ")
-            body = body[len(f"swap, {x}-{y}; "):]
-        assert _column_result(body) == (x + y if p.op == "+" else x - y), text
-        return
-    if p.kind == "*":
-        assert _column_result(body) == p.value, text
-        return
-    parts = body.split("; then ")
-    digits = [int(d) for d in reversed(str(p.b))]
-    partials = []
-    for i, (part, m) in enumerate(zip(parts, digits)):
-        found = re.fullmatch(rf"{p.a}\*{m}: (.+), so (\d+)(?:, shifted (\d+))?", part)
-        assert found, part
-        block, partial, shifted = found.groups()
-        assert _column_result(block) == int(partial) == p.a * m
-        assert int(shifted or partial) == p.a * m * 10**i and (shifted is None) == (i == 0)
-        partials.append(int(shifted or partial))
-    total = partials[0]
-    for part, partial in zip(parts[len(digits):], partials[1:]):
-        found = re.fullmatch(rf"{total}\+{partial}: (.+)", part)
-        assert found and _column_result(found.group(1)) == total + partial, part
-        total += partial
-    assert len(parts) == 2 * len(digits) - 1 and total == p.value
-
-
-def test_every_worked_answer_is_arithmetically_right():
-    problems = [Problem(op, a, b) for op in "+-" for a in range(100) for b in range(100)]
-    problems += [Problem("*", a, m) for a in range(100) for m in range(10)]
-    problems += [Problem("*", m, a) for a in range(100) for m in range(10)]
-    problems += [Problem("*", a, b) for a in range(LONG_MIN, 100) for b in range(LONG_MIN, 100)]
-    for p in problems:
-        check_working(p, answer_text(p))
-
-
-def test_long_multiplication_and_borrowing_are_drawn():
-    rng = random.Random(1)
-    draws = [random_problem(rng) for _ in range(4000)]
-    assert sum(p.kind == "**" for p in draws) > 800
-    assert sum(p.op == "-" and "borrow 1" in answer_text(p) for p in draws) > 300
-    assert {p.kind for p, in [(q,) for q in draws]} == {"+", "-", "*", "**"}
-    assert answer_text(Problem("*", 47, 38)) == (
-        "47*38: 47*8: 7*8=56, carry 5; 4*8+5=32+5=37, so 376; then 47*3: 7*3=21, carry 2; 4*3+2=12+2=14, "
-        "so 141, shifted 1410; then 376+1410: 6+0=6, carry 0; 7+1+0=8, carry 0; 3+4+0=7, carry 0; 0+1+0=1. "
-        "So the answer is 1786.")
-
-
-def test_every_working_ends_in_the_right_value():
-    for op in "+-":
-        for a in range(100):
-            for b in range(100):
-                assert extract_answer(answer_text(Problem(op, a, b))) == Problem(op, a, b).value
-    for a in range(100):
-        for m in range(10):
-            assert extract_answer(answer_text(Problem("*", a, m))) == a * m
-            assert extract_answer(answer_text(Problem("*", m, a))) == a * m
-
-
 # --- answer extraction --------------------------------------------------------------------
 
 
@@ -330,7 +242,7 @@ def test_every_working_ends_in_the_right_value():
     "text, value",
     [
         ("12 + 35 = 47", 47),
-        ("47+38: 7+8=15, carry 1; 4+3+1=8. So the answer is 85.", 85),
+        ("95+7: 5+7+0=12, so 2, left 9+0; 9+0+1=10, so 02; 1 in front, so 102. So the answer is 102.", 102),
         ("So the answer is -9.", -9),
         ("The answer is 56. 7 x 8 is a multiplication of 2 numbers.", 56),
         ("The sum of 47 and 38 is 85.", 85),
@@ -349,9 +261,20 @@ def test_extract_answer(text, value):
 # --- training -----------------------------------------------------------------------------
 
 
+def test_stream_rows_are_the_chat_prompt_after_the_shared_prefix_then_the_worked_answer(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stream, twin = LongArithmeticStream(tok, seed=0), LongArithmeticStream(tok, seed=0)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for _ in range(5):
+        expr, question = twin.question()
+        prompt, answer = stream.example()
+        assert stream.prefix + prompt == tok(chat_prompt(tok, question), add_special_tokens=False)["input_ids"]
+        assert answer == tok(long_answer(expr), add_special_tokens=False)["input_ids"] + [end]
+
+
 def test_stream_masks_everything_but_the_answer(tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    stream = ArithmeticStream(tok, seed=0)
+    stream = LongArithmeticStream(tok, seed=0)
     batch = stream(4)
     assert batch.input_ids.shape == batch.labels.shape
     full_prompt = tok(chat_prompt(tok, "1 + 1"), add_special_tokens=False)["input_ids"]
@@ -381,7 +304,7 @@ def test_lora_loss_falls_over_a_few_dozen_steps_and_the_base_stays_frozen(tokeni
     model = get_peft_model(tiny_llama(tok, seed=0), LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     settings = LoopSettings(steps=40, batch_size=16, lr=1e-2, warmup_steps=5, log_every_s=1e9)
-    result = train_loop(model.base_model.model, ArithmeticStream(tok, seed=0), settings, seed=0)
+    result = train_loop(model.base_model.model, LongArithmeticStream(tok, seed=0), settings, seed=0)
     assert result.steps == 40
     assert result.final_loss < 0.8 * result.initial_loss
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)

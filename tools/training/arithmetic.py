@@ -1,30 +1,21 @@
-"""Arithmetic specialist data: chat-formatted questions answered with column-by-column working.
+"""Arithmetic questions in words, and the two-digit problems the evaluation holds out; answer extraction and
+the chat prompt.
 
-Answer format. A tiny model cannot carry in its head: trained on bare "47 + 38 = 85" answers it
-stays near chance, because the first digit it writes depends on the whole sum. So each answer
-restates the problem, then works one column at a time from the units up (every step needs only a
-few earlier tokens: two digits and a carry), then states the result in ordinary form:
+Phrasings. Questions are composed from parts split into training's lists and held-out sets (below), so
+that the evaluation can ask the same problems in training's wordings (in-template) and in wordings no
+training composes (out-of-template): the second measures reading the numbers and the operation out of
+words, not recalling a template. The any-size specialist's stream and the router's texts word their
+questions from the training lists only (through `long_arithmetic.question_text`).
 
-    47 + 38 -> "47+38: 7+8=15, carry 1; 4+3+1=8. So the answer is 85."
-    38 - 47 -> "38-47: swap, 47-38; 17-8=9, borrow 1; 4-3-1=0. So the answer is -9."
-    47 * 6  -> "47*6: 7*6=42, carry 4; 4*6+4=24+4=28. So the answer is 282."
-    7 x 8   -> "7*8: 7*8=56. So the answer is 56."
+Held-out problems. `make_questions` asks two-digit problems, the kinds in turn: + and - on 0..99, * with
+one operand 0..9, and long multiplication of two two-digit numbers. A problem (op, a, b) belongs to the
+held-out set by a hash of its canonical form, the same for every seed. The any-size stream keeps a split
+of its own (`long_arithmetic.is_held_out`) that does not consult this one, so some of these problems are
+among its training draws: what the out-of-template sets hold unseen is the wording.
 
-SmolLM2's tokenizer splits numbers into single digits, so each digit is one token.
-
-    47 * 38 -> "47*38: 47*8: 7*8=56, carry 5; 4*8+5=32+5=37, so 376; then 47*3: 7*3=21, carry 2;
-               4*3+2=12+2=14, so 141, shifted 1410; then 376+1410: 6+0=6, carry 0; 7+1+0=8, carry 0;
-               3+4+0=7, carry 0; 0+1+0=1. So the answer is 1786."
-
-Ranges: + and - on 0..99 (negative differences allowed; borrows worked by column), * with one
-operand 0..9 and the other 0..99 (covers tables like 7 x 8 and 12 x 9), and long multiplication of
-two two-digit numbers. Every answer ends with "So the answer is N." and the turn terminator.
-
-Held-out split, two ways: each problem (op, a, b) belongs to training or to the held-out set by a
-hash of its canonical form (training never draws a held-out problem; `make_questions` draws only
-held-out ones); and the phrasings' parts (expressions, frames, instruction styles) are split into
-training and held-out lists, so evaluation asks the held-out problems both in training phrasings
-(in-template) and in phrasings no training has seen (out-of-template).
+`extract_answer` reads the final number of a generated answer; `chat_prompt` is the prompt exactly as the
+fusion engine formats it, and `chat_prefix_ids` the ids every such prompt starts with (what a training
+batch carries once).
 """
 
 from __future__ import annotations
@@ -34,9 +25,6 @@ import random
 import re
 from dataclasses import dataclass
 from functools import cache
-
-from fusion.tools.training.loop import PromptAnswerStream
-from fusion.frontdoor.text import end_of_turn_id
 
 MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND
 MAX_MULTIPLIER = 9  # * by one digit: one operand in 0..MAX_MULTIPLIER, the other in 0..MAX_OPERAND
@@ -331,100 +319,9 @@ class Problem:
 
 
 def is_held_out(p: Problem) -> bool:
-    """The fixed train/held-out split: a hash of the canonical form, independent of any seed."""
+    """Whether `p` is in the held-out set: a hash of the canonical form, independent of any seed."""
     digest = hashlib.sha256(p.canonical.encode()).digest()
     return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
-
-
-def _digits(n: int, width: int) -> list[int]:
-    """Least significant first, zero-padded to `width`."""
-    return [(n // 10**i) % 10 for i in range(width)]
-
-
-def _add_working(a: int, b: int) -> str:
-    width = max(len(str(a)), len(str(b)))
-    da, db = _digits(a, width), _digits(b, width)
-    steps, carry = [], 0
-    for i in range(width):
-        total = da[i] + db[i] + carry
-        step = f"{da[i]}+{db[i]}" + (f"+{carry}" if i else "")
-        if i == width - 1:
-            steps.append(f"{step}={total}")
-        else:
-            carry = total // 10
-            steps.append(f"{step}={total}, carry {carry}")
-    return "; ".join(steps)
-
-
-def _sub_working(a: int, b: int) -> str:
-    """Column subtraction of a - b with a >= b."""
-    width = len(str(a))
-    da, db = _digits(a, width), _digits(b, width)
-    steps, borrow = [], 0
-    for i in range(width):
-        out = 1 if da[i] - borrow < db[i] else 0
-        top = f"1{da[i]}" if out else f"{da[i]}"
-        step = f"{top}-{db[i]}" + (f"-{borrow}" if i else "")
-        diff = da[i] + 10 * out - db[i] - borrow
-        steps.append(f"{step}={diff}" + ("" if i == width - 1 else f", borrow {out}"))
-        borrow = out
-    return "; ".join(steps)
-
-
-def _mul_working(top: int, m: int) -> str:
-    """Column multiplication of `top` (any digits) by the single digit `m`."""
-    width = len(str(top))
-    dt = _digits(top, width)
-    steps, carry = [], 0
-    for i in range(width):
-        product = dt[i] * m
-        if i:
-            total = product + carry
-            step = f"{dt[i]}*{m}+{carry}={product}+{carry}={total}"
-        else:
-            total = product
-            step = f"{dt[i]}*{m}={product}"
-        if i < width - 1:
-            carry = total // 10
-            step += f", carry {carry}"
-        steps.append(step)
-    return "; ".join(steps)
-
-
-def _long_mul_working(a: int, b: int) -> str:
-    """Long multiplication: `a` by each digit of `b` from the units up (each partial product worked
-    by column and shifted), then the partial products added by column."""
-    parts, partials = [], []
-    for i, digit in enumerate(reversed(str(b))):
-        m = int(digit)
-        partial = a * m
-        part = f"{a}*{m}: {_mul_working(a, m)}, so {partial}"
-        if i:
-            partial *= 10**i
-            part += f", shifted {partial}"
-        parts.append(part)
-        partials.append(partial)
-    total = partials[0]
-    for partial in partials[1:]:
-        parts.append(f"{total}+{partial}: {_add_working(total, partial)}")
-        total += partial
-    return "; then ".join(parts)
-
-
-def answer_text(p: Problem) -> str:
-    """The full answer: restatement, column working, then "So the answer is N."."""
-    if p.op == "+":
-        work = _add_working(p.a, p.b)
-    elif p.op == "-":
-        work = _sub_working(p.a, p.b) if p.a >= p.b else f"swap, {p.b}-{p.a}; " + _sub_working(p.b, p.a)
-    elif p.kind == "**":
-        work = _long_mul_working(p.a, p.b)
-    elif p.op == "*":
-        top, m = (p.b, p.a) if p.a <= MAX_MULTIPLIER < p.b else (p.a, p.b)
-        work = _mul_working(top, m)
-    else:
-        raise ValueError(f"unknown operator {p.op!r}")
-    return f"{p.canonical}: {work}. So the answer is {p.value}."
 
 
 def suits_word_problem(p: Problem) -> bool:
@@ -433,8 +330,8 @@ def suits_word_problem(p: Problem) -> bool:
 
 def question_text(p: Problem, rng: random.Random, phrasing: str = "train") -> str:
     """A question for `p` in a random template and instruction style of the `phrasing` split ("train":
-    the only one any training draws from; "held_out" and "fresh": two sets of unseen templates and
-    styles)."""
+    training's templates and styles, the in-template wording; the others: templates and styles no
+    training composes)."""
     templates, styles = PHRASINGS[phrasing]
     if rng.random() < WORD_SHARE and suits_word_problem(p):
         return rng.choice(WORD_PHRASINGS[phrasing][p.op]).format(a=p.a, b=p.b)
@@ -464,33 +361,6 @@ def training_question(p: Problem, rng: random.Random) -> str:
     if rng.random() < 0.15:  # casual lower case
         text = text[0].lower() + text[1:]
     return text
-
-
-def _random_operand(rng: random.Random, max_value: int) -> int:
-    # One-digit operands are only a tenth of 0..99; draw them more often so short forms are learned.
-    return rng.randint(0, 9) if rng.random() < 0.25 else rng.randint(0, max_value)
-
-
-KIND_SHARES = {"+": 0.22, "-": 0.26, "*": 0.2, "**": 0.32}  # long multiplication has the most to learn
-
-
-def random_problem(rng: random.Random) -> Problem:
-    """Any problem in range, training or held-out."""
-    op = rng.choices(list(KIND_SHARES), list(KIND_SHARES.values()))[0]
-    if op == "**":
-        return Problem("*", rng.randint(LONG_MIN, MAX_OPERAND), rng.randint(LONG_MIN, MAX_OPERAND))
-    if op == "*":
-        big, small = _random_operand(rng, MAX_OPERAND), rng.randint(0, MAX_MULTIPLIER)
-        a, b = (big, small) if rng.random() < 0.5 else (small, big)
-        return Problem(op, a, b)
-    return Problem(op, _random_operand(rng, MAX_OPERAND), _random_operand(rng, MAX_OPERAND))
-
-
-def training_problem(rng: random.Random) -> Problem:
-    while True:
-        p = random_problem(rng)
-        if not is_held_out(p):
-            return p
 
 
 @cache
@@ -525,11 +395,10 @@ def held_out_problems(n: int, seed: int) -> list[Problem]:
 def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str, int]]:
     """`n` distinct held-out (question, answer) pairs; deterministic in `seed`.
 
-    Kinds (+, -, * by one digit, two digits by two digits) take turns. Every problem comes
-    from the held-out split, which training never draws, so these are disjoint from the training
-    stream for any seed. `phrasing`: "train" words them in training templates and styles
-    (in-template), "held_out" and "fresh" in templates and styles no training sees (out-of-template);
-    the same `seed` gives the same problems in every phrasing.
+    Kinds (+, -, * by one digit, two digits by two digits) take turns, every problem from the
+    held-out split (`is_held_out`). `phrasing`: "train" words them in training templates and styles
+    (in-template); "held_out", "fresh", "novel", "spare", "fifth" and "sixth" in templates and styles
+    no training composes (out-of-template); the same `seed` gives the same problems in every phrasing.
     """
     problems = held_out_problems(n, seed)
     rng = random.Random(f"phrasing:{phrasing}:{seed}")
@@ -574,33 +443,3 @@ def chat_prefix_ids(tokenizer) -> list[int]:
     while n < min(len(one), len(two)) and one[n] == two[n]:
         n += 1
     return one[:n]
-
-
-class ArithmeticStream(PromptAnswerStream):
-    """Endless batches of (chat prompt + working answer + <|im_end|>), loss on the answer only.
-
-    The chat template's system prompt is the same for every row, so it travels once as the
-    batch's shared prefix instead of being recomputed per row.
-    """
-
-    def __init__(self, tokenizer, seed: int, wide: bool = False):
-        self.tokenizer = tokenizer
-        self.wide = wide  # the wider training phrasings (`training_question`), else the in-template ones
-        self.rng = random.Random(f"train-wide:{seed}" if wide else f"train:{seed}")
-        self.end_id = end_of_turn_id(tokenizer)
-        self.prefix = chat_prefix_ids(tokenizer)
-
-    def question(self) -> tuple[Problem, str]:
-        """The next training problem and its question (training phrasings only)."""
-        p = training_problem(self.rng)
-        return p, training_question(p, self.rng) if self.wide else question_text(p, self.rng, "train")
-
-    def answer(self, problem) -> str:
-        """The worked answer the loss is on."""
-        return answer_text(problem)
-
-    def example(self) -> tuple[list[int], list[int]]:
-        """(prompt ids after the shared prefix, answer ids ending with the turn terminator)."""
-        p, question = self.question()
-        prompt = self._after_prefix(self._encode(chat_prompt(self.tokenizer, question)), repr(p.canonical))
-        return prompt, self._encode(self.answer(p)) + [self.end_id]

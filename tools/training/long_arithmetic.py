@@ -17,11 +17,12 @@ gather in front of the ones so far, so the answer is copied, not assembled:
     12+345-67  -> "12+345-67: 12+345: ..., so 357; 357-67: ..., so 290. So the answer is 290."
     3+4*5      -> "3+4*5: 4*5 first: ..., so 20; 3+20: ..., so 23. So the answer is 23."
 
-Splits. A problem belongs to training or to the held-out set by a hash of its canonical form (as in
-fusion.tools.training.arithmetic, whose phrasing splits this module reuses); and by size: training draws
-+, - and one-digit * with operands of at most `TRAIN_DIGITS` digits and long multiplication of at most
-`LONG_TRAIN_DIGITS` by `LONG_TRAIN_DIGITS`, so that `make_questions(..., digits=N)` past those sizes asks
-lengths no training saw. The stream raises the longest operand it draws over training (a curriculum).
+Splits. A problem belongs to training or to the held-out set by a hash of its canonical form (`is_held_out`,
+not the two-digit set's hash in fusion.tools.training.arithmetic, whose phrasing splits this module
+reuses); and by size: training draws +, - and one-digit * with operands of at most `TRAIN_DIGITS` digits
+and long multiplication of at most `LONG_TRAIN_DIGITS` by `LONG_TRAIN_DIGITS`, so that
+`make_questions(..., digits=N)` past those sizes asks lengths no training saw. The stream raises the longest
+operand it draws over training (a curriculum).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from fusion.frontdoor.text import end_of_turn_id
 from fusion.tools.training import arithmetic as phrasing
-from fusion.tools.training.arithmetic import ArithmeticStream
+from fusion.tools.training.arithmetic import chat_prefix_ids, chat_prompt
+from fusion.tools.training.loop import PromptAnswerStream
 
 TRAIN_DIGITS = 6  # +, - and * by one digit: operands of 1..6 digits in training
 LONG_TRAIN_DIGITS = 3  # long multiplication: both operands of 2..3 digits in training
@@ -358,17 +361,20 @@ def make_questions(n: int, seed: int, split: str = "train", digits: int | None =
     return [(question_text(e, rng, split), e.value) for e in held_out_exprs(n, seed, digits, kinds)]
 
 
-class LongArithmeticStream(ArithmeticStream):
-    """Endless batches of (chat prompt + worked answer + turn terminator), loss on the answer only, as
-    `ArithmeticStream` makes them, the operands growing along `CURRICULUM`. Worked answers range from 30 to
-    600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the batches handed out in
-    a drawn order): a batch pads to its own longest row, not to the pool's."""
+class LongArithmeticStream(PromptAnswerStream):
+    """Endless batches of (chat prompt + worked answer + turn terminator), loss on the answer only, the
+    operands growing along `CURRICULUM`. The chat template's system prompt is the same for every row, so it
+    travels once as the batch's shared prefix instead of being recomputed per row. Worked answers range
+    from 30 to 600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the batches
+    handed out in a drawn order): a batch pads to its own longest row, not to the pool's."""
 
     POOL = 4
 
     def __init__(self, tokenizer, seed: int):
-        super().__init__(tokenizer, seed)
+        self.tokenizer = tokenizer
         self.rng = random.Random(f"long-train:{seed}")
+        self.end_id = end_of_turn_id(tokenizer)
+        self.prefix = chat_prefix_ids(tokenizer)
         self.examples = 0
         self._ready: list[list[tuple[list[int], list[int]]]] = []
 
@@ -380,9 +386,14 @@ class LongArithmeticStream(ArithmeticStream):
         return self._ready.pop()
 
     def question(self) -> tuple[Expr, str]:
+        """The next training problem (of the curriculum's sizes, never held out by `is_held_out`) and its
+        question in training's wordings."""
         expr = training_expr(self.rng, max_digits_after(self.examples))
         self.examples += 1
         return expr, question_text(expr, self.rng, "train")
 
-    def answer(self, problem: Expr) -> str:
-        return answer_text(problem)
+    def example(self) -> tuple[list[int], list[int]]:
+        """(prompt ids after the shared prefix, worked answer ids ending with the turn terminator)."""
+        expr, question = self.question()
+        prompt = self._after_prefix(self._encode(chat_prompt(self.tokenizer, question)), repr(expr.canonical))
+        return prompt, self._encode(answer_text(expr)) + [self.end_id]

@@ -95,6 +95,7 @@ def test_show_experts_without_terminal(config_file):
     ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
     ("bad_length_sets", "--length-sets: in, out or in,out"),
     ("bad_humaneval_prompt", "--humaneval-prompt: chat or plain, got 'fim'"),
+    ("too_many_questions", "--questions: from 0 to 307 (the held-out two-digit problems), got 5000"),
     ("bad_humaneval_sampling", "--humaneval-sampling: repetition_penalty: Input should be greater than or equal to 0.01"),
     ("unknown_humaneval_sampling", "--humaneval-sampling: penalty: Extra inputs are not permitted"),
     ("no_such_device", "experts.a.device: 'cuda:7'"),
@@ -138,6 +139,8 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     elif setup in ("bad_humaneval_sampling", "unknown_humaneval_sampling"):
         guard = "repetition_penalty=0" if setup == "bad_humaneval_sampling" else "penalty=1.1"
         args = ["eval", "--config", str(path), "--humaneval", "1", "--humaneval-sampling", guard]
+    elif setup == "too_many_questions":
+        args = ["eval", "--config", str(path), "--questions", "5000"]
     elif setup == "unknown_training_kind":
         args = ["train-expert", "poetry"]
     elif setup == "ship_a_candidate":

@@ -15,6 +15,7 @@ from fusion.config import parse_config
 from fusion.experts.shared_base import load_local_experts
 from fusion.tools.training import RECIPES, train_expert
 from fusion.tools.training.arithmetic import (
+    hashed_out,
     FRAMES,
     FRESH_EXPRESSIONS,
     FRESH_FRAMES,
@@ -127,10 +128,10 @@ def test_make_questions_rejects_bad_n():
 
 def test_make_questions_asks_held_out_problems_the_kinds_in_turn():
     for seed in range(3):
-        problems = held_out_problems(500, seed)
-        assert all(map(is_held_out, problems)) and len(set(problems)) == 500
-        assert [a for _, a in make_questions(500, seed)] == [p.value for p in problems]
-        for start in range(0, 500 - 3, 4):  # each round of four asks every kind once
+        problems = held_out_problems(80, seed)
+        assert all(map(is_held_out, problems)) and len(set(problems)) == 80
+        assert [a for _, a in make_questions(80, seed)] == [p.value for p in problems]
+        for start in range(0, 80, 4):  # each round of four asks every kind once
             assert {p.kind for p in problems[start:start + 4]} == {"+", "-", "*", "**"}
 
 
@@ -143,10 +144,10 @@ def in_range_problems() -> list[Problem]:
     return problems
 
 
-def test_held_out_split_is_about_a_tenth_and_covers_all_operators():
+def test_held_out_split_is_about_a_hundredth_and_covers_all_operators():
     problems = in_range_problems()
     held = [p for p in problems if is_held_out(p)]
-    assert 0.07 < len(held) / len(problems) < 0.13
+    assert 0.005 < len(held) / len(problems) < 0.02  # a tenth of the any-size training's held-out tenth
     assert {p.kind for p in held} == {"+", "-", "*", "**"}
     assert len(held_out_problems(len(held), 0)) == len(held)  # the pool is every held-out problem in range
     with pytest.raises(ValueError, match=f"between 0 and {len(held)}"):
@@ -155,6 +156,19 @@ def test_held_out_split_is_about_a_tenth_and_covers_all_operators():
     mul = ("*", " x ", "×", "times", "product", "Multiply")
     for words in (("+", "plus", "sum", "Add"), ("-", "minus", "Subtract"), mul):
         assert any(w in q for q in questions for w in words)
+
+
+def test_no_training_draws_a_two_digit_held_out_problem():
+    """The any-size stream (the specialist's and the router's arithmetic) draws two-digit problems too: none
+    of them is one the two-digit sets hold out."""
+    held = {p.canonical for p in in_range_problems() if is_held_out(p)}
+    rng = random.Random(0)
+    drawn = [training_expr(rng, max_digits=2) for _ in range(30_000)]
+    binary = [e for e in drawn if len(e.ops) == 1]
+    assert len({e.canonical for e in binary}) > 5_000  # most of the two-digit problems
+    assert not held & {e.canonical for e in binary}
+    own_hash_only = {p.canonical for p in in_range_problems() if hashed_out(p.canonical)}
+    assert own_hash_only & {e.canonical for e in binary}  # what the any-size split's half of the rule keeps out
 
 
 # --- phrasing split ------------------------------------------------------------------------
@@ -224,7 +238,7 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
     assert len(set(questions)) > 4000  # many phrasings, not a handful
     # The patterns do find held-out phrasings: every piece shows up in its set's questions.
     for split in pieces:
-        held = [q for seed in range(3) for q, _ in make_questions(400, seed, phrasing=split)]
+        held = [q for seed in range(3) for q, _ in make_questions(300, seed, phrasing=split)]
         for piece, pattern in zip(pieces[split], patterns[split]):
             assert any(pattern.search(q) for q in held), piece
 

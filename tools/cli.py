@@ -625,6 +625,10 @@ def evaluate(
         if humaneval_prompt not in PROMPT_STYLES:
             fail(f"--humaneval-prompt: {' or '.join(PROMPT_STYLES)}, got {humaneval_prompt!r}")
         humaneval_overrides = parse_sampling(humaneval_sampling, "--humaneval-sampling")
+        from fusion.tools.training.arithmetic import held_out_count
+
+        if not 0 <= questions <= held_out_count():
+            fail(f"--questions: from 0 to {held_out_count()} (the held-out two-digit problems), got {questions}")
         try:
             ev.chosen_splits(reserve, asked_sets)
         except ValueError as exc:

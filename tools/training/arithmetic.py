@@ -9,9 +9,9 @@ questions from the training lists only (through `long_arithmetic.question_text`)
 
 Held-out problems. `make_questions` asks two-digit problems, the kinds in turn: + and - on 0..99, * with
 one operand 0..9, and long multiplication of two two-digit numbers. A problem (op, a, b) belongs to the
-held-out set by a hash of its canonical form, the same for every seed. The any-size stream keeps a split
-of its own (`long_arithmetic.is_held_out`) that does not consult this one, so some of these problems are
-among its training draws: what the out-of-template sets hold unseen is the wording.
+held-out set when a hash of its canonical form puts it in the held-out tenth and the any-size training's
+split (`any_size_held_out`, which `long_arithmetic.is_held_out` keeps) holds it out too: about one problem
+in a hundred, the same for every seed, and none that the specialist's or the router's training draws.
 
 `extract_answer` reads the final number of a generated answer; `chat_prompt` is the prompt exactly as the
 fusion engine formats it, and `chat_prefix_ids` the ids every such prompt starts with (what a training
@@ -318,10 +318,22 @@ class Problem:
         return self.op
 
 
-def is_held_out(p: Problem) -> bool:
-    """Whether `p` is in the held-out set: a hash of the canonical form, independent of any seed."""
-    digest = hashlib.sha256(p.canonical.encode()).digest()
+def hashed_out(key: str) -> bool:
+    """Whether `key` falls in the held-out tenth: a hash, independent of any seed."""
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
+
+
+def any_size_held_out(canonical: str) -> bool:
+    """The split of the any-size specialist's problems (fusion.tools.training.long_arithmetic), which draws
+    two-digit problems too."""
+    return hashed_out(f"long:{canonical}")
+
+
+def is_held_out(p: Problem) -> bool:
+    """Whether `p` is in the two-digit held-out set: held out by its own hash and by the any-size training's
+    split, so that no specialist or router training draws it."""
+    return hashed_out(p.canonical) and any_size_held_out(p.canonical)
 
 
 def suits_word_problem(p: Problem) -> bool:
@@ -374,6 +386,11 @@ def _held_out_pool() -> tuple[Problem, ...]:
 
 
 KINDS = ("+", "-", "*", "**")
+
+
+def held_out_count() -> int:
+    """How many distinct problems the held-out sets can ask."""
+    return len(_held_out_pool())
 
 
 def held_out_problems(n: int, seed: int) -> list[Problem]:

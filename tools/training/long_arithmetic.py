@@ -17,9 +17,9 @@ gather in front of the ones so far, so the answer is copied, not assembled:
     12+345-67  -> "12+345-67: 12+345: ..., so 357; 357-67: ..., so 290. So the answer is 290."
     3+4*5      -> "3+4*5: 4*5 first: ..., so 20; 3+20: ..., so 23. So the answer is 23."
 
-Splits. A problem belongs to training or to the held-out set by a hash of its canonical form (`is_held_out`,
-not the two-digit set's hash in fusion.tools.training.arithmetic, whose phrasing splits this module
-reuses); and by size: training draws +, - and one-digit * with operands of at most `TRAIN_DIGITS` digits
+Splits. A problem belongs to training or to the held-out set by a hash of its canonical form (`is_held_out`;
+the two-digit evaluation sets of fusion.tools.training.arithmetic, whose phrasing splits this module reuses,
+keep only problems this split holds out too); and by size: training draws +, - and one-digit * with operands of at most `TRAIN_DIGITS` digits
 and long multiplication of at most `LONG_TRAIN_DIGITS` by `LONG_TRAIN_DIGITS`, so that
 `make_questions(..., digits=N)` past those sizes asks lengths no training saw. The stream raises the longest
 operand it draws over training (a curriculum).
@@ -27,7 +27,6 @@ operand it draws over training (a curriculum).
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
 
@@ -39,7 +38,6 @@ from fusion.tools.training.loop import PromptAnswerStream
 TRAIN_DIGITS = 6  # +, - and * by one digit: operands of 1..6 digits in training
 LONG_TRAIN_DIGITS = 3  # long multiplication: both operands of 2..3 digits in training
 CHAIN_DIGITS = 3  # chains: operands of 1..3 digits, two or three operations
-HELD_OUT_PERCENT = 10
 KINDS = ("+", "-", "*", "**", "chain")
 KIND_SHARES = {"+": 0.22, "-": 0.24, "*": 0.16, "**": 0.2, "chain": 0.18}
 # The curriculum: the longest operand training draws, by examples drawn so far (then TRAIN_DIGITS).
@@ -95,8 +93,7 @@ def evaluate(terms: list[int], ops: list[str]) -> int:
 
 
 def is_held_out(expr: Expr) -> bool:
-    digest = hashlib.sha256(f"long:{expr.canonical}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
+    return phrasing.any_size_held_out(expr.canonical)
 
 
 # -- the working -----------------------------------------------------------------------------------

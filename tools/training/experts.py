@@ -27,7 +27,7 @@ RECIPES: dict[str, LoraRecipe] = {
     # The standard library's documented functions, the body written after the signature and docstring
     # (fusion.tools.training.python_functions): the shape of HumanEval, measured by running the code. It
     # replaces "python" once trained, measured and shipped.
-    "python-functions": LoraRecipe(stream=FunctionStream, steps=400, rank=16, alpha=32,
+    "python-functions": LoraRecipe(stream=FunctionStream, steps=300, rank=16, alpha=32,
                                    loop={"batch_size": 16, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
 }
 ADAPTER_NAMES = {"arithmetic": "arith-lora", "python": "python-lora"}  # the builtin adapter each recipe makes

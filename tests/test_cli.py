@@ -100,7 +100,8 @@ def test_show_experts_without_terminal(config_file):
     ("unknown_humaneval_sampling", "--humaneval-sampling: penalty: Extra inputs are not permitted"),
     ("no_such_device", "experts.a.device: 'cuda:7'"),
     ("not_a_device", "experts.a.device: 'gpu' is not a device"),
-    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'python']"),
+    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'python', 'python-functions']"),
+    ("ship_a_candidate", "--ship: 'python-functions' is not a builtin adapter's recipe"),
 ])
 def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     path = tmp_path / "c.yaml"
@@ -142,6 +143,8 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
         args = ["eval", "--config", str(path), "--questions", "5000"]
     elif setup == "unknown_training_kind":
         args = ["train-expert", "poetry"]
+    elif setup == "ship_a_candidate":
+        args = ["train-expert", "python-functions", "--ship"]
     elif setup == "bad_comp_rank":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--comp-rank", "96"]
     if data is not None:

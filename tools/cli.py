@@ -438,7 +438,7 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 
 @app.command("train-expert")
 def train_expert(
-    kind: str = typer.Argument(..., help="arithmetic or python"),
+    kind: str = typer.Argument(..., help="arithmetic, python or python-functions"),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the builtin adapter the "
                               "default config uses, with its manifest (how the shipped adapters are made)."),
@@ -462,6 +462,8 @@ def train_expert(
 
         if kind not in RECIPES:
             fail(f"kind: expected one of {sorted(RECIPES)}, got {kind!r}")
+        if ship and kind not in ADAPTER_NAMES:
+            fail(f"--ship: {kind!r} is not a builtin adapter's recipe (those are {sorted(ADAPTER_NAMES)})")
         if device.startswith("cuda"):
             import torch
 

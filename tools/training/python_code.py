@@ -1,16 +1,27 @@
-"""The standard library's Python files, split into training and held-out by a hash of their path relative
-to the stdlib root: the code specialist (fusion.tools.training.python_functions) and the router's mix
-draw from the training files only, so bits per byte on held-out Python are measured on whole files no
-training read.
+"""Python specialist data: the standard library's own source as plain next-token text.
+
+Why plain language modelling and no chat wrapping: in a fused decode this expert's job is to
+make code continuations likelier once code is being written; following the chat turn structure
+is the lead expert's job, and local code context dominates its next-token prediction anyway.
+
+Files are split into training and held-out by a hash of their path relative to the stdlib root,
+so the held-out loss is measured on whole files the model never saw.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import sysconfig
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from fusion.tools.training.loop import Batch
+
 HELD_OUT_PERCENT = 5
+SEQ_LEN = 256
 
 
 def stdlib_root() -> Path:
@@ -33,3 +44,66 @@ def stdlib_files(*, held_out: bool) -> list[Path]:
         if is_held_out(rel) == held_out:
             files.append(path)
     return files
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+class CodeStream:
+    """Endless [B, SEQ_LEN] windows over the training files, shuffled per pass by the seed."""
+
+    def __init__(self, tokenizer, seed: int, seq_len: int = SEQ_LEN):
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.files = stdlib_files(held_out=False)
+        if not self.files:
+            raise ValueError(f"no Python files found under {stdlib_root()}")
+        self.rng = random.Random(f"code:{seed}")
+        self.sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.order: list[Path] = []
+        self.buffer: list[int] = []
+
+    def _refill(self) -> None:
+        if not self.order:
+            self.order = self.rng.sample(self.files, len(self.files))
+        text = _read(self.order.pop())
+        self.buffer += self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.sep]
+
+    def __call__(self, batch_size: int) -> Batch:
+        need = batch_size * (self.seq_len + 1)
+        while len(self.buffer) < need:
+            self._refill()
+        block = torch.tensor(self.buffer[:need]).view(batch_size, self.seq_len + 1)  # [B, S+1]
+        del self.buffer[:need]
+        return Batch(input_ids=block[:, :-1], labels=block[:, 1:])
+
+
+def held_out_windows(tokenizer, n: int, seq_len: int = SEQ_LEN) -> torch.Tensor:
+    """[n, seq_len]: the middle window of each of the first `n` held-out files long enough for one.
+
+    One window per file spreads the measurement over many modules; the middle is code, where a
+    file's opening is mostly license text and imports.
+    """
+    windows = []
+    for path in stdlib_files(held_out=True):
+        ids = tokenizer(_read(path), add_special_tokens=False)["input_ids"]
+        if len(ids) >= seq_len:
+            start = (len(ids) - seq_len) // 2
+            windows.append(ids[start : start + seq_len])
+        if len(windows) == n:
+            return torch.tensor(windows)
+    raise ValueError(f"held-out files give only {len(windows)} windows of {seq_len} tokens, asked for {n}")
+
+
+@torch.no_grad()
+def lm_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy (nats, full softmax) of `model` over `windows` [N, S]."""
+    total, count = 0.0, 0
+    for start in range(0, windows.shape[0], batch_size):
+        chunk = windows[start : start + batch_size]  # [b, S]
+        logits = model(input_ids=chunk).logits[:, :-1].float()  # [b, S-1, V]
+        targets = chunk[:, 1:].reshape(-1)  # [b * (S-1)]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum").item()
+        count += chunk[:, 1:].numel()
+    return total / count

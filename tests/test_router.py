@@ -304,26 +304,6 @@ def test_training_data_files(tmp_path):
         next(file_samples([tmp_path / "missing.txt"], seed=0))
 
 
-def test_the_builtin_mix_asks_function_bodies_as_humaneval_does():
-    """The code specialist's task reaches the router's training: a training function's body, answered in
-    the chat turn opened by the code block and the prompt (HumanEval's request, executed_code), closed by
-    the fence and the end of the turn; never a held-out file's function."""
-    from fusion.tools.executed_code import humaneval_messages
-    from fusion.tools.router_training import default_training_samples
-    from fusion.tools.training.python_functions import training_functions
-
-    functions = {f.prompt: f for f in training_functions()}
-    samples = default_training_samples(0)
-    asked = [s for s in (next(samples) for _ in range(400)) if s.text.startswith("```python\n")]
-    assert 30 < len(asked) < 100  # about 15% of the mix
-    for sample in asked:
-        prompt = sample.text[len("```python\n"):]
-        function = next(f for p, f in functions.items() if prompt.startswith(p))
-        user, opened = humaneval_messages(function.prompt)
-        assert sample.prompt == user["content"] and sample.end_turn
-        assert sample.text == opened["content"] + function.body + "```"
-
-
 def test_chat_sample_ids_end_the_turn(tiny_service):
     prompts, ids = tiny_service.sample_ids(TextSample("the cat", "hello", end_turn=True))
     tok = tiny_service.tokenizers[0]

@@ -141,18 +141,15 @@ _CODE_REQUESTS = ("Show me some Python code from the {} module.", "Write Python 
 def default_training_samples(seed: int) -> Iterator[TextSample]:
     """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns;
     Python source and English prose (the standard library's pydoc topics), each both as plain text
-    and as the answer to a chat request; the training functions' bodies asked as HumanEval asks."""
+    and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
     from fusion.tools.training.long_arithmetic import answer_text, question_text, training_expr
-    from fusion.tools.executed_code import INSTRUCTION, OPENING
     from fusion.tools.training.python_code import stdlib_files
-    from fusion.tools.training.python_functions import training_functions
 
     rng = random.Random(f"router:{seed}")
     code_files = stdlib_files(held_out=False)
     prose = [(name, text) for name, text in topics.topics.items() if len(text) > 400]
-    functions = training_functions()
 
     def arithmetic() -> TextSample:
         problem = training_expr(rng)  # training's problems of every size, worked as the specialist works them
@@ -178,13 +175,8 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
         text = path.read_text(encoding="utf-8", errors="replace")
         return TextSample(window(text)[:700], prompt=rng.choice(_CODE_REQUESTS).format(path.stem))
 
-    def function_chat() -> TextSample:  # a function's body asked as HumanEval asks (the code specialist's task)
-        function = rng.choice(functions)
-        return TextSample(OPENING.format(prompt=function.prompt) + function.body + "```",
-                          prompt=INSTRUCTION.format(prompt=function.prompt), end_turn=True)
-
-    sources = [arithmetic, code, general, prose_chat, code_chat, function_chat]
-    shares = [0.3, 0.15, 0.15, 0.15, 0.1, 0.15]
+    sources = [arithmetic, code, general, prose_chat, code_chat]
+    shares = [0.3, 0.175, 0.175, 0.2, 0.15]
     while True:
         yield rng.choices(sources, shares)[0]()
 

@@ -16,7 +16,6 @@ import sysconfig
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from fusion.tools.training.loop import Batch
 
@@ -77,33 +76,3 @@ class CodeStream:
         block = torch.tensor(self.buffer[:need]).view(batch_size, self.seq_len + 1)  # [B, S+1]
         del self.buffer[:need]
         return Batch(input_ids=block[:, :-1], labels=block[:, 1:])
-
-
-def held_out_windows(tokenizer, n: int, seq_len: int = SEQ_LEN) -> torch.Tensor:
-    """[n, seq_len]: the middle window of each of the first `n` held-out files long enough for one.
-
-    One window per file spreads the measurement over many modules; the middle is code, where a
-    file's opening is mostly license text and imports.
-    """
-    windows = []
-    for path in stdlib_files(held_out=True):
-        ids = tokenizer(_read(path), add_special_tokens=False)["input_ids"]
-        if len(ids) >= seq_len:
-            start = (len(ids) - seq_len) // 2
-            windows.append(ids[start : start + seq_len])
-        if len(windows) == n:
-            return torch.tensor(windows)
-    raise ValueError(f"held-out files give only {len(windows)} windows of {seq_len} tokens, asked for {n}")
-
-
-@torch.no_grad()
-def lm_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
-    """Mean next-token cross-entropy (nats, full softmax) of `model` over `windows` [N, S]."""
-    total, count = 0.0, 0
-    for start in range(0, windows.shape[0], batch_size):
-        chunk = windows[start : start + batch_size]  # [b, S]
-        logits = model(input_ids=chunk).logits[:, :-1].float()  # [b, S-1, V]
-        targets = chunk[:, 1:].reshape(-1)  # [b * (S-1)]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum").item()
-        count += chunk[:, 1:].numel()
-    return total / count

@@ -72,7 +72,6 @@ def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_state
     assert 0.0 <= rate <= 1.0 and len(outcomes) == 2
 
 
-
 def test_completions_take_the_sampling_asked(tiny_service):
     """A repetition guard over greedy reaches every request (the service's own penalty path decides)."""
     problems = sorted(humaneval_problems(), key=lambda p: len(p["prompt"]))[:2]

@@ -43,7 +43,6 @@ from fusion.tools.training.arithmetic import (
     STYLES,
     TEMPLATES,
     Problem,
-    chat_prompt,
     extract_answer,
     held_out_problems,
     is_held_out,
@@ -58,7 +57,7 @@ from fusion.tools.training.long_arithmetic import is_held_out as long_held_out
 from fusion.tools.training.long_arithmetic import make_questions as long_questions
 from fusion.tools.training.lora import (ADAPTER_MANIFEST, TARGET_MODULES, already_trained, checkpoint_of,
                                         sha256_of_files, train_lora)
-from fusion.tools.training.loop import LoopSettings, train_loop
+from fusion.tools.training.loop import LoopSettings, chat_prompt, train_loop
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -181,11 +181,11 @@ def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int,
                        style: str = "chat", batch_size: int = 16) -> list[str]:
     """Each problem's completion by `spec` (`humaneval_request`), `batch_size` submitted together so that
     they decode as one batch."""
-    completions = []
+    completions, stops = [], asked_stops(style)
     for offset in range(0, len(problems), batch_size):
         chunk = problems[offset:offset + batch_size]
         streams = [service.submit(humaneval_request(p, max_tokens, spec, style, sampling)) for p in chunk]
-        completions += [cut_at_stop(p["prompt"], "".join(event.text for event in stream), asked_stops(style))
+        completions += [cut_at_stop(p["prompt"], "".join(event.text for event in stream), stops)
                         for p, stream in zip(chunk, streams)]
         logger.info("humaneval: %d of %d problems completed", len(completions), len(problems))
     return completions

@@ -13,9 +13,7 @@ held-out set when a hash of its canonical form puts it in the held-out tenth and
 split (`any_size_held_out`, which `long_arithmetic.is_held_out` keeps) holds it out too: about one problem
 in a hundred, the same for every seed, and none that the specialist's or the router's training draws.
 
-`extract_answer` reads the final number of a generated answer; `chat_prompt` is the prompt exactly as the
-fusion engine formats it, and `chat_prefix_ids` the ids every such prompt starts with (what a training
-batch carries once).
+`extract_answer` reads the final number of a generated answer.
 """
 
 from __future__ import annotations
@@ -443,20 +441,3 @@ def extract_answer(text: str) -> int | None:
             return int(found.group().replace("−", "-"))
     found_all = _INT.findall(text)
     return int(found_all[-1].replace("−", "-")) if found_all else None
-
-
-def chat_prompt(tokenizer, question: str) -> str:
-    """The prompt exactly as the fusion engine formats it (the template's default system prompt)."""
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-    )
-
-
-def chat_prefix_ids(tokenizer) -> list[int]:
-    """The ids every chat prompt starts with (the template's system prompt and the user turn's opening)."""
-    one, two = (tokenizer(chat_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
-                for q in ("1 + 1", "What is 2 x 3?"))
-    n = 0
-    while n < min(len(one), len(two)) and one[n] == two[n]:
-        n += 1
-    return one[:n]

@@ -19,10 +19,10 @@ gather in front of the ones so far, so the answer is copied, not assembled:
 
 Splits. A problem belongs to training or to the held-out set by a hash of its canonical form (`is_held_out`;
 the two-digit evaluation sets of fusion.tools.training.arithmetic, whose phrasing splits this module reuses,
-keep only problems this split holds out too); and by size: training draws +, - and one-digit * with operands of at most `TRAIN_DIGITS` digits
-and long multiplication of at most `LONG_TRAIN_DIGITS` by `LONG_TRAIN_DIGITS`, so that
-`make_questions(..., digits=N)` past those sizes asks lengths no training saw. The stream raises the longest
-operand it draws over training (a curriculum).
+keep only problems this split holds out too); and by size: training draws +, - and one-digit * with
+operands of at most `TRAIN_DIGITS` digits and long multiplication of at most `LONG_TRAIN_DIGITS` by
+`LONG_TRAIN_DIGITS`, so that `make_questions(..., digits=N)` past those sizes asks lengths no training saw.
+The stream raises the longest operand it draws over training (a curriculum).
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from fusion.frontdoor.text import end_of_turn_id
 from fusion.tools.training import arithmetic as phrasing
-from fusion.tools.training.arithmetic import chat_prefix_ids, chat_prompt
-from fusion.tools.training.loop import PromptAnswerStream
+from fusion.tools.training.loop import PromptAnswerStream, chat_prompt
 
 TRAIN_DIGITS = 6  # +, - and * by one digit: operands of 1..6 digits in training
 LONG_TRAIN_DIGITS = 3  # long multiplication: both operands of 2..3 digits in training
@@ -368,10 +366,8 @@ class LongArithmeticStream(PromptAnswerStream):
     POOL = 4
 
     def __init__(self, tokenizer, seed: int):
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         self.rng = random.Random(f"long-train:{seed}")
-        self.end_id = end_of_turn_id(tokenizer)
-        self.prefix = chat_prefix_ids(tokenizer)
         self.examples = 0
         self._ready: list[list[tuple[list[int], list[int]]]] = []
 

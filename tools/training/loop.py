@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fusion.frontdoor.text import end_of_turn_id
 from fusion.tools.progress import progress_line
 
 logger = logging.getLogger(__name__)
@@ -34,14 +35,32 @@ class Batch:
     prefix_ids: torch.Tensor | None = None  # [P]: tokens every row starts with, before input_ids
 
 
-class PromptAnswerStream:
-    """Endless batches of (prompt, answer) id rows, right-padded, the loss on the answer only; every row
-    starts with `prefix` (ids the batch carries once, e.g. a chat template's system prompt; may be empty).
-    A subclass sets `tokenizer`, `end_id` and `prefix` and gives `example`."""
+def chat_prompt(tokenizer, question: str) -> str:
+    """The prompt exactly as the fusion engine formats it (the template's default system prompt)."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
 
-    tokenizer: object
-    end_id: int
-    prefix: list[int]
+
+def chat_prefix_ids(tokenizer) -> list[int]:
+    """The ids every chat prompt starts with (the template's system prompt and the user turn's opening)."""
+    one, two = (tokenizer(chat_prompt(tokenizer, q), add_special_tokens=False)["input_ids"]
+                for q in ("1 + 1", "What is 2 x 3?"))
+    n = 0
+    while n < min(len(one), len(two)) and one[n] == two[n]:
+        n += 1
+    return one[:n]
+
+
+class PromptAnswerStream:
+    """Endless batches of (chat prompt, answer) id rows, right-padded, the loss on the answer only, the
+    answer ending the turn; every row starts with `prefix`, the ids every chat prompt starts with (the
+    template's system prompt), which the batch carries once. A subclass gives `example`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.end_id = end_of_turn_id(tokenizer)
+        self.prefix = chat_prefix_ids(tokenizer)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -20,8 +20,6 @@ from functools import cache
 from pathlib import Path
 
 from fusion.tools.executed_code import humaneval_messages
-from fusion.tools.training.arithmetic import chat_prefix_ids
-from fusion.frontdoor.text import end_of_turn_id
 from fusion.tools.training.loop import PromptAnswerStream
 from fusion.tools.training.python_code import stdlib_files, stdlib_root
 
@@ -93,10 +91,8 @@ class FunctionStream(PromptAnswerStream):
     template's system prompt travels once per batch as the shared prefix."""
 
     def __init__(self, tokenizer, seed: int):
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         self.rng = random.Random(f"functions:{seed}")
-        self.end_id = end_of_turn_id(tokenizer)
-        self.prefix = chat_prefix_ids(tokenizer)
         self.functions = training_functions()
         if not self.functions:
             raise ValueError(f"no documented functions found under {stdlib_root()}")

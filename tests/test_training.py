@@ -605,6 +605,25 @@ def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only
         assert any(asked(f) == ids[:start] for f in bodies)  # one function's request, then its body alone
 
 
+def test_the_mixed_code_recipe_alternates_windows_and_function_bodies(tokenizer_dir):
+    """python-mixed trains both code tasks: batch 0, 2, ... are the plain windows the "python" recipe draws,
+    batch 1, 3, ... the function bodies "python-functions" draws, each stream going on where it was."""
+    from fusion.tools.training.python_code import CodeStream
+    from fusion.tools.training.python_functions import FunctionStream
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    mixed = RECIPES["python-mixed"].stream(tok, 4)
+    windows, functions = CodeStream(tok, 4), FunctionStream(tok, 4)
+    for _ in range(2):
+        window, function = mixed(2), mixed(2)
+        expected_window, expected_function = windows(2), functions(2)
+        assert window.prefix_ids is None and torch.equal(window.input_ids, expected_window.input_ids)
+        assert torch.equal(window.labels, expected_window.labels)
+        assert torch.equal(function.input_ids, expected_function.input_ids)
+        assert torch.equal(function.labels, expected_function.labels)
+        assert torch.equal(function.prefix_ids, expected_function.prefix_ids)
+
+
 def test_a_batch_in_passes_gives_the_gradients_of_one_pass(tokenizer_dir):
     """A batch split into passes of at most so many tokens (the memory of long worked answers) backs the
     same mean loss and the same gradients as the batch in one pass."""

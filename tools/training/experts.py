@@ -11,9 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from fusion.tools.training.long_arithmetic import LongArithmeticStream
+from fusion.tools.training.loop import AlternatingStream
 from fusion.tools.training.lora import LoraRecipe, train_lora
 from fusion.tools.training.python_code import CodeStream
 from fusion.tools.training.python_functions import FunctionStream
+
+
+def code_and_functions(tokenizer, seed: int) -> AlternatingStream:
+    """Plain windows of the standard library's code and its functions' bodies, a batch of each in turn."""
+    return AlternatingStream(CodeStream(tokenizer, seed), FunctionStream(tokenizer, seed))
+
 
 RECIPES: dict[str, LoraRecipe] = {
     # Chat questions of any length (fusion.tools.training.long_arithmetic): numbers of 1-6 digits along a
@@ -30,6 +37,10 @@ RECIPES: dict[str, LoraRecipe] = {
     # text the plain-window adapter lowers (Python files, prose) scores worse (docs/quality.md).
     "python-functions": LoraRecipe(stream=FunctionStream, steps=300, rank=16, alpha=32,
                                    loop={"batch_size": 16, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
+    # Both in turn: a plain window batch, then a function batch (the windows carry the bits-per-byte gains
+    # on code and prose, the functions the bodies HumanEval runs).
+    "python-mixed": LoraRecipe(stream=code_and_functions, steps=700, rank=16, alpha=32,
+                               loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
 }
 ADAPTER_NAMES = {"arithmetic": "arith-lora", "python": "python-lora"}  # the builtin adapter each recipe makes
 

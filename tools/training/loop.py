@@ -93,6 +93,22 @@ class PromptAnswerStream:
         return Batch(input_ids=ids, labels=labels, prefix_ids=torch.tensor(self.prefix, dtype=torch.long))
 
 
+class AlternatingStream:
+    """Batches from several streams in turn (step k draws from stream k mod n): one recipe that trains two
+    tasks, each batch still one stream's shape."""
+
+    def __init__(self, *streams: Callable[[int], Batch]) -> None:
+        if not streams:
+            raise ValueError("AlternatingStream needs at least one stream")
+        self.streams = streams
+        self.drawn = 0
+
+    def __call__(self, batch_size: int) -> Batch:
+        stream = self.streams[self.drawn % len(self.streams)]
+        self.drawn += 1
+        return stream(batch_size)
+
+
 @dataclass
 class LoopSettings:
     steps: int | None  # stop after this many steps (None: only the time budget)

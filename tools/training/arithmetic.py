@@ -18,11 +18,12 @@ in a hundred, the same for every seed, and none that the specialist's or the rou
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
 from functools import cache
+
+from fusion.tools.training import split
 
 MAX_OPERAND = 99  # + and -: both operands in 0..MAX_OPERAND
 MAX_MULTIPLIER = 9  # * by one digit: one operand in 0..MAX_MULTIPLIER, the other in 0..MAX_OPERAND
@@ -317,9 +318,8 @@ class Problem:
 
 
 def hashed_out(key: str) -> bool:
-    """Whether `key` falls in the held-out tenth: a hash, independent of any seed."""
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
+    """Whether `key` falls in the held-out tenth (fusion.tools.training.split)."""
+    return split.hashed_out(key, HELD_OUT_PERCENT)
 
 
 def any_size_held_out(canonical: str) -> bool:

@@ -10,7 +10,6 @@ so the held-out loss is measured on whole files the model never saw.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import sysconfig
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fusion.tools.training.loop import Batch
+from fusion.tools.training.split import hashed_out
 
 HELD_OUT_PERCENT = 5
 SEQ_LEN = 256
@@ -28,8 +28,7 @@ def stdlib_root() -> Path:
 
 
 def is_held_out(rel_path: str) -> bool:
-    digest = hashlib.sha256(rel_path.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 100 < HELD_OUT_PERCENT
+    return hashed_out(rel_path, HELD_OUT_PERCENT)
 
 
 def stdlib_files(*, held_out: bool) -> list[Path]:

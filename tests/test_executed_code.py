@@ -9,8 +9,9 @@ import socket
 import pytest
 
 from fusion.frontdoor.service import FusionRequest
-from fusion.tools.executed_code import (STOP, asked_stops, complete_humaneval, cut_at_stop, humaneval_problems,
-                                        humaneval_program, pass_at_1, run_sandboxed)
+from fusion.tools.executed_code import (STOP, as_asked, asked_stops, complete_humaneval, cut_at_stop,
+                                        humaneval_messages, humaneval_problems, humaneval_program, pass_at_1,
+                                        run_sandboxed)
 
 
 def test_a_right_program_passes_and_a_wrong_one_fails_with_its_error():
@@ -43,6 +44,24 @@ def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     assert rate == 1.0, [o.reason for o in outcomes]
     rate, outcomes = pass_at_1(problems, ["    return None\n"] * 5)
     assert rate == 0.0 and all(not o.passed for o in outcomes)
+
+
+def test_a_problem_is_asked_up_to_its_last_newline_and_runs_the_same_program():
+    """The newline and the body's indentation are one token: the prompt as asked leaves both to the answer,
+    and the canonical body after that newline passes as it does after the whole prompt."""
+    problems = humaneval_problems(5)
+    asked = [as_asked(p) for p in problems]
+    for problem, shorter in zip(problems, asked):
+        assert shorter["prompt"] + "\n" == problem["prompt"] and shorter["task_id"] == problem["task_id"]
+        assert as_asked(shorter) is shorter  # a prompt without the newline is asked as it is
+        assert humaneval_program(shorter, "\n" + problem["canonical_solution"]) == humaneval_program(
+            problem, problem["canonical_solution"])
+    rate, outcomes = pass_at_1(asked, ["\n" + p["canonical_solution"] for p in problems])
+    assert rate == 1.0, [o.reason for o in outcomes]
+    assert cut_at_stop(asked[0]["prompt"], "\n```\nmore", asked_stops("chat")) == ""  # the block closed at once
+    user, opened = humaneval_messages(asked[0]["prompt"])
+    assert user == humaneval_messages(problems[0]["prompt"])[0]  # the question shows the whole prompt
+    assert opened["content"].endswith(asked[0]["prompt"])
 
 
 @pytest.mark.parametrize("style", ["plain", "chat"])

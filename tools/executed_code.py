@@ -161,9 +161,19 @@ def asked_stops(style: str) -> list[str]:
     return STOP + (["\n```"] if style == "chat" else [])
 
 
+def as_asked(problem: dict) -> dict:
+    """The problem as it is asked: its prompt up to the last newline, which is left to the answer. These
+    tokenizers write a newline and the next line's indentation as one token, so a prompt ending in the
+    newline leaves the answer to begin with a bare indentation token, which models trained on whole text
+    rarely saw there: the trio and SmolLM2 then close the code block at once. The program run is the same
+    text: this prompt, then the completion (which begins with the newline)."""
+    prompt = problem["prompt"]
+    return dict(problem, prompt=prompt[:-1]) if prompt.endswith("\n") else problem
+
+
 def cut_at_stop(prompt: str, completion: str, stops: Sequence[str]) -> str:
-    """`completion` up to its first stop, matched across the prompt's last character too: the prompt ends
-    with a newline, so a completion that begins by closing the code block ("```") or with a new "def " has
+    """`completion` up to its first stop, matched across the prompt's last character too: where the prompt
+    ends with a newline, a completion that begins by closing the code block ("```") or with a new "def " has
     met the stop "\n```" or "\ndef " at once, which the service, matching the generated text alone, lets
     through."""
     joined = prompt[-1:] + completion
@@ -173,7 +183,8 @@ def cut_at_stop(prompt: str, completion: str, stops: Sequence[str]) -> str:
 
 def humaneval_messages(prompt: str) -> list[dict[str, str]]:
     """A function's signature and docstring asked in the chat turn, the answer opened (to be continued)."""
-    return [{"role": "user", "content": INSTRUCTION.format(prompt=prompt)},
+    whole = prompt if prompt.endswith("\n") else prompt + "\n"  # the question shows the prompt whole (as_asked)
+    return [{"role": "user", "content": INSTRUCTION.format(prompt=whole)},
             {"role": "assistant", "content": OPENING.format(prompt=prompt)}]
 
 

@@ -38,7 +38,8 @@ RECIPES: dict[str, LoraRecipe] = {
     "python-functions": LoraRecipe(stream=FunctionStream, steps=300, rank=16, alpha=32,
                                    loop={"batch_size": 16, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
     # Both in turn: a plain window batch, then a function batch (the windows carry the bits-per-byte gains
-    # on code and prose, the functions the bodies HumanEval runs).
+    # on code and prose, the functions the bodies HumanEval runs). Not shipped: alone it solved 1 of
+    # HumanEval's 164, and a trio with it none (benchmarks/results/mixed_code_adapter.json).
     "python-mixed": LoraRecipe(stream=code_and_functions, steps=700, rank=16, alpha=32,
                                loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
 }

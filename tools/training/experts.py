@@ -33,8 +33,8 @@ RECIPES: dict[str, LoraRecipe] = {
                          loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 20, "log_every_s": 30}),
     # The standard library's documented functions, the body written after the signature and docstring
     # (fusion.tools.training.python_functions): the shape of HumanEval, measured by running the code. Not
-    # shipped: alone it solves some of HumanEval where "python" solves none, but with it in the trio the
-    # text the plain-window adapter lowers (Python files, prose) scores worse (docs/quality.md).
+    # shipped: with it in the trio HumanEval was no better and the text the plain-window adapter lowers
+    # (Python files, prose) scored worse (docs/quality.md).
     "python-functions": LoraRecipe(stream=FunctionStream, steps=300, rank=16, alpha=32,
                                    loop={"batch_size": 16, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
     # Both in turn: a plain window batch, then a function batch (the windows carry the bits-per-byte gains

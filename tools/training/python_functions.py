@@ -1,7 +1,10 @@
 """Python specialist data shaped like the task it is measured on (HumanEval: a signature and a docstring,
 then the body to write): the standard library's own top-level functions, each split after its docstring,
-asked as `fusion eval --humaneval` asks (fusion.tools.executed_code: the chat turn, the answer opened with
-the code block and the prompt), the loss on the body, the block's closing fence and the end of the turn.
+asked in HumanEval's chat form (fusion.tools.executed_code.humaneval_request: the chat turn, the answer
+opened with the code block and the whole prompt), the loss on the body, the block's closing fence and the
+end of the turn. The prompt keeps its last newline, so the body begins with a bare indentation token;
+`fusion eval --humaneval` leaves that newline to the answer (executed_code.as_asked), so these examples
+end their prompts one token boundary away from how the evaluation asks.
 
 Drawn only from what the machine has: the standard library's training files (fusion.tools.training.python_code:
 the held-out files are never read), and never a function named as one of HumanEval's entry points, so that

@@ -11,6 +11,7 @@ trained on again without training on them, so the stream (and a hash over it) go
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -100,13 +101,10 @@ class AlternatingStream:
     def __init__(self, *streams: Callable[[int], Batch]) -> None:
         if not streams:
             raise ValueError("AlternatingStream needs at least one stream")
-        self.streams = streams
-        self.drawn = 0
+        self.turns = itertools.cycle(streams)
 
     def __call__(self, batch_size: int) -> Batch:
-        stream = self.streams[self.drawn % len(self.streams)]
-        self.drawn += 1
-        return stream(batch_size)
+        return next(self.turns)(batch_size)
 
 
 @dataclass

@@ -577,11 +577,12 @@ def stdlib_root_path():
 
 
 def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only(tokenizer_dir):
-    """Each row is the HumanEval request's prompt (`humaneval_request`: the chat turn, the answer opened with
-    the code block and the signature) then the body, the closing fence and the end of turn, the loss on those."""
+    """Each row is the HumanEval request's prompt (`humaneval_request` of the problem `as_asked`: the chat turn,
+    the answer opened with the code block and the signature up to its last newline) then that newline and the
+    body, the closing fence and the end of turn, the loss on those."""
     from fusion.frontdoor.text import end_of_turn_id, encode_prompt
     from fusion.config import ExpertConfig
-    from fusion.tools.executed_code import humaneval_request
+    from fusion.tools.executed_code import as_asked, humaneval_request
     from fusion.tools.training.python_functions import FunctionStream, training_functions
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -591,7 +592,7 @@ def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only
     expert = ExpertConfig(name="code", model=str(tokenizer_dir))
 
     def asked(function) -> list[int]:  # exactly what the evaluation sends
-        request = humaneval_request({"prompt": function.prompt}, 64, None)
+        request = humaneval_request(as_asked({"prompt": function.prompt}), 64, None)
         return encode_prompt(tok, expert, request.prompt, continue_final_message=request.continue_final_message)
 
     for row in range(4):
@@ -601,7 +602,8 @@ def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only
         assert ids[start:start + len(targets)] == targets
         answer = targets[:-1]  # the body and the fence, then the end of turn
         assert targets[-1] == end_of_turn_id(tok)
-        bodies = [f for f in training_functions() if tok(f.body + "```", add_special_tokens=False)["input_ids"] == answer]
+        bodies = [f for f in training_functions()
+                  if tok("\n" + f.body + "```", add_special_tokens=False)["input_ids"] == answer]
         assert any(asked(f) == ids[:start] for f in bodies)  # one function's request, then its body alone
 
 

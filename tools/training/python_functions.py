@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from fusion.tools.executed_code import humaneval_messages
+from fusion.tools.executed_code import as_asked, humaneval_messages
 from fusion.tools.training.loop import PromptAnswerStream
 from fusion.tools.training.python_code import stdlib_files, stdlib_root
 
@@ -106,9 +106,10 @@ class FunctionStream(PromptAnswerStream):
             if not self.order:
                 self.order = self.rng.sample(list(self.functions), len(self.functions))
             function = self.order.pop()
-            asked = self.tokenizer.apply_chat_template(humaneval_messages(function.prompt), tokenize=False,
+            opened = as_asked({"prompt": function.prompt})["prompt"]  # the last newline starts the body
+            asked = self.tokenizer.apply_chat_template(humaneval_messages(opened), tokenize=False,
                                                        continue_final_message=True)  # as the service renders it
             prompt = self._after_prefix(self._encode(asked), repr(function.name))
-            body = self._encode(function.body + "```") + [self.end_id]
+            body = self._encode(function.prompt[len(opened):] + function.body + "```") + [self.end_id]
             if len(prompt) + len(body) <= MAX_TOKENS:
                 return prompt, body

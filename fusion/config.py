@@ -268,6 +268,9 @@ class SamplingParams(_Strict):
     ignore_eos: bool = False
     logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)  # top alternatives returned per token
     structured: StructuredOutput | None = None  # constrain the output to a grammar
+    # Back a prompt that ends in the caller's text (a plain prompt, a continued final message) up over its
+    # last token, the first token starting with that token's text (fusion.frontdoor.healing).
+    token_healing: bool = False
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     @classmethod

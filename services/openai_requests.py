@@ -108,6 +108,7 @@ class _Request(_Lenient):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    token_healing: bool | None = None  # fusion.frontdoor.healing: for a completion or a continued final message
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     fusion: FusionExtension | None = None
 

@@ -6,7 +6,7 @@ becomes a `Plan`: one `FusionRequest` per choice (`n` per prompt), each layered 
 defaults by the service like any other request; a completion's prompt is continued as is (no chat
 template), a chat's messages go through each expert's template. Fields OpenAI has and the sampler has
 too keep OpenAI's meaning; vLLM's extras that the sampler has (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`) are accepted. Structured output (`response_format`, vLLM's
+`ignore_eos`, `stop_token_ids`) and `token_healing` are accepted. Structured output (`response_format`, vLLM's
 `structured_outputs`) and tool calls (`tools` with any `tool_choice`, `fusion.services.openai_tools`) become one
 grammar over the fused distribution (`fusion.fuse.structured`). Fusion
 controls travel in an extension object, `"fusion": {"rule", "params", "weights", "profile",
@@ -162,7 +162,7 @@ def _sampling(request: ChatRequest | CompletionRequest) -> tuple[dict[str, Any],
     """The sampling fields the request sets, by the sampler's names; and max_tokens as requested."""
     out: dict[str, Any] = {}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "seed", "ignore_eos", "stop_token_ids", "logit_bias"):
+                 "seed", "ignore_eos", "stop_token_ids", "logit_bias", "token_healing"):
         value = getattr(request, name)
         if value is not None:
             out[name] = value

@@ -355,6 +355,8 @@ def test_cross_service_generates_scores_and_refuses_token_fields(cross_service):
     assert scored.bits_per_byte is not None and 0 < scored.bits_per_byte < 30
     with pytest.raises(InvalidArgumentError, match="logit_bias"):
         service.submit(FusionRequest("x", {"logit_bias": {3: 1.0}}))
+    with pytest.raises(InvalidArgumentError, match="token_healing"):
+        service.submit(FusionRequest("the answer is ", {"token_healing": True}, plain=True))
     with pytest.raises(InvalidArgumentError, match="route rule needs experts of one tokenizer"):
         service.resolve_spec(_route_spec())
 

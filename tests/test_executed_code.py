@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from fusion.frontdoor.service import FusionRequest
-from fusion.tools.executed_code import (STOP, as_asked, asked_stops, complete_humaneval, cut_at_stop,
+from fusion.tools.executed_code import (STOP, asked_stops, complete_humaneval, cut_at_stop,
                                         humaneval_messages, humaneval_problems, humaneval_program, pass_at_1,
                                         run_sandboxed)
 
@@ -46,28 +46,11 @@ def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     assert rate == 0.0 and all(not o.passed for o in outcomes)
 
 
-def test_a_problem_is_asked_up_to_its_last_newline_and_runs_the_same_program():
-    """The newline and the body's indentation are one token: the prompt as asked leaves both to the answer,
-    and the canonical body after that newline passes as it does after the whole prompt."""
-    problems = humaneval_problems(5)
-    asked = [as_asked(p) for p in problems]
-    for problem, shorter in zip(problems, asked):
-        assert shorter["prompt"] + "\n" == problem["prompt"] and shorter["task_id"] == problem["task_id"]
-        assert as_asked(shorter) is shorter  # a prompt without the newline is asked as it is
-        assert humaneval_program(shorter, "\n" + problem["canonical_solution"]) == humaneval_program(
-            problem, problem["canonical_solution"])
-    rate, outcomes = pass_at_1(asked, ["\n" + p["canonical_solution"] for p in problems])
-    assert rate == 1.0, [o.reason for o in outcomes]
-    assert cut_at_stop(asked[0]["prompt"], "\n```\nmore", asked_stops("chat")) == ""  # the block closed at once
-    user, opened = humaneval_messages(asked[0]["prompt"])
-    assert user == humaneval_messages(problems[0]["prompt"])[0]  # the question shows the whole prompt
-    assert opened["content"].endswith(asked[0]["prompt"])
-
-
 @pytest.mark.parametrize("style", ["plain", "chat"])
 def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_statement(tiny_service, style):
     """Plain: the prompt continued as is; chat: the answer opened with the code block and the prompt, in the
-    chat turn. Either way the fused continuation without stops, cut where the first stop begins."""
+    chat turn. Either way healed (the prompt's last token, its newline, written again by the answer) and
+    the fused continuation without stops, cut where the first stop begins."""
     problems = sorted(humaneval_problems(), key=lambda p: len(p["prompt"]))[:2]  # in the tiny models' context
     completions = complete_humaneval(tiny_service, None, problems, max_tokens=12, style=style, batch_size=1)
     assert complete_humaneval(tiny_service, None, problems, max_tokens=12, style=style) == completions  # batched
@@ -75,12 +58,14 @@ def test_completions_are_the_fused_continuation_of_the_prompt_cut_at_a_new_state
     assert asked_stops(style) == stops
     for problem, completion in zip(problems, completions):
         if style == "plain":
-            request = FusionRequest(problem["prompt"], {"max_tokens": 12, "temperature": 0.0}, plain=True)
+            request = FusionRequest(problem["prompt"], {"max_tokens": 12, "temperature": 0.0, "token_healing": True},
+                                    plain=True)
         else:
             opened = [{"role": "user", "content": f"Complete the following Python function.\n```python\n"
                                                   f"{problem['prompt']}```"},
                       {"role": "assistant", "content": f"```python\n{problem['prompt']}"}]
-            request = FusionRequest(opened, {"max_tokens": 12, "temperature": 0.0}, continue_final_message=True)
+            request = FusionRequest(opened, {"max_tokens": 12, "temperature": 0.0, "token_healing": True},
+                                    continue_final_message=True)
         whole = "".join(event.text for event in tiny_service.submit(request))
         joined = "\n" + whole  # every HumanEval prompt ends with a newline: a stop may begin there
         assert problem["prompt"].endswith("\n")
@@ -97,7 +82,7 @@ def test_completions_take_the_sampling_asked(tiny_service):
     guard = {"repetition_penalty": 5.0, "frequency_penalty": 2.0}
     guarded = complete_humaneval(tiny_service, None, problems, max_tokens=12, sampling=guard, style="plain")
     for problem, completion in zip(problems, guarded):
-        asked = {"max_tokens": 12, "temperature": 0.0, "stop": asked_stops("plain"), **guard}
+        asked = {"max_tokens": 12, "temperature": 0.0, "stop": asked_stops("plain"), "token_healing": True, **guard}
         whole = "".join(e.text for e in tiny_service.submit(FusionRequest(problem["prompt"], asked, plain=True)))
         assert completion == cut_at_stop(problem["prompt"], whole, asked_stops("plain"))
     assert guarded != complete_humaneval(tiny_service, None, problems, max_tokens=12, style="plain")

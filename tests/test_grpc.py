@@ -132,6 +132,13 @@ def test_remote_generation_continues_the_final_assistant_message_as_locally(clie
     assert events[-1].usage.prompt_tokens == local[-1].usage.prompt_tokens
     # without the flag the opening is a finished turn and a new one begins: another prompt
     assert list(client.generate(opened, {"max_tokens": 1}))[-1].usage.prompt_tokens != local[-1].usage.prompt_tokens
+    healed = {"max_tokens": 8, "ignore_eos": True, "token_healing": True}
+    local = list(tiny_service.submit(FusionRequest(opened, healed, continue_final_message=True)))
+    events = list(client.generate(opened, healed, continue_final_message=True))
+    assert [e.token.token_id for e in events] == [e.token.token_id for e in local]
+    assert "".join(e.text for e in events) == "".join(e.text for e in local)
+    assert events[-1].usage.prompt_tokens == local[-1].usage.prompt_tokens == len(
+        tiny_service.prompt_ids(opened, continue_final_message=True)[0]) - 1  # healed: the last token backed up
 
 
 def test_remote_score_matches_local(client, tiny_service):

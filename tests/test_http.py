@@ -111,6 +111,18 @@ def test_chat_continues_the_final_assistant_message_as_the_service_does(client, 
     assert refused.value.body["param"] == "continue_final_message" and "assistant" in refused.value.body["message"]
 
 
+def test_completions_heal_the_prompt_as_the_service_does(client, tiny_service):
+    """`token_healing` (an extra field): the same tokens and text as the service's healed request, the
+    prompt counted without its backed-up last token."""
+    prompt, asked = "what is 12 + 35 ? the answer is ", {"max_tokens": 6, "ignore_eos": True, "token_healing": True}
+    local = list(tiny_service.submit(FusionRequest(prompt, asked, plain=True)))
+    reply = client.completions.create(model="fusion", prompt=prompt, max_tokens=6, extra_body={
+        "ignore_eos": True, "token_healing": True, "fusion": {"attribution": True}})
+    assert token_ids(reply.choices[0]) == [e.token.token_id for e in local]
+    assert reply.choices[0].text == "".join(e.text for e in local)
+    assert reply.usage.prompt_tokens == local[-1].usage.prompt_tokens == len(tiny_service.prompt_ids(prompt, plain=True)[0]) - 1
+
+
 def test_chat_streams_the_same_answer(client, tiny_service):
     local = tiny_service.complete(CHAT, {"max_tokens": 12})
     chunks = list(client.chat.completions.create(model="fusion", messages=CHAT, max_completion_tokens=12, stream=True,

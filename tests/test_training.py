@@ -577,12 +577,12 @@ def stdlib_root_path():
 
 
 def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only(tokenizer_dir):
-    """Each row is the HumanEval request's prompt (`humaneval_request` of the problem `as_asked`: the chat turn,
-    the answer opened with the code block and the signature up to its last newline) then that newline and the
-    body, the closing fence and the end of turn, the loss on those."""
+    """Each row is the HumanEval request's prompt as the service sends it (`humaneval_request`: the chat turn,
+    the answer opened with the code block and the signature, healed: without its last token, the newline)
+    then the newline again with the body, the closing fence and the end of turn, the loss on those."""
     from fusion.frontdoor.text import end_of_turn_id, encode_prompt
     from fusion.config import ExpertConfig
-    from fusion.tools.executed_code import as_asked, humaneval_request
+    from fusion.tools.executed_code import humaneval_messages, humaneval_request
     from fusion.tools.training.python_functions import FunctionStream, training_functions
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -592,8 +592,9 @@ def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only
     expert = ExpertConfig(name="code", model=str(tokenizer_dir))
 
     def asked(function) -> list[int]:  # exactly what the evaluation sends
-        request = humaneval_request(as_asked({"prompt": function.prompt}), 64, None)
-        return encode_prompt(tok, expert, request.prompt, continue_final_message=request.continue_final_message)
+        request = humaneval_request({"prompt": function.prompt}, 64, None)
+        assert request.sampling["token_healing"]
+        return encode_prompt(tok, expert, request.prompt, continue_final_message=request.continue_final_message)[:-1]
 
     for row in range(4):
         ids = batch.prefix_ids.tolist() + batch.input_ids[row].tolist()
@@ -602,9 +603,15 @@ def test_function_stream_asks_as_the_evaluation_asks_and_trains_on_the_body_only
         assert ids[start:start + len(targets)] == targets
         answer = targets[:-1]  # the body and the fence, then the end of turn
         assert targets[-1] == end_of_turn_id(tok)
-        bodies = [f for f in training_functions()
-                  if tok("\n" + f.body + "```", add_special_tokens=False)["input_ids"] == answer]
-        assert any(asked(f) == ids[:start] for f in bodies)  # one function's request, then its body alone
+
+        def written(function) -> list[int]:  # the body as the tokenizer writes it after the whole request
+            text = tok.apply_chat_template(humaneval_messages(function.prompt), tokenize=False,
+                                           continue_final_message=True)
+            return tok(text + function.body + "```", add_special_tokens=False)["input_ids"][len(ids[:start]):]
+
+        ends = [f for f in training_functions()  # the candidates: the body's tokens after its first close the answer
+                if answer[-8:] == tok(f.body + "```", add_special_tokens=False)["input_ids"][1:][-8:]]
+        assert any(asked(f) == ids[:start] and written(f) == answer for f in ends)  # one function's, healed
 
 
 def test_the_mixed_code_recipe_alternates_windows_and_function_bodies(tokenizer_dir):

@@ -321,9 +321,9 @@ def evaluate(
                 result.arithmetic_by_length_kind[key] = by_kind(records, [e.kind for e in exprs])
                 logger.info("arithmetic, %s digits: %s: %.1f%% exact", key, name, 100 * acc)
     if humaneval > 0:
-        from fusion.tools.executed_code import as_asked, complete_humaneval, humaneval_problems, pass_at_1
+        from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
 
-        problems = [as_asked(problem) for problem in humaneval_problems(humaneval)]
+        problems = humaneval_problems(humaneval)
         for result, (name, spec) in zip(results, rows):
             logger.info("humaneval: %s (%d problems)", name, len(problems))
             rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens,

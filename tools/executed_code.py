@@ -149,7 +149,10 @@ def humaneval_request(problem: dict, max_tokens: int, spec, style: str = "chat",
 
     if style not in PROMPT_STYLES:
         raise ValueError(f"style: {style!r} is not one of {', '.join(PROMPT_STYLES)}")
-    asked = {"max_tokens": max_tokens, "temperature": 0.0, "stop": asked_stops(style),
+    # Token healing: every prompt ends in a newline, which these tokenizers write together with the next
+    # line's indentation; left as the prompt's last token, the answer must begin with a bare indentation
+    # token, which models trained on whole text rarely saw there, and every row closed the block at once.
+    asked = {"max_tokens": max_tokens, "temperature": 0.0, "stop": asked_stops(style), "token_healing": True,
              **(sampling or {})}
     if style == "plain":
         return FusionRequest(problem["prompt"], asked, spec, plain=True)
@@ -161,21 +164,11 @@ def asked_stops(style: str) -> list[str]:
     return STOP + (["\n```"] if style == "chat" else [])
 
 
-def as_asked(problem: dict) -> dict:
-    """The problem as it is asked: its prompt up to the last newline, which is left to the answer. These
-    tokenizers write a newline and the next line's indentation as one token, so a prompt ending in the
-    newline leaves the answer to begin with a bare indentation token, which models trained on whole text
-    rarely saw there: the trio and SmolLM2 then close the code block at once. The program run is the same
-    text: this prompt, then the completion (which begins with the newline)."""
-    prompt = problem["prompt"]
-    return dict(problem, prompt=prompt[:-1]) if prompt.endswith("\n") else problem
-
-
 def cut_at_stop(prompt: str, completion: str, stops: Sequence[str]) -> str:
     """`completion` up to its first stop, matched across the prompt's last character too: where the prompt
     ends with a newline, a completion that begins by closing the code block ("```") or with a new "def " has
-    met the stop "\n```" or "\ndef " at once, which the service, matching the generated text alone, lets
-    through."""
+    met the stop "\n```" or "\ndef " at once. The service matches that itself where it healed the prompt (the
+    newline then counts as written anew); a request that turns `token_healing` off is matched here."""
     joined = prompt[-1:] + completion
     found = [joined.find(stop) for stop in stops if stop in joined]
     return completion[:max(min(found) - len(prompt[-1:]), 0)] if found else completion
@@ -183,8 +176,7 @@ def cut_at_stop(prompt: str, completion: str, stops: Sequence[str]) -> str:
 
 def humaneval_messages(prompt: str) -> list[dict[str, str]]:
     """A function's signature and docstring asked in the chat turn, the answer opened (to be continued)."""
-    whole = prompt if prompt.endswith("\n") else prompt + "\n"  # the question shows the prompt whole (as_asked)
-    return [{"role": "user", "content": INSTRUCTION.format(prompt=whole)},
+    return [{"role": "user", "content": INSTRUCTION.format(prompt=prompt)},
             {"role": "assistant", "content": OPENING.format(prompt=prompt)}]
 
 

@@ -162,6 +162,9 @@ class Admission:
             bad = [t for t in values if isinstance(t, int) and not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidArgumentError(f"{name}: token ids out of range [0, {self.vocab_size}): {sorted(bad)[:5]}")
+        if sampling.token_healing and sampling.structured is not None:
+            raise InvalidArgumentError("token_healing: cannot be combined with structured output (the grammar "
+                                       "would read the re-written prompt text as output)")
         if sampling.structured is not None:  # before its grammar is built (fusion.fuse.structured)
             # what the request sent (its schema as JSON, its regex, choices, grammar or tools); a lone
             # surrogate anywhere in it (JSON allows one escaped) is refused here
@@ -183,6 +186,9 @@ class Admission:
                                        "the experts' tokenizers differ")
         if sampling.structured is not None:
             raise InvalidArgumentError("structured: a grammar masks the ids of one vocabulary; not available when "
+                                       "the experts' tokenizers differ")
+        if sampling.token_healing:
+            raise InvalidArgumentError("token_healing: backs up over a token of one vocabulary; not available when "
                                        "the experts' tokenizers differ")
         for name, neutral in _PENALTIES.items():
             if getattr(sampling, name) != neutral:

@@ -261,6 +261,9 @@ class DecodeBatch:
             counts = torch.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
             seen = torch.stack([r.seen if r.seen is not None else zeros.bool() for r in rows])
         apply_masks(fused, [(b, r.request.grammar) for b, r in enumerate(rows) if r.request.grammar is not None])
+        for b, row in enumerate(rows):
+            if row.request.first_token_mask is not None and not row.generated:  # token healing's first token
+                fused[b].masked_fill_(~row.request.first_token_mask, float("-inf"))
         out = sample(fused, md, counts, seen)
 
         # Attribution: each expert's own probability of the chosen token.

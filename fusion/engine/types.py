@@ -50,6 +50,10 @@ class GenerationRequest:
     token_bias: torch.Tensor | None = None  # (V,) additive: banned ids -inf, logit_bias elsewhere
     stop_ids: frozenset[int] | None = None  # ids that end the request (EOS unless ignore_eos, stop ids)
     grammar: GrammarMatcher | None = None  # sampling.structured, compiled (FusionService.admit): masks each step
+    # Token healing (fusion.frontdoor.healing): the prompt's backed-up last token's text, which the first
+    # token re-writes (not shown again), and the ids the first token may be, (V,) bool.
+    healed_text: str = ""
+    first_token_mask: torch.Tensor | None = None
 
 
 @dataclass

@@ -45,6 +45,7 @@ from fusion.engine.types import ExpertAttribution, GenerationRequest, StepTiming
 from fusion.errors import AssetError, ConfigError, FusionError, InvalidArgumentError
 from fusion.experts.expert import Expert
 from fusion.models import default_cache_dir, shipped_router
+from fusion.frontdoor.healing import heal, ids_starting_with
 from fusion.frontdoor.streams import CrossRequestStream, RequestStream, Settlement
 from fusion.fuse.router import expert_fingerprint
 from fusion.fuse.registry import known_rules, make_rule
@@ -87,6 +88,8 @@ class FusionService:
         self._rules = lru_cache(maxsize=64)(self._built_rule)
         self._token_texts = lru_cache(maxsize=1 << 16)(self._decode_token)
         self._bytes_table: list[bytes] | None = None  # id -> its bytes (`token_bytes`)
+        # the ids that begin with a healed token's bytes, per those bytes (a pass over the vocabulary each)
+        self._ids_starting_with = lru_cache(maxsize=1024)(lambda prefix: ids_starting_with(self._token_table(), prefix))
         # Structured output's grammars, compiled over the experts' shared tokenizer (its view built on first use).
         self.grammars = GrammarCompiler(self.tokenizers[0], engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
         self._scheduler: Scheduler | None = None
@@ -298,6 +301,13 @@ class FusionService:
         """One id's own bytes as its tokenizer spells them: a token holding part of a character (a byte
         of byte-level BPE, a byte-fallback piece) gives its bytes, not U+FFFD's; a special token, its
         text's. The table is built once, on first use."""
+        table = self._token_table()
+        raw = table[token_id] if 0 <= token_id < len(table) else b""
+        return raw or self.token_text(token_id).encode("utf-8")
+
+    def _token_table(self) -> list[bytes]:
+        """id -> its bytes as the tokenizer spells them (b"" for special tokens; empty where spelling.py
+        cannot read the decoder). Built once, on first use."""
         table = self._bytes_table  # read on every logprob entry: locked only while it is built
         if table is None:
             with self._lock:
@@ -307,8 +317,7 @@ class FusionService:
                     except ConfigError:  # a decoder spelling.py cannot read: the decoded text's bytes
                         self._bytes_table = []
                 table = self._bytes_table
-        raw = table[token_id] if 0 <= token_id < len(table) else b""
-        return raw or self.token_text(token_id).encode("utf-8")
+        return table
 
     def _decode_token(self, token_id: int) -> str:
         if token_id < 0:  # a text piece of experts with different tokenizers: no id of one vocabulary
@@ -348,8 +357,14 @@ class FusionService:
         tools = sampling.structured.tool_calls if sampling.structured is not None else None
         prompt_ids = self.prompt_ids(request.prompt, plain=request.plain, tools=tools,
                                      continue_final_message=request.continue_final_message)
+        healing = None
+        if sampling.token_healing and (request.plain or request.continue_final_message):  # the caller's text ends it
+            prompt_ids, healing = heal(prompt_ids, self._token_table(), self._ids_starting_with)
         admission.prompt_ids(prompt_ids, rule, weights, sampling.max_tokens)
         generation = GenerationRequest(prompt_ids, sampling, rule, weights, tenant=request.tenant)
+        if healing is not None:
+            generation.healed_text = healing.text
+            generation.first_token_mask = healing.first_token_mask(self.engine.vocab_size, self.engine.device)
         if sampling.structured is not None:
             generation.grammar = self.grammars.matcher(sampling.structured)
         if request.request_id:  # session ids must be unique on every expert: a caller's id only prefixes ours
@@ -381,7 +396,9 @@ class FusionService:
         except BaseException:
             settlement.close()
             raise
-        return RequestStream(generation, handle, TextStream(self.tokenizers[0], generation.sampling.stop), settlement)
+        text = TextStream.after(self.tokenizers[0], generation.sampling.stop, generation.prompt_ids[0],
+                                generation.healed_text)
+        return RequestStream(generation, handle, text, settlement)
 
     def submit(self, request: FusionRequest) -> RequestStream | CrossRequestStream:
         """Admit a request (or raise InvalidArgument / NotFound / ResourceExhausted) and stream it."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from fusion.config import ExpertConfig
+
+HEALING_CONTEXT = 4  # prompt ids a healed output is decoded after (TextStream.after)
 from fusion.fuse.tool_calls import (HERMES, ToolSyntax, messages_in_syntax, plain_tool_messages, syntax_of, takes_tools,
                                     template_tools)
 
@@ -131,6 +133,17 @@ class TextStream:
     text: str = ""  # the output decoded so far (complete characters)
     prefix_offset: int = 0  # ids from here on are decoded together with the new ones
     read_offset: int = 0  # ids before this are in `text`
+
+    @classmethod
+    def after(cls, tokenizer, stop: Sequence[str], prompt_ids: Sequence[int], healed: str = "") -> TextStream:
+        """The stream of a request's output. With token healing (`healed`: the prompt text the first token
+        re-writes), the output is decoded after the prompt's last few ids, so a token's leading space
+        survives as in the prompt, and the healed text counts as shown: it is not sent again, and a stop
+        string may begin in it (the model wrote it anew)."""
+        if not healed:
+            return cls(tokenizer, stop)
+        context = list(prompt_ids[-HEALING_CONTEXT:])
+        return cls(tokenizer, stop, token_ids=context, emitted=healed, prefix_offset=0, read_offset=len(context))
 
     def push(self, token_id: int) -> str:
         """Append one id; return the new text that is safe to show. Sets `stopped` on a stop string."""

@@ -1,8 +1,9 @@
 """A small training loop for causal LMs (the specialists' LoRA adapters over a frozen base).
 
 The loss is the full-vocabulary cross-entropy on the positions a batch labels (a chat answer's tokens,
-every token of a code window). Matmuls run under bf16 autocast (fp32 master weights), on a CPU or a
-GPU. Everything is seeded: the same seed and step count give the same weights.
+every token of a code window). Matmuls run under bf16 autocast (fp32 master weights) where the hardware
+multiplies bf16 itself (a GPU; a CPU with AVX-512 bf16 or AMX), in fp32 elsewhere. Everything is seeded:
+the same seed and step count give the same weights on one machine.
 
 Resumable: with a checkpoint path the loop saves the trained parameters, the optimizer and its counters
 there every few minutes (and when it stops); started again, it loads them and draws the batches already
@@ -164,6 +165,15 @@ def _passes(batch: Batch, max_tokens: int) -> list[Batch]:
             for k in range(0, rows, per_pass)]
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 in hardware. On a CPU without it (AVX2) torch emulates bf16, and a
+    training step under bf16 autocast took minutes instead of seconds."""
+    if device.type != "cpu":
+        return True
+    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported",
+                                                                        "_is_amx_tile_supported"))
+
+
 def _accumulate(model, batch: Batch, device: torch.device, max_tokens: int) -> torch.Tensor:
     """Backward the batch's mean next-token loss, in passes of at most `max_tokens` tokens (activations and
     the full-vocabulary logits of a long batch would not fit memory at once): each pass's summed loss over
@@ -173,7 +183,7 @@ def _accumulate(model, batch: Batch, device: torch.device, max_tokens: int) -> t
     total = int((batch.labels != -100).sum())
     loss = torch.zeros((), device=device)
     for part in passes:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=native_bf16(device)):
             hidden = _hidden_states(model, part, device)  # [b, S, H]
             labels = part.labels.to(device)
             mask = labels != -100  # [b, S]

@@ -1,10 +1,9 @@
 """Python specialist data shaped like the task it is measured on (HumanEval: a signature and a docstring,
 then the body to write): the standard library's own top-level functions, each split after its docstring,
-asked in HumanEval's chat form (fusion.tools.executed_code.humaneval_request: the chat turn, the answer
-opened with the code block and the whole prompt), the loss on the body, the block's closing fence and the
-end of the turn. The prompt keeps its last newline, so the body begins with a bare indentation token;
-`fusion eval --humaneval` leaves that newline to the answer (executed_code.as_asked), so these examples
-end their prompts one token boundary away from how the evaluation asks.
+asked exactly as `fusion eval --humaneval` asks (fusion.tools.executed_code.humaneval_request: the chat
+turn, the answer opened with the code block and the prompt, healed: backed up over its last token, the
+newline, which the answer writes again with the next line's indentation as one token), the loss on the
+body, the block's closing fence and the end of turn.
 
 Drawn only from what the machine has: the standard library's training files (fusion.tools.training.python_code:
 the held-out files are never read), and never a function named as one of HumanEval's entry points, so that
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from fusion.tools.executed_code import as_asked, humaneval_messages
+from fusion.tools.executed_code import humaneval_messages
 from fusion.tools.training.loop import PromptAnswerStream
 from fusion.tools.training.python_code import stdlib_files, stdlib_root
 
@@ -106,10 +105,14 @@ class FunctionStream(PromptAnswerStream):
             if not self.order:
                 self.order = self.rng.sample(list(self.functions), len(self.functions))
             function = self.order.pop()
-            opened = as_asked({"prompt": function.prompt})["prompt"]  # the last newline starts the body
-            asked = self.tokenizer.apply_chat_template(humaneval_messages(opened), tokenize=False,
+            asked = self.tokenizer.apply_chat_template(humaneval_messages(function.prompt), tokenize=False,
                                                        continue_final_message=True)  # as the service renders it
-            prompt = self._after_prefix(self._encode(asked), repr(function.name))
-            body = self._encode(function.prompt[len(opened):] + function.body + "```") + [self.end_id]
+            # token healing: the prompt without its last token, which the body's first token writes again
+            whole = self._encode(asked)
+            written = self._encode(asked + function.body + "```")
+            if written[: len(whole) - 1] != whole[:-1]:
+                raise ValueError(f"the body of {function.name!r} changes how its prompt is written")
+            prompt = self._after_prefix(whole[:-1], repr(function.name))
+            body = written[len(whole) - 1 :] + [self.end_id]
             if len(prompt) + len(body) <= MAX_TOKENS:
                 return prompt, body

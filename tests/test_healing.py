@@ -10,7 +10,7 @@ import torch
 from fusion.errors import InvalidArgumentError
 from fusion.frontdoor.healing import heal, ids_starting_with
 from fusion.frontdoor.service import FusionRequest
-from fusion.frontdoor.text import TextStream
+from fusion.frontdoor.text import TextSample, TextStream
 
 TABLE = [b"", b"a", b" ", b" a", b"\n", b"\n  ", b"\xe2\x82", b"\xac", b"ab"]  # id 0: a special token
 
@@ -93,3 +93,14 @@ def test_healing_with_a_grammar_is_refused_naming_the_field(tiny_service):
     with pytest.raises(InvalidArgumentError, match="token_healing"):
         tiny_service.submit(FusionRequest("the answer is ", {"token_healing": True, "structured": {"regex": "[0-9]+"}},
                                           plain=True))
+
+
+def test_a_continued_sample_is_scored_after_the_healed_prompt(tiny_service):
+    """A continued sample (router training's function chats) is the text after the prompt a healed request
+    sends: the last token backed up, and written again at the start of the scored ids."""
+    tok = tiny_service.tokenizers[0]
+    opened = [{"role": "user", "content": "what is 12 + 35 ?"}, {"role": "assistant", "content": "the answer is "}]
+    prompts, ids = tiny_service.sample_ids(TextSample("47 .", opened, end_turn=True, continued=True))
+    whole = tiny_service.prompt_ids(opened, continue_final_message=True)
+    assert prompts == [p[:-1] for p in whole]
+    assert tok.decode(ids[:-1]) == " 47 ." and tok.decode(ids[:1]).startswith(" ")

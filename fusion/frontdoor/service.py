@@ -332,8 +332,12 @@ class FusionService:
         if sample.prompt is None:  # a text on its own (lm-evaluation-harness's rolling log-likelihood)
             prompts = [document_context(tok) for tok in self.tokenizers]
         else:
-            prompts = self.prompt_ids(sample.prompt)
-        ids = encode_plain(self.tokenizers[0], sample.text, add_special_tokens=False)
+            prompts = self.prompt_ids(sample.prompt, continue_final_message=sample.continued)
+        text = sample.text
+        if sample.continued:  # as a healed request is decoded: its prompt's last token written again
+            prompts, healing = heal(prompts, self._token_table(), self._ids_starting_with)
+            text = (healing.text if healing is not None else "") + text
+        ids = encode_plain(self.tokenizers[0], text, add_special_tokens=False)
         if sample.end_turn:
             ids.append(end_of_turn_id(self.tokenizers[0]))
         return prompts, ids[:max_tokens] if max_tokens is not None else ids
@@ -510,6 +514,9 @@ class FusionService:
                 text, hold_back = sample[1].encode("utf-8"), True
             else:
                 sample = TextSample(sample) if isinstance(sample, str) else sample
+                if sample.continued:
+                    raise InvalidArgumentError("score_texts: a continued sample is healed over a token of one "
+                                               "vocabulary; not available when the experts' tokenizers differ")
                 if sample.prompt is None:
                     prompts = [document_context(tok) for tok in self.tokenizers]
                 else:

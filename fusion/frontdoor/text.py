@@ -49,11 +49,14 @@ def encode_prompt(tokenizer, expert: ExpertConfig, prompt: str | Sequence[Messag
 class TextSample:
     """A text to score or learn from: plain (encoded on its own after `document_context`: the BOS, or
     the eos where the tokenizer adds no BOS), or the answer to a chat
-    prompt that each expert formats with its own template, optionally closed by the end-of-turn token."""
+    prompt that each expert formats with its own template, optionally closed by the end-of-turn token.
+    `continued`: the prompt is chat messages whose last one, the assistant's, the text carries on, healed
+    as a request with `token_healing` is (the prompt's last token written again by the text)."""
 
     text: str
-    prompt: str | None = None
+    prompt: str | Sequence[Message] | None = None
     end_turn: bool = False
+    continued: bool = False
 
 
 def end_of_turn_id(tokenizer) -> int:

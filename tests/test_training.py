@@ -4,6 +4,7 @@ import json
 import logging
 import random
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -50,8 +51,9 @@ from fusion.tools.training.arithmetic import (
 )
 from fusion.tools.training.borrowed import BorrowedEmbedding
 from fusion.tools.training.long_arithmetic import KINDS as LONG_KINDS
-from fusion.tools.training.long_arithmetic import (LONG_TRAIN_DIGITS, TRAIN_DIGITS, Expr, LongArithmeticStream,
-                                                   held_out_exprs, max_digits_after, random_expr, training_expr)
+from fusion.tools.training.long_arithmetic import (LONG_TRAIN_DIGITS, LONGER_STAGE, MULTIPLIER_DIGITS, TRAIN_DIGITS,
+                                                   Expr, LongArithmeticStream, held_out_exprs, max_digits_after,
+                                                   random_expr, training_expr)
 from fusion.tools.training.long_arithmetic import answer_text as long_answer
 from fusion.tools.training.long_arithmetic import is_held_out as long_held_out
 from fusion.tools.training.long_arithmetic import make_questions as long_questions
@@ -483,6 +485,56 @@ def test_long_stream_masks_all_but_the_answer_and_grows_its_operands(tokenizer_d
     stream.examples = 10_000
     sizes = {training_expr(stream.rng, max_digits_after(stream.examples)).digits for _ in range(300)}
     assert max(sizes) == TRAIN_DIGITS
+
+
+def test_the_longer_stage_grows_long_multiplication_and_chains_to_the_other_kinds_sizes(tokenizer_dir):
+    """The second stage draws long multiplication (the longer operand to TRAIN_DIGITS, the shorter to 3) and
+    chains to TRAIN_DIGITS, every kind still in the mix, nothing held out, nothing past TRAIN_DIGITS; its own
+    draw of problems, not the first stage's."""
+    rng = random.Random(0)
+    drawn = [training_expr(rng, LONGER_STAGE.max_digits_after(10_000), LONGER_STAGE) for _ in range(3000)]
+    assert not any(long_held_out(e) for e in drawn) and max(e.digits for e in drawn) == TRAIN_DIGITS
+    longest = {kind: max(e.digits for e in drawn if e.kind == kind) for kind in LONG_KINDS}
+    assert longest == {kind: TRAIN_DIGITS for kind in LONG_KINDS}
+    assert all(min(len(str(t)) for t in e.terms) <= MULTIPLIER_DIGITS for e in drawn if e.kind == "**")
+    first = random.Random(0)
+    firsts = [training_expr(first) for _ in range(3000)]
+    assert max(e.digits for e in firsts if e.kind in ("**", "chain")) == LONG_TRAIN_DIGITS
+    assert LONGER_STAGE.max_digits_after(0) == 5 and LONGER_STAGE.max_digits_after(10**6) == TRAIN_DIGITS
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert LongArithmeticStream(tok, 0, LONGER_STAGE).question() != LongArithmeticStream(tok, 0).question()
+
+
+def test_a_later_stage_trains_on_from_the_finished_stage_before_it(base_dir, tmp_path, monkeypatch):
+    """A recipe with `start` trains the stage it names first (beside its own folder, the same seed), then
+    begins from that adapter's weights; its manifest names the start by recipe and hash. A start of another
+    rank is refused."""
+    from safetensors.torch import load_file
+
+    from fusion.tools.training.experts import RECIPES, finished, start_of
+    from fusion.tools.training.lora import LoraRecipe, _lora_model
+
+    loop = {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1}
+    monkeypatch.setitem(RECIPES, "tiny-first", LoraRecipe(stream=LongArithmeticStream, steps=2, rank=4, alpha=8,
+                                                          loop=loop))
+    monkeypatch.setitem(RECIPES, "tiny-second", LoraRecipe(stream=partial(LongArithmeticStream, sizes=LONGER_STAGE),
+                                                           steps=1, rank=4, alpha=8, loop=loop, start="tiny-first"))
+    out = train_expert("tiny-second", tmp_path / "second", base_dir=base_dir, seed=5)
+    start = start_of(out, "tiny-first")
+    assert finished("tiny-first", start, seed=5) and finished("tiny-second", out, seed=5)
+    manifest = json.loads((out / ADAPTER_MANIFEST).read_text())
+    assert manifest["start"] == {"recipe": "tiny-first", "adapter_sha256": sha256_of_files(start)}
+    model, _ = _lora_model(RECIPES["tiny-second"], base_dir, None, start=start)
+    saved = load_file(str(start / "adapter_model.safetensors"))
+    loaded = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert len(saved) == len(loaded) > 0
+    for name, tensor in saved.items():
+        match = [p for n, p in loaded.items() if n.replace(".default", "") == name]
+        assert len(match) == 1 and torch.equal(match[0].detach(), tensor.float()), name
+    trained = load_file(str(out / "adapter_model.safetensors"))
+    assert any(not torch.equal(trained[k], saved[k]) for k in saved)  # and it trained on from there
+    with pytest.raises(ValueError, match="rank"):
+        _lora_model(LoraRecipe(stream=LongArithmeticStream, steps=1, rank=8, alpha=16), base_dir, None, start=start)
 
 
 def cut_run(target, base_dir, steps: int, cut_after: int) -> None:

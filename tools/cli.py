@@ -438,7 +438,8 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 
 @app.command("train-expert")
 def train_expert(
-    kind: str = typer.Argument(..., help="arithmetic, python or python-functions"),
+    kind: str = typer.Argument(..., help="a recipe: arithmetic, arithmetic-longer, python, python-functions or "
+                               "python-mixed"),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the builtin adapter the "
                               "default config uses, with its manifest (how the shipped adapters are made)."),
@@ -484,10 +485,10 @@ def train_expert(
             return
         typer.echo(str(train(kind, target, base_dir=base, minutes=minutes, seed=seed, steps=steps,
                              base_ref=SMOLLM2_HUB_ID, device=device, resume=not fresh)))
-        from fusion.tools.training.lora import checkpoint_of
+        from fusion.tools.training.experts import finished
 
-        if checkpoint_of(target).exists():
-            typer.echo(f"stopped before the last step; run the same command again to go on (checkpoint beside "
+        if not finished(kind, target, seed=seed, steps=steps):
+            typer.echo(f"stopped before the last step; run the same command again to go on (checkpoints beside "
                        f"{target})")
             return
         if ship:

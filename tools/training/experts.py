@@ -8,11 +8,13 @@ with which seed, data and base, and what they scored.
 
 from __future__ import annotations
 
+import time
+from functools import partial
 from pathlib import Path
 
-from fusion.tools.training.long_arithmetic import LongArithmeticStream
+from fusion.tools.training.long_arithmetic import LONGER_STAGE, LongArithmeticStream
 from fusion.tools.training.loop import AlternatingStream
-from fusion.tools.training.lora import LoraRecipe, train_lora
+from fusion.tools.training.lora import LoraRecipe, already_trained, checkpoint_of, train_lora
 from fusion.tools.training.python_code import CodeStream
 from fusion.tools.training.python_functions import FunctionStream
 
@@ -28,6 +30,11 @@ RECIPES: dict[str, LoraRecipe] = {
     # worked digit by digit with one procedure at every size; loss on the answer only.
     "arithmetic": LoraRecipe(stream=LongArithmeticStream, steps=1200, rank=16, alpha=32,
                              loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 30, "log_every_s": 60}),
+    # The second stage, from the first one's adapter: long multiplication and chains grown from 3 digits to 6
+    # (fusion.tools.training.long_arithmetic.LONGER_STAGE), the other kinds kept in the mix.
+    "arithmetic-longer": LoraRecipe(stream=partial(LongArithmeticStream, sizes=LONGER_STAGE), steps=200, rank=16,
+                                    alpha=32, start="arithmetic",
+                                    loop={"batch_size": 16, "lr": 1e-3, "warmup_steps": 15, "log_every_s": 60}),
     # Plain next-token windows of the standard library's training files (held-out files never drawn).
     "python": LoraRecipe(stream=CodeStream, steps=400, rank=8, alpha=16,
                          loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 20, "log_every_s": 30}),
@@ -57,5 +64,27 @@ def train_expert(kind: str, out_dir: Path, *, base_dir: Path, seed: int = 0, ste
     """
     if kind not in RECIPES:
         raise ValueError(f"unknown expert kind {kind!r}; known: {', '.join(sorted(RECIPES))}")
-    return train_lora(kind, RECIPES[kind], Path(out_dir), base_dir=Path(base_dir), seed=seed, steps=steps,
-                      minutes=minutes, base_ref=base_ref, device=device, resume=resume)
+    recipe, out_dir, start = RECIPES[kind], Path(out_dir), None
+    if recipe.start is not None:
+        # The stage before, trained first (or found finished) beside `out_dir`, with the same seed; a budget
+        # spent on it leaves its checkpoint and this stage waits for the next run.
+        start, began = start_of(out_dir, recipe.start), time.monotonic()
+        train_expert(recipe.start, start, base_dir=base_dir, seed=seed, minutes=minutes, base_ref=base_ref,
+                     device=device)  # `resume` False starts this stage over, not the finished one before it
+        if minutes is not None:
+            minutes -= (time.monotonic() - began) / 60
+        if checkpoint_of(start).exists() or (minutes is not None and minutes <= 0):
+            return out_dir
+    return train_lora(kind, recipe, out_dir, base_dir=Path(base_dir), seed=seed, steps=steps,
+                      minutes=minutes, base_ref=base_ref, device=device, resume=resume, start=start)
+
+
+def finished(kind: str, out_dir: Path, *, seed: int = 0, steps: int | None = None) -> bool:
+    """Whether `out_dir` holds the `kind` recipe's adapter trained to the end (`steps`: the recipe's)."""
+    recipe = RECIPES[kind]
+    return already_trained(Path(out_dir), kind, recipe, recipe.steps if steps is None else steps, seed)
+
+
+def start_of(out_dir: Path, stage: str) -> Path:
+    """Where training into `out_dir` keeps the finished adapter of the stage it starts from."""
+    return Path(out_dir).with_name(f"{Path(out_dir).name}.from-{stage}")

@@ -19,10 +19,11 @@ gather in front of the ones so far, so the answer is copied, not assembled:
 
 Splits. A problem belongs to training or to the held-out set by a hash of its canonical form (`is_held_out`;
 the two-digit evaluation sets of fusion.tools.training.arithmetic, whose phrasing splits this module reuses,
-keep only problems this split holds out too); and by size: training draws +, - and one-digit * with
-operands of at most `TRAIN_DIGITS` digits and long multiplication of at most `LONG_TRAIN_DIGITS` by
-`LONG_TRAIN_DIGITS`, so that `make_questions(..., digits=N)` past those sizes asks lengths no training saw.
-The stream raises the longest operand it draws over training (a curriculum).
+keep only problems this split holds out too); and by size: no stage draws an operand of more than
+`TRAIN_DIGITS` digits, so that `make_questions(..., digits=N)` past that asks lengths no training saw.
+Training runs in stages (`Sizes`): the first draws +, - and one-digit * up to `TRAIN_DIGITS` digits, long
+multiplication and chains up to 3; the second, from the first one's adapter, grows long multiplication and
+chains to `TRAIN_DIGITS`. Within a stage the stream raises the longest operand it draws (a curriculum).
 """
 
 from __future__ import annotations
@@ -34,13 +35,43 @@ from fusion.tools.training import arithmetic as phrasing
 from fusion.tools.training.loop import PromptAnswerStream, chat_prompt
 
 TRAIN_DIGITS = 6  # +, - and * by one digit: operands of 1..6 digits in training
-LONG_TRAIN_DIGITS = 3  # long multiplication: both operands of 2..3 digits in training
-CHAIN_DIGITS = 3  # chains: operands of 1..3 digits, two or three operations
+LONG_TRAIN_DIGITS = 3  # long multiplication: both operands of 2..3 digits in the first stage
+CHAIN_DIGITS = 3  # chains: operands of 1..3 digits, two or three operations, in the first stage
+MULTIPLIER_DIGITS = 3  # long multiplication's shorter operand, at every stage
 KINDS = ("+", "-", "*", "**", "chain")
-KIND_SHARES = {"+": 0.22, "-": 0.24, "*": 0.16, "**": 0.2, "chain": 0.18}
-# The curriculum: the longest operand training draws, by examples drawn so far (then TRAIN_DIGITS).
-CURRICULUM = ((0, 2), (1200, 3), (2400, 4), (3600, 5), (4800, 6))
 PRECEDENCE = {"+": 0, "-": 0, "*": 1}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a training stage draws: the longest operand by examples drawn so far (`curriculum`: pairs of
+    (examples, digits), then the last), each kind's share, and the caps on long multiplication's longer
+    operand and on chains' operands (never above the curriculum's)."""
+
+    curriculum: tuple[tuple[int, int], ...]
+    shares: tuple[tuple[str, float], ...]
+    long_digits: int
+    chain_digits: int
+    name: str = ""  # a later stage's own draw of problems
+
+    def max_digits_after(self, examples: int) -> int:
+        return max(d for start, d in self.curriculum if examples >= start)
+
+
+# The first stage: every kind from two digits up, sums, differences and products by one digit to 6 digits,
+# long multiplication and chains to 3.
+FIRST_STAGE = Sizes(curriculum=((0, 2), (1200, 3), (2400, 4), (3600, 5), (4800, 6)),
+                    shares=(("+", 0.22), ("-", 0.24), ("*", 0.16), ("**", 0.2), ("chain", 0.18)),
+                    long_digits=LONG_TRAIN_DIGITS, chain_digits=CHAIN_DIGITS)
+# The second stage, from the first one's adapter: long multiplication (a longer operand of up to 6 digits by
+# 2 or 3) and chains (operands of up to 6 digits) past the first stage's 3, with the other kinds kept in the
+# mix so that what the first stage learned is still asked. It begins at 5 digits: the first stage's adapter
+# already works 4 (its loss there starts near 0.0005).
+LONGER_STAGE = Sizes(curriculum=((0, 5), (640, 6)),
+                     shares=(("+", 0.12), ("-", 0.12), ("*", 0.1), ("**", 0.36), ("chain", 0.3)),
+                     long_digits=TRAIN_DIGITS, chain_digits=TRAIN_DIGITS, name="longer")
+CURRICULUM = FIRST_STAGE.curriculum
+KIND_SHARES = dict(FIRST_STAGE.shares)
 
 
 @dataclass(frozen=True)
@@ -229,9 +260,11 @@ def _operand(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
 
-def random_expr(rng: random.Random, kind: str, max_digits: int, digits: int | None = None) -> Expr:
+def random_expr(rng: random.Random, kind: str, max_digits: int, digits: int | None = None, *,
+                long_digits: int = LONG_TRAIN_DIGITS, chain_digits: int = CHAIN_DIGITS) -> Expr:
     """A problem of `kind`; its longest operand has `digits` digits when given, else at most `max_digits`
-    (each operand's length drawn evenly)."""
+    (each operand's length drawn evenly; long multiplication's longer operand at most `long_digits`, chains'
+    operands at most `chain_digits`)."""
     def length() -> int:
         return rng.randint(1, max_digits)
 
@@ -246,13 +279,13 @@ def random_expr(rng: random.Random, kind: str, max_digits: int, digits: int | No
         small = rng.randint(0, 9)
         return Expr((big, small) if rng.random() < 0.75 else (small, big), ("*",))
     if kind == "**":
-        top = min(max_digits, LONG_TRAIN_DIGITS) if digits is None else digits
+        top = min(max_digits, long_digits) if digits is None else digits
         a = _operand(rng, rng.randint(2, max(2, top)) if digits is None else digits)
-        b = _operand(rng, rng.randint(2, min(max(2, top), LONG_TRAIN_DIGITS)))
+        b = _operand(rng, rng.randint(2, min(max(2, top), MULTIPLIER_DIGITS)))
         return Expr((a, b) if rng.random() < 0.5 or digits is not None else (b, a), ("*",))
     if kind == "chain":
         count = rng.choice((2, 2, 3))
-        top = min(max_digits, CHAIN_DIGITS) if digits is None else digits
+        top = min(max_digits, chain_digits) if digits is None else digits
         ops = tuple(rng.choice("++--*") for _ in range(count))
         terms = []
         for k in range(count + 1):  # factors of a product kept to one digit
@@ -266,14 +299,15 @@ def random_expr(rng: random.Random, kind: str, max_digits: int, digits: int | No
 
 
 def max_digits_after(examples: int) -> int:
-    """The curriculum: the longest operand training draws after `examples` examples."""
-    return max(d for start, d in CURRICULUM if examples >= start)
+    """The first stage's curriculum: the longest operand training draws after `examples` examples."""
+    return FIRST_STAGE.max_digits_after(examples)
 
 
-def training_expr(rng: random.Random, max_digits: int = TRAIN_DIGITS) -> Expr:
-    kinds = list(KIND_SHARES)
+def training_expr(rng: random.Random, max_digits: int = TRAIN_DIGITS, sizes: Sizes = FIRST_STAGE) -> Expr:
+    kinds, shares = zip(*sizes.shares)
     while True:
-        expr = random_expr(rng, rng.choices(kinds, list(KIND_SHARES.values()))[0], max_digits)
+        expr = random_expr(rng, rng.choices(kinds, shares)[0], max_digits, long_digits=sizes.long_digits,
+                           chain_digits=sizes.chain_digits)
         if not is_held_out(expr):
             return expr
 
@@ -358,16 +392,17 @@ def make_questions(n: int, seed: int, split: str = "train", digits: int | None =
 
 class LongArithmeticStream(PromptAnswerStream):
     """Endless batches of (chat prompt + worked answer + turn terminator), loss on the answer only, the
-    operands growing along `CURRICULUM`. The chat template's system prompt is the same for every row, so it
+    operands growing along the stage's curriculum (`sizes`). The chat template's system prompt is the same for every row, so it
     travels once as the batch's shared prefix instead of being recomputed per row. Worked answers range
     from 30 to 600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the batches
     handed out in a drawn order): a batch pads to its own longest row, not to the pool's."""
 
     POOL = 4
 
-    def __init__(self, tokenizer, seed: int):
+    def __init__(self, tokenizer, seed: int, sizes: Sizes = FIRST_STAGE):
         super().__init__(tokenizer)
-        self.rng = random.Random(f"long-train:{seed}")
+        self.rng = random.Random(f"long-train:{sizes.name}:{seed}" if sizes.name else f"long-train:{seed}")
+        self.sizes = sizes
         self.examples = 0
         self._ready: list[list[tuple[list[int], list[int]]]] = []
 
@@ -381,7 +416,7 @@ class LongArithmeticStream(PromptAnswerStream):
     def question(self) -> tuple[Expr, str]:
         """The next training problem (of the curriculum's sizes, never held out by `is_held_out`) and its
         question in training's wordings."""
-        expr = training_expr(self.rng, max_digits_after(self.examples))
+        expr = training_expr(self.rng, self.sizes.max_digits_after(self.examples), self.sizes)
         self.examples += 1
         return expr, question_text(expr, self.rng, "train")
 

@@ -38,6 +38,7 @@ class LoraRecipe:
     rank: int = 16
     alpha: int = 32
     loop: dict = field(default_factory=dict)  # LoopSettings overrides
+    start: str | None = None  # the recipe whose finished adapter this one goes on training (same rank)
 
 
 def sha256_of_files(folder: Path, pattern: str = "*.safetensors") -> str:
@@ -82,6 +83,7 @@ def train_lora(
     evaluate: Callable[[object, object], dict] | None = None,
     device: str = "cpu",
     resume: bool = True,
+    start: Path | None = None,
 ) -> Path:
     """Train a LoRA adapter for `kind` over the base at `base_dir`; save it (PEFT format) into `out_dir`.
 
@@ -89,8 +91,11 @@ def train_lora(
     (`base_model_name_or_path`; default: the folder's name). `evaluate(model, tokenizer)` (optional) runs
     on the trained model and its figures go into the manifest. Training checkpoints into `checkpoint_of(out_dir)`
     and, with `resume`, goes on from a checkpoint found there; a run that ends before the recipe's steps (a
-    `minutes` budget) leaves the checkpoint and saves nothing else: the next run goes on.
+    `minutes` budget) leaves the checkpoint and saves nothing else: the next run goes on. `start`: the finished
+    adapter of `recipe.start` that training begins from (its weights; a fresh optimizer).
     """
+    if (start is None) != (recipe.start is None):
+        raise ValueError(f"{kind}: the recipe starts from {recipe.start or 'the base'}, given start={start}")
     base_dir = Path(base_dir)
     steps = recipe.steps if steps is None else steps  # `minutes` only caps one run: the next one resumes
     if resume and already_trained(Path(out_dir), kind, recipe, steps, seed):
@@ -98,7 +103,7 @@ def train_lora(
                     out_dir, steps, seed)
         return Path(out_dir)
     torch.manual_seed(seed)
-    peft_model, tokenizer = _lora_model(recipe, base_dir, base_ref, device)
+    peft_model, tokenizer = _lora_model(recipe, base_dir, base_ref, device, start)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     settings = LoopSettings(steps=steps, minutes=minutes, **recipe.loop)
     logger.info("training %s adapter (rank %d, %d trainable parameters): %s", kind, recipe.rank, trainable, settings)
@@ -132,6 +137,8 @@ def train_lora(
         "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "eval": figures,
     }
+    if start is not None:
+        manifest["start"] = {"recipe": recipe.start, "adapter_sha256": sha256_of_files(start)}
     if result.resumed_at:
         manifest["resumed_at_steps"] = result.resumed_at
     peft_model.to("cpu", torch.bfloat16)  # shipped in bf16, the dtype experts run in: half the bytes
@@ -158,9 +165,12 @@ def already_trained(out_dir: Path, kind: str, recipe: LoraRecipe, steps: int, se
             and all(trained.get(k) == v for k, v in recipe.loop.items()))
 
 
-def _lora_model(recipe: LoraRecipe, base_dir: Path, base_ref: str | None, device: str = "cpu"):
-    """The base in float32 with the recipe's LoRA adapters injected (peft), and its tokenizer."""
-    from peft import LoraConfig, get_peft_model
+def _lora_model(recipe: LoraRecipe, base_dir: Path, base_ref: str | None, device: str = "cpu",
+                start: Path | None = None):
+    """The base in float32 with the recipe's LoRA adapters injected (peft), and its tokenizer; the adapters
+    hold the weights of the adapter folder `start` when given, else peft's initialisation."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
@@ -169,6 +179,14 @@ def _lora_model(recipe: LoraRecipe, base_dir: Path, base_ref: str | None, device
                         target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = base_ref or Path(base_dir).name
+    if start is not None:
+        saved = json.loads((Path(start) / "adapter_config.json").read_text())
+        if (saved["r"], saved["lora_alpha"]) != (recipe.rank, recipe.alpha):
+            raise ValueError(f"{start} is a rank-{saved['r']} adapter; the recipe trains rank {recipe.rank}")
+        state = {k: v.float() for k, v in load_file(str(Path(start) / "adapter_model.safetensors")).items()}
+        loaded = set_peft_model_state_dict(peft_model, state)
+        if loaded.unexpected_keys:
+            raise ValueError(f"{start}: tensors the recipe's adapter lacks: {loaded.unexpected_keys[:3]}")
     return peft_model, tokenizer
 
 

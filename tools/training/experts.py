@@ -32,7 +32,7 @@ RECIPES: dict[str, LoraRecipe] = {
                              loop={"batch_size": 16, "lr": 1.5e-3, "warmup_steps": 30, "log_every_s": 60}),
     # The second stage, from the first one's adapter: long multiplication and chains grown from 3 digits to 6
     # (fusion.tools.training.long_arithmetic.LONGER_STAGE), the other kinds kept in the mix.
-    "arithmetic-longer": LoraRecipe(stream=partial(LongArithmeticStream, sizes=LONGER_STAGE), steps=200, rank=16,
+    "arithmetic-longer": LoraRecipe(stream=partial(LongArithmeticStream, sizes=LONGER_STAGE), steps=150, rank=16,
                                     alpha=32, start="arithmetic",
                                     loop={"batch_size": 16, "lr": 1e-3, "warmup_steps": 15, "log_every_s": 60}),
     # Plain next-token windows of the standard library's training files (held-out files never drawn).

@@ -67,7 +67,7 @@ FIRST_STAGE = Sizes(curriculum=((0, 2), (1200, 3), (2400, 4), (3600, 5), (4800, 
 # 2 or 3) and chains (operands of up to 6 digits) past the first stage's 3, with the other kinds kept in the
 # mix so that what the first stage learned is still asked. It begins at 5 digits: the first stage's adapter
 # already works 4 (its loss there starts near 0.0005).
-LONGER_STAGE = Sizes(curriculum=((0, 5), (640, 6)),
+LONGER_STAGE = Sizes(curriculum=((0, 5), (480, 6)),
                      shares=(("+", 0.12), ("-", 0.12), ("*", 0.1), ("**", 0.36), ("chain", 0.3)),
                      long_digits=TRAIN_DIGITS, chain_digits=TRAIN_DIGITS, name="longer")
 CURRICULUM = FIRST_STAGE.curriculum

@@ -70,8 +70,6 @@ FIRST_STAGE = Sizes(curriculum=((0, 2), (1200, 3), (2400, 4), (3600, 5), (4800, 
 LONGER_STAGE = Sizes(curriculum=((0, 5), (480, 6)),
                      shares=(("+", 0.12), ("-", 0.12), ("*", 0.1), ("**", 0.36), ("chain", 0.3)),
                      long_digits=TRAIN_DIGITS, chain_digits=TRAIN_DIGITS, name="longer")
-CURRICULUM = FIRST_STAGE.curriculum
-KIND_SHARES = dict(FIRST_STAGE.shares)
 
 
 @dataclass(frozen=True)
@@ -392,10 +390,10 @@ def make_questions(n: int, seed: int, split: str = "train", digits: int | None =
 
 class LongArithmeticStream(PromptAnswerStream):
     """Endless batches of (chat prompt + worked answer + turn terminator), loss on the answer only, the
-    operands growing along the stage's curriculum (`sizes`). The chat template's system prompt is the same for every row, so it
-    travels once as the batch's shared prefix instead of being recomputed per row. Worked answers range
-    from 30 to 600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the batches
-    handed out in a drawn order): a batch pads to its own longest row, not to the pool's."""
+    operands growing along the stage's curriculum (`sizes`). The chat template's system prompt is the same for
+    every row, so it travels once as the batch's shared prefix instead of being recomputed per row. Worked
+    answers range from 30 to 600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the
+    batches handed out in a drawn order): a batch pads to its own longest row, not to the pool's."""
 
     POOL = 4
 

@@ -57,19 +57,27 @@ def test_shipped_files_are_small_and_match_their_manifests():
 
 
 def test_the_arithmetic_recipe_still_draws_the_shipped_adapters_data(smollm2_dir):
-    """`fusion train-expert arithmetic --ship` reproduces the shipped adapter only while the generator draws
-    the batches it trained on: their hash is the manifest's. (The Python adapter's windows come from the
-    running interpreter's standard library, so its hash holds only on the Python version that trained it.)"""
+    """`fusion train-expert KIND --ship` reproduces the shipped arithmetic adapter only while the generators
+    draw the batches it trained on: their hash is the manifest's, for each stage it trained in (a recipe with
+    a `start` trains that recipe's stage first). (The Python adapter's windows come from the running
+    interpreter's standard library, so its hash holds only on the Python version that trained it.)"""
     from transformers import AutoTokenizer
 
     from fusion.tools.training.lora import HashingStream
 
-    manifest = json.loads((ADAPTERS_DIR / ADAPTER_NAMES["arithmetic"] / ADAPTER_MANIFEST).read_text())
-    recipe = RECIPES["arithmetic"]
-    stream = HashingStream(recipe.stream(AutoTokenizer.from_pretrained(str(smollm2_dir)), manifest["seed"]))
-    for _ in range(manifest["recipe"]["steps"]):
-        stream(manifest["recipe"]["batch_size"])
-    assert stream.hexdigest() == manifest["data_sha256"]
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    manifest = json.loads((ADAPTERS_DIR / "arith-lora" / ADAPTER_MANIFEST).read_text())
+    stages = [(manifest["kind"], manifest["seed"], manifest["recipe"]["steps"], manifest["recipe"]["batch_size"],
+               manifest["data_sha256"])]
+    if "start" in manifest:
+        start = manifest["start"]
+        assert start["recipe"] == RECIPES[manifest["kind"]].start
+        stages.append((start["recipe"], start["seed"], start["steps"], start["batch_size"], start["data_sha256"]))
+    for kind, seed, steps, batch_size, digest in stages:
+        stream = HashingStream(RECIPES[kind].stream(tokenizer, seed))
+        for _ in range(steps):
+            stream(batch_size)
+        assert stream.hexdigest() == digest, kind
 
 
 @pytest.fixture(scope="module")

@@ -507,8 +507,8 @@ def test_the_longer_stage_grows_long_multiplication_and_chains_to_the_other_kind
 
 def test_a_later_stage_trains_on_from_the_finished_stage_before_it(base_dir, tmp_path, monkeypatch):
     """A recipe with `start` trains the stage it names first (beside its own folder, the same seed), then
-    begins from that adapter's weights; its manifest names the start by recipe and hash. A start of another
-    rank is refused."""
+    begins from that adapter's weights; its manifest names the start by recipe, hash and draws. A start of
+    another rank is refused."""
     from safetensors.torch import load_file
 
     from fusion.tools.training.experts import RECIPES, finished, start_of
@@ -523,7 +523,9 @@ def test_a_later_stage_trains_on_from_the_finished_stage_before_it(base_dir, tmp
     start = start_of(out, "tiny-first")
     assert finished("tiny-first", start, seed=5) and finished("tiny-second", out, seed=5)
     manifest = json.loads((out / ADAPTER_MANIFEST).read_text())
-    assert manifest["start"] == {"recipe": "tiny-first", "adapter_sha256": sha256_of_files(start)}
+    first = json.loads((start / ADAPTER_MANIFEST).read_text())
+    assert manifest["start"] == {"recipe": "tiny-first", "adapter_sha256": sha256_of_files(start), "seed": 5,
+                                 "steps": 2, "batch_size": 2, "data_sha256": first["data_sha256"]}
     model, _ = _lora_model(RECIPES["tiny-second"], base_dir, None, start=start)
     saved = load_file(str(start / "adapter_model.safetensors"))
     loaded = {n: p for n, p in model.named_parameters() if p.requires_grad}

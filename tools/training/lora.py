@@ -138,7 +138,11 @@ def train_lora(
         "eval": figures,
     }
     if start is not None:
-        manifest["start"] = {"recipe": recipe.start, "adapter_sha256": sha256_of_files(start)}
+        # The start's own draws and seed, so that both stages' training data can be checked by hash.
+        before = json.loads((Path(start) / ADAPTER_MANIFEST).read_text())
+        manifest["start"] = {"recipe": recipe.start, "adapter_sha256": sha256_of_files(start),
+                             "seed": before["seed"], "steps": before["recipe"]["steps"],
+                             "batch_size": before["recipe"]["batch_size"], "data_sha256": before["data_sha256"]}
     if result.resumed_at:
         manifest["resumed_at_steps"] = result.resumed_at
     peft_model.to("cpu", torch.bfloat16)  # shipped in bf16, the dtype experts run in: half the bytes

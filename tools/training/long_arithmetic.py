@@ -392,8 +392,9 @@ class LongArithmeticStream(PromptAnswerStream):
     """Endless batches of (chat prompt + worked answer + turn terminator), loss on the answer only, the
     operands growing along the stage's curriculum (`sizes`). The chat template's system prompt is the same for
     every row, so it travels once as the batch's shared prefix instead of being recomputed per row. Worked
-    answers range from 30 to 600 tokens, so rows are drawn `POOL` batches at a time and batched by length (the
-    batches handed out in a drawn order): a batch pads to its own longest row, not to the pool's."""
+    answers range from 30 to about 1,500 tokens (the longer stage's 6-digit long multiplications), so rows are
+    drawn `POOL` batches at a time and batched by length (the batches handed out in a drawn order): a batch
+    pads to its own longest row, not to the pool's."""
 
     POOL = 4
 

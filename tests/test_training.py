@@ -43,6 +43,7 @@ from fusion.tools.training.arithmetic import (
     WORD_PHRASINGS,
     STYLES,
     TEMPLATES,
+    TRAINING_TEMPLATES,
     Problem,
     extract_answer,
     held_out_problems,
@@ -242,6 +243,39 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
         held = [q for seed in range(3) for q, _ in make_questions(300, seed, phrasing=split)]
         for piece, pattern in zip(pieces[split], patterns[split]):
             assert any(pattern.search(q) for q in held), piece
+
+
+def test_router_training_asks_some_arithmetic_in_unfamiliar_words():
+    import pydoc_data.topics as topics
+
+    from fusion.tools.router_training import (FRAMED_ARITHMETIC_SHARE, UNFAMILIAR_OPERATION_SHARE,
+                                              default_training_samples, held_out_words, prose_sentences)
+
+    sentences = prose_sentences(list(topics.topics.values()))
+    assert len(sentences) > 300
+    assert all(4 <= len(s.split()) <= 30 and not re.search(r"[0-9]", s) for s in sentences)
+    assert {"weeks", "stacks", "spending", "less", "lots"} <= held_out_words()
+    from fusion.tools.training.arithmetic import EXTRA_WORD_PROBLEMS
+
+    training = [*TRAINING_TEMPLATES.values(), *WORD_PHRASINGS["train"].values(), *EXTRA_WORD_PROBLEMS.values()]
+    training_words = {w.lower() for ts in training for t in ts for w in re.findall(r"[A-Za-z]+", t)}
+    samples = default_training_samples(0)
+    asked = [s for s in (next(samples) for _ in range(800)) if s.end_turn]
+    assert len(asked) > 150
+    known = set(sentences)
+    framed = [s.prompt for s in asked if any(s.prompt.startswith(x + " ") or s.prompt.endswith(" " + x) for x in known)]
+    assert abs(len(framed) / len(asked) - FRAMED_ARITHMETIC_SHARE) < 0.1
+    for q in framed:  # the sentence sits beside the question: every number is the problem's
+        sentence = next(x for x in known if q.startswith(x + " ") or q.endswith(" " + x))
+        assert re.findall(r"[0-9]+", q) == re.findall(r"[0-9]+", q.replace(sentence, ""))
+    binary = [(s, m) for s in asked if (m := re.match(r"([0-9]+)[-+*]([0-9]+):", s.text))]
+    unfamiliar = []
+    for sample, m in binary:
+        joined = re.search(rf"\b{m[1]} ([a-z]+(?: [a-z]+){{0,2}}) {m[2]}\b", sample.prompt)
+        if joined and not set(joined[1].split()) & training_words:
+            assert not set(joined[1].split()) & held_out_words(), sample.prompt
+            unfamiliar.append(sample.prompt)
+    assert abs(len(unfamiliar) / len(binary) - UNFAMILIAR_OPERATION_SHARE) < 0.12
 
 
 def test_in_and_out_of_template_questions_ask_the_same_problems():

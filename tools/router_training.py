@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,11 +137,56 @@ _PROSE_REQUESTS = ("Tell me about {}.", "Explain {} in Python.", "Write a short 
                    "What should I know about {}?", "Describe {}, please.", "How does {} work?")
 _CODE_REQUESTS = ("Show me some Python code from the {} module.", "Write Python code like {}.py.",
                   "Give me an example of Python source, e.g. from {}.")
+# Arithmetic questions in words training's phrasings never use. The router reads the question's words through
+# its context windows; trained on training's phrasings alone, it sent questions in unseen wordings ("7 weeks
+# of 27 per week") to another expert at the answer's first tokens, where the arithmetic expert restates the
+# problem ("7*27:") and the others copy the question's words, and the answer never recovered. A sentence of
+# unrelated prose beside the question, or random words in place of the operation's, teaches it that the
+# words around and between the numbers do not decide who answers.
+FRAMED_ARITHMETIC_SHARE = 0.3  # a prose sentence before or after the question
+UNFAMILIAR_OPERATION_SHARE = 0.3  # two numbers joined by random prose words, in a training frame
+
+
+def prose_sentences(texts: Sequence[str]) -> list[str]:
+    """The sentences of `texts` of 4 to 30 words, with no digits (they would blur the question's numbers)
+    and none of the grammar notation or code the pydoc topics carry."""
+    sentences = []
+    for text in texts:
+        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(text.split())):
+            words = sentence.split()
+            if 4 <= len(words) <= 30 and sentence[0].isupper() and re.fullmatch(r"[A-Za-z ,;:'\"()-]+[.!?]", sentence):
+                sentences.append(sentence)
+    return sentences
+
+
+def framed_question(question: str, sentences: Sequence[str], rng: random.Random) -> str:
+    """`question` with a random sentence before or after it."""
+    sentence = rng.choice(sentences)
+    return f"{sentence} {question}" if rng.random() < 0.5 else f"{question} {sentence}"
+
+
+def held_out_words() -> set[str]:
+    """Every word of every held-out phrasing (templates, styles, word problems): random operation words
+    never compose a held-out wording."""
+    from fusion.tools.training.arithmetic import PHRASINGS, WORD_PHRASINGS
+
+    texts = [t for split, (templates, styles) in PHRASINGS.items() if split != "train"
+             for t in [*styles, *(t for ts in templates.values() for t in ts)]]
+    texts += [t for split, problems in WORD_PHRASINGS.items() if split != "train" for ts in problems.values() for t in ts]
+    return {w.lower() for t in texts for w in re.findall(r"[A-Za-z]+", t)}
+
+
+def unfamiliar_question(a: int, b: int, words: Sequence[str], rng: random.Random) -> str:
+    """`a` and `b` joined by one to three of `words` in place of an operation, in a training frame."""
+    from fusion.tools.training.arithmetic import EXTRA_FRAMES, FRAMES
+
+    joined = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
+    return rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", f"{a} {joined} {b}")
 
 
 def default_training_samples(seed: int) -> Iterator[TextSample]:
-    """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns;
-    Python source and English prose (the standard library's pydoc topics), each both as plain text
+    """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns (some beside
+    a sentence of prose, some with random words for the operation); Python source and English prose (the standard library's pydoc topics), each both as plain text
     and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
@@ -150,10 +196,19 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
     rng = random.Random(f"router:{seed}")
     code_files = stdlib_files(held_out=False)
     prose = [(name, text) for name, text in topics.topics.items() if len(text) > 400]
+    sentences = prose_sentences([text for _, text in prose])
+    words = sorted({w for s in sentences for w in re.findall(r"\b[a-z]{3,}\b", s)} - held_out_words())
 
     def arithmetic() -> TextSample:
         problem = training_expr(rng)  # training's problems of every size, worked as the specialist works them
-        return TextSample(answer_text(problem), prompt=question_text(problem, rng, "train"), end_turn=True)
+        draw = rng.random()
+        if len(problem.ops) == 1 and draw < UNFAMILIAR_OPERATION_SHARE:
+            question = unfamiliar_question(*problem.terms, words, rng)
+        else:
+            question = question_text(problem, rng, "train")
+            if draw > 1 - FRAMED_ARITHMETIC_SHARE:
+                question = framed_question(question, sentences, rng)
+        return TextSample(answer_text(problem), prompt=question, end_turn=True)
 
     def window(text: str) -> str:
         start = rng.randrange(max(1, len(text) - 1500))

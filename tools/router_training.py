@@ -186,8 +186,8 @@ def unfamiliar_question(a: int, b: int, words: Sequence[str], rng: random.Random
 
 def default_training_samples(seed: int) -> Iterator[TextSample]:
     """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns (some beside
-    a sentence of prose, some with random words for the operation); Python source and English prose (the standard library's pydoc topics), each both as plain text
-    and as the answer to a chat request."""
+    a sentence of prose, some with random words for the operation); Python source and English prose (the
+    standard library's pydoc topics), each both as plain text and as the answer to a chat request."""
     import pydoc_data.topics as topics
 
     from fusion.tools.training.long_arithmetic import answer_text, question_text, training_expr

@@ -16,6 +16,7 @@ from fusion.config import parse_config
 from fusion.experts.shared_base import load_local_experts
 from fusion.tools.training import RECIPES, train_expert
 from fusion.tools.training.arithmetic import (
+    EXTRA_WORD_PROBLEMS,
     hashed_out,
     FRAMES,
     FRESH_EXPRESSIONS,
@@ -254,26 +255,27 @@ def test_router_training_asks_some_arithmetic_in_unfamiliar_words():
     sentences = prose_sentences(list(topics.topics.values()))
     assert len(sentences) > 300
     assert all(4 <= len(s.split()) <= 30 and not re.search(r"[0-9]", s) for s in sentences)
-    assert {"weeks", "stacks", "spending", "less", "lots"} <= held_out_words()
-    from fusion.tools.training.arithmetic import EXTRA_WORD_PROBLEMS
-
+    held_out = held_out_words()
+    assert {"weeks", "stacks", "spending", "less", "lots"} <= held_out
     training = [*TRAINING_TEMPLATES.values(), *WORD_PHRASINGS["train"].values(), *EXTRA_WORD_PROBLEMS.values()]
     training_words = {w.lower() for ts in training for t in ts for w in re.findall(r"[A-Za-z]+", t)}
     samples = default_training_samples(0)
     asked = [s for s in (next(samples) for _ in range(800)) if s.end_turn]
     assert len(asked) > 150
-    known = set(sentences)
-    framed = [s.prompt for s in asked if any(s.prompt.startswith(x + " ") or s.prompt.endswith(" " + x) for x in known)]
+
+    def sentence_beside(question: str) -> str | None:
+        return next((x for x in sentences if question.startswith(x + " ") or question.endswith(" " + x)), None)
+
+    framed = [(s.prompt, sentence) for s in asked if (sentence := sentence_beside(s.prompt))]
     assert abs(len(framed) / len(asked) - FRAMED_ARITHMETIC_SHARE) < 0.1
-    for q in framed:  # the sentence sits beside the question: every number is the problem's
-        sentence = next(x for x in known if q.startswith(x + " ") or q.endswith(" " + x))
+    for q, sentence in framed:  # the sentence sits beside the question: every number is the problem's
         assert re.findall(r"[0-9]+", q) == re.findall(r"[0-9]+", q.replace(sentence, ""))
     binary = [(s, m) for s in asked if (m := re.match(r"([0-9]+)[-+*]([0-9]+):", s.text))]
     unfamiliar = []
     for sample, m in binary:
         joined = re.search(rf"\b{m[1]} ([a-z]+(?: [a-z]+){{0,2}}) {m[2]}\b", sample.prompt)
         if joined and not set(joined[1].split()) & training_words:
-            assert not set(joined[1].split()) & held_out_words(), sample.prompt
+            assert not set(joined[1].split()) & held_out, sample.prompt
             unfamiliar.append(sample.prompt)
     assert abs(len(unfamiliar) / len(binary) - UNFAMILIAR_OPERATION_SHARE) < 0.12
 

@@ -34,9 +34,9 @@ def _logits(experts: int = 3, rows: int = 4, vocab: int = 1024, seed: int = 3) -
     return logits
 
 
-def _router(vocab: int, seed: int = 0, comp_rank: int = 0) -> Router:
+def _router(vocab: int, seed: int = 0, comp_rank: int = 0, windows: tuple[int, ...] = RouterShape.windows) -> Router:
     torch.manual_seed(seed)
-    router = Router(RouterShape(num_experts=3, vocab_size=vocab, comp_rank=comp_rank)).eval()
+    router = Router(RouterShape(num_experts=3, vocab_size=vocab, comp_rank=comp_rank, windows=windows)).eval()
     with torch.no_grad():
         router.comp.weight.normal_(0, 0.3)  # make the complementary logit matter
         router.comp.bias.normal_(0, 0.3)
@@ -128,15 +128,15 @@ def _torch_fuse(router: Router, *args, **kwargs) -> FusedLogits:
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("fail_safe", [True, False])
-@pytest.mark.parametrize("comp_rank", [0, 16])
-def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank):
+@pytest.mark.parametrize("comp_rank,windows", [(0, RouterShape.windows), (16, RouterShape.windows), (16, (8,))])
+def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank, windows):
     """Where the route rule's passes run in C, the router's head (context features, body, weights, the gate's
     pull, the complementary layer's input) is one C call: the same weights and fused logits as torch's
     operators, within float32 rounding, with experts left out of some rows."""
     from fusion.forward import native_kernels
     assert native_kernels.library() is not None  # (CI builds the kernels: the C head is what is tested)
     vocab = 1024
-    router = _router(vocab, comp_rank=comp_rank)
+    router = _router(vocab, comp_rank=comp_rank, windows=windows)
     logits = _logits(rows=max(rows, 2), vocab=vocab)[:, :rows].contiguous()  # (its second row has a tie)
     context = torch.randint(-1, vocab, (rows, CONTEXT_TOKENS), generator=torch.Generator().manual_seed(2))
     context[0, :40] = -1  # a short history: windows with fewer ids than their width

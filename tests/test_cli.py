@@ -91,8 +91,6 @@ def test_show_experts_without_terminal(config_file):
     ("bad_rule_param", "tau must be a finite number > 0"),
     ("missing_router_data", "--data: no such file"),
     ("bad_comp_rank", "--comp-rank: router comp_rank must be in [0, 96)"),
-    ("bad_windows", "--windows: router windows must be in [1, 64], got (8, 65)"),
-    ("bad_route_focus", "route_focus (--route-focus) must be one of ['disagree', 'decisive'], got 'all'"),
     ("bad_lengths", "--lengths: comma-separated digit counts"),
     ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
     ("bad_length_sets", "--length-sets: in, out or in,out"),
@@ -149,9 +147,6 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
         args = ["train-expert", "python-functions", "--ship"]
     elif setup == "bad_comp_rank":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--comp-rank", "96"]
-    elif setup in ("bad_windows", "bad_route_focus"):
-        args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"),
-                *(["--windows", "8,65"] if setup == "bad_windows" else ["--route-focus", "all"])]
     if data is not None:
         path.write_text(yaml.safe_dump(data))
     out = fusion(*args)

@@ -204,35 +204,6 @@ def test_features_and_loss_reference():
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(fused, targets))
 
 
-def test_decisive_route_loss_weights_each_position_by_the_best_experts_lead():
-    torch.manual_seed(1)
-    logits = torch.randn(3, 6, 10) * 3
-    targets = torch.tensor([1, 2, 3, 4, 5, 6])
-    context = teacher_forced_context([5, 0], targets.tolist())
-    router = Router(RouterShape(num_experts=3, vocab_size=10, complementary=False))
-    with torch.no_grad():
-        router.route.bias.copy_(torch.tensor([0.5, -0.2, 0.1]))
-    fused_only = router_loss(router, logits, context, targets, route_weight=0.0)
-    decisive = router_loss(router, logits, context, targets, route_weight=0.5, route_focus="decisive")
-    # Reference, one position at a time: CE(route logits, best expert) weighted by p_best - p_second.
-    lp = torch.log_softmax(logits, -1)
-    route_logits, _, _ = router(lp, context)
-    total = weights = 0.0
-    for i, t in enumerate(targets.tolist()):
-        p = sorted((lp[e, i, t].exp().item(), e) for e in range(3))
-        gap = p[-1][0] - p[-2][0]
-        total += gap * -torch.log_softmax(route_logits[i], -1)[p[-1][1]].item()
-        weights += gap
-    assert weights > 0.5  # the draw has positions where one expert leads
-    torch.testing.assert_close(decisive - fused_only, torch.tensor(0.5 * total / max(weights, 1.0)))
-    # a position where every expert gives the target the same probability teaches no route
-    same = logits[:1].expand(3, -1, -1)
-    torch.testing.assert_close(router_loss(router, same, context, targets, 0.5, route_focus="decisive"),
-                               router_loss(router, same, context, targets, 0.0))
-    with pytest.raises(ValueError, match="route_focus"):
-        RouterTrainSettings(route_focus="everywhere")
-
-
 def test_familiarity_gate_is_a_mahalanobis_distance():
     torch.manual_seed(0)
     mix = torch.randn(6, 6)

@@ -521,12 +521,6 @@ def train_router_command(
                                             "recipe's (RouterTrainSettings.comp_rank)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="The learning rate over the run: constant, "
                                     "or cosine (down to 5% of it as the texts or minutes run out)."),
-    route_focus: str = typer.Option("disagree", "--route-focus", help="Where the route loss names the best expert: "
-                                    "disagree (where the experts' top choices differ) or decisive (everywhere, "
-                                    "weighted by how much surer the best expert is than the next)."),
-    windows: Optional[str] = typer.Option(None, "--windows", help="The recent-token bags the router reads, as "
-                                          "comma-separated token counts (each the mean embedding of that many last "
-                                          "ids). Default: the recipe's (RouterTrainSettings.windows)."),
     seed: int = typer.Option(0, "--seed"),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
                               "finds for exactly this config's experts (how the default trio's router is made)."),
@@ -553,17 +547,9 @@ def train_router_command(
                 RouterShape(num_experts=1, vocab_size=1, comp_rank=comp_rank)
             except ValueError as err:
                 fail(f"--comp-rank: {err}")
-        if windows is not None:  # checked before the experts load
-            from fusion.fuse.router import RouterShape
-
-            try:
-                rank["windows"] = RouterShape(num_experts=1, vocab_size=1,
-                                              windows=tuple(int(w) for w in windows.split(","))).windows
-            except ValueError as err:
-                fail(f"--windows: {err}")
         try:  # checked before the experts load
             settings = RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed, comp_l2=comp_l2,
-                                           lr_schedule=lr_schedule, route_focus=route_focus, **rank)
+                                           lr_schedule=lr_schedule, **rank)
         except ValueError as err:
             fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)

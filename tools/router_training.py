@@ -42,11 +42,6 @@ logger = logging.getLogger(__name__)
 
 
 LR_SCHEDULES = ("constant", "cosine")
-# Where the route loss teaches the best expert's name: "disagree", at every position where the experts'
-# top-1 choices differ, each alike; "decisive", at every position, each weighted by how much surer the best
-# expert is of the reference token than the next best (p_best - p_second), so that a step where one expert
-# alone is sure outweighs one where any of them would do.
-ROUTE_FOCUSES = ("disagree", "decisive")
 
 
 @dataclass
@@ -61,10 +56,8 @@ class RouterTrainSettings:
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.05
     route_weight: float = 0.5
-    route_focus: str = "disagree"
     comp_l2: float = 1e-3
     comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
-    windows: tuple[int, ...] = RouterShape.windows  # the recent-token bags the router reads (RouterShape.windows)
     seq_tokens: int = 192
     seed: int = 0
     # Read the context through the first in-process expert's input embeddings (frozen, projected to the
@@ -77,9 +70,6 @@ class RouterTrainSettings:
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule (--lr-schedule) must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.route_focus not in ROUTE_FOCUSES:
-            raise ValueError(f"route_focus (--route-focus) must be one of {list(ROUTE_FOCUSES)}, "
-                             f"got {self.route_focus!r}")
 
 
 @dataclass
@@ -123,9 +113,8 @@ def lr_factor(settings: RouterTrainSettings, elapsed_s: float, texts_done: int) 
 
 
 def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
-                route_weight: float, comp_l2: float = 0.0, route_focus: str = "disagree") -> torch.Tensor:
-    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss
-    (`route_focus`: see ROUTE_FOCUSES)."""
+                route_weight: float, comp_l2: float = 0.0) -> torch.Tensor:
+    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, n, V)
     route_logits, weights, comp = router(log_probs, context)
     fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (n, V)
@@ -134,22 +123,10 @@ def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, tar
     loss = torch.nn.functional.cross_entropy(fused, targets)
     if comp is not None and comp_l2 > 0:  # an L2 penalty per position, summed over the vocabulary
         loss = loss + comp_l2 * comp.pow(2).sum(-1).mean()
-    if route_weight <= 0:
-        return loss
-    target_log_probs = log_probs.gather(-1, targets[None, :, None].expand(log_probs.shape[0], -1, 1))[..., 0]  # (E, n)
-    best = target_log_probs.argmax(0)  # (n,)
-    if route_focus == "decisive":
-        if log_probs.shape[0] < 2:
-            return loss
-        top2 = target_log_probs.exp().topk(2, dim=0).values  # (2, n)
-        gap = top2[0] - top2[1]  # (n,) in [0, 1]
-        per_position = torch.nn.functional.cross_entropy(route_logits, best, reduction="none")  # (n,)
-        # normalised by the gaps' total, but never by less than one position's worth: a text where no
-        # expert is surer than another teaches little
-        return loss + route_weight * (gap * per_position).sum() / gap.sum().clamp(min=1.0)
     top1 = log_probs.argmax(-1)  # (E, n)
     disagree = (top1 != top1[:1]).any(0)  # (n,)
-    if bool(disagree.any()):
+    if route_weight > 0 and bool(disagree.any()):
+        best = log_probs.gather(-1, targets[None, :, None].expand(log_probs.shape[0], -1, 1))[..., 0].argmax(0)
         loss = loss + route_weight * torch.nn.functional.cross_entropy(route_logits[disagree], best[disagree])
     return loss
 
@@ -335,9 +312,7 @@ def ship_router(trained: Path, service: FusionService, figures: dict | None = No
         "recipe": metadata.get("settings"),
         "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
                     f"--minutes {settings.get('minutes')} --comp-l2 {settings.get('comp_l2')} "
-                    f"--lr-schedule {settings.get('lr_schedule', 'constant')} "
-                    f"--route-focus {settings.get('route_focus', 'disagree')} "
-                    f"--windows {','.join(str(w) for w in settings.get('windows', RouterShape.windows))}"),
+                    f"--lr-schedule {settings.get('lr_schedule', 'constant')}"),
         "seed": metadata.get("seed"),
         "data_sha256": metadata.get("data_sha256"),
         "texts": metadata.get("texts"), "steps": metadata.get("steps"),
@@ -370,7 +345,7 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     engine = service.engine
     torch.manual_seed(settings.seed)
     shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size,
-                                 comp_rank=settings.comp_rank, windows=settings.windows)
+                                 comp_rank=settings.comp_rank)
     router = Router(shape)
     table = borrowed_table(engine, shape.vocab_size) if settings.borrow_embeddings else None
     if table is not None:
@@ -388,8 +363,7 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
         for group in optimiser.param_groups:
             group["lr"] = settings.lr * lr_factor(settings, time.perf_counter() - start, n_texts)
         for _ in range(settings.steps_per_text):
-            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2,
-                               settings.route_focus)
+            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2)
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(router.parameters(), 1.0)

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from fusion.frontdoor.service import FusionRequest
-from fusion.tools.executed_code import (STOP, asked_stops, complete_humaneval, cut_at_stop,
+from fusion.tools.executed_code import (EMPTY_BODY, STOP, asked_stops, complete_humaneval, cut_at_stop,
                                         humaneval_messages, humaneval_problems, humaneval_program, pass_at_1,
                                         run_sandboxed)
 
@@ -44,6 +44,10 @@ def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     assert rate == 1.0, [o.reason for o in outcomes]
     rate, outcomes = pass_at_1(problems, ["    return None\n"] * 5)
     assert rate == 0.0 and all(not o.passed for o in outcomes)
+    assert EMPTY_BODY not in {o.reason for o in outcomes}  # a body that runs and is wrong
+    # a blank body is named as such, not counted among wrong code
+    rate, outcomes = pass_at_1(problems[:2], ["", "  \n"])
+    assert rate == 0.0 and [o.reason for o in outcomes] == [EMPTY_BODY, EMPTY_BODY]
 
 
 @pytest.mark.parametrize("style", ["plain", "chat"])

@@ -57,7 +57,7 @@ del _resource, _limit, _value, _socket, _refused
 @dataclass(frozen=True)
 class Outcome:
     passed: bool
-    reason: str  # "passed", "timed out", or the last line the program wrote to stderr
+    reason: str  # "passed", "timed out", EMPTY_BODY, or the last line the program wrote to stderr
 
 
 @functools.cache
@@ -194,6 +194,12 @@ def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int,
     return completions
 
 
+# A blank body leaves the docstring as the whole function: it returns None and fails on an assertion, which
+# would hide the commonest failure of these models (the answer closing the code block at once) among wrong code.
+EMPTY_BODY = "empty body: the answer closed the code block at once"
+
+
 def pass_at_1(problems: Sequence[dict], completions: Sequence[str]) -> tuple[float, list[Outcome]]:
-    outcomes = [run_sandboxed(humaneval_program(p, c)) for p, c in zip(problems, completions)]
+    outcomes = [Outcome(False, EMPTY_BODY) if not c.strip() else run_sandboxed(humaneval_program(p, c))
+                for p, c in zip(problems, completions)]
     return sum(o.passed for o in outcomes) / max(len(outcomes), 1), outcomes

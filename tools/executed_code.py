@@ -200,6 +200,8 @@ EMPTY_BODY = "empty body: the answer closed the code block at once"
 
 
 def pass_at_1(problems: Sequence[dict], completions: Sequence[str]) -> tuple[float, list[Outcome]]:
-    outcomes = [Outcome(False, EMPTY_BODY) if not c.strip() else run_sandboxed(humaneval_program(p, c))
-                for p, c in zip(problems, completions)]
+    outcomes = [run_sandboxed(humaneval_program(p, c)) for p, c in zip(problems, completions)]
+    # every program runs, a blank one too; only a failure's reason is renamed
+    outcomes = [Outcome(False, EMPTY_BODY) if not o.passed and not c.strip() else o
+                for o, c in zip(outcomes, completions)]
     return sum(o.passed for o in outcomes) / max(len(outcomes), 1), outcomes

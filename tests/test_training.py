@@ -232,7 +232,7 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
     stream = LongArithmeticStream(tok, 0)
     questions = [stream.question()[1] for _ in range(6000)]
     samples = default_training_samples(0)
-    questions += [s.prompt for s in (next(samples) for _ in range(1500)) if s.prompt]
+    questions += [s.prompt for s in (next(samples) for _ in range(1500)) if isinstance(s.prompt, str)]
     pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES,
               "fifth": FIFTH_PIECES, "sixth": SIXTH_PIECES}
     patterns = {split: [piece_pattern(p) for p in ps] for split, ps in pieces.items()}
@@ -260,7 +260,7 @@ def test_router_training_asks_some_arithmetic_in_unfamiliar_words():
     training = [*TRAINING_TEMPLATES.values(), *WORD_PHRASINGS["train"].values(), *EXTRA_WORD_PROBLEMS.values()]
     training_words = {w.lower() for ts in training for t in ts for w in re.findall(r"[A-Za-z]+", t)}
     samples = default_training_samples(0)
-    asked = [s for s in (next(samples) for _ in range(800)) if s.end_turn]
+    asked = [s for s in (next(samples) for _ in range(800)) if s.end_turn and not s.continued]
     assert len(asked) > 150
 
     def sentence_beside(question: str) -> str | None:
@@ -278,6 +278,26 @@ def test_router_training_asks_some_arithmetic_in_unfamiliar_words():
             assert not set(joined[1].split()) & held_out, sample.prompt
             unfamiliar.append(sample.prompt)
     assert abs(len(unfamiliar) / len(binary) - UNFAMILIAR_OPERATION_SHARE) < 0.12
+
+
+def test_router_training_asks_training_functions_as_humaneval_asks():
+    from fusion.tools.executed_code import humaneval_messages
+    from fusion.tools.router_training import FUNCTION_CHAT_SHARE, default_training_samples
+    from fusion.tools.training.python_functions import evaluation_entry_points, training_functions
+
+    by_prompt = {}  # a signature and docstring can recur across files (posixpath, ntpath) with other bodies
+    for f in training_functions():
+        by_prompt.setdefault(f.prompt, []).append(f)
+    samples = [next(s) for s in [default_training_samples(0)] for _ in range(1500)]
+    continued = [s for s in samples if s.continued]
+    assert abs(len(continued) / len(samples) - FUNCTION_CHAT_SHARE) < 0.02
+    excluded = evaluation_entry_points()
+    for sample in continued:
+        opened = sample.prompt[-1]["content"].removeprefix("```python\n")
+        # a training file's function, asked exactly as the evaluation asks
+        assert sample.prompt == humaneval_messages(opened) and sample.end_turn
+        function = next(f for f in by_prompt[opened] if sample.text == f.body + "```")
+        assert function.name not in excluded
 
 
 def test_in_and_out_of_template_questions_ask_the_same_problems():

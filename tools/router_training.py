@@ -145,6 +145,7 @@ _CODE_REQUESTS = ("Show me some Python code from the {} module.", "Write Python 
 # words around and between the numbers do not decide who answers.
 FRAMED_ARITHMETIC_SHARE = 0.3  # a prose sentence before or after the question
 UNFAMILIAR_OPERATION_SHARE = 0.3  # two numbers joined by random prose words, in a training frame
+FUNCTION_CHAT_SHARE = 0.05  # of all texts; a tenth cost arithmetic accuracy on every wording
 
 
 def prose_sentences(texts: Sequence[str]) -> list[str]:
@@ -191,10 +192,13 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
     import pydoc_data.topics as topics
 
     from fusion.tools.training.long_arithmetic import answer_text, question_text, training_expr
+    from fusion.tools.executed_code import humaneval_messages
     from fusion.tools.training.python_code import stdlib_files
+    from fusion.tools.training.python_functions import training_functions
 
     rng = random.Random(f"router:{seed}")
     code_files = stdlib_files(held_out=False)
+    functions = training_functions()
     prose = [(name, text) for name, text in topics.topics.items() if len(text) > 400]
     sentences = prose_sentences([text for _, text in prose])
     words = sorted({w for s in sentences for w in re.findall(r"\b[a-z]{3,}\b", s)} - held_out_words())
@@ -230,8 +234,16 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
         text = path.read_text(encoding="utf-8", errors="replace")
         return TextSample(window(text)[:700], prompt=rng.choice(_CODE_REQUESTS).format(path.stem))
 
-    sources = [arithmetic, code, general, prose_chat, code_chat]
-    shares = [0.3, 0.175, 0.175, 0.2, 0.15]
+    def function_chat() -> TextSample:
+        # a documented function's body, asked as `fusion eval --humaneval` asks (the answer opened with the
+        # signature and docstring, healed): the docstring reads as prose, and without this the router weighted
+        # the generalist at the body's first token, which then closed the code block at once
+        function = rng.choice(functions)
+        return TextSample(function.body + "```", prompt=humaneval_messages(function.prompt), end_turn=True,
+                          continued=True)
+
+    sources = [arithmetic, code, general, prose_chat, code_chat, function_chat]
+    shares = [0.3, 0.175 - FUNCTION_CHAT_SHARE / 2, 0.175, 0.2, 0.15 - FUNCTION_CHAT_SHARE / 2, FUNCTION_CHAT_SHARE]
     while True:
         yield rng.choices(sources, shares)[0]()
 

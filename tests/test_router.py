@@ -4,6 +4,7 @@ experts; a router that always picks one expert reproduces that expert."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -311,7 +312,7 @@ def test_chat_sample_ids_end_the_turn(tiny_service):
     assert ids == tok("the cat", add_special_tokens=False)["input_ids"] + [end_of_turn_id(tok)]
 
 
-def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
+def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path, caplog):
     """`router: auto` names the cached router of exactly these experts: refused (clearly) before it exists,
     by a request and by a service configured with it (loading never trains); trained once by the tool's
     `prepare_router`, then reused by every service of the same trio."""
@@ -332,8 +333,12 @@ def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path):
     expected = service.complete("hello world", {"max_tokens": 5}, auto)
     service.close()
 
-    routed = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),
-                                        cache_dir=cache)
+    with caplog.at_level(logging.INFO, logger="fusion.frontdoor.service"):
+        routed = FusionService.from_config(parse_config(tiny_config_dict(tiny_dir, fusion=auto.model_dump())),
+                                            cache_dir=cache)
+    # which file `router: auto` reads is said, and once: one trained here shadows a shipped one
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("router: auto reads")]
+    assert said == [f"router: auto reads {path} (trained here for these experts)"]
     assert path.stat().st_mtime_ns == stamp
     assert routed.complete("hello world", {"max_tokens": 5}).token_ids == expected.token_ids
     routed.close()
@@ -377,3 +382,15 @@ def test_a_shipped_router_is_found_for_exactly_its_config_experts(tiny_dir, tmp_
     other = parse_config(tiny_config_dict(tiny_dir, names=("b", "a", "c"), fusion=auto.model_dump()))
     with pytest.raises(AssetError, match="no router is trained"):
         FusionService.from_config(other, cache_dir=tmp_path / "empty-cache")
+
+
+def test_a_router_trained_to_ship_stays_out_of_the_auto_entry(tiny_service, tmp_path):
+    """`train-router --ship` without `--out` writes beside the cache entry `router: auto` reads: left in it, the
+    local copy would shadow the shipped router, and every router shipped after it, on this machine."""
+    from fusion.tools.cli import router_out
+
+    entry = tiny_service.auto_router_path()
+    assert router_out(tiny_service, None, ship=False) == entry
+    shipping = router_out(tiny_service, None, ship=True)
+    assert shipping != entry and shipping.parent == entry.parent and shipping.suffix == ".pt"
+    assert router_out(tiny_service, tmp_path / "r.pt", ship=True) == tmp_path / "r.pt"

@@ -503,6 +503,16 @@ def train_expert(
     run_guarded(run)
 
 
+def router_out(service, out: Optional[Path], ship: bool) -> Path:
+    """Where `train-router` writes: `--out`, else the cache entry `router: auto` reads; with `--ship`, beside
+    that entry and not in it, since a router trained here shadows the shipped one for `router: auto` (so a
+    copy left there by one `--ship` would hide every router shipped after it on this machine)."""
+    if out is not None:
+        return out
+    entry = service.auto_router_path()
+    return entry.with_name(f"{entry.stem}.shipped.pt") if ship else entry
+
+
 @app.command("train-router")
 def train_router_command(
     config_path: Optional[Path] = ConfigOption,
@@ -553,7 +563,7 @@ def train_router_command(
         except ValueError as err:
             fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)
-        result = train_router(service, out or service.auto_router_path(), texts=samples, settings=settings)
+        result = train_router(service, router_out(service, out, ship), texts=samples, settings=settings)
         if ship:
             from fusion.tools.router_training import ship_router
 

@@ -85,6 +85,7 @@ class FusionService:
         self.tokenizers = list(tokenizers)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._auto_router: Path | None = None
+        self._auto_router_read: Path | None = None  # the last checkpoint `router: auto` was logged to read
         self._rules = lru_cache(maxsize=64)(self._built_rule)
         self._token_texts = lru_cache(maxsize=1 << 16)(self._decode_token)
         self._bytes_table: list[bytes] | None = None  # id -> its bytes (`token_bytes`)
@@ -182,7 +183,13 @@ class FusionService:
         the one shipped for exactly these config experts (builtin models and adapters), else the missing
         `auto_router_path`."""
         trained = self.auto_router_path()
-        return trained if trained.is_file() else (shipped_router(self.config.experts) or trained)
+        found = trained if trained.is_file() else (shipped_router(self.config.experts) or trained)
+        if found.is_file() and found != self._auto_router_read:
+            # said once: a router trained here shadows the shipped one, which figures must not miss
+            logger.info("router: auto reads %s (%s)", found,
+                        "trained here for these experts" if found == trained else "shipped with the project")
+            self._auto_router_read = found
+        return found
 
     def auto_router_path(self) -> Path:
         """Where `router: auto` finds a router trained here for these experts (`fusion train-router`

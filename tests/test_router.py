@@ -339,6 +339,12 @@ def test_auto_router_is_trained_once_per_trio(tiny_dir, tmp_path, caplog):
     # which file `router: auto` reads is said, and once: one trained here shadows a shipped one
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("router: auto reads")]
     assert said == [f"router: auto reads {path} (trained here for these experts)"]
+    from fusion.tools.evaluation import evaluate
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fusion.tools.evaluation"):
+        evaluate(routed, questions=0, domains=[])  # the figures say whose they are
+    assert f"router: auto reads {path}" in [r.getMessage() for r in caplog.records]
     assert path.stat().st_mtime_ns == stamp
     assert routed.complete("hello world", {"max_tokens": 5}).token_ids == expected.token_ids
     routed.close()

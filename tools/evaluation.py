@@ -292,6 +292,8 @@ def evaluate(
 
     rows = rows or default_rows(service)
     results = [EvalRow(name, spec.model_dump()) for name, spec in rows]
+    if service.uses_auto_router:  # a router trained here shadows the shipped one: the figures say whose they are
+        logger.info("router: auto reads %s", service.auto_router_checkpoint())
     if questions > 0:
         kinds = [p.kind for p in held_out_problems(questions, seed)]  # the problems of both phrasings
         asked = {split: make_questions(questions, seed, phrasing=SPLIT_PHRASINGS[split])

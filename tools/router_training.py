@@ -188,11 +188,12 @@ def unfamiliar_question(a: int, b: int, words: Sequence[str], rng: random.Random
 def default_training_samples(seed: int) -> Iterator[TextSample]:
     """An endless shuffled mix of the training splits: arithmetic questions answered in chat turns (some beside
     a sentence of prose, some with random words for the operation); Python source and English prose (the
-    standard library's pydoc topics), each both as plain text and as the answer to a chat request."""
+    standard library's pydoc topics), each both as plain text and as the answer to a chat request; and
+    documented functions' bodies asked as HumanEval asks."""
     import pydoc_data.topics as topics
 
-    from fusion.tools.training.long_arithmetic import answer_text, question_text, training_expr
     from fusion.tools.executed_code import humaneval_messages
+    from fusion.tools.training.long_arithmetic import answer_text, question_text, training_expr
     from fusion.tools.training.python_code import stdlib_files
     from fusion.tools.training.python_functions import training_functions
 
@@ -236,8 +237,8 @@ def default_training_samples(seed: int) -> Iterator[TextSample]:
 
     def function_chat() -> TextSample:
         # a documented function's body, asked as `fusion eval --humaneval` asks (the answer opened with the
-        # signature and docstring, healed): the docstring reads as prose, and without this the router weighted
-        # the generalist at the body's first token, which then closed the code block at once
+        # signature and docstring, healed): the docstring before the body reads as prose, a context the
+        # rest of the mix only ever follows with prose
         function = rng.choice(functions)
         return TextSample(function.body + "```", prompt=humaneval_messages(function.prompt), end_turn=True,
                           continued=True)

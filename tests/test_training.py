@@ -1,5 +1,6 @@
 """Specialist training: held-out questions, answer extraction, and a loss that falls on a tiny model."""
 
+import itertools
 import json
 import logging
 import random
@@ -288,7 +289,7 @@ def test_router_training_asks_training_functions_as_humaneval_asks():
     by_prompt = {}  # a signature and docstring can recur across files (posixpath, ntpath) with other bodies
     for f in training_functions():
         by_prompt.setdefault(f.prompt, []).append(f)
-    samples = [next(s) for s in [default_training_samples(0)] for _ in range(1500)]
+    samples = list(itertools.islice(default_training_samples(0), 1500))
     continued = [s for s in samples if s.continued]
     assert abs(len(continued) / len(samples) - FUNCTION_CHAT_SHARE) < 0.02
     excluded = evaluation_entry_points()

@@ -184,7 +184,7 @@ class FusionService:
         `auto_router_path`."""
         trained = self.auto_router_path()
         found = trained if trained.is_file() else (shipped_router(self.config.experts) or trained)
-        if found.is_file() and found != self._auto_router_read:
+        if found != self._auto_router_read and found.is_file():  # one stat, only when it changes
             # said once: a router trained here shadows the shipped one, which figures must not miss
             logger.info("router: auto reads %s (%s)", found,
                         "trained here for these experts" if found == trained else "shipped with the project")

@@ -100,7 +100,7 @@ def test_show_experts_without_terminal(config_file):
     ("unknown_humaneval_sampling", "--humaneval-sampling: penalty: Extra inputs are not permitted"),
     ("no_such_device", "experts.a.device: 'cuda:7'"),
     ("not_a_device", "experts.a.device: 'gpu' is not a device"),
-    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'arithmetic-longer', 'python', 'python-functions', 'python-mixed']"),
+    ("unknown_training_kind", "kind: expected one of ['arithmetic', 'arithmetic-longer', 'python', 'python-bodies', 'python-functions', 'python-mixed']"),
     ("ship_a_candidate", "--ship: 'python-functions' is not a builtin adapter's recipe"),
 ])
 def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):

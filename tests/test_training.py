@@ -596,6 +596,18 @@ def test_a_later_stage_trains_on_from_the_finished_stage_before_it(base_dir, tmp
         _lora_model(LoraRecipe(stream=LongArithmeticStream, steps=1, rank=8, alpha=16), base_dir, None, start=start)
 
 
+def test_every_later_stage_has_the_lora_shape_of_the_stage_it_starts_from():
+    """A stage loads the weights of the one before it: a recipe whose rank or alpha differs from its
+    start's would fail only after the start had trained (minutes to hours)."""
+    from fusion.tools.training.experts import RECIPES
+
+    staged = {kind: recipe for kind, recipe in RECIPES.items() if recipe.start is not None}
+    assert {"arithmetic-longer", "python-bodies"} <= set(staged)
+    for kind, recipe in staged.items():
+        start = RECIPES[recipe.start]
+        assert (recipe.rank, recipe.alpha) == (start.rank, start.alpha), kind
+
+
 def cut_run(target, base_dir, steps: int, cut_after: int) -> None:
     """A run of the arithmetic recipe for `steps` steps whose time budget runs out after `cut_after` (a
     clock that jumps once that many batches are drawn), as a session ending would cut it."""

@@ -438,8 +438,8 @@ def models_list(cache: Optional[Path] = CacheOption, as_json: bool = typer.Optio
 
 @app.command("train-expert")
 def train_expert(
-    kind: str = typer.Argument(..., help="a recipe: arithmetic, arithmetic-longer, python, python-functions or "
-                               "python-mixed"),
+    kind: str = typer.Argument(..., help="a recipe: arithmetic, arithmetic-longer, python, python-bodies, "
+                               "python-functions or python-mixed"),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: the cache's adapters/NAME)."),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the builtin adapter the "
                               "default config uses, with its manifest (how the shipped adapters are made)."),

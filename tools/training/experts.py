@@ -50,6 +50,11 @@ RECIPES: dict[str, LoraRecipe] = {
     # HumanEval's 164, and a trio with it none (benchmarks/results/mixed_code_adapter.json).
     "python-mixed": LoraRecipe(stream=code_and_functions, steps=700, rank=16, alpha=32,
                                loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
+    # The second stage, from the plain-window adapter: a short run of both in turn at half its rate, so that
+    # it writes a body after a docstring (alone and in the trio about a fifth of HumanEval's answers closed
+    # the code block at once) and keeps what the windows taught.
+    "python-bodies": LoraRecipe(stream=code_and_functions, steps=80, rank=8, alpha=16, start="python",
+                                loop={"batch_size": 8, "lr": 5e-4, "warmup_steps": 5, "log_every_s": 60}),
 }
 ADAPTER_NAMES = {"arithmetic-longer": "arith-lora", "python": "python-lora"}  # the builtin adapter each recipe makes
 

@@ -56,7 +56,7 @@ RECIPES: dict[str, LoraRecipe] = {
     "python-bodies": LoraRecipe(stream=code_and_functions, steps=80, rank=8, alpha=16, start="python",
                                 loop={"batch_size": 8, "lr": 5e-4, "warmup_steps": 5, "log_every_s": 60}),
 }
-ADAPTER_NAMES = {"arithmetic-longer": "arith-lora", "python": "python-lora"}  # the builtin adapter each recipe makes
+ADAPTER_NAMES = {"arithmetic-longer": "arith-lora", "python-bodies": "python-lora"}  # the builtin adapter each recipe makes
 
 
 def train_expert(kind: str, out_dir: Path, *, base_dir: Path, seed: int = 0, steps: int | None = None,

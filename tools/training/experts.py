@@ -51,8 +51,8 @@ RECIPES: dict[str, LoraRecipe] = {
     "python-mixed": LoraRecipe(stream=code_and_functions, steps=700, rank=16, alpha=32,
                                loop={"batch_size": 8, "lr": 1e-3, "warmup_steps": 30, "log_every_s": 60}),
     # The second stage, from the plain-window adapter: a short run of both in turn at half its rate, so that
-    # it writes a body after a docstring (alone and in the trio about a fifth of HumanEval's answers closed
-    # the code block at once) and keeps what the windows taught.
+    # it writes a body after a docstring (with the first stage alone, about a fifth of HumanEval's answers
+    # closed the code block at once, in the trio too) and keeps what the windows taught.
     "python-bodies": LoraRecipe(stream=code_and_functions, steps=80, rank=8, alpha=16, start="python",
                                 loop={"batch_size": 8, "lr": 5e-4, "warmup_steps": 5, "log_every_s": 60}),
 }

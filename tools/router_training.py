@@ -56,6 +56,11 @@ class RouterTrainSettings:
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.05
     route_weight: float = 0.5
+    # The route loss counts a chat answer's first `opening_tokens` positions `opening_weight` times: the
+    # answer's course is set there (the arithmetic expert restates the problem, the others open in prose or
+    # code), and a wrong pick is not undone later; they are 3 of a chat answer's 20 to 190 positions.
+    opening_tokens: int = 3
+    opening_weight: float = 4.0
     comp_l2: float = 1e-3
     comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
     seq_tokens: int = 192
@@ -70,6 +75,17 @@ class RouterTrainSettings:
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule (--lr-schedule) must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.opening_weight < 0 or self.opening_tokens < 0:
+            raise ValueError(f"opening_weight (--opening-weight) and opening_tokens must be >= 0, got "
+                             f"{self.opening_weight} and {self.opening_tokens}")
+
+    def route_weights(self, n: int, prompted: bool) -> torch.Tensor:
+        """Each of a text's n positions' weight in the route loss (n,): `opening_weight` at a chat answer's
+        first `opening_tokens`, 1 elsewhere (a plain text's window starts anywhere: no opening)."""
+        weights = torch.ones(n)
+        if prompted:
+            weights[:self.opening_tokens] = self.opening_weight
+        return weights
 
 
 @dataclass
@@ -113,8 +129,9 @@ def lr_factor(settings: RouterTrainSettings, elapsed_s: float, texts_done: int) 
 
 
 def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
-                route_weight: float, comp_l2: float = 0.0) -> torch.Tensor:
-    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss."""
+                route_weight: float, comp_l2: float = 0.0, route_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss.
+    route_weights (n,): each position's weight in the route loss's mean over disagreeing positions (default 1)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, n, V)
     route_logits, weights, comp = router(log_probs, context)
     fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (n, V)
@@ -127,7 +144,9 @@ def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, tar
     disagree = (top1 != top1[:1]).any(0)  # (n,)
     if route_weight > 0 and bool(disagree.any()):
         best = log_probs.gather(-1, targets[None, :, None].expand(log_probs.shape[0], -1, 1))[..., 0].argmax(0)
-        loss = loss + route_weight * torch.nn.functional.cross_entropy(route_logits[disagree], best[disagree])
+        route = torch.nn.functional.cross_entropy(route_logits[disagree], best[disagree], reduction="none")
+        weights = route_weights[disagree].to(route) if route_weights is not None else torch.ones_like(route)
+        loss = loss + route_weight * (weights * route).sum() / weights.sum().clamp(min=1e-6)
     return loss
 
 
@@ -145,6 +164,9 @@ _CODE_REQUESTS = ("Show me some Python code from the {} module.", "Write Python 
 # words around and between the numbers do not decide who answers.
 FRAMED_ARITHMETIC_SHARE = 0.3  # a prose sentence before or after the question
 UNFAMILIAR_OPERATION_SHARE = 0.3  # two numbers joined by random prose words, in a training frame
+# of those, asked in random words too ("Tuples module: 47 lambda 22?"): the frame and the style around the
+# numbers are what an unseen wording changes first, where the answer's opening is decided
+UNFAMILIAR_FRAME_SHARE = 0.5
 FUNCTION_CHAT_SHARE = 0.05  # of all texts; a tenth cost arithmetic accuracy on every wording
 
 
@@ -178,11 +200,19 @@ def held_out_words() -> set[str]:
 
 
 def unfamiliar_question(a: int, b: int, words: Sequence[str], rng: random.Random) -> str:
-    """`a` and `b` joined by one to three of `words` in place of an operation, in a training frame."""
+    """`a` and `b` joined by one to three of `words` in place of an operation, in a training frame or
+    (`UNFAMILIAR_FRAME_SHARE` of them) in a frame of `words` too."""
     from fusion.tools.training.arithmetic import EXTRA_FRAMES, FRAMES
 
-    joined = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
-    return rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", f"{a} {joined} {b}")
+    def some_words(fewest: int, most: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(fewest, most)))
+
+    expression = f"{a} {some_words(1, 3)} {b}"
+    if rng.random() >= UNFAMILIAR_FRAME_SHARE:
+        return rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", expression)
+    opening = some_words(1, 4).capitalize() + rng.choice((" ", ": ", ", "))
+    closing = rng.choice(("?", ".", "", f", {some_words(1, 3)}?", f". {some_words(1, 3).capitalize()}."))
+    return f"{opening}{expression}{closing}"
 
 
 def default_training_samples(seed: int) -> Iterator[TextSample]:
@@ -371,12 +401,14 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     first_loss = last_loss = math.nan
     ema = None
     while time.perf_counter() < deadline and (settings.max_texts is None or n_texts < settings.max_texts):
-        logits, context, targets = logged_text(service, texts, settings.seq_tokens)
+        logits, context, targets, prompted = logged_text(service, texts, settings.seq_tokens)
+        route_weights = settings.route_weights(len(targets), prompted).to(logits.device)
         router.train()
         for group in optimiser.param_groups:
             group["lr"] = settings.lr * lr_factor(settings, time.perf_counter() - start, n_texts)
         for _ in range(settings.steps_per_text):
-            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2)
+            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2,
+                               route_weights)
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(router.parameters(), 1.0)
@@ -412,17 +444,19 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
 
 
 def logged_text(service: FusionService, texts: Iterator[TextSample | str], seq_tokens: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """The next text of at least 4 tokens: the frozen experts' teacher-forced logits (E, n, V), each
-    position's recent ids (n, K) and the reference tokens (n,)."""
+    position's recent ids (n, K), the reference tokens (n,), and whether it is a chat answer."""
     while True:
-        prompts, continuation = service.sample_ids(next(texts), seq_tokens)
+        sample = next(texts)
+        prompts, continuation = service.sample_ids(sample, seq_tokens)
         if len(continuation) >= 4:
             break
     with torch.no_grad():
         logits = service.engine.continuation_logits(prompts, continuation)  # (E, n, V)
     context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
-    return logits, context, torch.tensor(continuation, device=logits.device)
+    prompted = isinstance(sample, TextSample) and sample.prompt is not None
+    return logits, context, torch.tensor(continuation, device=logits.device), prompted
 
 
 def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample | str],
@@ -431,7 +465,7 @@ def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample 
     training texts: even texts fit the mean and covariance, odd ones set the limit."""
     parts: list[list[torch.Tensor]] = [[], []]
     while sum(map(len, parts)) < settings.gate_texts:
-        logits, context, _ = logged_text(service, texts, settings.seq_tokens)
+        logits, context, _, _ = logged_text(service, texts, settings.seq_tokens)
         with torch.no_grad():
             inputs = router.inputs(torch.log_softmax(logits.float(), dim=-1), context)  # (n, F)
         parts[sum(map(len, parts)) % 2].append(inputs)

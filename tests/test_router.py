@@ -402,7 +402,8 @@ def test_a_shipped_router_is_found_for_exactly_its_config_experts(tiny_dir, tmp_
     assert shipped.parent == tmp_path / "routers" and shipped.with_suffix(".json").is_file()
     manifest = json.loads(shipped.with_suffix(".json").read_text())
     assert manifest["experts"][0][0] == "a" and manifest["data_sha256"] and manifest["command"].startswith(
-        "fusion train-router --ship --max-texts 4")
+        "fusion train-router --ship --max-texts 4") and manifest["command"].endswith(
+        f"--opening-weight {RouterTrainSettings.opening_weight}")
     _, payload = load_router(shipped)
     assert payload["identity"] == "config" and all(
         v.dtype == torch.bfloat16 for v in payload["state_dict"].values() if v.is_floating_point() and v.dim() >= 2)

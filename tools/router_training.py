@@ -355,7 +355,8 @@ def ship_router(trained: Path, service: FusionService, figures: dict | None = No
         "recipe": metadata.get("settings"),
         "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
                     f"--minutes {settings.get('minutes')} --comp-l2 {settings.get('comp_l2')} "
-                    f"--lr-schedule {settings.get('lr_schedule', 'constant')}"),
+                    f"--lr-schedule {settings.get('lr_schedule', 'constant')} "
+                    f"--opening-weight {settings.get('opening_weight', 1.0)}"),
         "seed": metadata.get("seed"),
         "data_sha256": metadata.get("data_sha256"),
         "texts": metadata.get("texts"), "steps": metadata.get("steps"),

@@ -164,9 +164,6 @@ _CODE_REQUESTS = ("Show me some Python code from the {} module.", "Write Python 
 # words around and between the numbers do not decide who answers.
 FRAMED_ARITHMETIC_SHARE = 0.3  # a prose sentence before or after the question
 UNFAMILIAR_OPERATION_SHARE = 0.3  # two numbers joined by random prose words, in a training frame
-# of those, asked in random words too ("Tuples module: 47 lambda 22?"): the frame and the style around the
-# numbers are what an unseen wording changes first, where the answer's opening is decided
-UNFAMILIAR_FRAME_SHARE = 0.5
 FUNCTION_CHAT_SHARE = 0.05  # of all texts; a tenth cost arithmetic accuracy on every wording
 
 
@@ -200,19 +197,11 @@ def held_out_words() -> set[str]:
 
 
 def unfamiliar_question(a: int, b: int, words: Sequence[str], rng: random.Random) -> str:
-    """`a` and `b` joined by one to three of `words` in place of an operation, in a training frame or
-    (`UNFAMILIAR_FRAME_SHARE` of them) in a frame of `words` too."""
+    """`a` and `b` joined by one to three of `words` in place of an operation, in a training frame."""
     from fusion.tools.training.arithmetic import EXTRA_FRAMES, FRAMES
 
-    def some_words(fewest: int, most: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(rng.randint(fewest, most)))
-
-    expression = f"{a} {some_words(1, 3)} {b}"
-    if rng.random() >= UNFAMILIAR_FRAME_SHARE:
-        return rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", expression)
-    opening = some_words(1, 4).capitalize() + rng.choice((" ", ": ", ", "))
-    closing = rng.choice(("?", ".", "", f", {some_words(1, 3)}?", f". {some_words(1, 3).capitalize()}."))
-    return f"{opening}{expression}{closing}"
+    joined = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
+    return rng.choice(FRAMES + EXTRA_FRAMES).replace("{e}", f"{a} {joined} {b}")
 
 
 def default_training_samples(seed: int) -> Iterator[TextSample]:

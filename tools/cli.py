@@ -531,8 +531,8 @@ def train_router_command(
                                             "recipe's (RouterTrainSettings.comp_rank)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="The learning rate over the run: constant, "
                                     "or cosine (down to 5% of it as the texts or minutes run out)."),
-    opening_weight: float = typer.Option(4.0, "--opening-weight", help="How many times the route loss counts a "
-                                         "chat answer's first tokens, where its course is set (1: as any other)."),
+    opening_weight: float = typer.Option(1.0, "--opening-weight", help="How many times the route loss counts a "
+                                         "chat answer's first 3 tokens, where its course is set (1: as any other)."),
     seed: int = typer.Option(0, "--seed"),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
                               "finds for exactly this config's experts (how the default trio's router is made)."),

@@ -56,11 +56,11 @@ class RouterTrainSettings:
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.05
     route_weight: float = 0.5
-    # The route loss counts a chat answer's first `opening_tokens` positions `opening_weight` times: the
+    # The route loss may count a chat answer's first `opening_tokens` positions `opening_weight` times: the
     # answer's course is set there (the arithmetic expert restates the problem, the others open in prose or
     # code), and a wrong pick is not undone later; they are 3 of a chat answer's 20 to 190 positions.
     opening_tokens: int = 3
-    opening_weight: float = 4.0
+    opening_weight: float = 1.0
     comp_l2: float = 1e-3
     comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
     seq_tokens: int = 192

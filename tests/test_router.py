@@ -205,33 +205,6 @@ def test_features_and_loss_reference():
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(fused, targets))
 
 
-def test_route_loss_counts_a_chat_answers_opening_more():
-    torch.manual_seed(1)
-    logits = torch.randn(2, 6, 10)  # (E, n, V)
-    logits[1, [1, 3]] = logits[0, [1, 3]]  # the experts agree at one opening position and one later
-    lp = torch.log_softmax(logits, -1)
-    targets = torch.tensor([1, 2, 3, 4, 5, 6])
-    context = teacher_forced_context([5, 0], targets.tolist())
-    router = Router(RouterShape(num_experts=2, vocab_size=10, complementary=False))
-    settings = RouterTrainSettings(opening_tokens=2, opening_weight=3.0)
-    weights = settings.route_weights(6, prompted=True)
-    assert weights.tolist() == [3.0, 3.0, 1.0, 1.0, 1.0, 1.0]
-    assert settings.route_weights(6, prompted=False).tolist() == [1.0] * 6  # a plain window has no opening
-    with torch.no_grad():
-        loss = router_loss(router, logits, context, targets, route_weight=0.5, route_weights=weights)
-        plain = router_loss(router, logits, context, targets, route_weight=0.0)
-        # Reference: the route loss as a weighted mean of per-position cross-entropies where the top-1s differ.
-        route_logits, _, _ = router(lp, context)
-        disagree = lp[0].argmax(-1) != lp[1].argmax(-1)
-        best = lp[:, torch.arange(6), targets].argmax(0)
-        ce = torch.nn.functional.cross_entropy(route_logits, best, reduction="none")
-        expected = plain + 0.5 * (weights * ce)[disagree].sum() / weights[disagree].sum()
-    assert disagree.tolist() == [True, False, True, False, True, True]
-    torch.testing.assert_close(loss, expected)
-    with pytest.raises(ValueError, match="opening_weight"):
-        RouterTrainSettings(opening_weight=-1.0)
-
-
 def test_familiarity_gate_is_a_mahalanobis_distance():
     torch.manual_seed(0)
     mix = torch.randn(6, 6)
@@ -402,8 +375,7 @@ def test_a_shipped_router_is_found_for_exactly_its_config_experts(tiny_dir, tmp_
     assert shipped.parent == tmp_path / "routers" and shipped.with_suffix(".json").is_file()
     manifest = json.loads(shipped.with_suffix(".json").read_text())
     assert manifest["experts"][0][0] == "a" and manifest["data_sha256"] and manifest["command"].startswith(
-        "fusion train-router --ship --max-texts 4") and manifest["command"].endswith(
-        f"--opening-weight {RouterTrainSettings.opening_weight}")
+        "fusion train-router --ship --max-texts 4")
     _, payload = load_router(shipped)
     assert payload["identity"] == "config" and all(
         v.dtype == torch.bfloat16 for v in payload["state_dict"].values() if v.is_floating_point() and v.dim() >= 2)

@@ -531,8 +531,6 @@ def train_router_command(
                                             "recipe's (RouterTrainSettings.comp_rank)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="The learning rate over the run: constant, "
                                     "or cosine (down to 5% of it as the texts or minutes run out)."),
-    opening_weight: float = typer.Option(1.0, "--opening-weight", help="How many times the route loss counts a "
-                                         "chat answer's first 3 tokens, where its course is set (1: as any other)."),
     seed: int = typer.Option(0, "--seed"),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
                               "finds for exactly this config's experts (how the default trio's router is made)."),
@@ -561,7 +559,7 @@ def train_router_command(
                 fail(f"--comp-rank: {err}")
         try:  # checked before the experts load
             settings = RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed, comp_l2=comp_l2,
-                                           lr_schedule=lr_schedule, opening_weight=opening_weight, **rank)
+                                           lr_schedule=lr_schedule, **rank)
         except ValueError as err:
             fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)

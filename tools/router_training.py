@@ -56,11 +56,6 @@ class RouterTrainSettings:
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.05
     route_weight: float = 0.5
-    # The route loss may count a chat answer's first `opening_tokens` positions `opening_weight` times: the
-    # answer's course is set there (the arithmetic expert restates the problem, the others open in prose or
-    # code), and a wrong pick is not undone later; they are 3 of a chat answer's 20 to 190 positions.
-    opening_tokens: int = 3
-    opening_weight: float = 1.0
     comp_l2: float = 1e-3
     comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
     seq_tokens: int = 192
@@ -75,17 +70,6 @@ class RouterTrainSettings:
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule (--lr-schedule) must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.opening_weight < 0 or self.opening_tokens < 0:
-            raise ValueError(f"opening_weight (--opening-weight) and opening_tokens must be >= 0, got "
-                             f"{self.opening_weight} and {self.opening_tokens}")
-
-    def route_weights(self, n: int, prompted: bool) -> torch.Tensor:
-        """Each of a text's n positions' weight in the route loss (n,): `opening_weight` at a chat answer's
-        first `opening_tokens`, 1 elsewhere (a plain text's window starts anywhere: no opening)."""
-        weights = torch.ones(n)
-        if prompted:
-            weights[:self.opening_tokens] = self.opening_weight
-        return weights
 
 
 @dataclass
@@ -129,9 +113,8 @@ def lr_factor(settings: RouterTrainSettings, elapsed_s: float, texts_done: int) 
 
 
 def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
-                route_weight: float, comp_l2: float = 0.0, route_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss.
-    route_weights (n,): each position's weight in the route loss's mean over disagreeing positions (default 1)."""
+                route_weight: float, comp_l2: float = 0.0) -> torch.Tensor:
+    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, n, V)
     route_logits, weights, comp = router(log_probs, context)
     fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (n, V)
@@ -144,9 +127,7 @@ def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, tar
     disagree = (top1 != top1[:1]).any(0)  # (n,)
     if route_weight > 0 and bool(disagree.any()):
         best = log_probs.gather(-1, targets[None, :, None].expand(log_probs.shape[0], -1, 1))[..., 0].argmax(0)
-        route = torch.nn.functional.cross_entropy(route_logits[disagree], best[disagree], reduction="none")
-        weights = route_weights[disagree].to(route) if route_weights is not None else torch.ones_like(route)
-        loss = loss + route_weight * (weights * route).sum() / weights.sum().clamp(min=1e-6)
+        loss = loss + route_weight * torch.nn.functional.cross_entropy(route_logits[disagree], best[disagree])
     return loss
 
 
@@ -344,8 +325,7 @@ def ship_router(trained: Path, service: FusionService, figures: dict | None = No
         "recipe": metadata.get("settings"),
         "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
                     f"--minutes {settings.get('minutes')} --comp-l2 {settings.get('comp_l2')} "
-                    f"--lr-schedule {settings.get('lr_schedule', 'constant')} "
-                    f"--opening-weight {settings.get('opening_weight', 1.0)}"),
+                    f"--lr-schedule {settings.get('lr_schedule', 'constant')}"),
         "seed": metadata.get("seed"),
         "data_sha256": metadata.get("data_sha256"),
         "texts": metadata.get("texts"), "steps": metadata.get("steps"),
@@ -391,14 +371,12 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     first_loss = last_loss = math.nan
     ema = None
     while time.perf_counter() < deadline and (settings.max_texts is None or n_texts < settings.max_texts):
-        logits, context, targets, prompted = logged_text(service, texts, settings.seq_tokens)
-        route_weights = settings.route_weights(len(targets), prompted).to(logits.device)
+        logits, context, targets = logged_text(service, texts, settings.seq_tokens)
         router.train()
         for group in optimiser.param_groups:
             group["lr"] = settings.lr * lr_factor(settings, time.perf_counter() - start, n_texts)
         for _ in range(settings.steps_per_text):
-            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2,
-                               route_weights)
+            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2)
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(router.parameters(), 1.0)
@@ -434,19 +412,17 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
 
 
 def logged_text(service: FusionService, texts: Iterator[TextSample | str], seq_tokens: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The next text of at least 4 tokens: the frozen experts' teacher-forced logits (E, n, V), each
-    position's recent ids (n, K), the reference tokens (n,), and whether it is a chat answer."""
+    position's recent ids (n, K) and the reference tokens (n,)."""
     while True:
-        sample = next(texts)
-        prompts, continuation = service.sample_ids(sample, seq_tokens)
+        prompts, continuation = service.sample_ids(next(texts), seq_tokens)
         if len(continuation) >= 4:
             break
     with torch.no_grad():
         logits = service.engine.continuation_logits(prompts, continuation)  # (E, n, V)
     context = teacher_forced_context(prompts[0], continuation, logits.device)  # (n, K)
-    prompted = isinstance(sample, TextSample) and sample.prompt is not None
-    return logits, context, torch.tensor(continuation, device=logits.device), prompted
+    return logits, context, torch.tensor(continuation, device=logits.device)
 
 
 def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample | str],
@@ -455,7 +431,7 @@ def fit_gate(service: FusionService, router: Router, texts: Iterator[TextSample 
     training texts: even texts fit the mean and covariance, odd ones set the limit."""
     parts: list[list[torch.Tensor]] = [[], []]
     while sum(map(len, parts)) < settings.gate_texts:
-        logits, context, _, _ = logged_text(service, texts, settings.seq_tokens)
+        logits, context, _ = logged_text(service, texts, settings.seq_tokens)
         with torch.no_grad():
             inputs = router.inputs(torch.log_softmax(logits.float(), dim=-1), context)  # (n, F)
         parts[sum(map(len, parts)) % 2].append(inputs)

@@ -251,41 +251,6 @@ def test_context_features_are_window_means():
     torch.testing.assert_close(feats.detach(), torch.stack([expected0, expected1]))
 
 
-def test_numeric_features_read_digits_of_the_top_ids_and_the_windows(tiny_dir):
-    from transformers import AutoTokenizer
-
-    from fusion.fuse.router import numeric_token_table
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tok")
-    table = numeric_token_table(tokenizer, len(tokenizer) + 4)  # the fused vocabulary may be padded past it
-    for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        assert table[i] == float(any(ch.isascii() and ch.isdigit() for ch in token)), token
-    assert table[len(tokenizer):].sum() == 0
-    assert table[tokenizer.encode("7")].eq(1).all() and table[tokenizer.encode("the")].eq(0).all()
-
-    router = Router(RouterShape(num_experts=2, vocab_size=30, windows=(2, 4), numeric=True))
-    router.numeric_ids[[4, 6, 9]] = 1.0
-    context = context_rows([[3, 4, 5, 6, 7], [9]], k=4)  # (2, 4): [4, 5, 6, 7], [-1, -1, -1, 9]
-    top1 = torch.tensor([[4, 5], [8, 9]])  # (E, B)
-    expected = torch.tensor([[1.0, 0.0, 1 / 2, 2 / 4],  # 6 of [6, 7]; 4, 6 of [4, 5, 6, 7]
-                             [0.0, 1.0, 1 / 1, 1 / 1]])  # padding never counts
-    torch.testing.assert_close(router.numeric_features(top1, context), expected)
-    assert router.shape.num_features == 3 * 2 + 2 * 2 + 2 + 2
-
-
-def test_a_numeric_router_trains_saves_and_reloads_its_table(tiny_service, tmp_path):
-    path = tmp_path / "numeric.pt"
-    train_router(tiny_service, path, texts=texts(),
-                 settings=RouterTrainSettings(minutes=5, max_texts=4, numeric=True, gate_texts=4))
-    router, payload = load_router(path)
-    assert payload["shape"]["numeric"] is True
-    from fusion.fuse.router import numeric_token_table
-
-    expected = numeric_token_table(tiny_service.tokenizers[0], router.shape.vocab_size)
-    assert expected.sum() > 0 and torch.equal(router.numeric_ids, expected)
-    assert router.gate.mean.shape == (router.shape.num_inputs,)
-
-
 def _random_router(vocab_size: int) -> Router:
     torch.manual_seed(3)
     router = Router(RouterShape(num_experts=3, vocab_size=vocab_size))

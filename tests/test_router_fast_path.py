@@ -34,15 +34,10 @@ def _logits(experts: int = 3, rows: int = 4, vocab: int = 1024, seed: int = 3) -
     return logits
 
 
-def _router(vocab: int, seed: int = 0, comp_rank: int = 0, windows: tuple[int, ...] = RouterShape.windows,
-            numeric: bool = False) -> Router:
+def _router(vocab: int, seed: int = 0, comp_rank: int = 0, windows: tuple[int, ...] = RouterShape.windows) -> Router:
     torch.manual_seed(seed)
-    router = Router(RouterShape(num_experts=3, vocab_size=vocab, comp_rank=comp_rank, windows=windows,
-                                numeric=numeric)).eval()
+    router = Router(RouterShape(num_experts=3, vocab_size=vocab, comp_rank=comp_rank, windows=windows)).eval()
     with torch.no_grad():
-        if numeric:  # a tenth of the ids "hold a digit"; of the tied top ids (7, 290) only one, as topk names it
-            router.numeric_ids[::10] = 1.0
-            router.numeric_ids[[7, 290]] = torch.tensor([1.0, 0.0])
         router.comp.weight.normal_(0, 0.3)  # make the complementary logit matter
         router.comp.bias.normal_(0, 0.3)
     return router
@@ -91,10 +86,10 @@ def test_logit_statistics_equal_the_features_of_the_log_softmax(vocab):
 @pytest.mark.parametrize("hard", [True, False])
 @pytest.mark.parametrize("fail_safe", [True, False])
 @pytest.mark.parametrize("complementary", [True, False])
-@pytest.mark.parametrize("comp_rank,numeric", [(0, False), (16, False), (16, True)])  # one layer, factored, digits
-def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_rank, numeric):
+@pytest.mark.parametrize("comp_rank", [0, 16])  # one hidden → vocab layer, and the factored head
+def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_rank):
     vocab = 1024
-    router = _router(vocab, comp_rank=comp_rank, numeric=numeric)
+    router = _router(vocab, comp_rank=comp_rank)
     logits = _logits(vocab=vocab)
     context = torch.randint(-1, vocab, (4, CONTEXT_TOKENS), generator=torch.Generator().manual_seed(1))
     allowed = torch.tensor([[True] * 4, [True, False, True, True], [True, True, False, True]])  # (E, B)

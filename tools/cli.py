@@ -529,8 +529,6 @@ def train_router_command(
     comp_rank: Optional[int] = typer.Option(None, "--comp-rank", help="Rank of the complementary head (hidden -> "
                                             "rank -> vocabulary; 0: one hidden -> vocabulary layer). Default: the "
                                             "recipe's (RouterTrainSettings.comp_rank)."),
-    numeric: bool = typer.Option(False, "--numeric-features", help="Also read digits: whether each expert's top "
-                                 "token holds one, and the recent tokens' share that do."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="The learning rate over the run: constant, "
                                     "or cosine (down to 5% of it as the texts or minutes run out)."),
     seed: int = typer.Option(0, "--seed"),
@@ -561,7 +559,7 @@ def train_router_command(
                 fail(f"--comp-rank: {err}")
         try:  # checked before the experts load
             settings = RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed, comp_l2=comp_l2,
-                                           lr_schedule=lr_schedule, numeric=numeric, **rank)
+                                           lr_schedule=lr_schedule, **rank)
         except ValueError as err:
             fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)

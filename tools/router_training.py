@@ -32,8 +32,7 @@ import torch
 from fusion.compute import run_on_compute_thread
 from fusion.models import ROUTERS_DIR, experts_key
 from fusion.frontdoor.service import FusionService
-from fusion.fuse.router import (FamiliarityGate, Router, RouterShape, expert_fingerprint, numeric_token_table,
-                                save_router)
+from fusion.fuse.router import FamiliarityGate, Router, RouterShape, expert_fingerprint, save_router
 from fusion.fuse.rules import teacher_forced_context
 from fusion.frontdoor.text import TextSample
 from fusion.tools.progress import progress_line
@@ -59,7 +58,6 @@ class RouterTrainSettings:
     route_weight: float = 0.5
     comp_l2: float = 1e-3
     comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
-    numeric: bool = False  # the numeric features (RouterShape.numeric)
     seq_tokens: int = 192
     seed: int = 0
     # Read the context through the first in-process expert's input embeddings (frozen, projected to the
@@ -360,10 +358,8 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
     engine = service.engine
     torch.manual_seed(settings.seed)
     shape = shape or RouterShape(num_experts=len(engine.experts), vocab_size=engine.vocab_size,
-                                 comp_rank=settings.comp_rank, numeric=settings.numeric)
+                                 comp_rank=settings.comp_rank)
     router = Router(shape)
-    if shape.numeric:
-        router.numeric_ids.copy_(numeric_token_table(service.tokenizers[0], shape.vocab_size))
     table = borrowed_table(engine, shape.vocab_size) if settings.borrow_embeddings else None
     if table is not None:
         router.embed = BorrowedEmbedding(table, shape.embed_dim, std=1.0)  # nn.Embedding's scale

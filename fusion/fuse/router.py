@@ -52,9 +52,6 @@ class RouterShape:
     # before the factored head have). Its vocab-wide matrix is what a decode step reads: 96 × 49,152 fp32
     # is 18.9 MB, ~1 ms at a CPU's memory bandwidth; rank 16 reads a sixth of it.
     comp_rank: int = 0
-    # Features of digits, which no wording moves: whether each expert's top id holds a digit, and each window's
-    # share of ids that do (E + len(windows) more inputs; False: none, as checkpoints before them have).
-    numeric: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "windows", tuple(int(w) for w in self.windows))
@@ -70,8 +67,7 @@ class RouterShape:
 
     @property
     def num_features(self) -> int:
-        """The inputs besides the context embeddings: the logit features, then the numeric ones."""
-        return 3 * self.num_experts + self.num_experts**2 + (self.num_experts + len(self.windows)) * self.numeric
+        return 3 * self.num_experts + self.num_experts**2
 
     @property
     def num_inputs(self) -> int:
@@ -100,11 +96,6 @@ def logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`logit_features(log_softmax(logits))` and the logsumexp the log-softmax subtracts, from the raw
     logits without materialising the log-probabilities: two maxima, one exp and two reductions over
     (E, B, V). logits (E, B, V) float, every row with a finite maximum → (B, 3E + E²), (E, B)."""
-    return _logit_statistics(logits)[:2]
-
-
-def _logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`logit_statistics` and each row's top id (E, B), the one `logit_features` reads."""
     if _native_passes(logits):  # two reads of each row in C, where torch makes a dozen passes
         E, B, V = logits.shape
         top1_ids, best, runner_up, log_total, entropy = (
@@ -119,16 +110,7 @@ def _logit_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     if logits.device.type != "cpu" or bool((runner_up == 0).any()):
         top1_ids = logits.topk(2, dim=-1).indices[..., 0]
         features[:, -top1_ids.shape[0] ** 2:] = _agreement(logits, normalizer, top1_ids)
-    return features, normalizer, top1_ids
-
-
-def numeric_token_table(tokenizer: Any, vocab_size: int) -> torch.Tensor:
-    """(vocab_size,) float32: 1 where the id's token holds an ASCII digit (ids past the tokenizer: 0)."""
-    size = min(len(tokenizer), vocab_size)
-    tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
-    table = torch.zeros(vocab_size)
-    table[:size] = torch.tensor([float(any("0" <= ch <= "9" for ch in (t or ""))) for t in tokens])
-    return table
+    return features, normalizer
 
 
 def _native_passes(*tensors: torch.Tensor) -> bool:
@@ -247,8 +229,6 @@ class Router(nn.Module):
         if self.comp is not None:  # start as pure routing; training grows the complementary logit
             nn.init.zeros_(self.comp.weight)  # (comp_down keeps its random start: a gradient reaches both)
             nn.init.zeros_(self.comp.bias)
-        if shape.numeric:  # filled from the experts' tokenizer by training (`numeric_token_table`); saved with it
-            self.register_buffer("numeric_ids", torch.zeros(shape.vocab_size))
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -266,27 +246,9 @@ class Router(nn.Module):
             parts.append(emb[:, -w:].sum(1) / count)
         return torch.cat(parts, dim=-1)
 
-    def numeric_features(self, top1_ids: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """top1_ids (E, B) each expert's top id, context (B, K) recent ids, -1 = none → (B, E + len(windows)):
-        whether each expert's top id holds a digit, and each window's share of ids that do. Unseen words around
-        a question's numbers leave these as they were, where the embedding bags move."""
-        digit = self.numeric_ids
-        valid = (context >= 0).to(digit.dtype)  # (B, K)
-        held = digit[context.clamp(min=0)] * valid  # (B, K)
-        shares = [held[:, -w:].sum(-1) / valid[:, -w:].sum(-1).clamp(min=1.0) for w in self.shape.windows]
-        return torch.cat([digit[top1_ids].T, torch.stack(shares, dim=-1)], dim=-1)
-
-    def step_features(self, log_probs: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """The inputs besides the context embeddings from log-probs (E, B, V): (B, num_features)."""
-        features = logit_features(log_probs)
-        if not self.shape.numeric:
-            return features
-        top1_ids = log_probs.topk(2, dim=-1).indices[..., 0]  # (E, B): the id `logit_features` reads, ties too
-        return torch.cat([features, self.numeric_features(top1_ids, context)], dim=-1)
-
     def inputs(self, log_probs: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """The body's input: logit (and numeric) features and context embeddings, (B, num_inputs)."""
-        return torch.cat([self.step_features(log_probs, context), self.context_features(context)], dim=-1)
+        """The body's input: logit features and context embeddings, (B, num_inputs)."""
+        return torch.cat([logit_features(log_probs), self.context_features(context)], dim=-1)
 
     def forward(
         self, log_probs: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None
@@ -322,15 +284,13 @@ class Router(nn.Module):
         over the vocabulary: the features come from the raw logits, a hard pick reads one expert's row,
         and the complementary logit is accumulated straight into the fused scores."""
         logits = logits.float()
-        features, normalizer, top1_ids = _logit_statistics(logits)  # (B, 3E + E²), (E, B), (E, B)
-        if self.shape.numeric:
-            features = torch.cat([features, self.numeric_features(top1_ids, context)], dim=-1)  # (B, num_features)
+        features, normalizer = logit_statistics(logits)  # (B, 3E + E²), (E, B)
         return self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
 
     def _fuse_from(self, logits: torch.Tensor, features: torch.Tensor, normalizer: torch.Tensor,
                    context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
                    fail_safe: bool) -> FusedLogits:
-        """`fuse` past the step's features: features (B, num_features), normalizer (E, B)."""
+        """`fuse` past the logit features: features (B, 3E + E²), normalizer (E, B)."""
         add_comp = self.comp is not None and complementary
         head = self._native_head(logits, features, context, allowed, fail_safe)
         if head is not None:  # the router's head in one C call: its weights (E, B), keep (B,), keep · comp input

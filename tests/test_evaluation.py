@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from fusion.tools import evaluation as ev
 from fusion.config import FusionSpec
+from fusion.tools.training.arithmetic import make_questions
 
 
 def test_bits_per_byte_matches_plain_forward(tiny_dir, tiny_service):
@@ -110,6 +111,21 @@ def test_sets_name_exactly_the_arithmetic_sets_asked(tiny_service):
     assert "arith in-template | arith out-of-template 6" in header and "2x2 digits in / out 6" in header
     with pytest.raises(ValueError, match="seventh"):
         ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["seventh"])
+
+
+def test_records_keep_each_question_and_the_weights_at_its_opening(tiny_service):
+    rows = [("mixture", FusionSpec(rule="mixture", weights={"a": 0.5, "b": 0.3, "c": 0.2}))]
+    plain = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["in"])[0]
+    assert plain.arithmetic_records == {}
+    kept = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["in"], records=True)[0]
+    asked = kept.arithmetic_records["in"]
+    assert [r["question"] for r in asked] == [q for q, _ in make_questions(4, 0, phrasing="train")]
+    assert kept.arithmetic_accuracy == sum(r["got"] == r["answer"] for r in asked) / 4
+    for record in asked:
+        assert 0 < len(record["opening"]) <= ev.OPENING_TOKENS
+        assert record["text"].startswith("".join(t["text"] for t in record["opening"]))
+        for token in record["opening"]:  # the request's weights, normalised, at every step
+            assert token["weights"] == pytest.approx({"a": 0.5, "b": 0.3, "c": 0.2}, abs=1e-3)
 
 
 def test_function_bits_per_byte_is_the_score_convention(tiny_service):

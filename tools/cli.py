@@ -604,6 +604,8 @@ def evaluate(
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
+    records: bool = typer.Option(False, "--records", help="The JSON also keeps each arithmetic question of each "
+                                 "set: the answer's text and the experts' weights at its first tokens."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Instead: compare weights formats (e.g. "
                                           "dense,int8,int4): bits-per-byte of each expert and the config's fusion, "
@@ -675,7 +677,7 @@ def evaluate(
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval,
                               humaneval_prompt=humaneval_prompt, humaneval_sampling=humaneval_overrides,
-                              lengths=sizes, length_wordings=wordings)
+                              lengths=sizes, length_wordings=wordings, records=records)
         service.close()
         typer.echo(ev.format_table(results))
         if sizes:

@@ -62,6 +62,8 @@ class EvalRow:
     # {digits: {kind: acc}}, asked in training phrasings
     arithmetic_by_length: dict[str, float] = field(default_factory=dict)
     arithmetic_by_length_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    # With `records`: each two-digit question of each set, {split: [record]} (`arithmetic_accuracy`'s)
+    arithmetic_records: dict[str, list[dict]] = field(default_factory=dict)
 
 
 # Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
@@ -131,11 +133,14 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
 
 
 # -- arithmetic ------------------------------------------------------------------------------
+OPENING_TOKENS = 8  # an answer's first tokens whose routing weights a question's record keeps
 def arithmetic_accuracy(
     service: FusionService, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
     max_tokens: int = 320,  # a worked two-digit long multiplication is up to ~190 SmolLM2 tokens
 ) -> tuple[float, float, list[dict]]:
-    """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records)."""
+    """Greedy exact match on `questions`; returns (accuracy, tokens/s, per-question records: the question, its
+    answer, the one extracted, the text, and the answer's first `OPENING_TOKENS` tokens with each expert's
+    weight, where a router decides an answer's course)."""
     from fusion.tools.training.arithmetic import extract_answer
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -151,7 +156,9 @@ def arithmetic_accuracy(
             text = "".join(e.text for e in events)
             got = extract_answer(text)
             correct += got == answer
-            records.append({"question": question, "answer": answer, "got": got, "text": text})
+            opening = [{"text": e.text, "weights": {a.expert: round(a.weight, 3) for a in e.token.attribution}}
+                       for e in events[:OPENING_TOKENS]]
+            records.append({"question": question, "answer": answer, "got": got, "text": text, "opening": opening})
     elapsed = time.perf_counter() - start
     return correct / max(1, len(questions)), tokens / elapsed, records
 
@@ -281,13 +288,15 @@ def evaluate(
     humaneval_sampling: dict | None = None,
     lengths: Sequence[int] = (),
     length_wordings: Sequence[str] = ("in",),
+    records: bool = False,
 ) -> list[EvalRow]:
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
     `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
     informed choices; `sets` names the sets instead), bits per byte on the held-out texts of `domains`,
     and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox; with
     `lengths`, `questions` problems of each of those operand sizes (every kind: + - * ** chain), asked in the
-    wordings of `length_wordings` ("in": training's; "out": the first held-out set's)."""
+    wordings of `length_wordings` ("in": training's; "out": the first held-out set's). With `records`, each row
+    keeps every two-digit question's record (`arithmetic_records`)."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -301,8 +310,10 @@ def evaluate(
         for result, (name, spec) in zip(results, rows):
             for split, qs in asked.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
-                acc, tps, records = arithmetic_accuracy(service, spec, qs)
-                result.arithmetic_by_kind[split] = by_kind(records, kinds)
+                acc, tps, asked_records = arithmetic_accuracy(service, spec, qs)
+                result.arithmetic_by_kind[split] = by_kind(asked_records, kinds)
+                if records:
+                    result.arithmetic_records[split] = asked_records
                 setattr(result, SPLIT_FIELDS[split], acc)
                 if split == "in":
                     result.tokens_per_s = tps
@@ -318,9 +329,9 @@ def evaluate(
             for result, (name, spec) in zip(results, rows):
                 logger.info("arithmetic, %s digits: %s (%d questions, %d tokens each at most)", key, name, len(qs),
                             budget)
-                acc, _, records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
+                acc, _, length_records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
                 result.arithmetic_by_length[key] = acc
-                result.arithmetic_by_length_kind[key] = by_kind(records, [e.kind for e in exprs])
+                result.arithmetic_by_length_kind[key] = by_kind(length_records, [e.kind for e in exprs])
                 logger.info("arithmetic, %s digits: %s: %.1f%% exact", key, name, 100 * acc)
     if humaneval > 0:
         from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1

@@ -134,6 +134,8 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
 
 # -- arithmetic ------------------------------------------------------------------------------
 OPENING_TOKENS = 8  # an answer's first tokens whose routing weights a question's record keeps
+
+
 def arithmetic_accuracy(
     service: FusionService, spec: FusionSpec, questions: list[tuple[str, int]], *, batch_size: int = 16,
     max_tokens: int = 320,  # a worked two-digit long multiplication is up to ~190 SmolLM2 tokens

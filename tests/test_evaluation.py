@@ -237,3 +237,34 @@ def test_the_length_split_asks_every_kind_at_each_size(tiny_service, monkeypatch
     assert table.splitlines()[0].startswith("| row | 3 digits | 3 digits out | 7 digits | 7 digits out | "
                                             "+ 3 / 3 out / 7 / 7 out |")
     assert ev.format_length_table([ev.EvalRow("x", {})]) == ""
+
+
+def test_sign_test_is_the_exact_binomial_tail():
+    assert ev.sign_test_p(0, 0) == 1.0
+    assert ev.sign_test_p(0, 5) == pytest.approx(2 / 32)  # all five discordant questions one way
+    assert ev.sign_test_p(2, 4) == ev.sign_test_p(4, 2) == pytest.approx(2 * (1 + 6 + 15) / 64)
+    assert ev.sign_test_p(3, 3) == 1.0  # an even split: the tail holds more than half, capped at 1
+    assert ev.sign_test_p(0, 12) < 0.001
+
+
+def test_fused_rows_compare_with_each_member_question_by_question(tiny_service):
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"})),
+            ("b alone", FusionSpec(rule="single", params={"expert": "b"})),
+            ("mixture", FusionSpec(rule="mixture"))]
+    results = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["in", "sixth"], records=True)
+    for r in results:  # each answer's correctness, in the order asked, as its records have it
+        assert r.arithmetic_correct == {s: [x["got"] == x["answer"] for x in r.arithmetic_records[s]]
+                                        for s in ("in", "sixth")}
+    # the tiny random experts answer nothing right: set the outcomes to check the counts
+    results[0].arithmetic_correct["sixth"] = [True, True, False, False]
+    results[2].arithmetic_correct["sixth"] = [True, False, True, True]
+    pairs = {(c.asked, c.member): c for c in ev.paired_comparisons(results)}
+    assert set(pairs) == {(s, m) for s in ("in", "sixth") for m in ("a alone", "b alone")}
+    against_a = pairs["sixth", "a alone"]
+    assert (against_a.fused, against_a.questions, against_a.only_fused, against_a.only_member) == ("mixture", 4, 2, 1)
+    assert against_a.p_value == pytest.approx(ev.sign_test_p(2, 1)) == 1.0
+    assert (pairs["sixth", "b alone"].only_fused, pairs["sixth", "b alone"].only_member) == (3, 0)
+    table = ev.format_paired_table(results).splitlines()
+    assert table[0].startswith("| set | fused row | expert alone |") and len(table) == 2 + 4
+    assert "| sixth | mixture | a alone | 4 | 2 | 1 | 1.000 |" in table
+    assert ev.format_paired_table(results[:2]) == ""  # no fused row

@@ -682,6 +682,9 @@ def evaluate(
         typer.echo(ev.format_table(results))
         if sizes:
             typer.echo(ev.format_length_table(results))
+        paired = ev.format_paired_table(results)
+        if paired:  # a fused row against each expert alone, question by question
+            typer.echo(paired)
         if json_out:
             json_out.write_text(json.dumps(ev.to_json(results), indent=2))
         if plot:

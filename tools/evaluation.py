@@ -64,6 +64,9 @@ class EvalRow:
     arithmetic_by_length_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     # With `records`: each two-digit question of each set, {split: [record]} (`arithmetic_accuracy`'s)
     arithmetic_records: dict[str, list[dict]] = field(default_factory=dict)
+    # Whether each question was answered right, in the order asked, per set ("in", "out", ...) and per size
+    # ("7", "7 out"): rows asked the same questions compare question by question (`paired_comparisons`)
+    arithmetic_correct: dict[str, list[bool]] = field(default_factory=dict)
 
 
 # Each arithmetic set's accuracy field of an `EvalRow` (the held-out phrasing it is asked in: see
@@ -314,6 +317,7 @@ def evaluate(
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
                 acc, tps, asked_records = arithmetic_accuracy(service, spec, qs)
                 result.arithmetic_by_kind[split] = by_kind(asked_records, kinds)
+                result.arithmetic_correct[split] = [r["got"] == r["answer"] for r in asked_records]
                 if records:
                     result.arithmetic_records[split] = asked_records
                 setattr(result, SPLIT_FIELDS[split], acc)
@@ -333,6 +337,7 @@ def evaluate(
                             budget)
                 acc, _, length_records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
                 result.arithmetic_by_length[key] = acc
+                result.arithmetic_correct[key] = [r["got"] == r["answer"] for r in length_records]
                 result.arithmetic_by_length_kind[key] = by_kind(length_records, [e.kind for e in exprs])
                 logger.info("arithmetic, %s digits: %s: %.1f%% exact", key, name, 100 * acc)
     if humaneval > 0:
@@ -395,6 +400,62 @@ def format_table(results: list[EvalRow]) -> str:
         accuracies = [getattr(r, SPLIT_FIELDS[split]) for split in splits]
         passed = [_pct(r.humaneval_pass1)] if humaneval else []
         lines.append("| " + " | ".join([r.name, *map(_pct, accuracies), *per_kind, *bpbs, *passed, tps]) + " |")
+    return "\n".join(lines)
+
+
+# -- paired comparison ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairedComparison:
+    """A fused row against one expert alone on the same questions of one set: the questions only one of them
+    answers right decide which is better, and how surely."""
+
+    asked: str  # the set ("sixth") or size ("7 out")
+    fused: str
+    member: str
+    questions: int
+    only_fused: int  # questions the fused row answers right and the member alone does not
+    only_member: int
+    p_value: float  # `sign_test_p(only_fused, only_member)`
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test on the discordant questions (McNemar's exact test): the chance of a split at
+    least this uneven if either row were as likely as the other to be the one right."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_comparisons(results: list[EvalRow]) -> list[PairedComparison]:
+    """Every fused row against every single-expert row, on each set both were asked."""
+    members = [r for r in results if r.spec.get("rule") == "single"]
+    fused = [r for r in results if r.spec.get("rule") != "single"]
+    comparisons = []
+    for f in fused:
+        for m in members:
+            for asked, right in f.arithmetic_correct.items():
+                other = m.arithmetic_correct.get(asked)
+                if other is None or len(other) != len(right):
+                    continue
+                wins = sum(a and not b for a, b in zip(right, other))
+                losses = sum(b and not a for a, b in zip(right, other))
+                comparisons.append(PairedComparison(asked, f.name, m.name, len(right), wins, losses,
+                                                    sign_test_p(wins, losses)))
+    return comparisons
+
+
+def format_paired_table(results: list[EvalRow]) -> str:
+    """Markdown: each fused row against each expert alone, question by question; "" without such pairs."""
+    comparisons = paired_comparisons(results)
+    if not comparisons:
+        return ""
+    lines = ["| set | fused row | expert alone | questions | only the fused row right | only the expert right | p |",
+             "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        lines.append(f"| {c.asked} | {c.fused} | {c.member} | {c.questions} | {c.only_fused} | {c.only_member} | "
+                     f"{c.p_value:.3f} |")
     return "\n".join(lines)
 
 

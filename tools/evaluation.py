@@ -316,8 +316,8 @@ def evaluate(
             for split, qs in asked.items():
                 logger.info("arithmetic %s-template: %s (%d questions)", split, name, len(qs))
                 acc, tps, asked_records = arithmetic_accuracy(service, spec, qs)
-                result.arithmetic_by_kind[split] = by_kind(asked_records, kinds)
                 result.arithmetic_correct[split] = [r["got"] == r["answer"] for r in asked_records]
+                result.arithmetic_by_kind[split] = by_kind(result.arithmetic_correct[split], kinds)
                 if records:
                     result.arithmetic_records[split] = asked_records
                 setattr(result, SPLIT_FIELDS[split], acc)
@@ -337,8 +337,8 @@ def evaluate(
                             budget)
                 acc, _, length_records = arithmetic_accuracy(service, spec, qs, max_tokens=budget)
                 result.arithmetic_by_length[key] = acc
-                result.arithmetic_correct[key] = [r["got"] == r["answer"] for r in length_records]
-                result.arithmetic_by_length_kind[key] = by_kind(length_records, [e.kind for e in exprs])
+                correct = result.arithmetic_correct[key] = [r["got"] == r["answer"] for r in length_records]
+                result.arithmetic_by_length_kind[key] = by_kind(correct, [e.kind for e in exprs])
                 logger.info("arithmetic, %s digits: %s: %.1f%% exact", key, name, 100 * acc)
     if humaneval > 0:
         from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
@@ -367,11 +367,11 @@ def length_budget(digits: int) -> int:
     return 320 + 160 * digits
 
 
-def by_kind(records: list[dict], kinds: Sequence[str]) -> dict[str, float]:
-    """Exact-match accuracy per problem kind of `records` (in the order of `kinds`)."""
+def by_kind(correct: list[bool], kinds: Sequence[str]) -> dict[str, float]:
+    """Exact-match accuracy per problem kind: `correct` and `kinds` per question, in the order asked."""
     hits: dict[str, list[bool]] = {}
-    for record, kind in zip(records, kinds):
-        hits.setdefault(kind, []).append(record["got"] == record["answer"])
+    for right, kind in zip(correct, kinds):
+        hits.setdefault(kind, []).append(right)
     return {kind: sum(v) / len(v) for kind, v in sorted(hits.items(), key=lambda kv: list(KIND_LABELS).index(kv[0]))}
 
 

@@ -104,13 +104,15 @@ def test_the_reserve_set_is_asked_only_when_wanted(tiny_service):
 
 def test_sets_name_exactly_the_arithmetic_sets_asked(tiny_service):
     rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"}))]
-    result = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["sixth", "in"])[0]
-    assert set(result.arithmetic_by_kind) == {"in", "sixth"}
-    assert result.arithmetic_sixth is not None and result.arithmetic_out is None
+    result = ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["seventh", "sixth", "in"])[0]
+    assert set(result.arithmetic_by_kind) == {"in", "sixth", "seventh"}
+    assert result.arithmetic_sixth is not None and result.arithmetic_seventh is not None
+    assert result.arithmetic_out is None
     header = ev.format_table([result]).splitlines()[0]
-    assert "arith in-template | arith out-of-template 6" in header and "2x2 digits in / out 6" in header
-    with pytest.raises(ValueError, match="seventh"):
-        ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["seventh"])
+    assert "arith in-template | arith out-of-template 6 | arith out-of-template 7" in header
+    assert "2x2 digits in / out 6 / out 7" in header
+    with pytest.raises(ValueError, match="eighth"):
+        ev.evaluate(tiny_service, rows=rows, questions=4, domains=[], sets=["eighth"])
 
 
 def test_records_keep_each_question_and_the_weights_at_its_opening(tiny_service):

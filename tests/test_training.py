@@ -41,6 +41,9 @@ from fusion.tools.training.arithmetic import (
     SIXTH_EXPRESSIONS,
     SIXTH_FRAMES,
     SIXTH_STYLES,
+    SEVENTH_EXPRESSIONS,
+    SEVENTH_FRAMES,
+    SEVENTH_STYLES,
     ORDER_EXPRESSIONS,
     WORD_PHRASINGS,
     STYLES,
@@ -197,14 +200,16 @@ NOVEL_PIECES = split_pieces(NOVEL_FRAMES, NOVEL_STYLES, NOVEL_EXPRESSIONS, "nove
 SPARE_PIECES = split_pieces(SPARE_FRAMES, SPARE_STYLES, SPARE_EXPRESSIONS, "spare")
 FIFTH_PIECES = split_pieces(FIFTH_FRAMES, FIFTH_STYLES, FIFTH_EXPRESSIONS, "fifth")
 SIXTH_PIECES = split_pieces(SIXTH_FRAMES, SIXTH_STYLES, SIXTH_EXPRESSIONS, "sixth")
+SEVENTH_PIECES = split_pieces(SEVENTH_FRAMES, SEVENTH_STYLES, SEVENTH_EXPRESSIONS, "seventh")
 ALL_HELD_OUT_EXPRESSIONS = (HELD_OUT_EXPRESSIONS, FRESH_EXPRESSIONS, NOVEL_EXPRESSIONS, SPARE_EXPRESSIONS,
-                            FIFTH_EXPRESSIONS, SIXTH_EXPRESSIONS)
+                            FIFTH_EXPRESSIONS, SIXTH_EXPRESSIONS, SEVENTH_EXPRESSIONS)
 
 
 def test_held_out_phrasings_are_disjoint_from_training_ones():
     training = [t.format(a=12, b=34) for ts in TEMPLATES.values() for t in ts]
     training += [s.replace("{q}", "What is 1 + 2?") for s in STYLES]
-    for piece in HELD_OUT_PIECES + FRESH_PIECES + NOVEL_PIECES + SPARE_PIECES + FIFTH_PIECES + SIXTH_PIECES:
+    for piece in (HELD_OUT_PIECES + FRESH_PIECES + NOVEL_PIECES + SPARE_PIECES + FIFTH_PIECES + SIXTH_PIECES
+                  + SEVENTH_PIECES):
         pattern = piece_pattern(piece)
         assert not any(pattern.search(t) for t in training), piece
     assert not set(FRAMES) & set(HELD_OUT_FRAMES) and not set(STYLES) & set(HELD_OUT_STYLES)
@@ -213,6 +218,7 @@ def test_held_out_phrasings_are_disjoint_from_training_ones():
     assert not set(FRAMES) & set(SPARE_FRAMES) and not set(STYLES) & set(SPARE_STYLES)
     assert not set(FRAMES) & set(FIFTH_FRAMES) and not set(STYLES) & set(FIFTH_STYLES)
     assert not set(FRAMES) & set(SIXTH_FRAMES) and not set(STYLES) & set(SIXTH_STYLES)
+    assert not set(FRAMES) & set(SEVENTH_FRAMES) and not set(STYLES) & set(SEVENTH_STYLES)
 
 
 def test_operand_order_wordings_use_no_held_out_operation_word():
@@ -235,7 +241,7 @@ def test_no_held_out_phrasing_reaches_specialist_or_router_training(tokenizer_di
     samples = default_training_samples(0)
     questions += [s.prompt for s in (next(samples) for _ in range(1500)) if isinstance(s.prompt, str)]
     pieces = {"held_out": HELD_OUT_PIECES, "fresh": FRESH_PIECES, "novel": NOVEL_PIECES, "spare": SPARE_PIECES,
-              "fifth": FIFTH_PIECES, "sixth": SIXTH_PIECES}
+              "fifth": FIFTH_PIECES, "sixth": SIXTH_PIECES, "seventh": SEVENTH_PIECES}
     patterns = {split: [piece_pattern(p) for p in ps] for split, ps in pieces.items()}
     for q in questions:
         assert not any(p.search(q) for ps in patterns.values() for p in ps), q

@@ -584,8 +584,8 @@ def evaluate(
     reserve: bool = typer.Option(False, "--reserve", help="Also ask the reserve out-of-template sets (a third, "
                                  "a fourth and a fifth, for checking figures once the first ones have informed choices)."),
     sets: Optional[str] = typer.Option(None, "--sets", help="Instead of the default and reserve sets: the "
-                                       "arithmetic sets to ask, of in,out,fresh,novel,spare,fifth,sixth (the sixth "
-                                       "is asked only when named)."),
+                                       "arithmetic sets to ask, of in,out,fresh,novel,spare,fifth,sixth,seventh (the "
+                                       "sixth and seventh are asked only when named)."),
     domains: str = typer.Option("arithmetic,python,functions,general", "--domains", help="Bits-per-byte domains."),
     chunks: int = typer.Option(8, "--chunks", help="Text windows per domain."),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Also arithmetic by operand size: comma-separated "

@@ -55,6 +55,7 @@ class EvalRow:
     arithmetic_spare: float | None = None  # out-of-template, the fourth set (asked with `reserve=True`)
     arithmetic_fifth: float | None = None  # out-of-template, the fifth set (asked with `reserve=True`)
     arithmetic_sixth: float | None = None  # out-of-template, the sixth set (asked only when `sets` names it)
+    arithmetic_seventh: float | None = None  # out-of-template, the seventh set (asked only when `sets` names it)
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
     humaneval_pass1: float | None = None  # HumanEval's problems solved, each completion run (executed_code)
     humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed
@@ -73,15 +74,16 @@ class EvalRow:
 # `fusion.tools.training.arithmetic.PHRASINGS`); the reserve sets are asked only with `reserve`.
 SPLIT_FIELDS = {"in": "arithmetic_accuracy", "out": "arithmetic_out", "fresh": "arithmetic_fresh",
                 "novel": "arithmetic_novel", "spare": "arithmetic_spare", "fifth": "arithmetic_fifth",
-                "sixth": "arithmetic_sixth"}
+                "sixth": "arithmetic_sixth", "seventh": "arithmetic_seventh"}
 SPLIT_PHRASINGS = {"in": "train", "out": "held_out", "fresh": "fresh", "novel": "novel", "spare": "spare",
-                   "fifth": "fifth", "sixth": "sixth"}
+                   "fifth": "fifth", "sixth": "sixth", "seventh": "seventh"}
 SPLIT_LABELS = {"in": "in", "out": "out", "fresh": "out 2", "novel": "out 3", "spare": "out 4", "fifth": "out 5",
-                "sixth": "out 6"}
+                "sixth": "out 6", "seventh": "out 7"}
 DEFAULT_SPLITS = ("in", "out", "fresh")
 RESERVE_SPLITS = ("novel", "spare", "fifth")
-# The sixth set is asked only by name (`sets`): choices made while comparing runs on the other sets
-# never show its figures, so it stays the set that informed nothing.
+# The sixth and seventh sets are asked only by name (`sets`): choices made while comparing runs on the other
+# sets never show their figures. The seventh is the one that informed nothing (the sixth's losses, read
+# question by question, informed the route rule's entropy penalty).
 
 
 def chosen_splits(reserve: bool = False, sets: Sequence[str] | None = None) -> tuple[str, ...]:

@@ -142,6 +142,19 @@ SIXTH_FRAMES = ("Settle this: {e}?", "{e} makes how many?", "Hit me with {e}.", 
 SIXTH_STYLES = ("Aunt May wonders: {q}", "{q} Much obliged.", "Train ride riddle. {q}", "{q} (double-checking)")
 
 
+# A seventh set, written once the sixth set's losses were read question by question (they informed the
+# route rule's entropy penalty) and before any setting of it was measured here. It informs nothing;
+# like the sixth it is asked only by name (`fusion eval --sets ...,seventh`).
+SEVENTH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
+    "+": ("{a} padded out with {b}", "{b} stacked beside {a}", "{a} grown by {b}"),
+    "-": ("{a} shrunk by {b}", "{b} shed from {a}", "{a} drained by {b}"),
+    "*": ("{a} shelves of {b}", "{a} baskets with {b} in each", "{a} rounds of {b}"),
+}
+SEVENTH_FRAMES = ("Help me out: {e}?", "{e} comes to what?", "Be a star and work {e} out.", "Wondering about {e}.",
+                  "Any idea what {e} gives?")
+SEVENTH_STYLES = ("Cousin Jo asks: {q}", "{q} Many thanks.", "Pub quiz question. {q}", "{q} (just to be sure)")
+
+
 # Word problems: whole questions in which the numbers are things counted, per split like the
 # templates above. A "-" word problem is asked only when the difference is not negative (nobody
 # sells 40 of 12 pens); other questions go to the templates.
@@ -192,6 +205,11 @@ SIXTH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
     "-": ("A van carried {a} boxes and unloaded {b} of them. How many boxes are still in the van?",),
     "*": ("A hotel has {a} floors with {b} rooms on each floor. How many rooms are there?",),
 }
+SEVENTH_WORD_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "+": ("A bakery sold {a} loaves in the morning and {b} in the evening. How many loaves did it sell?",),
+    "-": ("A cinema had {a} tickets and {b} were sold. How many tickets are unsold?",),
+    "*": ("A classroom has {a} desks with {b} books on each desk. How many books are on the desks?",),
+}
 
 
 def _templates(frames: tuple[str, ...], expressions: dict[str, tuple[str, ...]],
@@ -207,13 +225,14 @@ NOVEL_TEMPLATES = _templates(NOVEL_FRAMES, NOVEL_EXPRESSIONS, {})
 SPARE_TEMPLATES = _templates(SPARE_FRAMES, SPARE_EXPRESSIONS, {})
 FIFTH_TEMPLATES = _templates(FIFTH_FRAMES, FIFTH_EXPRESSIONS, {})
 SIXTH_TEMPLATES = _templates(SIXTH_FRAMES, SIXTH_EXPRESSIONS, {})
+SEVENTH_TEMPLATES = _templates(SEVENTH_FRAMES, SEVENTH_EXPRESSIONS, {})
 PHRASINGS = {"train": (TEMPLATES, STYLES), "held_out": (HELD_OUT_TEMPLATES, HELD_OUT_STYLES),
              "fresh": (FRESH_TEMPLATES, FRESH_STYLES), "novel": (NOVEL_TEMPLATES, NOVEL_STYLES),
              "spare": (SPARE_TEMPLATES, SPARE_STYLES), "fifth": (FIFTH_TEMPLATES, FIFTH_STYLES),
-             "sixth": (SIXTH_TEMPLATES, SIXTH_STYLES)}
+             "sixth": (SIXTH_TEMPLATES, SIXTH_STYLES), "seventh": (SEVENTH_TEMPLATES, SEVENTH_STYLES)}
 WORD_PHRASINGS = {"train": WORD_PROBLEMS, "held_out": HELD_OUT_WORD_PROBLEMS, "fresh": FRESH_WORD_PROBLEMS,
                   "novel": NOVEL_WORD_PROBLEMS, "spare": SPARE_WORD_PROBLEMS, "fifth": FIFTH_WORD_PROBLEMS,
-                  "sixth": SIXTH_WORD_PROBLEMS}
+                  "sixth": SIXTH_WORD_PROBLEMS, "seventh": SEVENTH_WORD_PROBLEMS}
 WORD_SHARE = 0.2  # of questions whose problem suits a word problem
 
 # Training draws from wider lists than the in-template evaluation asks in: more wordings of each
@@ -412,7 +431,7 @@ def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str
 
     Kinds (+, -, * by one digit, two digits by two digits) take turns, every problem from the
     held-out split (`is_held_out`). `phrasing`: "train" words them in training templates and styles
-    (in-template); "held_out", "fresh", "novel", "spare", "fifth" and "sixth" in templates and styles
+    (in-template); "held_out", "fresh", "novel", "spare", "fifth", "sixth" and "seventh" in templates and styles
     no training composes (out-of-template); the same `seed` gives the same problems in every phrasing.
     """
     problems = held_out_problems(n, seed)

@@ -44,7 +44,8 @@ def _router(vocab: int, seed: int = 0, comp_rank: int = 0, windows: tuple[int, .
 
 
 def reference_fuse(router: Router, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None,
-                   hard: bool, complementary: bool = True, fail_safe: bool = False) -> FusedLogits:
+                   hard: bool, complementary: bool = True, fail_safe: bool = False,
+                   tau: float | None = None) -> FusedLogits:
     """The route rule op by op, as it was first written: every tensor over the whole vocabulary."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, B, V)
     inputs = router.inputs(log_probs, context)
@@ -63,6 +64,11 @@ def reference_fuse(router: Router, logits: torch.Tensor, context: torch.Tensor, 
         toward[router.gate.generalist] = 1.0
         weights = (1 - pull) * weights + pull * toward
         comp = comp * (1 - pull)[:, None]
+    if tau is not None:  # w_i exp(-H_i / tau) / sum_j w_j exp(-H_j / tau), H from the float64 log-softmax
+        log_p = torch.log_softmax(logits.double(), dim=-1)
+        entropy = -(log_p.exp() * torch.nan_to_num(log_p, neginf=0.0)).sum(-1)  # (E, B)
+        scaled = weights.double() * torch.exp(-entropy / tau)
+        weights = (scaled / scaled.sum(0, keepdim=True)).float()
     if hard:
         weights = torch.nn.functional.one_hot(weights.argmax(0), weights.shape[0]).T.to(weights.dtype)
     fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)
@@ -87,7 +93,8 @@ def test_logit_statistics_equal_the_features_of_the_log_softmax(vocab):
 @pytest.mark.parametrize("fail_safe", [True, False])
 @pytest.mark.parametrize("complementary", [True, False])
 @pytest.mark.parametrize("comp_rank", [0, 16])  # one hidden → vocab layer, and the factored head
-def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_rank):
+@pytest.mark.parametrize("tau", [None, 0.7])
+def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_rank, tau):
     vocab = 1024
     router = _router(vocab, comp_rank=comp_rank)
     logits = _logits(vocab=vocab)
@@ -98,8 +105,9 @@ def test_route_fuse_equals_the_reference(hard, fail_safe, complementary, comp_ra
         # a gate that finds rows 0 and 2 familiar and pulls row 1 half way and row 3 all the way
         router.gate = FamiliarityGate(inputs[0], torch.eye(inputs.shape[1]), limit=1.0, generalist=0)
         router.gate.limit = float(router.gate.distance(inputs[1:2])[0]) / 1.5
-        result = router.fuse(logits, context, allowed, hard=hard, complementary=complementary, fail_safe=fail_safe)
-        expected = reference_fuse(router, logits, context, allowed, hard, complementary, fail_safe)
+        result = router.fuse(logits, context, allowed, hard=hard, complementary=complementary, fail_safe=fail_safe,
+                             tau=tau)
+        expected = reference_fuse(router, logits, context, allowed, hard, complementary, fail_safe, tau)
     torch.testing.assert_close(result.logits, expected.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(result.weights, expected.weights)
     torch.testing.assert_close(result.log_normalizers, expected.log_normalizers)
@@ -129,7 +137,8 @@ def _torch_fuse(router: Router, *args, **kwargs) -> FusedLogits:
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("fail_safe", [True, False])
 @pytest.mark.parametrize("comp_rank,windows", [(0, RouterShape.windows), (16, RouterShape.windows), (16, (8,))])
-def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank, windows):
+@pytest.mark.parametrize("tau", [None, 0.5])
+def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank, windows, tau):
     """Where the route rule's passes run in C, the router's head (context features, body, weights, the gate's
     pull, the complementary layer's input) is one C call: the same weights and fused logits as torch's
     operators, within float32 rounding, with experts left out of some rows."""
@@ -145,8 +154,8 @@ def test_the_c_head_computes_what_torchs_operators_do(rows, fail_safe, comp_rank
     router = _gated(router, logits, context)
     assert router._native_params(CONTEXT_TOKENS) is not None
     with torch.no_grad():
-        got = router.fuse(logits, context, allowed, fail_safe=fail_safe)
-        want = _torch_fuse(router, logits, context, allowed, fail_safe=fail_safe)
+        got = router.fuse(logits, context, allowed, fail_safe=fail_safe, tau=tau)
+        want = _torch_fuse(router, logits, context, allowed, fail_safe=fail_safe, tau=tau)
     torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))

@@ -282,6 +282,10 @@ def test_make_rule_builds_the_named_rule_with_its_parameters():
     ("logit_arithmetic", {"alpha": 3}, NAMES, "fusion.params: rule 'logit_arithmetic': alpha must be in"),
     ("single", {"expert": "z"}, NAMES, "fusion.params: rule 'single': expert must name an expert"),
     ("route", {}, NAMES, "fusion.params.router: rule 'route' needs a router"),
+    ("route", {"tau": 0, "path": "unread.pt"}, NAMES,
+     "fusion.params.tau: rule 'route': tau must be a finite number > 0"),
+    ("route", {"tau": True, "path": "unread.pt"}, NAMES, "fusion.params.tau: rule 'route': tau must be"),
+    ("route", {"tau": "1", "path": "unread.pt"}, NAMES, "fusion.params.tau: rule 'route': tau must be"),
 ])
 def test_make_rule_refusals_are_invalid_argument_errors_naming_the_field(name, params, experts, match):
     with pytest.raises(InvalidArgumentError, match=match):

@@ -71,7 +71,7 @@ def test_describe(tiny_service):
     assert [e.info.name for e in description.experts] == tiny_service.expert_names
     assert [e.default_weight for e in description.experts] == [e.weight for e in tiny_service.config.experts]
     assert {"weighted_logits", "mixture", "route"} <= set(description.rules)
-    assert description.rules["route"] == ("router", "hard", "complementary", "fail_safe")
+    assert description.rules["route"] == ("router", "hard", "complementary", "fail_safe", "tau")
     assert description.default_spec == tiny_service.config.fusion
     assert description.active_requests == 0
 

@@ -36,7 +36,9 @@ from torch import nn
 from fusion.forward import native_kernels
 from fusion.compute import single_team
 from fusion.errors import ConfigError, InvalidArgumentError
-from fusion.fuse.rules import CONTEXT_TOKENS, LOGPROB_FLOOR, FusedLogits, FusionRule, row_argmax
+from fusion.fuse.rules import (
+    CONTEXT_TOKENS, LOGPROB_FLOOR, FusedLogits, FusionRule, check_tau, confidence_weights, row_argmax,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -278,18 +280,20 @@ class Router(nn.Module):
         return route_logits, torch.softmax(route_logits, dim=-1).T
 
     def fuse(self, logits: torch.Tensor, context: torch.Tensor, allowed: torch.Tensor | None = None,
-             hard: bool = False, complementary: bool = True, fail_safe: bool = False) -> FusedLogits:
+             hard: bool = False, complementary: bool = True, fail_safe: bool = False,
+             tau: float | None = None) -> FusedLogits:
         """The fused scores of one step: logits (E, B, V), context (B, K), allowed (E, B) bool.
         Equal to `logsumexp_i(log w_i + log_softmax z_i) + c` over `forward`'s outputs, in fewer passes
         over the vocabulary: the features come from the raw logits, a hard pick reads one expert's row,
-        and the complementary logit is accumulated straight into the fused scores."""
+        and the complementary logit is accumulated straight into the fused scores. With `tau` the router's
+        weights are scaled by each expert's confidence first (`confidence_weights`)."""
         logits = logits.float()
         features, normalizer = logit_statistics(logits)  # (B, 3E + E²), (E, B)
-        return self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe)
+        return self._fuse_from(logits, features, normalizer, context, allowed, hard, complementary, fail_safe, tau)
 
     def _fuse_from(self, logits: torch.Tensor, features: torch.Tensor, normalizer: torch.Tensor,
                    context: torch.Tensor, allowed: torch.Tensor | None, hard: bool, complementary: bool,
-                   fail_safe: bool) -> FusedLogits:
+                   fail_safe: bool, tau: float | None = None) -> FusedLogits:
         """`fuse` past the logit features: features (B, 3E + E²), normalizer (E, B)."""
         add_comp = self.comp is not None and complementary
         head = self._native_head(logits, features, context, allowed, fail_safe)
@@ -304,6 +308,8 @@ class Router(nn.Module):
             if fail_safe and self.gate is not None:
                 weights, keep = self._pull_to_generalist(inputs, weights, allowed)
             comp = self._complementary_parts(h, keep) if add_comp else None
+        if tau is not None:  # the features' first E columns are each expert's entropy (`logit_features`)
+            weights = confidence_weights(weights, features[:, :weights.shape[0]].T, tau)  # (E, B)
         if hard:  # pick one expert per row: the mixture is that expert's log-probabilities
             picked = weights.argmax(0)  # (B,)
             weights = torch.nn.functional.one_hot(picked, weights.shape[0]).T.to(weights.dtype)
@@ -502,15 +508,18 @@ class Route(FusionRule):
     Request weights act as a mask: experts with weight 0 are never routed to. `hard` routes each token
     to one expert; `complementary: false` leaves the complementary logit out (pure routing); `fail_safe`
     pulls steps unlike any in training towards the generalist (the router's FamiliarityGate, when its
-    checkpoint has one)."""
+    checkpoint has one); `tau` scales the router's weights by each expert's confidence, exp(-entropy / tau),
+    as rule `confidence` does its fixed weights (None: the router's weights as they are)."""
 
     name = "route"
     # What requests set: `router` is a name the service resolves to `path` (only its config names files).
-    param_names = ("router", "hard", "complementary", "fail_safe")
+    param_names = ("router", "hard", "complementary", "fail_safe", "tau")
 
     def __init__(self, expert_names: Sequence[str], path: str | None = None, hard: bool = False,
-                 complementary: bool = True, router: Router | None = None, fail_safe: bool = FAIL_SAFE) -> None:
+                 complementary: bool = True, router: Router | None = None, fail_safe: bool = FAIL_SAFE,
+                 tau: float | None = None) -> None:
         super().__init__(expert_names)
+        self.tau = None if tau is None else check_tau(self.name, tau)
         if router is None and not path:
             raise InvalidArgumentError("fusion.params.router: rule 'route' needs a router trained by "
                                        "`fusion train-router`")
@@ -541,4 +550,4 @@ class Route(FusionRule):
                 router = self.router = router.to(logits.device)
             allowed = weights > 0  # (E, B)
             return router.fuse(logits, context, allowed=allowed, hard=self.hard,
-                               complementary=self.complementary, fail_safe=self.fail_safe)
+                               complementary=self.complementary, fail_safe=self.fail_safe, tau=self.tau)

@@ -207,25 +207,35 @@ class LogitArithmetic(FusionRule):
         return FusedLogits(combined, weights, normalizer)
 
 
+def confidence_weights(prior: torch.Tensor, entropy: torch.Tensor, tau: float) -> torch.Tensor:
+    """Weights prior (E, B) scaled by exp(-H / tau), H (E, B) each expert's entropy in nats, and renormalised
+    over the experts: a softmax of (log prior - H / tau), so zero priors stay zero. The sharper an expert's
+    distribution, the larger its share; a large tau leaves the prior as it is."""
+    return torch.softmax(torch.log(prior) - entropy / tau, dim=0)
+
+
+def check_tau(rule: str, tau: Any) -> float:
+    """`tau` as a float, or InvalidArgumentError naming the field."""
+    if isinstance(tau, bool) or not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
+        raise InvalidArgumentError(f"fusion.params.tau: rule {rule!r}: tau must be a finite number > 0, got {tau!r}")
+    return float(tau)
+
+
 class Confidence(FusionRule):
     name = "confidence"
     param_names = ("tau", "combine")
 
     def __init__(self, expert_names: Sequence[str], tau: float = 1.0, combine: str = "mixture") -> None:
         super().__init__(expert_names)
-        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-            raise InvalidArgumentError(f"fusion.params: rule {self.name!r}: tau must be a finite number > 0, got {tau!r}")
+        self.tau = check_tau(self.name, tau)
         if combine not in ("mixture", "weighted_logits"):
             raise InvalidArgumentError(f"fusion.params: rule {self.name!r}: combine must be 'mixture' or 'weighted_logits', got {combine!r}")
-        self.tau = float(tau)
         self.combine = combine
 
     def fuse(self, logits: torch.Tensor, weights: torch.Tensor, context: torch.Tensor | None = None) -> FusedLogits:
         log_probs, normalizer = log_softmax_and_normalizer(logits)  # (E, B, V), (E, B)
         entropy = -(log_probs.exp() * log_probs.clamp(min=LOGPROB_FLOOR)).sum(dim=-1)  # (E, B) nats
-        # Softmax over experts of (log prior - H / tau); zero priors stay zero.
-        scores = torch.log(weights) - entropy / self.tau
-        w = torch.softmax(scores, dim=0)  # (E, B)
+        w = confidence_weights(weights, entropy, self.tau)  # (E, B)
         fused = _mixture(log_probs, w) if self.combine == "mixture" else _weighted_sum(logits, w)
         return FusedLogits(fused, w, normalizer)
 

@@ -136,6 +136,31 @@ def test_saved_router_reloads_to_identical_outputs(trained, tiny_service, tiny_d
     assert all(sum(a.weight for a in ev.attribution) == pytest.approx(1.0) for ev in completion.events)
 
 
+def test_tau_reaches_the_route_rule_through_the_service(trained, tiny_dir):
+    """`tau` in a request's params reaches the route rule (its arithmetic is checked against a reference in
+    test_router_fast_path): a small tau moves the weights a step reports, a very large one leaves them as the
+    router gave them; a bad tau is an error naming the field; `fusion eval`'s rows flip it on its own."""
+    from fusion.tools.evaluation import default_rows
+
+    path, _, _ = trained
+    service = FusionService.from_config(parse_config(tiny_config_dict(
+        tiny_dir, routers={"trained": str(path)}, fusion={"rule": "route", "params": {"router": "trained"}})))
+
+    def first_weights(**params) -> torch.Tensor:  # (E,) the weights of the first generated step
+        spec = FusionSpec(rule="route", params={"router": "trained", "fail_safe": False, **params})
+        completion = service.complete("hello world", {"max_tokens": 1, "ignore_eos": True}, spec)
+        return torch.tensor([a.weight for a in completion.events[0].attribution])
+
+    plain, sharp, flat = first_weights(), first_weights(tau=0.05), first_weights(tau=1e6)
+    assert (plain > 0.01).sum() >= 2  # the router mixes: there is a mixture to scale
+    assert sharp.sum() == pytest.approx(1.0) and (sharp - plain).abs().max() > 1e-3
+    torch.testing.assert_close(flat, plain, rtol=0, atol=1e-4)
+    with pytest.raises(InvalidArgumentError, match="fusion.params.tau: rule 'route': tau must be"):
+        service.resolve_spec(FusionSpec(rule="route", params={"router": "trained", "tau": -1}))
+    assert "route (config, tau 1)" in [name for name, _ in default_rows(service)]
+    service.close()
+
+
 def test_router_refused_against_other_experts(trained, tiny_dir):
     path, _, _ = trained
     service = routed_service(tiny_dir, path, names=("b", "a", "c"))

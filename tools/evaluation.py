@@ -102,6 +102,9 @@ def route_variant(spec: FusionSpec, **params) -> FusionSpec:
     return spec.model_copy(update={"params": {**spec.params, **params}})
 
 
+TAU_ON = 1.0  # the confidence scaling `default_rows` compares a route config without one against
+
+
 def pure_routing(spec: FusionSpec) -> FusionSpec:
     """A `route` spec's router without its complementary logit: pure routing."""
     return route_variant(spec, complementary=False)
@@ -133,6 +136,11 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
         safe = bool(params.get("fail_safe", FAIL_SAFE))
         rows.append((f"route (config, fail-safe {'off' if safe else 'on'})",
                      route_variant(configured, fail_safe=not safe)))
+        if params.get("tau") is None:
+            rows.append((f"route (config, tau {TAU_ON:g})", route_variant(configured, tau=TAU_ON)))
+        else:
+            plain = {k: v for k, v in params.items() if k != "tau"}
+            rows.append(("route (config, tau off)", configured.model_copy(update={"params": plain})))
     rows += list(extra)
     return rows
 

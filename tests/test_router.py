@@ -159,6 +159,11 @@ def test_tau_reaches_the_route_rule_through_the_service(trained, tiny_dir):
         service.resolve_spec(FusionSpec(rule="route", params={"router": "trained", "tau": -1}))
     assert "route (config, tau 1)" in [name for name, _ in default_rows(service)]
     service.close()
+    sharp_config = FusionService.from_config(parse_config(tiny_config_dict(
+        tiny_dir, routers={"trained": str(path)}, fusion={"rule": "route", "params": {"router": "trained", "tau": 2}})))
+    flipped = dict(default_rows(sharp_config))["route (config, tau off)"]
+    assert flipped.params == {"router": "trained"}
+    sharp_config.close()
 
 
 def test_router_refused_against_other_experts(trained, tiny_dir):

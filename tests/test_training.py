@@ -212,13 +212,10 @@ def test_held_out_phrasings_are_disjoint_from_training_ones():
                   + SEVENTH_PIECES):
         pattern = piece_pattern(piece)
         assert not any(pattern.search(t) for t in training), piece
-    assert not set(FRAMES) & set(HELD_OUT_FRAMES) and not set(STYLES) & set(HELD_OUT_STYLES)
-    assert not set(FRAMES) & set(FRESH_FRAMES) and not set(STYLES) & set(FRESH_STYLES)
-    assert not set(FRAMES) & set(NOVEL_FRAMES) and not set(STYLES) & set(NOVEL_STYLES)
-    assert not set(FRAMES) & set(SPARE_FRAMES) and not set(STYLES) & set(SPARE_STYLES)
-    assert not set(FRAMES) & set(FIFTH_FRAMES) and not set(STYLES) & set(FIFTH_STYLES)
-    assert not set(FRAMES) & set(SIXTH_FRAMES) and not set(STYLES) & set(SIXTH_STYLES)
-    assert not set(FRAMES) & set(SEVENTH_FRAMES) and not set(STYLES) & set(SEVENTH_STYLES)
+    for frames, styles in ((HELD_OUT_FRAMES, HELD_OUT_STYLES), (FRESH_FRAMES, FRESH_STYLES),
+                           (NOVEL_FRAMES, NOVEL_STYLES), (SPARE_FRAMES, SPARE_STYLES), (FIFTH_FRAMES, FIFTH_STYLES),
+                           (SIXTH_FRAMES, SIXTH_STYLES), (SEVENTH_FRAMES, SEVENTH_STYLES)):
+        assert not set(FRAMES) & set(frames) and not set(STYLES) & set(styles), frames
 
 
 def test_operand_order_wordings_use_no_held_out_operation_word():

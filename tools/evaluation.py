@@ -83,7 +83,7 @@ DEFAULT_SPLITS = ("in", "out", "fresh")
 RESERVE_SPLITS = ("novel", "spare", "fifth")
 # The sixth and seventh sets are asked only by name (`sets`): choices made while comparing runs on the other
 # sets never show their figures. The seventh is the one that informed nothing (the sixth's losses, read
-# question by question, informed the route rule's entropy penalty).
+# question by question, informed the route rule's confidence scaling, `tau`).
 
 
 def chosen_splits(reserve: bool = False, sets: Sequence[str] | None = None) -> tuple[str, ...]:

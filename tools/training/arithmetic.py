@@ -143,7 +143,7 @@ SIXTH_STYLES = ("Aunt May wonders: {q}", "{q} Much obliged.", "Train ride riddle
 
 
 # A seventh set, written once the sixth set's losses were read question by question (they informed the
-# route rule's entropy penalty) and before any setting of it was measured here. It informs nothing;
+# route rule's confidence scaling, `tau`) and before any setting of it was measured here. It informs nothing;
 # like the sixth it is asked only by name (`fusion eval --sets ...,seventh`).
 SEVENTH_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "+": ("{a} padded out with {b}", "{b} stacked beside {a}", "{a} grown by {b}"),
@@ -431,8 +431,8 @@ def make_questions(n: int, seed: int, phrasing: str = "train") -> list[tuple[str
 
     Kinds (+, -, * by one digit, two digits by two digits) take turns, every problem from the
     held-out split (`is_held_out`). `phrasing`: "train" words them in training templates and styles
-    (in-template); "held_out", "fresh", "novel", "spare", "fifth", "sixth" and "seventh" in templates and styles
-    no training composes (out-of-template); the same `seed` gives the same problems in every phrasing.
+    (in-template); "held_out", "fresh", "novel", "spare", "fifth", "sixth" and "seventh" in templates and
+    styles no training composes (out-of-template); the same `seed` gives the same problems in every phrasing.
     """
     problems = held_out_problems(n, seed)
     rng = random.Random(f"phrasing:{phrasing}:{seed}")

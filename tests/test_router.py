@@ -162,8 +162,47 @@ def test_tau_reaches_the_route_rule_through_the_service(trained, tiny_dir):
     sharp_config = FusionService.from_config(parse_config(tiny_config_dict(
         tiny_dir, routers={"trained": str(path)}, fusion={"rule": "route", "params": {"router": "trained", "tau": 2}})))
     flipped = dict(default_rows(sharp_config))["route (config, tau off)"]
-    assert flipped.params == {"router": "trained"}
+    assert flipped.params == {"router": "trained", "tau": None}
+    assert sharp_config.resolve_spec(flipped)[0].tau is None
     sharp_config.close()
+
+
+def test_a_router_trained_under_tau_serves_it_unless_a_request_sets_its_own(tiny_service, tiny_dir, tmp_path,
+                                                                               monkeypatch):
+    """`train-router --tau` records the scaling in the checkpoint; a route rule that leaves `tau` out applies
+    it (the weights a step reports are the scaled ones), a request's own tau replaces it, `tau: null` turns it
+    off; a shipped copy's manifest command repeats it; `fusion eval`'s rows flip it off."""
+    import json
+
+    import fusion.tools.router_training as router_training
+    from fusion.tools.evaluation import default_rows
+
+    path = tmp_path / "tau.pt"
+    train_router(tiny_service, path, texts=texts(), settings=RouterTrainSettings(
+        minutes=5, max_texts=4, steps_per_text=1, lr=1e-2, tau=0.25, gate_texts=0))
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    assert json.loads(payload["metadata"])["settings"]["tau"] == 0.25
+    service = FusionService.from_config(parse_config(tiny_config_dict(
+        tiny_dir, routers={"trained": str(path)}, fusion={"rule": "route", "params": {"router": "trained"}})))
+
+    def step(**params) -> tuple[float | None, torch.Tensor]:  # the rule's tau, the first step's weights (E,)
+        spec = FusionSpec(rule="route", params={"router": "trained", "fail_safe": False, **params})
+        completion = service.complete("hello world", {"max_tokens": 1, "ignore_eos": True}, spec)
+        return service.resolve_spec(spec)[0].tau, torch.tensor([a.weight for a in completion.events[0].attribution])
+
+    (default_tau, default), (same_tau, same), (off_tau, off), (own_tau, _) = (
+        step(), step(tau=0.25), step(tau=None), step(tau=3))
+    assert (default_tau, same_tau, off_tau, own_tau) == (0.25, 0.25, None, 3.0)
+    torch.testing.assert_close(default, same, rtol=0, atol=1e-5)  # a cached prefix may round otherwise
+    assert (default - off).abs().max() > 1e-3  # the scaling moved the router's weights
+    flipped = dict(default_rows(service))["route (config, tau off)"]
+    assert service.resolve_spec(flipped)[0].tau is None
+    service.close()
+    monkeypatch.setattr(router_training, "ROUTERS_DIR", tmp_path / "routers")
+    shipped = router_training.ship_router(path, tiny_service)
+    assert json.loads(shipped.with_suffix(".json").read_text())["command"].endswith(" --tau 0.25")
+    with pytest.raises(ValueError, match=r"tau \(--tau\) must be a finite number > 0, got 0"):
+        RouterTrainSettings(tau=0)
 
 
 def test_router_refused_against_other_experts(trained, tiny_dir):
@@ -233,6 +272,14 @@ def test_features_and_loss_reference():
     _, w, _ = router(lp, context)
     fused = torch.log((w[..., None] * p).sum(0))
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(fused, targets))
+    # under tau, the mixture's weights are w_i exp(-H_i / tau), renormalised: as the route rule serves them
+    tau = 0.7
+    entropy = -(p * lp).sum(-1)  # (E, n)
+    scaled = w * torch.exp(-entropy / tau)
+    scaled = scaled / scaled.sum(0, keepdim=True)
+    fused = torch.log((scaled[..., None] * p).sum(0))
+    torch.testing.assert_close(router_loss(router, logits, context, targets, route_weight=0.0, tau=tau),
+                               torch.nn.functional.cross_entropy(fused, targets))
 
 
 def test_familiarity_gate_is_a_mahalanobis_distance():

@@ -531,6 +531,9 @@ def train_router_command(
                                             "recipe's (RouterTrainSettings.comp_rank)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="The learning rate over the run: constant, "
                                     "or cosine (down to 5% of it as the texts or minutes run out)."),
+    tau: Optional[float] = typer.Option(None, "--tau", help="Train under the route rule's confidence scaling "
+                                        "(its `tau`), which a route rule serving the router then applies unless "
+                                        "a request sets its own (`tau: null`: none)."),
     seed: int = typer.Option(0, "--seed"),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
                               "finds for exactly this config's experts (how the default trio's router is made)."),
@@ -559,7 +562,7 @@ def train_router_command(
                 fail(f"--comp-rank: {err}")
         try:  # checked before the experts load
             settings = RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed, comp_l2=comp_l2,
-                                           lr_schedule=lr_schedule, **rank)
+                                           lr_schedule=lr_schedule, tau=tau, **rank)
         except ValueError as err:
             fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)

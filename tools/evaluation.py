@@ -136,11 +136,10 @@ def default_rows(service: FusionService, extra: Sequence[tuple[str, FusionSpec]]
         safe = bool(params.get("fail_safe", FAIL_SAFE))
         rows.append((f"route (config, fail-safe {'off' if safe else 'on'})",
                      route_variant(configured, fail_safe=not safe)))
-        if params.get("tau") is None:
+        if resolved[0].tau is None:  # the config's tau, else the one its router was trained under
             rows.append((f"route (config, tau {TAU_ON:g})", route_variant(configured, tau=TAU_ON)))
         else:
-            plain = {k: v for k, v in params.items() if k != "tau"}
-            rows.append(("route (config, tau off)", configured.model_copy(update={"params": plain})))
+            rows.append(("route (config, tau off)", route_variant(configured, tau=None)))
     rows += list(extra)
     return rows
 

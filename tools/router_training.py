@@ -3,7 +3,7 @@
 For each training text the experts' teacher-forced logits are computed once through the engine
 (so local and remote experts both work), then the router takes a few optimiser steps on them:
 
-    loss = CE(fused distribution, reference next token)
+    loss = CE(fused distribution, reference next token)      the fused distribution under `tau`, if set
          + route_weight · CE(route logits, best expert)   only where the experts' top-1 choices differ
 
          + comp_l2 · Σ_v complementary logit² (mean over positions) keeps the complementary logit small off-domain
@@ -33,7 +33,7 @@ from fusion.compute import run_on_compute_thread
 from fusion.models import ROUTERS_DIR, experts_key
 from fusion.frontdoor.service import FusionService
 from fusion.fuse.router import FamiliarityGate, Router, RouterShape, expert_fingerprint, save_router
-from fusion.fuse.rules import teacher_forced_context
+from fusion.fuse.rules import check_tau, confidence_weights, teacher_forced_context
 from fusion.frontdoor.text import TextSample
 from fusion.tools.progress import progress_line
 from fusion.tools.training.borrowed import BorrowedEmbedding
@@ -66,10 +66,21 @@ class RouterTrainSettings:
     borrow_embeddings: bool = True
     gate_texts: int = 48  # texts whose router inputs fit the FamiliarityGate (half fit, half set its limit)
     generalist: int = 0  # the expert the gate pulls unfamiliar steps towards (the config's first)
+    # The route rule's confidence scaling (`tau`) the loss reads the mixture under, recorded in the checkpoint
+    # and applied by a route rule serving it unless a request's params say otherwise. Trained under it, the
+    # router learns to hold the scaling back where its own weights already fit (the text it was trained on),
+    # while the scaling still moves steps it cannot place (an arithmetic question in unseen words, where the
+    # arithmetic expert is sure and the others are not). None: trained and served without it.
+    tau: float | None = None
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule (--lr-schedule) must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.tau is not None:
+            try:
+                self.tau = check_tau("route", self.tau)
+            except ValueError:
+                raise ValueError(f"tau (--tau) must be a finite number > 0, got {self.tau!r}") from None
 
 
 @dataclass
@@ -113,10 +124,14 @@ def lr_factor(settings: RouterTrainSettings, elapsed_s: float, texts_done: int) 
 
 
 def router_loss(router: Router, logits: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
-                route_weight: float, comp_l2: float = 0.0) -> torch.Tensor:
-    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss."""
+                route_weight: float, comp_l2: float = 0.0, tau: float | None = None) -> torch.Tensor:
+    """logits (E, n, V) of the frozen experts, context (n, K) recent ids, targets (n,) → scalar loss; with
+    `tau`, the mixture's weights scaled by each expert's confidence as the route rule serves them."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (E, n, V)
-    route_logits, weights, comp = router(log_probs, context)
+    inputs = router.inputs(log_probs, context)  # (n, F): the logit features first, each expert's entropy leading
+    route_logits, weights, comp = router.head(inputs)
+    if tau is not None:  # as `Router._fuse_from` does at serving time
+        weights = confidence_weights(weights, inputs[:, :weights.shape[0]].T, tau)  # (E, n)
     fused = torch.logsumexp(torch.log(weights)[..., None] + log_probs, dim=0)  # (n, V)
     if comp is not None:
         fused = fused + comp
@@ -325,7 +340,8 @@ def ship_router(trained: Path, service: FusionService, figures: dict | None = No
         "recipe": metadata.get("settings"),
         "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
                     f"--minutes {settings.get('minutes')} --comp-l2 {settings.get('comp_l2')} "
-                    f"--lr-schedule {settings.get('lr_schedule', 'constant')}"),
+                    f"--lr-schedule {settings.get('lr_schedule', 'constant')}"
+                    + (f" --tau {settings['tau']:g}" if settings.get("tau") is not None else "")),
         "seed": metadata.get("seed"),
         "data_sha256": metadata.get("data_sha256"),
         "texts": metadata.get("texts"), "steps": metadata.get("steps"),
@@ -376,7 +392,8 @@ def _train_router(service, out, texts, settings, shape, on_step) -> RouterTrainR
         for group in optimiser.param_groups:
             group["lr"] = settings.lr * lr_factor(settings, time.perf_counter() - start, n_texts)
         for _ in range(settings.steps_per_text):
-            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2)
+            loss = router_loss(router, logits, context, targets, settings.route_weight, settings.comp_l2,
+                               settings.tau)
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(router.parameters(), 1.0)

@@ -500,6 +500,16 @@ def check_experts(payload: dict, experts: Sequence[Any], path: Path | str) -> No
             )
 
 
+def trained_tau(payload: dict | None) -> float | None:
+    """The confidence scaling a router checkpoint was trained under (`RouterTrainSettings.tau`), or None."""
+    if payload is None:
+        return None
+    settings = json.loads(payload.get("metadata") or "{}").get("settings") or {}
+    return settings.get("tau")
+
+
+TRAINED_TAU = object()  # `Route`'s tau when a spec leaves it out: the checkpoint's own
+
 FAIL_SAFE = True  # the default of `route`'s `fail_safe` (FamiliarityGate), chosen on out-of-template figures
 
 
@@ -509,7 +519,8 @@ class Route(FusionRule):
     to one expert; `complementary: false` leaves the complementary logit out (pure routing); `fail_safe`
     pulls steps unlike any in training towards the generalist (the router's FamiliarityGate, when its
     checkpoint has one); `tau` scales the router's weights by each expert's confidence, exp(-entropy / tau),
-    as rule `confidence` does its fixed weights (None: the router's weights as they are)."""
+    as rule `confidence` does its fixed weights: left out, the tau the router was trained under (`fusion
+    train-router --tau`), if any; None: the router's weights as they are."""
 
     name = "route"
     # What requests set: `router` is a name the service resolves to `path` (only its config names files).
@@ -517,9 +528,10 @@ class Route(FusionRule):
 
     def __init__(self, expert_names: Sequence[str], path: str | None = None, hard: bool = False,
                  complementary: bool = True, router: Router | None = None, fail_safe: bool = FAIL_SAFE,
-                 tau: float | None = None) -> None:
+                 tau: float | None | object = TRAINED_TAU) -> None:
         super().__init__(expert_names)
-        self.tau = None if tau is None else check_tau(self.name, tau)
+        if tau is not TRAINED_TAU and tau is not None:
+            check_tau(self.name, tau)  # before the checkpoint is read
         if router is None and not path:
             raise InvalidArgumentError("fusion.params.router: rule 'route' needs a router trained by "
                                        "`fusion train-router`")
@@ -531,6 +543,9 @@ class Route(FusionRule):
         self._payload = None
         if router is None:
             self.router, self._payload = load_router(Path(path))
+        if tau is TRAINED_TAU:
+            tau = trained_tau(self._payload)
+        self.tau = None if tau is None else check_tau(self.name, tau)
         if self.router.shape.num_experts != len(expert_names):
             raise InvalidArgumentError(
                 f"fusion.params.router: the router has {self.router.shape.num_experts} experts, the config "

@@ -530,8 +530,8 @@ class Route(FusionRule):
                  complementary: bool = True, router: Router | None = None, fail_safe: bool = FAIL_SAFE,
                  tau: float | None | object = TRAINED_TAU) -> None:
         super().__init__(expert_names)
-        if tau is not TRAINED_TAU and tau is not None:
-            check_tau(self.name, tau)  # before the checkpoint is read
+        if tau is not TRAINED_TAU:  # checked before the checkpoint is read
+            self.tau = None if tau is None else check_tau(self.name, tau)
         if router is None and not path:
             raise InvalidArgumentError("fusion.params.router: rule 'route' needs a router trained by "
                                        "`fusion train-router`")
@@ -543,9 +543,8 @@ class Route(FusionRule):
         self._payload = None
         if router is None:
             self.router, self._payload = load_router(Path(path))
-        if tau is TRAINED_TAU:
-            tau = trained_tau(self._payload)
-        self.tau = None if tau is None else check_tau(self.name, tau)
+        if tau is TRAINED_TAU:  # as recorded: `RouterTrainSettings` checked it
+            self.tau = trained_tau(self._payload)
         if self.router.shape.num_experts != len(expert_names):
             raise InvalidArgumentError(
                 f"fusion.params.router: the router has {self.router.shape.num_experts} experts, the config "

@@ -92,6 +92,7 @@ def test_show_experts_without_terminal(config_file):
     ("missing_router_data", "--data: no such file"),
     ("bad_comp_rank", "--comp-rank: router comp_rank must be in [0, 96)"),
     ("bad_router_tau", "tau (--tau) must be a finite number > 0, got -1.0"),
+    ("bad_route_weight", "route_weight (--route-weight) must be a finite number >= 0, got -0.5"),
     ("bad_lengths", "--lengths: comma-separated digit counts"),
     ("too_long_lengths", "--lengths: digit counts from 1 to 12"),
     ("bad_length_sets", "--length-sets: in, out or in,out"),
@@ -150,6 +151,8 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--comp-rank", "96"]
     elif setup == "bad_router_tau":
         args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--tau", "-1"]
+    elif setup == "bad_route_weight":
+        args = ["train-router", "--config", str(path), "--out", str(tmp_path / "r.pt"), "--route-weight", "-0.5"]
     if data is not None:
         path.write_text(yaml.safe_dump(data))
     out = fusion(*args)

@@ -205,6 +205,30 @@ def test_a_router_trained_under_tau_serves_it_unless_a_request_sets_its_own(tiny
         RouterTrainSettings(tau=0)
 
 
+def test_route_weight_is_recorded_and_repeated_by_the_shipped_command(tiny_service, tmp_path, monkeypatch):
+    """`train-router --route-weight 0` trains on the fused cross-entropy alone: the checkpoint records the
+    weight and a shipped copy's command repeats it (the default weight is left out of the command)."""
+    import json
+
+    import fusion.tools.router_training as router_training
+
+    monkeypatch.setattr(router_training, "ROUTERS_DIR", tmp_path / "routers")
+    commands = {}
+    for weight in (0.0, router_training.DEFAULT_ROUTE_WEIGHT):
+        path = tmp_path / f"w{weight}.pt"
+        train_router(tiny_service, path, texts=texts(), settings=RouterTrainSettings(
+            minutes=5, max_texts=2, steps_per_text=1, lr=1e-2, route_weight=weight, gate_texts=0))
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        assert json.loads(payload["metadata"])["settings"]["route_weight"] == weight
+        shipped = router_training.ship_router(path, tiny_service)
+        commands[weight] = json.loads(shipped.with_suffix(".json").read_text())["command"]
+    assert commands[0.0].endswith(" --route-weight 0")
+    assert "--route-weight" not in commands[router_training.DEFAULT_ROUTE_WEIGHT]
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"route_weight \(--route-weight\) must be a finite number >= 0"):
+            RouterTrainSettings(route_weight=bad)
+
+
 def test_router_refused_against_other_experts(trained, tiny_dir):
     path, _, _ = trained
     service = routed_service(tiny_dir, path, names=("b", "a", "c"))

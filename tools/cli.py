@@ -534,6 +534,12 @@ def train_router_command(
     tau: Optional[float] = typer.Option(None, "--tau", help="Train under the route rule's confidence scaling "
                                         "(its `tau`), which a route rule serving the router then applies unless "
                                         "a request sets its own (`tau: null`: none)."),
+    route_weight: Optional[float] = typer.Option(None, "--route-weight", help="Weight of the route loss (the "
+                                                 "router's pick against the expert that gave the next token the "
+                                                 "highest probability, where the experts' top tokens differ) "
+                                                 "beside the fused distribution's cross-entropy; 0: that "
+                                                 "cross-entropy alone. Default: the recipe's "
+                                                 "(RouterTrainSettings.route_weight)."),
     seed: int = typer.Option(0, "--seed"),
     ship: bool = typer.Option(False, "--ship", help="Also copy it into the project as the router `router: auto` "
                               "finds for exactly this config's experts (how the default trio's router is made)."),
@@ -552,7 +558,9 @@ def train_router_command(
             except ValueError as err:
                 fail(str(err))
             samples = itertools.chain([first], samples)
-        rank = {} if comp_rank is None else {"comp_rank": comp_rank}
+        overrides = {} if comp_rank is None else {"comp_rank": comp_rank}  # the recipe's, where not given
+        if route_weight is not None:
+            overrides["route_weight"] = route_weight
         if comp_rank is not None:  # checked before the experts load
             from fusion.fuse.router import RouterShape
 
@@ -562,7 +570,7 @@ def train_router_command(
                 fail(f"--comp-rank: {err}")
         try:  # checked before the experts load
             settings = RouterTrainSettings(minutes=minutes, max_texts=max_texts, seed=seed, comp_l2=comp_l2,
-                                           lr_schedule=lr_schedule, tau=tau, **rank)
+                                           lr_schedule=lr_schedule, tau=tau, **overrides)
         except ValueError as err:
             fail(str(err))
         service = load_service(read_config(config_path), cache_dir(cache), router=False)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 LR_SCHEDULES = ("constant", "cosine")
+DEFAULT_ROUTE_WEIGHT = 0.5  # the route loss's weight beside the fused cross-entropy
 
 
 @dataclass
@@ -55,7 +56,7 @@ class RouterTrainSettings:
     # (one text a step: at a constant rate, routers drawn with different seeds differed by points of accuracy).
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.05
-    route_weight: float = 0.5
+    route_weight: float = DEFAULT_ROUTE_WEIGHT
     comp_l2: float = 1e-3
     comp_rank: int = 16  # the complementary head's rank (RouterShape.comp_rank; 0: one hidden → vocab layer)
     seq_tokens: int = 192
@@ -81,6 +82,8 @@ class RouterTrainSettings:
                 self.tau = check_tau("route", self.tau)
             except ValueError:
                 raise ValueError(f"tau (--tau) must be a finite number > 0, got {self.tau!r}") from None
+        if not (math.isfinite(self.route_weight) and self.route_weight >= 0):
+            raise ValueError(f"route_weight (--route-weight) must be a finite number >= 0, got {self.route_weight!r}")
 
 
 @dataclass
@@ -341,7 +344,9 @@ def ship_router(trained: Path, service: FusionService, figures: dict | None = No
         "command": (f"fusion train-router --ship --max-texts {metadata.get('texts')} --seed {metadata.get('seed')} "
                     f"--minutes {settings.get('minutes')} --comp-l2 {settings.get('comp_l2')} "
                     f"--lr-schedule {settings.get('lr_schedule', 'constant')}"
-                    + (f" --tau {settings['tau']:g}" if settings.get("tau") is not None else "")),
+                    + (f" --tau {settings['tau']:g}" if settings.get("tau") is not None else "")
+                    + (f" --route-weight {settings['route_weight']:g}"
+                       if settings.get("route_weight", DEFAULT_ROUTE_WEIGHT) != DEFAULT_ROUTE_WEIGHT else "")),
         "seed": metadata.get("seed"),
         "data_sha256": metadata.get("data_sha256"),
         "texts": metadata.get("texts"), "steps": metadata.get("steps"),

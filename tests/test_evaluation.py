@@ -88,6 +88,30 @@ def test_evaluate_runs_each_rows_humaneval_completions(tiny_service):
         assert r.humaneval_pass1 == 0.0 and len(r.humaneval_failures) == 3
         assert all(task.startswith("HumanEval/") and reason for task, reason in r.humaneval_failures.items())
     assert "HumanEval pass@1" in ev.format_table(results).splitlines()[0]
+    assert all(r.humaneval_records == [] for r in results)  # kept only when asked
+
+
+def test_humaneval_records_keep_each_completion_token_by_token(tiny_service):
+    """With `records`, each completion with every token of it: the text, each expert's weight (the rule's) and
+    each expert's own probability of the token; the completions are the ones asked without records."""
+    from fusion.tools.executed_code import complete_humaneval, humaneval_problems
+
+    rows = [("a alone", FusionSpec(rule="single", params={"expert": "a"})), ("mixture", FusionSpec(rule="mixture"))]
+    results = ev.evaluate(tiny_service, rows=rows, questions=0, domains=[], humaneval=2, humaneval_tokens=8,
+                          humaneval_prompt="plain", records=True)
+    problems = humaneval_problems(2)
+    for (name, spec), r in zip(rows, results):
+        plain = complete_humaneval(tiny_service, spec, problems, 8, style="plain")
+        assert [x["task_id"] for x in r.humaneval_records] == [p["task_id"] for p in problems]
+        assert [x["completion"] for x in r.humaneval_records] == plain
+        for record in r.humaneval_records:
+            assert record["tokens"] and "".join(t["text"] for t in record["tokens"]).startswith(record["completion"])
+            for token in record["tokens"]:
+                assert set(token["weights"]) == set(token["probs"]) == set(tiny_service.expert_names)
+                assert sum(token["weights"].values()) == pytest.approx(1.0, abs=2e-3)
+                if name == "a alone":
+                    assert token["weights"]["a"] == 1.0
+                assert all(p is None or 0.0 <= p <= 1.0 for p in token["probs"].values())
 
 
 def test_the_reserve_set_is_asked_only_when_wanted(tiny_service):

@@ -616,7 +616,9 @@ def evaluate(
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
     records: bool = typer.Option(False, "--records", help="The JSON also keeps each arithmetic question of each "
-                                 "set: the answer's text and the experts' weights at its first tokens."),
+                                 "set (the answer's text and the experts' weights at its first tokens) and each "
+                                 "HumanEval completion (every token's expert weights and the experts' own "
+                                 "probabilities of it)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Instead: compare weights formats (e.g. "
                                           "dense,int8,int4): bits-per-byte of each expert and the config's fusion, "

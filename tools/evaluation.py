@@ -59,6 +59,8 @@ class EvalRow:
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
     humaneval_pass1: float | None = None  # HumanEval's problems solved, each completion run (executed_code)
     humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed
+    # With `records`: each HumanEval completion, token by token (`executed_code.token_record`)
+    humaneval_records: list[dict] = field(default_factory=list)
     # Arithmetic by the size of its longest operand (fusion.tools.training.long_arithmetic): {digits: acc} and
     # {digits: {kind: acc}}, asked in training phrasings
     arithmetic_by_length: dict[str, float] = field(default_factory=dict)
@@ -310,7 +312,8 @@ def evaluate(
     and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox; with
     `lengths`, `questions` problems of each of those operand sizes (every kind: + - * ** chain), asked in the
     wordings of `length_wordings` ("in": training's; "out": the first held-out set's). With `records`, each row
-    keeps every two-digit question's record (`arithmetic_records`)."""
+    keeps every two-digit question's record (`arithmetic_records`) and every HumanEval completion's, token by
+    token (`humaneval_records`)."""
     from fusion.tools.training.arithmetic import held_out_problems, make_questions
 
     rows = rows or default_rows(service)
@@ -355,9 +358,10 @@ def evaluate(
         problems = humaneval_problems(humaneval)
         for result, (name, spec) in zip(results, rows):
             logger.info("humaneval: %s (%d problems)", name, len(problems))
+            kept = result.humaneval_records if records else None
             rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens,
                                                                         sampling=humaneval_sampling,
-                                                                        style=humaneval_prompt))
+                                                                        style=humaneval_prompt, records=kept))
             result.humaneval_pass1 = rate
             result.humaneval_failures = {p["task_id"]: o.reason for p, o in zip(problems, outcomes) if not o.passed}
             logger.info("humaneval: %s: pass@1 %.1f%%", name, 100 * rate)

@@ -181,17 +181,37 @@ def humaneval_messages(prompt: str) -> list[dict[str, str]]:
 
 
 def complete_humaneval(service, spec, problems: Sequence[dict], max_tokens: int, sampling: dict | None = None,
-                       style: str = "chat", batch_size: int = 16) -> list[str]:
+                       style: str = "chat", batch_size: int = 16, records: list[dict] | None = None) -> list[str]:
     """Each problem's completion by `spec` (`humaneval_request`), `batch_size` submitted together so that
-    they decode as one batch."""
+    they decode as one batch. With `records`, appends each problem's record to it (`token_record`)."""
     completions, stops = [], asked_stops(style)
     for offset in range(0, len(problems), batch_size):
         chunk = problems[offset:offset + batch_size]
         streams = [service.submit(humaneval_request(p, max_tokens, spec, style, sampling)) for p in chunk]
-        completions += [cut_at_stop(p["prompt"], "".join(event.text for event in stream), stops)
-                        for p, stream in zip(chunk, streams)]
+        for problem, stream in zip(chunk, streams):
+            events = list(stream)
+            completion = cut_at_stop(problem["prompt"], "".join(event.text for event in events), stops)
+            completions.append(completion)
+            if records is not None:
+                records.append(token_record(problem["task_id"], completion, events))
         logger.info("humaneval: %d of %d problems completed", len(completions), len(problems))
     return completions
+
+
+def token_record(task_id: str, completion: str, events: Sequence) -> dict:
+    """A completion with every token of it (up to the one its stop begins in): the token's text, each
+    expert's weight, and each expert's own probability of that token. Where the fused answer leaves an
+    expert's, these say who outweighed whom."""
+    tokens, covered = [], 0
+    for event in events:
+        if covered >= len(completion) and tokens:
+            break
+        covered += len(event.text)
+        tokens.append({"text": event.text,
+                       "weights": {a.expert: round(a.weight, 3) for a in event.token.attribution},
+                       "probs": {a.expert: None if a.prob is None else round(a.prob, 3)
+                                 for a in event.token.attribution}})
+    return {"task_id": task_id, "completion": completion, "tokens": tokens}
 
 
 # A blank body leaves the docstring as the whole function: it returns None and fails on an assertion, which

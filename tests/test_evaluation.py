@@ -89,6 +89,12 @@ def test_evaluate_runs_each_rows_humaneval_completions(tiny_service):
         assert all(task.startswith("HumanEval/") and reason for task, reason in r.humaneval_failures.items())
     assert "HumanEval pass@1" in ev.format_table(results).splitlines()[0]
     assert all(r.humaneval_records == [] for r in results)  # kept only when asked
+    assert all(r.humaneval_passed == [False] * 3 for r in results)
+    # problem by problem against each expert alone, as the arithmetic sets are: set outcomes to check counts
+    results[0].humaneval_passed, results[1].humaneval_passed = [True, False, False], [False, True, True]
+    (pair,) = [c for c in ev.paired_comparisons(results) if c.asked == "HumanEval"]
+    assert (pair.fused, pair.member, pair.questions, pair.only_fused, pair.only_member) == ("mixture", "a alone", 3, 2, 1)
+    assert "| HumanEval | mixture | a alone | 3 | 2 | 1 | 1.000 |" in ev.format_paired_table(results)
 
 
 def test_humaneval_records_keep_each_completion_token_by_token(tiny_service):

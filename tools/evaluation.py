@@ -59,6 +59,7 @@ class EvalRow:
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
     humaneval_pass1: float | None = None  # HumanEval's problems solved, each completion run (executed_code)
     humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed
+    humaneval_passed: list[bool] = field(default_factory=list)  # each problem, in HumanEval's order
     # With `records`: each HumanEval completion, token by token (`executed_code.token_record`)
     humaneval_records: list[dict] = field(default_factory=list)
     # Arithmetic by the size of its longest operand (fusion.tools.training.long_arithmetic): {digits: acc} and
@@ -363,6 +364,7 @@ def evaluate(
                                                                         sampling=humaneval_sampling,
                                                                         style=humaneval_prompt, records=kept))
             result.humaneval_pass1 = rate
+            result.humaneval_passed = [o.passed for o in outcomes]
             result.humaneval_failures = {p["task_id"]: o.reason for p, o in zip(problems, outcomes) if not o.passed}
             logger.info("humaneval: %s: pass@1 %.1f%%", name, 100 * rate)
     for domain in domains:
@@ -442,14 +444,20 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 
 def paired_comparisons(results: list[EvalRow]) -> list[PairedComparison]:
-    """Every fused row against every single-expert row, on each set both were asked."""
+    """Every fused row against every single-expert row, on each set both were asked (HumanEval's problems
+    too: solved or not)."""
     members = [r for r in results if r.spec.get("rule") == "single"]
     fused = [r for r in results if r.spec.get("rule") != "single"]
+
+    def outcomes(row: EvalRow) -> dict[str, list[bool]]:
+        return {**row.arithmetic_correct, **({"HumanEval": row.humaneval_passed} if row.humaneval_passed else {})}
+
     comparisons = []
     for f in fused:
         for m in members:
-            for asked, right in f.arithmetic_correct.items():
-                other = m.arithmetic_correct.get(asked)
+            theirs = outcomes(m)
+            for asked, right in outcomes(f).items():
+                other = theirs.get(asked)
                 if other is None or len(other) != len(right):
                     continue
                 wins = sum(a and not b for a, b in zip(right, other))

@@ -100,6 +100,8 @@ def test_show_experts_without_terminal(config_file):
     ("too_many_questions", "--questions: from 0 to 307 (the held-out two-digit problems), got 5000"),
     ("bad_humaneval_sampling", "--humaneval-sampling: repetition_penalty: Input should be greater than or equal to 0.01"),
     ("unknown_humaneval_sampling", "--humaneval-sampling: penalty: Extra inputs are not permitted"),
+    ("no_humaneval_samples", "--humaneval-samples: at least 1, got 0"),
+    ("greedy_humaneval_samples", "--humaneval-samples: 4 samples need a temperature above 0"),
     ("no_such_device", "experts.a.device: 'cuda:7'"),
     ("not_a_device", "experts.a.device: 'gpu' is not a device"),
     ("unknown_training_kind", "kind: expected one of ['arithmetic', 'arithmetic-longer', 'python', 'python-bodies', 'python-functions', 'python-mixed']"),
@@ -141,6 +143,9 @@ def test_bad_input_one_clear_line(tmp_path, tiny_dir, setup, match):
     elif setup in ("bad_humaneval_sampling", "unknown_humaneval_sampling"):
         guard = "repetition_penalty=0" if setup == "bad_humaneval_sampling" else "penalty=1.1"
         args = ["eval", "--config", str(path), "--humaneval", "1", "--humaneval-sampling", guard]
+    elif setup in ("no_humaneval_samples", "greedy_humaneval_samples"):
+        args = ["eval", "--config", str(path), "--humaneval", "1", "--humaneval-samples"]
+        args += ["0"] if setup == "no_humaneval_samples" else ["4", "--humaneval-sampling", "temperature=0"]
     elif setup == "too_many_questions":
         args = ["eval", "--config", str(path), "--questions", "5000"]
     elif setup == "unknown_training_kind":

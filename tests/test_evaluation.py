@@ -89,12 +89,34 @@ def test_evaluate_runs_each_rows_humaneval_completions(tiny_service):
         assert all(task.startswith("HumanEval/") and reason for task, reason in r.humaneval_failures.items())
     assert "HumanEval pass@1" in ev.format_table(results).splitlines()[0]
     assert all(r.humaneval_records == [] for r in results)  # kept only when asked
-    assert all(r.humaneval_passed == [False] * 3 for r in results)
+    assert all(r.humaneval_passes == [0] * 3 and r.humaneval_samples == 1 for r in results)
     # problem by problem against each expert alone, as the arithmetic sets are: set outcomes to check counts
-    results[0].humaneval_passed, results[1].humaneval_passed = [True, False, False], [False, True, True]
+    results[0].humaneval_passes, results[1].humaneval_passes = [1, 0, 0], [0, 1, 1]
     (pair,) = [c for c in ev.paired_comparisons(results) if c.asked == "HumanEval"]
     assert (pair.fused, pair.member, pair.questions, pair.only_fused, pair.only_member) == ("mixture", "a alone", 3, 2, 1)
     assert "| HumanEval | mixture | a alone | 3 | 2 | 1 | 1.000 |" in ev.format_paired_table(results)
+    # with several samples a problem, the row that solves it more often wins it; a tie counts for neither
+    results[0].humaneval_passes, results[1].humaneval_passes = [3, 1, 2], [1, 1, 4]
+    (pair,) = [c for c in ev.paired_comparisons(results) if c.asked == "HumanEval"]
+    assert (pair.only_fused, pair.only_member) == (1, 1)
+
+
+def test_sampled_humaneval_draws_sample_j_with_seed_j(tiny_service):
+    """Several samples a problem: sample j is the request sampled with seed j (the same completions as asked
+    directly), the rate is the share of all samples that pass, and each record names its sample."""
+    from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
+
+    spec, problems, sampling = FusionSpec(rule="mixture"), humaneval_problems(2), {"temperature": 1.0}
+    records: list[dict] = []
+    rate, passes, failures = ev.sampled_humaneval(tiny_service, spec, problems, 8, sampling, "plain", 3, records)
+    drawn = [complete_humaneval(tiny_service, spec, problems, 8, sampling={**sampling, "seed": j}, style="plain")
+             for j in range(3)]
+    assert [r["completion"] for r in records] == [c for sample in drawn for c in sample]
+    assert [(r["task_id"], r["sample"]) for r in records] == [(p["task_id"], j) for j in range(3) for p in problems]
+    assert len({tuple(sample) for sample in drawn}) > 1  # the seeds draw different answers at temperature 1
+    expected = [sum(o.passed for o in column) for column in zip(*(pass_at_1(problems, c)[1] for c in drawn))]
+    assert passes == expected and rate == sum(expected) / 6
+    assert set(failures) == {p["task_id"] for p, n in zip(problems, passes) if n == 0}
 
 
 def test_humaneval_records_keep_each_completion_token_by_token(tiny_service):

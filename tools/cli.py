@@ -612,6 +612,10 @@ def evaluate(
     humaneval_sampling: Optional[str] = typer.Option(None, "--humaneval-sampling", help="Sampling for HumanEval's "
                                                      "requests over greedy, e.g. a repetition guard: "
                                                      "repetition_penalty=1.1 or frequency_penalty=0.5."),
+    humaneval_samples: int = typer.Option(1, "--humaneval-samples", help="Completions of each HumanEval problem: 1 "
+                                          "is greedy; N > 1 samples (temperature 0.2, top_p 0.95 unless "
+                                          "--humaneval-sampling says otherwise; sample j with seed j) and reports "
+                                          "the unbiased pass@1 estimate."),
     only: Optional[str] = typer.Option(None, "--rows", help="Comma-separated row names to run (default all)."),
     router: Optional[Path] = typer.Option(None, "--router", help="Add `route` rows with this router checkpoint (with and without its complementary logit)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
@@ -651,6 +655,14 @@ def evaluate(
         if humaneval_prompt not in PROMPT_STYLES:
             fail(f"--humaneval-prompt: {' or '.join(PROMPT_STYLES)}, got {humaneval_prompt!r}")
         humaneval_overrides = parse_sampling(humaneval_sampling, "--humaneval-sampling")
+        if humaneval_samples < 1:
+            fail(f"--humaneval-samples: at least 1, got {humaneval_samples}")
+        if humaneval_samples > 1:
+            # Chen et al.'s setting for pass@1: near greedy, yet samples that differ where a fork is a near tie
+            humaneval_overrides = {"temperature": 0.2, "top_p": 0.95, **humaneval_overrides}
+            if humaneval_overrides["temperature"] == 0:
+                fail(f"--humaneval-samples: {humaneval_samples} samples need a temperature above 0 "
+                     f"(--humaneval-sampling temperature=0 draws one greedy answer)")
         from fusion.tools.training.arithmetic import held_out_count
 
         if not 0 <= questions <= held_out_count():
@@ -690,6 +702,7 @@ def evaluate(
         results = ev.evaluate(service, rows=rows, questions=questions, seed=seed, text_chunks=chunks,
                               domains=chosen, reserve=reserve, sets=asked_sets, humaneval=humaneval,
                               humaneval_prompt=humaneval_prompt, humaneval_sampling=humaneval_overrides,
+                              humaneval_samples=humaneval_samples,
                               lengths=sizes, length_wordings=wordings, records=records)
         service.close()
         typer.echo(ev.format_table(results))

@@ -57,9 +57,12 @@ class EvalRow:
     arithmetic_sixth: float | None = None  # out-of-template, the sixth set (asked only when `sets` names it)
     arithmetic_seventh: float | None = None  # out-of-template, the seventh set (asked only when `sets` names it)
     arithmetic_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # {split: {kind: acc}}
-    humaneval_pass1: float | None = None  # HumanEval's problems solved, each completion run (executed_code)
-    humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed
-    humaneval_passed: list[bool] = field(default_factory=list)  # each problem, in HumanEval's order
+    # HumanEval's problems solved, each completion run (executed_code); with several samples a problem, the
+    # unbiased pass@1 estimate: the mean over problems of the share of its samples that pass
+    humaneval_pass1: float | None = None
+    humaneval_samples: int = 1  # completions asked of each problem (1: greedy, as asked by default)
+    humaneval_failures: dict[str, str] = field(default_factory=dict)  # task id -> why it failed (never passed)
+    humaneval_passes: list[int] = field(default_factory=list)  # each problem's passing samples, in HumanEval's order
     # With `records`: each HumanEval completion, token by token (`executed_code.token_record`)
     humaneval_records: list[dict] = field(default_factory=list)
     # Arithmetic by the size of its longest operand (fusion.tools.training.long_arithmetic): {digits: acc} and
@@ -303,6 +306,7 @@ def evaluate(
     humaneval_tokens: int = 384,
     humaneval_prompt: str = "chat",
     humaneval_sampling: dict | None = None,
+    humaneval_samples: int = 1,
     lengths: Sequence[int] = (),
     length_wordings: Sequence[str] = ("in",),
     records: bool = False,
@@ -310,7 +314,8 @@ def evaluate(
     """Every row on the held-out arithmetic sets (in-template and the two out-of-template sets; with
     `reserve`, the third, fourth and fifth sets too, kept for checking figures once the first ones have
     informed choices; `sets` names the sets instead), bits per byte on the held-out texts of `domains`,
-    and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox; with
+    and pass@1 on the first `humaneval` of HumanEval's problems, every completion run in a sandbox
+    (`humaneval_samples` completions of each, see `sampled_humaneval`); with
     `lengths`, `questions` problems of each of those operand sizes (every kind: + - * ** chain), asked in the
     wordings of `length_wordings` ("in": training's; "out": the first held-out set's). With `records`, each row
     keeps every two-digit question's record (`arithmetic_records`) and every HumanEval completion's, token by
@@ -354,18 +359,16 @@ def evaluate(
                 result.arithmetic_by_length_kind[key] = by_kind(correct, [e.kind for e in exprs])
                 logger.info("arithmetic, %s digits: %s: %.1f%% exact", key, name, 100 * acc)
     if humaneval > 0:
-        from fusion.tools.executed_code import complete_humaneval, humaneval_problems, pass_at_1
+        from fusion.tools.executed_code import humaneval_problems
 
         problems = humaneval_problems(humaneval)
         for result, (name, spec) in zip(results, rows):
-            logger.info("humaneval: %s (%d problems)", name, len(problems))
+            logger.info("humaneval: %s (%d problems, %d completions each)", name, len(problems), humaneval_samples)
             kept = result.humaneval_records if records else None
-            rate, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, humaneval_tokens,
-                                                                        sampling=humaneval_sampling,
-                                                                        style=humaneval_prompt, records=kept))
-            result.humaneval_pass1 = rate
-            result.humaneval_passed = [o.passed for o in outcomes]
-            result.humaneval_failures = {p["task_id"]: o.reason for p, o in zip(problems, outcomes) if not o.passed}
+            rate, passes, failures = sampled_humaneval(service, spec, problems, humaneval_tokens, humaneval_sampling,
+                                                       humaneval_prompt, humaneval_samples, kept)
+            result.humaneval_pass1, result.humaneval_passes, result.humaneval_failures = rate, passes, failures
+            result.humaneval_samples = humaneval_samples
             logger.info("humaneval: %s: pass@1 %.1f%%", name, 100 * rate)
     for domain in domains:
         texts = held_out_samples(domain, service.tokenizers[0], seed=seed, text_chunks=text_chunks,
@@ -405,7 +408,9 @@ def format_table(results: list[EvalRow]) -> str:
                         for s in splits]
     header += [f"{KIND_LABELS[k]} " + " / ".join(SPLIT_LABELS[s] for s in splits) for k in kinds]
     humaneval = any(r.humaneval_pass1 is not None for r in results)
-    header += [f"bpb {d}" for d in domains] + (["HumanEval pass@1"] if humaneval else []) + ["tokens/s"]
+    samples = max((r.humaneval_samples for r in results if r.humaneval_pass1 is not None), default=1)
+    pass1 = "HumanEval pass@1" + (f" ({samples} samples)" if samples > 1 else "")
+    header += [f"bpb {d}" for d in domains] + ([pass1] if humaneval else []) + ["tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         split = r.arithmetic_by_kind
@@ -428,9 +433,41 @@ class PairedComparison:
     fused: str
     member: str
     questions: int
-    only_fused: int  # questions the fused row answers right and the member alone does not
+    only_fused: int  # questions the fused row answers right and the member alone does not (or solves more often)
     only_member: int
     p_value: float  # `sign_test_p(only_fused, only_member)`
+
+
+def sampled_humaneval(service: FusionService, spec: FusionSpec, problems: Sequence[dict], max_tokens: int,
+                      sampling: dict | None, style: str, samples: int,
+                      records: list[dict] | None = None) -> tuple[float, list[int], dict[str, str]]:
+    """Pass@1 on `problems`, each completion run in a sandbox: (the rate, each problem's passing samples, and why
+    each problem no sample solved failed, its first sample's reason).
+
+    One sample is the request as `sampling` asks it (greedy by default). With `samples` > 1, sample j of every
+    problem is drawn with seed j, so the same command draws the same completions on one machine, and the rate
+    is the unbiased pass@1 estimate (Chen et al. 2021): the mean over problems of the share of samples that
+    pass. Greedy pass@1 moves by whole problems where a fork is a near tie; the mean over samples does not, so
+    two rows' per-problem counts tell them apart on fewer problems. Each record gains its sample's index."""
+    from fusion.tools.executed_code import complete_humaneval, pass_at_1
+
+    passes, reasons = [0] * len(problems), {}
+    for sample in range(samples):
+        asked = {**(sampling or {}), "seed": sample} if samples > 1 else sampling
+        kept = [] if records is not None else None
+        _, outcomes = pass_at_1(problems, complete_humaneval(service, spec, problems, max_tokens, sampling=asked,
+                                                             style=style, records=kept))
+        for i, (problem, outcome) in enumerate(zip(problems, outcomes)):
+            passes[i] += outcome.passed
+            if not outcome.passed:
+                reasons.setdefault(problem["task_id"], outcome.reason)
+        if records is not None:
+            records.extend({**record, "sample": sample} if samples > 1 else record for record in kept)
+        if samples > 1:
+            logger.info("humaneval: sample %d of %d: %d problems solved", sample + 1, samples,
+                        sum(o.passed for o in outcomes))
+    failures = {p["task_id"]: reasons[p["task_id"]] for p, passed in zip(problems, passes) if not passed}
+    return sum(passes) / (samples * max(len(problems), 1)), passes, failures
 
 
 def sign_test_p(wins: int, losses: int) -> float:
@@ -445,12 +482,12 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 def paired_comparisons(results: list[EvalRow]) -> list[PairedComparison]:
     """Every fused row against every single-expert row, on each set both were asked (HumanEval's problems
-    too: solved or not)."""
+    too: solved or not, or with several samples a problem, solved by more of its samples)."""
     members = [r for r in results if r.spec.get("rule") == "single"]
     fused = [r for r in results if r.spec.get("rule") != "single"]
 
     def outcomes(row: EvalRow) -> dict[str, list[bool]]:
-        return {**row.arithmetic_correct, **({"HumanEval": row.humaneval_passed} if row.humaneval_passed else {})}
+        return {**row.arithmetic_correct, **({"HumanEval": row.humaneval_passes} if row.humaneval_passes else {})}
 
     comparisons = []
     for f in fused:
@@ -460,8 +497,9 @@ def paired_comparisons(results: list[EvalRow]) -> list[PairedComparison]:
                 other = theirs.get(asked)
                 if other is None or len(other) != len(right):
                     continue
-                wins = sum(a and not b for a, b in zip(right, other))
-                losses = sum(b and not a for a, b in zip(right, other))
+                # right or not (bools), or a HumanEval problem's passing samples (ints): who did better on it
+                wins = sum(a > b for a, b in zip(right, other))
+                losses = sum(b > a for a, b in zip(right, other))
                 comparisons.append(PairedComparison(asked, f.name, m.name, len(right), wins, losses,
                                                     sign_test_p(wins, losses)))
     return comparisons

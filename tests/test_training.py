@@ -5,6 +5,7 @@ import json
 import logging
 import random
 import re
+import shutil
 from functools import partial
 
 import pytest
@@ -438,7 +439,7 @@ def test_a_finished_training_is_kept_not_trained_again(base_dir, tmp_path, caplo
     assert not already_trained(out, "arithmetic", recipe, 3, 0) and not already_trained(out, "arithmetic", recipe, 2, 1)
     assert not already_trained(out, "python", RECIPES["python"], 2, 0)  # another recipe
     assert not already_trained(out, "python", recipe, 2, 0)  # another kind, even of the same settings
-    with caplog.at_level(logging.INFO, logger="fusion.tools.training.lora"):
+    with caplog.at_level(logging.INFO, logger="fusion.tools.training"):
         assert train_expert("arithmetic", out, base_dir=base_dir, steps=2, seed=0) == out
     assert "already holds this recipe's 2 steps" in caplog.text
     assert (out / ADAPTER_MANIFEST).read_text() == manifest and (out / "adapter_model.safetensors").read_bytes() == weights
@@ -597,6 +598,12 @@ def test_a_later_stage_trains_on_from_the_finished_stage_before_it(base_dir, tmp
     assert any(not torch.equal(trained[k], saved[k]) for k in saved)  # and it trained on from there
     with pytest.raises(ValueError, match="rank"):
         _lora_model(LoraRecipe(stream=LongArithmeticStream, steps=1, rank=8, alpha=16), base_dir, None, start=start)
+    # a finished stage is kept without the one before it: that stage is not trained again to be thrown away
+    shutil.rmtree(start)
+    written = (out / "adapter_model.safetensors").stat().st_mtime_ns, sha256_of_files(out)
+    assert train_expert("tiny-second", out, base_dir=base_dir, seed=5) == out
+    assert not start.exists()
+    assert ((out / "adapter_model.safetensors").stat().st_mtime_ns, sha256_of_files(out)) == written
 
 
 def test_every_later_stage_has_the_lora_shape_of_the_stage_it_starts_from():

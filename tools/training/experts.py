@@ -8,6 +8,7 @@ with which seed, data and base, and what they scored.
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from pathlib import Path
@@ -17,6 +18,8 @@ from fusion.tools.training.loop import AlternatingStream
 from fusion.tools.training.lora import LoraRecipe, already_trained, checkpoint_of, train_lora
 from fusion.tools.training.python_code import CodeStream
 from fusion.tools.training.python_functions import FunctionStream
+
+logger = logging.getLogger(__name__)
 
 
 def code_and_functions(tokenizer, seed: int) -> AlternatingStream:
@@ -71,6 +74,12 @@ def train_expert(kind: str, out_dir: Path, *, base_dir: Path, seed: int = 0, ste
     if kind not in RECIPES:
         raise ValueError(f"unknown expert kind {kind!r}; known: {', '.join(sorted(RECIPES))}")
     recipe, out_dir, start = RECIPES[kind], Path(out_dir), None
+    if resume and finished(kind, out_dir, seed=seed, steps=steps):
+        # Before the stage it starts from: a finished stage (a shipped adapter copied in, or a run whose
+        # start folder was cleared) needs nothing of it, and that stage may be hours of training.
+        logger.info("%s: %s already holds this recipe's %d steps with seed %d (--fresh trains it again)", kind,
+                    out_dir, recipe.steps if steps is None else steps, seed)
+        return out_dir
     if recipe.start is not None:
         # The stage before, trained first (or found finished) beside `out_dir`, with the same seed; a budget
         # spent on it leaves its checkpoint and this stage waits for the next run.

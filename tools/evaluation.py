@@ -445,8 +445,8 @@ def sampled_humaneval(service: FusionService, spec: FusionSpec, problems: Sequen
     each problem no sample solved failed, its first sample's reason).
 
     One sample is the request as `sampling` asks it (greedy by default). With `samples` > 1, sample j of every
-    problem is drawn with seed j, so the same command draws the same completions on one machine, and the rate
-    is the unbiased pass@1 estimate (Chen et al. 2021): the mean over problems of the share of samples that
+    problem is drawn with seed j, so that every row is asked the same seeded draws, and the rate is the
+    unbiased pass@1 estimate (Chen et al. 2021): the mean over problems of the share of samples that
     pass. Greedy pass@1 moves by whole problems where a fork is a near tie; the mean over samples does not, so
     two rows' per-problem counts tell them apart on fewer problems. Each record gains its sample's index."""
     from fusion.tools.executed_code import complete_humaneval, pass_at_1

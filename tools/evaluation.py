@@ -486,7 +486,7 @@ def paired_comparisons(results: list[EvalRow]) -> list[PairedComparison]:
     members = [r for r in results if r.spec.get("rule") == "single"]
     fused = [r for r in results if r.spec.get("rule") != "single"]
 
-    def outcomes(row: EvalRow) -> dict[str, list[bool]]:
+    def outcomes(row: EvalRow) -> dict[str, list[int]]:  # right or not per question (bools), passes per problem
         return {**row.arithmetic_correct, **({"HumanEval": row.humaneval_passes} if row.humaneval_passes else {})}
 
     comparisons = []
